@@ -1,0 +1,1 @@
+"""Benchmarks: micro-benchmarks of the KV cache core and, later, serving benchmarks."""

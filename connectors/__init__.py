@@ -1,0 +1,1 @@
+"""KV connectors: move prefilled KV blocks between prefill and decode workers."""

@@ -1,0 +1,1 @@
+"""pd: a disaggregated prefill/decode LLM serving engine."""

@@ -1,0 +1,200 @@
+"""KVCacheManager: the scheduler's one door into the KV cache.
+
+The scheduler pairs the calls: `get_computed_blocks` (the prefix-cache hit, no side
+effect but statistics) then `allocate_slots` (takes the hit and new blocks, or returns
+None and takes nothing when the pool is short); after the step has written the KV,
+`cache_blocks` enters the request's now-full blocks in the prefix cache; `free` when a
+request ends or is preempted. Block ids leave as `list[list[int]]`, KV cache groups outer.
+
+A block enters the prefix cache only once its data is written (never at allocation):
+otherwise a request scheduled in the same step could hit a Mamba state not yet computed,
+or a decode server could serve hits on blocks whose remote KV has not landed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from pd.kv_cache.block_pool import KVCacheBlock
+from pd.kv_cache.coordinator import (
+    HybridKVCacheCoordinator,
+    KVCacheCoordinator,
+    NoPrefixCacheCoordinator,
+    UnitaryKVCacheCoordinator,
+)
+from pd.kv_cache.spec import KVCacheConfig, MambaSpec
+from pd.request import Request
+
+
+@dataclass(frozen=True)
+class KVCacheBlocks:
+    """Blocks per KV cache group (outer tuple = groups)."""
+
+    blocks: tuple[list[KVCacheBlock], ...]
+
+    def get_block_ids(self) -> list[list[int]]:
+        return [[b.block_id for b in group] for group in self.blocks]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(group) for group in self.blocks)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counts in tokens: `queries` are tokens looked up, `hits` tokens found. Per group,
+    a hit is what that group's type found on its own before the hybrid reduction, so a
+    collapsing group shows as a low per-group rate next to a high one."""
+
+    num_groups: int
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    group_queries: list[int] = field(default_factory=list)
+    group_hits: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.group_queries = self.group_queries or [0] * self.num_groups
+        self.group_hits = self.group_hits or [0] * self.num_groups
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        config: KVCacheConfig,
+        enable_caching: bool = True,
+        max_model_len: int | None = None,
+        skip_mamba_for_remote_prefill: bool = True,
+    ) -> None:
+        self.config = config
+        self.enable_caching = enable_caching
+        self.max_model_len = max_model_len
+        self.coordinator = make_coordinator(config, enable_caching)
+        self.pool = self.coordinator.pool
+        mamba = {i for i, g in enumerate(config.groups) if isinstance(g.spec, MambaSpec)}
+        self.remote_prefill_skip = frozenset(mamba if skip_mamba_for_remote_prefill else ())
+        self.stats = PrefixCacheStats(num_groups=len(config.groups))
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.config.groups)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by requests, in [0, 1]."""
+        return self.pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def empty_blocks(self) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple([] for _ in range(self.num_groups)))
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """The request's prefix-cache hit: blocks per group and its length in tokens.
+
+        At least one token is always left to compute. For a request whose
+        `kv_transfer_params["do_remote_prefill"]` is true, Mamba groups are skipped from
+        the reduction (their state arrives from the prefill server), so the attention hit
+        is not collapsed to 0 by a Mamba miss; their hit blocks are null blocks.
+        """
+        if not self.enable_caching:
+            return self.empty_blocks(), 0
+        skip = self.remote_prefill_skip if request.do_remote_prefill else frozenset()
+        hit = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1, skip
+        )
+        self._record(request.num_tokens, hit.num_tokens, hit.group_hit_tokens)
+        return KVCacheBlocks(hit.blocks), hit.num_tokens
+
+    def _record(self, num_tokens: int, hit_tokens: int, group_hits: tuple[int | None, ...]) -> None:
+        stats = self.stats
+        stats.requests += 1
+        stats.queries += num_tokens
+        stats.hits += hit_tokens
+        for group_id, group_hit in enumerate(group_hits):
+            if group_hit is not None:
+                stats.group_queries[group_id] += num_tokens
+                stats.group_hits[group_id] += group_hit
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+    ) -> KVCacheBlocks | None:
+        """Blocks for `num_new_tokens` more tokens of `request`; None if the pool is short,
+        in which case it took no block.
+
+        `new_computed_blocks` / `num_new_computed_tokens` are the hit from
+        `get_computed_blocks` (new requests only). `num_external_computed_tokens` arrive
+        from a connector: they get blocks but are not computed here, and positions already
+        out of reach after them (old window blocks, old Mamba states) get null blocks.
+        """
+        if num_new_tokens < 0 or num_external_computed_tokens < 0:
+            raise ValueError("token counts must be non-negative")
+        hit = new_computed_blocks.blocks if new_computed_blocks else self.empty_blocks().blocks
+        request_id = request.request_id
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_computed += num_external_computed_tokens
+        num_tokens = num_computed + num_new_tokens + num_lookahead_tokens
+        if self.max_model_len is not None:
+            num_tokens = min(num_tokens, self.max_model_len)
+        coordinator = self.coordinator
+        coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
+        needed = coordinator.get_num_blocks_to_allocate(request_id, num_tokens, hit, num_computed)
+        if needed > self.pool.num_free_blocks:
+            return None
+        coordinator.save_new_computed_blocks(request_id, hit)
+        new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens, num_computed)
+        return KVCacheBlocks(new_blocks)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Enter the request's full blocks among its first `num_computed_tokens` tokens in
+        the prefix cache. Call after the step that wrote them (or after their remote KV
+        landed); blocks already cached are skipped, so calling every step is cheap."""
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request, num_computed_tokens)
+
+    def free(self, request: Request) -> None:
+        """Release every block the request holds (tail blocks become evictable first)."""
+        self.coordinator.free(request.request_id)
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        return KVCacheBlocks(self.coordinator.get_blocks(request_id))
+
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        return self.get_blocks(request_id).get_block_ids()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block; refused (False) while any block is held."""
+        return self.pool.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        """Assert the pool's invariants, with ref counts equal to the holders counted
+        over every group's request block lists."""
+        held = Counter(
+            block.block_id
+            for manager in self.coordinator.managers
+            for blocks in manager.req_to_blocks.values()
+            for block in blocks
+            if not block.is_null
+        )
+        self.pool.check_integrity(held)
+
+
+def make_coordinator(config: KVCacheConfig, enable_caching: bool) -> KVCacheCoordinator:
+    if not enable_caching:
+        return NoPrefixCacheCoordinator(config)
+    if len(config.groups) == 1:
+        return UnitaryKVCacheCoordinator(config)
+    return HybridKVCacheCoordinator(config)

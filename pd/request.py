@@ -1,0 +1,87 @@
+"""A request as the engine sees it: token ids, progress and status."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from pd.kv_cache.hashing import BlockHash, extend_block_hashes
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self.name.startswith("FINISHED_")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+
+
+@dataclass(eq=False)
+class Request:
+    """One request. `num_computed_tokens` counts tokens whose KV is in the cache.
+
+    `kv_transfer_params` carries the PD fields (`do_remote_prefill`, ...) when present.
+    `cache_salt` keeps this request's prefix-cache entries apart from other salts.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    _block_hashes: dict[int, list[BlockHash]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r} has an empty prompt")
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def do_remote_prefill(self) -> bool:
+        """True on D for a request whose prompt KV comes from a remote prefill."""
+        return bool((self.kv_transfer_params or {}).get("do_remote_prefill"))
+
+    def append_output_token_ids(self, *token_ids: int) -> None:
+        self.output_token_ids.extend(token_ids)
+
+    def block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Hashes of this request's full blocks of `block_size` tokens, brought up to
+        date incrementally (only blocks completed since the last call are hashed)."""
+        hashes = self._block_hashes.setdefault(block_size, [])
+        if len(hashes) < self.num_tokens // block_size:
+            salt = self.cache_salt.encode() if self.cache_salt else b""
+            extend_block_hashes(hashes, self.all_token_ids, block_size, salt)
+        return hashes

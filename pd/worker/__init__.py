@@ -1,0 +1,1 @@
+"""Worker side: model runner, block tables, canonical KV cache allocation."""

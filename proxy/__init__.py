@@ -1,0 +1,1 @@
+"""Proxy: routes each request to a prefill server, then to a decode server."""

@@ -1,0 +1,280 @@
+"""KVCacheManager driven like a scheduler drives it, against a model of the KV data.
+
+`Simulator` plays the model runner: every step it checks that the blocks a request reads
+hold exactly that request's tokens (full attention: every block before the first new
+token; sliding window: the blocks covering the window; Mamba: the block holding the state
+after the last computed token), then "writes" the new tokens' KV into the blocks that
+cover them, which must be real blocks held by this request alone. A block's content is
+the token prefix it was computed from, so a prefix-cache hit on wrong or overwritten data,
+a write into a shared block, or a missing block fails at once. `check_integrity()` runs
+after every operation and every run ends with all blocks free.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pd.kv_cache.layout import make_kv_cache_config
+from pd.kv_cache.manager import KVCacheManager
+from pd.kv_cache.spec import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    cdiv,
+)
+from pd.request import Request
+
+BLOCK = 16
+
+
+def attn(window: int | None = None) -> FullAttentionSpec:
+    kw = dict(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype="float32")
+    return SlidingWindowSpec(sliding_window=window, **kw) if window else FullAttentionSpec(**kw)
+
+
+def ssm() -> MambaSpec:
+    return MambaSpec(
+        block_size=BLOCK,
+        conv_state_shape=(3, 8),
+        ssm_state_shape=(2, 4, 4),
+        conv_dtype="float32",
+        ssm_dtype="float32",
+    )
+
+
+MODELS: dict[str, list[KVCacheSpec]] = {
+    "full": [attn()] * 2,
+    "gemma3": [attn(40)] * 5 + [attn()] + [attn(40)] * 5 + [attn()],
+    "bamba": [ssm(), ssm(), attn(), ssm(), ssm(), attn()],
+    "hybrid3": [ssm(), attn(24), attn(), ssm(), attn(24), attn()],
+    "no_full": [attn(33), ssm(), attn(33), ssm()],
+    "sliding_only": [attn(17)] * 3,
+}
+
+
+def make_manager(model: str, blocks: int, caching: bool = True, **kw) -> KVCacheManager:
+    specs = {f"layer{i}": s for i, s in enumerate(MODELS[model])}
+    page_row = make_kv_cache_config(specs, 1 << 30).cross_layer_page_bytes
+    config = make_kv_cache_config(specs, blocks * page_row)
+    return KVCacheManager(config, enable_caching=caching, **kw)
+
+
+class Simulator:
+    def __init__(self, manager: KVCacheManager) -> None:
+        self.manager = manager
+        self.content: dict[int, tuple[int, tuple[int, ...]]] = {}  # block id -> (group, tokens)
+
+    def needed_for_read(self, spec: KVCacheSpec, num_computed: int) -> range:
+        """Block indices whose data the next token at `num_computed` reads."""
+        bs = spec.block_size
+        if isinstance(spec, MambaSpec):
+            return range((num_computed - 1) // bs, cdiv(num_computed, bs)) if num_computed else range(0)
+        if isinstance(spec, SlidingWindowSpec):
+            first = max(0, num_computed - spec.sliding_window + 1) // bs
+            return range(first, cdiv(num_computed, bs))
+        return range(cdiv(num_computed, bs))
+
+    def step(self, request: Request, num_new: int) -> None:
+        """Check the reads, write the KV of `num_new` tokens, cache what became full."""
+        start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+        tokens = tuple(request.all_token_ids)
+        for group_id, group in enumerate(self.manager.config.groups):
+            blocks = self.manager.get_blocks(request.request_id).blocks[group_id]
+            bs = group.spec.block_size
+            for i in self.needed_for_read(group.spec, start):
+                expected = (group_id, tokens[: min((i + 1) * bs, start)])
+                assert self.content.get(blocks[i].block_id) == expected, (group_id, i)
+            for i in range(start // bs, cdiv(end, bs)):
+                block = blocks[i]
+                assert not block.is_null and block.ref_cnt == 1, (group_id, i, block)
+                assert block.block_hash is None, "writing into a cached block"
+                self.content[block.block_id] = (group_id, tokens[: min((i + 1) * bs, end)])
+        request.num_computed_tokens = end
+        self.manager.cache_blocks(request, end)
+        self.manager.check_integrity()
+
+    def admit(self, request: Request, chunk: int) -> bool:
+        """Prefix lookup + allocation of the first chunk; False if the pool is short."""
+        blocks, hit = self.manager.get_computed_blocks(request)
+        assert hit % BLOCK == 0 and hit < request.num_tokens
+        num_new = min(chunk, request.num_tokens - hit)
+        if self.manager.allocate_slots(request, num_new, hit, blocks) is None:
+            self.manager.check_integrity()
+            return False
+        request.num_computed_tokens = hit
+        self.step(request, num_new)
+        return True
+
+    def advance(self, request: Request, chunk: int, rng: random.Random) -> bool:
+        """Next prefill chunk, or one decode token; False if the pool is short."""
+        if request.num_computed_tokens == request.num_tokens:
+            request.append_output_token_ids(rng.randrange(50))
+        num_new = min(chunk, request.num_tokens - request.num_computed_tokens)
+        if self.manager.allocate_slots(request, num_new) is None:
+            self.manager.check_integrity()
+            return False
+        self.step(request, num_new)
+        return True
+
+
+def random_prompt(rng: random.Random, prefixes: list[list[int]]) -> list[int]:
+    prefix = rng.choice(prefixes)[: rng.randrange(0, 100)]
+    return prefix + [rng.randrange(50) for _ in range(rng.randrange(1, 60))]
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    model=st.sampled_from(sorted(MODELS)),
+    blocks=st.integers(20, 80),
+    caching=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_random_schedules_keep_data_and_integrity(model, blocks, caching, seed) -> None:
+    rng = random.Random(seed)
+    sim = Simulator(make_manager(model, blocks, caching))
+    prefixes = [[rng.randrange(50) for _ in range(100)] for _ in range(3)]
+    running: list[Request] = []
+    for n in range(60):
+        op = rng.random()
+        if op < 0.3 or not running:
+            request = Request(f"r{n}", random_prompt(rng, prefixes))
+            if sim.admit(request, chunk=rng.choice([16, 32, 1000])):
+                running.append(request)
+        elif op < 0.85:
+            request = rng.choice(running)
+            if not sim.advance(request, rng.choice([16, 48, 1000]), rng):
+                running.remove(request)  # preempted: the scheduler frees it
+                sim.manager.free(request)
+        else:
+            request = running.pop(rng.randrange(len(running)))
+            sim.manager.free(request)
+        sim.manager.check_integrity()
+    for request in running:
+        sim.manager.free(request)
+    sim.manager.check_integrity()
+    assert sim.manager.usage == 0.0
+    assert sim.manager.num_free_blocks == sim.manager.config.num_blocks - 1
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_second_request_hits_the_shared_prefix(model: str) -> None:
+    sim = Simulator(make_manager(model, 200))
+    prefix = list(range(100, 164))  # 4 full blocks
+    first = Request("a", prefix + [1, 2, 3])
+    assert sim.admit(first, chunk=1000)
+    second = Request("b", prefix + [7, 8, 9])
+    blocks, hit = sim.manager.get_computed_blocks(second)
+    assert hit == 64
+    assert sim.manager.allocate_slots(second, second.num_tokens - hit, hit, blocks) is not None
+    second.num_computed_tokens = hit
+    sim.step(second, second.num_tokens - hit)  # reads the hit blocks: checks their data
+    stats = sim.manager.stats
+    assert stats.queries == first.num_tokens + second.num_tokens and stats.hits == 64
+    assert stats.group_hits == [64] * len(stats.group_hits)
+
+
+def test_remote_prefill_skips_mamba_only_for_that_request() -> None:
+    # The prefix's attention blocks are cached, but no Mamba state at the hit point.
+    manager = make_manager("bamba", 200)
+    sim = Simulator(manager)
+    prefix = list(range(64))
+    first = Request("a", prefix + [1])
+    assert sim.admit(first, chunk=1000)
+    mamba_groups = [i for i, g in enumerate(manager.config.groups) if isinstance(g.spec, MambaSpec)]
+    # Drop the Mamba states so only attention can hit, as on a decode server whose
+    # Mamba blocks were evicted.
+    for key in [k for k in manager.pool.cached if k.group_id in mamba_groups]:
+        manager.pool.cached.pop(key).block_hash = None
+    manager.check_integrity()
+    local = Request("local", prefix + [5, 6])
+    assert manager.get_computed_blocks(local)[1] == 0
+    remote = Request("remote", prefix + [5, 6], kv_transfer_params={"do_remote_prefill": True})
+    blocks, hit = manager.get_computed_blocks(remote)
+    assert hit == 64
+    for g in mamba_groups:
+        assert all(b.is_null for b in blocks.blocks[g])
+    off = make_manager("bamba", 200, skip_mamba_for_remote_prefill=False)
+    assert off.get_computed_blocks(remote)[1] == 0
+
+
+def test_remote_prefill_allocation_leaves_out_of_reach_positions_null() -> None:
+    # D allocates for the whole prompt at once with the prompt arriving from outside:
+    # Mamba needs only the block for the final state, the window only its last blocks.
+    manager = make_manager("hybrid3", 200)
+    prompt = list(range(100))
+    request = Request("r", prompt, kv_transfer_params={"do_remote_prefill": True})
+    blocks, hit = manager.get_computed_blocks(request)
+    assert hit == 0
+    new = manager.allocate_slots(request, 0, 0, blocks, num_external_computed_tokens=100)
+    assert new is not None
+    for group, ids in zip(manager.config.groups, manager.get_block_ids("r")):
+        assert len(ids) == cdiv(100, BLOCK)
+        real = [i for i, b in enumerate(ids) if b != 0]
+        if isinstance(group.spec, MambaSpec):
+            assert real == [99 // BLOCK]
+        elif isinstance(group.spec, SlidingWindowSpec):
+            assert real == list(range((100 - 24 + 1) // BLOCK, 7))
+        else:
+            assert real == list(range(7))
+    manager.check_integrity()
+    manager.free(request)
+    assert manager.usage == 0.0
+
+
+def test_sliding_window_and_mamba_release_blocks_while_decoding() -> None:
+    manager = make_manager("no_full", 200)
+    sim = Simulator(manager)
+    request = Request("r", list(range(20)))
+    assert sim.admit(request, chunk=1000)
+    rng = random.Random(0)
+    for _ in range(150):
+        assert sim.advance(request, 1, rng)
+    # At most the window's blocks (+1 partial) and 2 Mamba blocks are held per group.
+    held = [sum(1 for b in ids if b != 0) for ids in manager.get_block_ids("r")]
+    for group, count in zip(manager.config.groups, held):
+        if isinstance(group.spec, MambaSpec):
+            assert count <= 2
+        else:
+            assert count <= cdiv(group.spec.sliding_window - 1, BLOCK) + 1
+    manager.free(request)
+    manager.check_integrity()
+
+
+def test_allocation_failure_takes_nothing() -> None:
+    manager = make_manager("full", 6)  # 5 usable blocks
+    big = Request("big", list(range(200)))
+    blocks, hit = manager.get_computed_blocks(big)
+    free_before = manager.num_free_blocks
+    assert manager.allocate_slots(big, 200, hit, blocks) is None
+    assert manager.num_free_blocks == free_before
+    assert manager.get_block_ids("big") == [[], []] or manager.get_block_ids("big") == [[]]
+    manager.check_integrity()
+
+
+def test_block_ids_are_groups_outer() -> None:
+    manager = make_manager("bamba", 100)
+    request = Request("r", list(range(40)))
+    blocks, hit = manager.get_computed_blocks(request)
+    new = manager.allocate_slots(request, 40, hit, blocks)
+    ids = manager.get_block_ids("r")
+    assert len(ids) == len(manager.config.groups) == len(new.get_block_ids())
+    assert all(isinstance(b, int) for group in ids for b in group)
+    assert all(len(group) == cdiv(40, BLOCK) for group in ids)
+
+
+def test_usage_and_reset_prefix_cache() -> None:
+    manager = make_manager("gemma3", 100)
+    sim = Simulator(manager)
+    request = Request("r", list(range(64)))
+    assert sim.admit(request, chunk=1000)
+    assert manager.usage > 0
+    assert not manager.reset_prefix_cache()
+    manager.free(request)
+    assert manager.usage == 0.0 and manager.pool.cached
+    assert manager.reset_prefix_cache() and not manager.pool.cached
+    assert manager.get_computed_blocks(Request("again", list(range(64))))[1] == 0
