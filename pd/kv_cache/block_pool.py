@@ -133,7 +133,10 @@ class BlockPool:
     ) -> None:
         """Enter blocks[num_cached_blocks:num_full_blocks] (full, held by a request) in the
         map. Null blocks and blocks already cached are left alone; when another block
-        already holds the same hash, this one stays uncached (the first one serves hits)."""
+        already holds the same hash, this one stays uncached (the first one serves hits).
+        A no-op when caching is disabled."""
+        if not self.enable_caching:
+            return
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null or block.block_hash is not None:
@@ -169,8 +172,9 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference on each block; a block reaching 0 becomes free. Pass the
-        blocks in the order they should be evicted (see the module docstring)."""
+        """Drop one reference on each block; a block reaching 0 becomes free. Cached
+        blocks are queued for eviction in the order given (pass the ones to evict first
+        first); uncached ones go to the front, to be reused before any cached block."""
         for block in ordered_blocks:
             if block.is_null:
                 continue

@@ -41,7 +41,8 @@ def unify_page_sizes(layer_specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCach
     """Specs with one shared page size (see the module docstring)."""
     if not layer_specs:
         raise KVCacheLayoutError("the model reports no layer with a KV cache")
-    specs = dict(layer_specs)
+    # Padding is this function's output: any earlier padding is recomputed.
+    specs = {name: replace(s, page_size_padded=None) for name, s in layer_specs.items()}
     mamba = [s for s in specs.values() if isinstance(s, MambaSpec)]
     attention = [s for s in specs.values() if isinstance(s, FullAttentionSpec)]
     if mamba and attention:
