@@ -51,7 +51,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    _block_hashes: dict[int, list[BlockHash]] = field(default_factory=dict, repr=False)
+    _block_hashes: dict[int, list[BlockHash]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

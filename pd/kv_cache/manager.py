@@ -51,12 +51,12 @@ class PrefixCacheStats:
     requests: int = 0
     queries: int = 0
     hits: int = 0
-    group_queries: list[int] = field(default_factory=list)
-    group_hits: list[int] = field(default_factory=list)
+    group_queries: list[int] = field(init=False)
+    group_hits: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.group_queries = self.group_queries or [0] * self.num_groups
-        self.group_hits = self.group_hits or [0] * self.num_groups
+        self.group_queries = [0] * self.num_groups
+        self.group_hits = [0] * self.num_groups
 
     @property
     def hit_rate(self) -> float:
@@ -129,7 +129,6 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
-        num_lookahead_tokens: int = 0,
         num_external_computed_tokens: int = 0,
     ) -> KVCacheBlocks | None:
         """Blocks for `num_new_tokens` more tokens of `request`; None if the pool is short,
@@ -146,9 +145,12 @@ class KVCacheManager:
         request_id = request.request_id
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_computed += num_external_computed_tokens
-        num_tokens = num_computed + num_new_tokens + num_lookahead_tokens
-        if self.max_model_len is not None:
-            num_tokens = min(num_tokens, self.max_model_len)
+        num_tokens = num_computed + num_new_tokens
+        if self.max_model_len is not None and num_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r} would hold {num_tokens} tokens, past "
+                f"max_model_len={self.max_model_len}"
+            )
         coordinator = self.coordinator
         coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
         needed = coordinator.get_num_blocks_to_allocate(request_id, num_tokens, hit, num_computed)

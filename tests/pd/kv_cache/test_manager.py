@@ -278,3 +278,13 @@ def test_usage_and_reset_prefix_cache() -> None:
     assert manager.usage == 0.0 and manager.pool.cached
     assert manager.reset_prefix_cache() and not manager.pool.cached
     assert manager.get_computed_blocks(Request("again", list(range(64))))[1] == 0
+
+
+def test_allocating_past_max_model_len_is_refused() -> None:
+    manager = make_manager("full", 100, max_model_len=64)
+    request = Request("r", list(range(60)))
+    assert manager.allocate_slots(request, 60) is not None
+    request.num_computed_tokens = 60
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        manager.allocate_slots(request, 5)
+    manager.check_integrity()
