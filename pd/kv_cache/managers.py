@@ -17,7 +17,6 @@ The same rules decide which blocks a running request can let go of (`num_skipped
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import defaultdict
 from typing import Sequence
 
 from pd.kv_cache.block_pool import BlockPool, KVCacheBlock
@@ -44,7 +43,7 @@ class SingleTypeKVCacheManager(ABC):
         self.group_id = group_id
         self.pool = pool
         self.block_size = spec.block_size
-        self.req_to_blocks: defaultdict[str, list[KVCacheBlock]] = defaultdict(list)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
 
     @classmethod
@@ -78,7 +77,7 @@ class SingleTypeKVCacheManager(ABC):
         """Free blocks that `save_new_computed_blocks` + `allocate_new_blocks` will take:
         new blocks, plus hit blocks now sitting in the free queue."""
         num_required = cdiv(num_tokens, self.block_size)
-        num_held = len(self.req_to_blocks[request_id]) + len(new_computed_blocks)
+        num_held = len(self.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
         first_real = max(num_held, self.num_skipped_blocks(num_computed_tokens))
         num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
         return max(0, num_required - first_real) + num_evictable
@@ -91,14 +90,15 @@ class SingleTypeKVCacheManager(ABC):
             assert not new_computed_blocks, "hit blocks for a request already admitted"
             return
         self.pool.touch(new_computed_blocks)
-        self.req_to_blocks[request_id].extend(new_computed_blocks)
+        self.req_to_blocks[request_id] = list(new_computed_blocks)
         self.num_cached_blocks[request_id] = len(new_computed_blocks)
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_computed_tokens: int
     ) -> list[KVCacheBlock]:
         """Extend the request's list to cover `num_tokens` tokens; positions already
-        skippable at `num_computed_tokens` get the null block. Returns the new blocks."""
+        skippable at `num_computed_tokens` get the null block. Returns the new blocks.
+        Called after `save_new_computed_blocks`, which admits the request."""
         blocks = self.req_to_blocks[request_id]
         num_required = cdiv(num_tokens, self.block_size)
         if num_required <= len(blocks):
