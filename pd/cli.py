@@ -30,9 +30,67 @@ def _run_version(args: argparse.Namespace) -> int:
     return 0
 
 
-# Later subcommands (serve, generate, make-model, bench) register here.
+# Spelled out rather than imported from pd.models.make_model, so that building the parser
+# does not import torch; a test checks the two lists agree.
+MAKE_MODEL_ARCHS = ("qwen3", "gemma3", "bamba", "granitehybrid")
+
+
+def _add_make_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--arch", required=True, choices=MAKE_MODEL_ARCHS,
+                        help="model family whose published checkpoint format to reproduce")
+    parser.add_argument("--out", required=True, help="directory to write the checkpoint into")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed for the random weights; same seed, identical files (default 0)")
+
+
+def _run_make_model(args: argparse.Namespace) -> int:
+    from pd.models.make_model import make_model  # torch is heavy: import only when run
+
+    print(make_model(args.arch, args.out, args.seed))
+    return 0
+
+
+def _add_generate_flags(parser: argparse.ArgumentParser) -> None:
+    from pd.config import add_engine_flags
+
+    add_engine_flags(parser)
+    parser.add_argument("--prompt", action="append", required=True,
+                        help="prompt text; repeat the flag for several prompts (batched together)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per prompt (default 16)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default 0)")
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (default: no limit)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens reaching this mass (default 1.0)")
+    parser.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed (default: none)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    import json
+
+    from pd.config import EngineConfig
+    from pd.llm import LLM
+    from pd.request import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+        config = EngineConfig.from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"pd generate: {exc}") from None
+    llm = LLM.from_config(config)
+    for prompt, out in zip(args.prompt, llm.generate(args.prompt, params)):
+        print(json.dumps({"prompt": prompt, "token_ids": out.token_ids, "text": out.text,
+                          "finish_reason": out.finish_reason}))
+    return 0
+
+
+# Later subcommands (serve, bench) register here.
 COMMANDS: dict[str, Command] = {
     "version": Command("print the pd-serve version", lambda parser: None, _run_version),
+    "make-model": Command("write a tiny random checkpoint in a family's published HF format",
+                          _add_make_model_flags, _run_make_model),
+    "generate": Command("generate from prompts offline and print one JSON object per prompt",
+                        _add_generate_flags, _run_generate),
 }
 
 

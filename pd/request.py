@@ -25,14 +25,32 @@ class RequestStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How to pick tokens and when to stop. `temperature=0` is greedy; `top_k=None` and
+    `top_p=1.0` filter nothing; `seed` makes a request's sampling reproducible whatever
+    it is batched with."""
+
     max_tokens: int = 16
     temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if self.top_k is not None and self.top_k <= 0:
+            raise ValueError(f"top_k must be positive (or None for no limit), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
 
 @dataclass(eq=False)

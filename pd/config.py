@@ -1,0 +1,73 @@
+"""EngineConfig: everything one engine is started with, and the CLI flags that fill it."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from pd.models.config import SUPPORTED_DTYPES
+
+KV_LAYOUTS = ("canonical", "per-layer")
+DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One engine's settings. `max_model_len=None` takes the model's own limit;
+    `device=None` picks CUDA when present, else the CPU."""
+
+    model: Path
+    dtype: str = "float32"
+    device: str | None = None
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    kv_layout: str = "canonical"
+    hybrid_kv_cache: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model", Path(self.model))
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        for name in ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+    @property
+    def torch_device(self) -> str:
+        if self.device is not None:
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        """The config from parsed flags (those `add_engine_flags` defines)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that fill an EngineConfig (shared by `pd generate` and `pd serve`)."""
+    parser.add_argument("--model", required=True, type=Path, help="HF-format model directory (config.json, safetensors, tokenizer.json)")
+    parser.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float32", help="weights and KV cache dtype (default float32)")
+    parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 (default: cuda if present, else cpu)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="longest sequence (prompt + output) served; default: the model's max_position_embeddings")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (raised for Mamba hybrids so a block holds a Mamba state; default 16)")
+    parser.add_argument("--kv-cache-memory", type=int, default=DEFAULT_KV_CACHE_MEMORY, help=f"bytes of KV cache memory (default {DEFAULT_KV_CACHE_MEMORY})")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one batch (default 64)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens computed in one step; longer prompts are prefilled in chunks (default 2048)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV blocks of shared prompt prefixes (default on)")
+    parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default="canonical", help="canonical: one cross-layer buffer, one byte range per block per group; per-layer: one buffer per layer slot (default canonical)")
+    parser.add_argument("--no-hybrid-kv-cache", dest="hybrid_kv_cache", action="store_false", help="attention-only models: keep every attention layer's KV for all tokens in one group (sliding layers still attend within their window); refused for Mamba hybrids")
+    parser.add_argument("--seed", type=int, default=0, help="seed for requests that sample without their own seed (default 0)")

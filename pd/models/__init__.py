@@ -1,0 +1,1 @@
+"""Model definitions (one file per family), the registry and the checkpoint loader."""

@@ -1,0 +1,140 @@
+"""Building blocks shared by the model files: norms, rotary embeddings, fused linears."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMS norm in float32, as the HF reference computes it. `offset=1.0` is Gemma's
+    convention (the stored weight is a delta from 1, applied before casting back)."""
+
+    def __init__(self, size: int, eps: float = 1e-6, offset: float = 0.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size) if offset == 0.0 else torch.zeros(size))
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x * (self.offset + self.weight.float())).to(dtype)
+        return self.weight * x.to(dtype)
+
+
+def rope_parameters(hf_config: dict[str, Any], layer_type: str | None = None) -> dict[str, Any]:
+    """The RoPE parameters of a config in either published form: top-level `rope_theta` +
+    `rope_scaling` (older configs), or `rope_parameters` (transformers 5), possibly keyed
+    by layer type. Returns a dict with at least `rope_theta` and `rope_type`."""
+    params = hf_config.get("rope_parameters")
+    if isinstance(params, dict) and layer_type in params:
+        params = params[layer_type]
+    params = dict(params or hf_config.get("rope_scaling") or {})
+    params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def _inv_freq(dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"]), 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, params), 1.0
+    raise NotImplementedError(f"rope_type {rope_type!r} is not supported (default, linear, llama3 are)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE over the first `rotary_dim` dims of each head (rotate-half)."""
+
+    def __init__(self, head_size: int, max_position: int, params: dict[str, Any],
+                 rotary_dim: int | None = None) -> None:
+        super().__init__()
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim or head_size
+        inv_freq, scale = _inv_freq(self.rotary_dim, params)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (T, H*D), k (T, KVH*D) -> rotated, same shapes and dtypes."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+
+    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(shape[0], -1, self.head_size)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        out = rot * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+        return torch.cat((out, rest), dim=-1).view(shape) if rest.numel() else out.view(shape)
+
+
+class MergedLinear(nn.Linear):
+    """One matmul for several published projections (q/k/v, gate/up) stacked on the
+    output dim; `load_shard` copies one published weight into its slice."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(out_sizes), bias=bias)
+        self.out_sizes = out_sizes
+
+    def shard_slice(self, index: int) -> slice:
+        start = sum(self.out_sizes[:index])
+        return slice(start, start + self.out_sizes[index])
+
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return out.split(self.out_sizes, dim=-1)
+
+
+ACTIVATIONS = {
+    "silu": nn.functional.silu,
+    "gelu": nn.functional.gelu,
+    "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+}
+
+
+def activation(name: str):
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise NotImplementedError(f"activation {name!r} is not supported ({', '.join(ACTIVATIONS)} are)") from None
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up fused (published names gate_proj/up_proj)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(self.act(gate) * up)

@@ -1,0 +1,223 @@
+"""The Mamba2 mixer over paged state blocks (shared by Bamba and GraniteMoeHybrid).
+
+Each step the mixer reads every request's state (conv + SSM) from the block its
+`MambaMetadata` names, advances it over the request's new tokens and writes the states
+the metadata asks for (see `pd/attention/mamba_metadata.py`). Prefills run a chunked SSD
+scan (quadratic within a chunk, a recurrence across chunks) whose chunk boundaries
+include every write point, so the states to store fall out of the scan; single-token
+decodes run one recurrence step, batched. The scan runs in float32; states are stored
+in the cache dtypes. Parameter names follow transformers' `BambaMixer`, so checkpoint
+weights load as they are.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pd.attention.mamba_metadata import MambaMetadata, MambaRequestSlice
+from pd.forward_context import get_forward_context
+from pd.kv_cache.spec import MambaSpec
+from pd.worker.kv_allocation import MambaCache
+
+
+class GatedRMSNorm(nn.Module):
+    """`weight * rmsnorm(y * silu(gate))`, the RMS taken over groups of `group_size`
+    channels (transformers' `MambaRMSNormGated`: gate first, then normalise)."""
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        if hidden_size % group_size:
+            raise ValueError(f"group size {group_size} does not divide {hidden_size} channels")
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """y, gate (T, hidden) -> (T, hidden) float32."""
+        y = y.float() * F.silu(gate.float())
+        groups = y.unflatten(-1, (-1, self.group_size))
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight.float() * groups.flatten(-2)
+
+
+class Mamba2Mixer(nn.Module):
+    """One Mamba2 layer, named `layer_name` in the KV cache config.
+
+    `forward` takes the step's new tokens of all requests, concatenated, and reads its
+    `MambaMetadata` and `MambaCache` from the forward context. Rows no request covers
+    (padding) come out as the projection of zeros.
+    """
+
+    def __init__(self, layer_name: str, hidden_size: int, n_heads: int, head_dim: int, d_state: int,
+                 n_groups: int, d_conv: int, chunk_size: int, conv_bias: bool, proj_bias: bool,
+                 rms_norm_eps: float, time_step_limit: tuple[float, float] = (0.0, math.inf)) -> None:
+        super().__init__()
+        if n_heads % n_groups:
+            raise ValueError(f"{n_groups} groups do not split {n_heads} heads")
+        if d_conv < 2 or chunk_size < 1:
+            raise ValueError(f"need d_conv >= 2 and chunk_size >= 1, got {d_conv} and {chunk_size}")
+        self.layer_name = layer_name
+        self.n_heads, self.head_dim, self.d_state = n_heads, head_dim, d_state
+        self.n_groups, self.d_conv, self.chunk_size = n_groups, d_conv, chunk_size
+        self.time_step_limit = time_step_limit
+        self.intermediate_size = n_heads * head_dim
+        self.conv_dim = self.intermediate_size + 2 * n_groups * d_state
+        self.in_proj = nn.Linear(hidden_size, self.intermediate_size + self.conv_dim + n_heads, bias=proj_bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim,
+                                bias=conv_bias, padding=d_conv - 1)
+        self.dt_bias = nn.Parameter(torch.ones(n_heads))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, n_heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(n_heads))
+        self.norm = GatedRMSNorm(self.intermediate_size, self.intermediate_size // n_groups, rms_norm_eps)
+        self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=proj_bias)
+
+    def kv_cache_spec(self, block_size: int, conv_dtype: str, ssm_dtype: str) -> MambaSpec:
+        """Conv state: the last `d_conv - 1` pre-conv inputs, `(conv_dim, d_conv - 1)`
+        oldest first; SSM state `(n_heads, head_dim, d_state)`."""
+        return MambaSpec(block_size=block_size, conv_state_shape=(self.conv_dim, self.d_conv - 1),
+                         ssm_state_shape=(self.n_heads, self.head_dim, self.d_state),
+                         conv_dtype=conv_dtype, ssm_dtype=ssm_dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (T, hidden_size) -> (T, hidden_size); writes the requests' states."""
+        context = get_forward_context()
+        meta: MambaMetadata = context.attn_metadata[self.layer_name]
+        cache: MambaCache = context.kv_caches[self.layer_name]
+        gate, xbc, dt = self.in_proj(hidden).split([self.intermediate_size, self.conv_dim, self.n_heads], dim=-1)
+        y = torch.zeros(hidden.shape[0], self.intermediate_size, dtype=torch.float32, device=hidden.device)
+        for req in meta.prefills:
+            rows = slice(req.query_start, req.query_start + req.query_len)
+            y[rows] = self._prefill(req, xbc[rows], dt[rows], cache)
+        if meta.num_decodes:
+            rows = meta.decode_token_indices
+            y[rows] = self._decode(meta, xbc[rows], dt[rows], cache)
+        return self.out_proj(self.norm(y, gate).to(hidden.dtype))
+
+    def _prefill(self, req: MambaRequestSlice, xbc: torch.Tensor, dt: torch.Tensor,
+                 cache: MambaCache) -> torch.Tensor:
+        """One request's n new tokens: xbc (n, conv_dim), dt (n, H) -> y (n, intermediate) float32."""
+        conv_state, ssm_state = self._read_state(req.read_block, cache, xbc.device)
+        window = torch.cat([conv_state, xbc.float().T], dim=1)  # (conv_dim, d_conv - 1 + n)
+        weight, bias = self._conv_params()
+        conv_out = F.silu(F.conv1d(window[None], weight[:, None], bias, groups=self.conv_dim)[0].T)
+        x, B, C = self._split_xbc(conv_out)
+        points = [n for n, _ in req.writes]
+        ends = chunk_ends(req.query_len, points, self.chunk_size)
+        y, end_states = ssd_scan(x, self._dt(dt), self._A(), B, C, ends, ssm_state)
+        blocks = torch.tensor([block for _, block in req.writes], dtype=torch.int64, device=xbc.device)
+        # window[:, p : p + d_conv - 1] holds the last d_conv - 1 inputs after p new tokens
+        conv_states = window.unfold(1, self.d_conv - 1, 1)[:, points].transpose(0, 1)
+        cache.conv[blocks] = conv_states.to(cache.conv.dtype)
+        cache.ssm[blocks] = end_states[[ends.index(p) for p in points]].to(cache.ssm.dtype)
+        return (y + x * self.D.float()[:, None]).flatten(1)
+
+    def _decode(self, meta: MambaMetadata, xbc: torch.Tensor, dt: torch.Tensor,
+                cache: MambaCache) -> torch.Tensor:
+        """All single-token requests: xbc (R, conv_dim), dt (R, H) -> y (R, intermediate) float32."""
+        reads, has_state = meta.decode_read_blocks, meta.decode_has_state
+        conv_state = torch.where(has_state[:, None, None], cache.conv[reads].float(), 0.0)
+        window = torch.cat([conv_state, xbc.float()[:, :, None]], dim=2)  # (R, conv_dim, d_conv)
+        weight, bias = self._conv_params()
+        conv_out = (window * weight).sum(-1)
+        x, B, C = self._split_xbc(F.silu(conv_out if bias is None else conv_out + bias))
+        dt = self._dt(dt)
+        ssm = torch.where(has_state[:, None, None, None], cache.ssm[reads].float(), 0.0)
+        ssm = ssm * torch.exp(dt * self._A())[..., None, None] + (dt[..., None] * x)[..., None] * B[:, :, None]
+        y = torch.einsum("rhpn,rhn->rhp", ssm, C) + x * self.D.float()[:, None]
+        cache.conv[meta.decode_write_blocks] = window[:, :, 1:].to(cache.conv.dtype)
+        cache.ssm[meta.decode_write_blocks] = ssm.to(cache.ssm.dtype)
+        return y.flatten(1)
+
+    def _read_state(self, block: int | None, cache: MambaCache,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 copies of a block's conv and SSM states, zeros when there is none yet."""
+        if block is None:
+            return (torch.zeros(self.conv_dim, self.d_conv - 1, device=device),
+                    torch.zeros(self.n_heads, self.head_dim, self.d_state, device=device))
+        # copies: the same block may be written at the end of this step
+        return cache.conv[block].to(torch.float32, copy=True), cache.ssm[block].to(torch.float32, copy=True)
+
+    def _conv_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Depthwise conv weight (conv_dim, d_conv) and bias, float32."""
+        bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
+        return self.conv1d.weight[:, 0].float(), bias
+
+    def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(T, conv_dim) -> x (T, H, P), B and C (T, H, N): head h uses group h // (H / G)."""
+        group_width = self.n_groups * self.d_state
+        x, B, C = xbc.split([self.intermediate_size, group_width, group_width], dim=-1)
+        per_group = self.n_heads // self.n_groups
+        B, C = (t.unflatten(-1, (self.n_groups, self.d_state)).repeat_interleave(per_group, dim=1) for t in (B, C))
+        return x.unflatten(-1, (self.n_heads, self.head_dim)), B, C
+
+    def _dt(self, dt: torch.Tensor) -> torch.Tensor:
+        """The step sizes (T, H): softplus(dt + dt_bias) clamped to `time_step_limit`."""
+        low, high = self.time_step_limit
+        return F.softplus(dt.float() + self.dt_bias.float()).clamp(min=low, max=high)
+
+    def _A(self) -> torch.Tensor:
+        return -torch.exp(self.A_log.float())
+
+
+def chunk_ends(n: int, points: list[int], chunk_size: int) -> list[int]:
+    """Sorted chunk end positions covering `(0, n]`: every point in `points` (each in
+    `(0, n]`) and `n` end a chunk, and no chunk is longer than `chunk_size`."""
+    ends: list[int] = []
+    start = 0
+    for point in sorted({*points, n}):
+        ends.extend(range(start + chunk_size, point, chunk_size))
+        ends.append(point)
+        start = point
+    return ends
+
+
+def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+             ends: list[int], initial_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SSD scan of one sequence over chunks ending at `ends` (see `chunk_ends`).
+
+    x (n, H, P), dt (n, H), A (H,), B and C (n, H, N), initial_state (H, P, N), all float32.
+    Returns y (n, H, P) without the D skip, and the state after each chunk (len(ends), H, P, N).
+    Chunks are padded to the longest with dt = 0, which neither decays nor feeds the state.
+    """
+    # index tensors from host lists: no device sync
+    starts_list = [0, *ends[:-1]]
+    longest = max(e - s for s, e in zip(starts_list, ends))
+    starts = torch.tensor(starts_list, device=x.device)
+    lengths = torch.tensor(ends, device=x.device) - starts
+    offsets = torch.arange(longest, device=x.device)
+    valid = offsets < lengths[:, None]  # (c, L)
+    index = torch.where(valid, starts[:, None] + offsets, 0)
+    dt_c = dt[index] * valid[..., None]  # (c, L, H)
+    x_dt = x[index] * dt_c[..., None]  # (c, L, H, P)
+    B_c, C_c = B[index], C[index]  # (c, L, H, N)
+    A_dt = (dt_c * A).permute(2, 0, 1)  # (H, c, L)
+    A_cumsum = A_dt.cumsum(-1)
+    # within a chunk: y_l = sum_{s <= l} C_l . B_s exp(A_cumsum_l - A_cumsum_s) x_dt_s
+    decay = torch.exp(segment_sum(A_dt)).permute(1, 2, 3, 0)  # (c, L, S, H)
+    scores = torch.einsum("clhn,cshn->clsh", C_c, B_c) * decay
+    y = torch.einsum("clsh,cshp->clhp", scores, x_dt)
+    # each chunk's own contribution to the state at its end, then the recurrence across chunks
+    to_end = torch.exp(A_cumsum[..., -1:] - A_cumsum)  # (H, c, L)
+    chunk_states = torch.einsum("clhn,hcl,clhp->chpn", B_c, to_end, x_dt)
+    states = torch.cat([initial_state[None], chunk_states])  # (c + 1, H, P, N)
+    across = torch.exp(segment_sum(F.pad(A_cumsum[..., -1], (1, 0))))  # (H, c + 1, c + 1)
+    states = torch.einsum("hij,jhpn->ihpn", across, states)  # [i]: the state after chunk i - 1
+    y = y + torch.einsum("clhn,chpn->clhp", C_c, states[:-1]) * torch.exp(A_cumsum).permute(1, 2, 0)[..., None]
+    chunk_of = torch.repeat_interleave(torch.arange(len(ends), device=x.device), lengths, output_size=x.shape[0])
+    padded_row = chunk_of * longest + torch.arange(x.shape[0], device=x.device) - starts[chunk_of]
+    return y.flatten(0, 1)[padded_row], states[1:]
+
+
+def segment_sum(a: torch.Tensor) -> torch.Tensor:
+    """(..., L) -> (..., L, L): out[..., i, j] = a[j+1] + ... + a[i] for j <= i, -inf above
+    the diagonal (transformers' masked-cumsum form, stable in float32)."""
+    length = a.shape[-1]
+    a = a[..., None].expand(*a.shape, length)
+    strict = torch.tril(torch.ones(length, length, dtype=torch.bool, device=a.device), diagonal=-1)
+    sums = a.masked_fill(~strict, 0).cumsum(dim=-2)
+    lower = torch.tril(torch.ones(length, length, dtype=torch.bool, device=a.device))
+    return sums.masked_fill(~lower, -torch.inf)

@@ -1,0 +1,63 @@
+"""The data the scheduler hands the model runner each step, and what comes back.
+
+The runner keeps its own copy of each scheduled request (token ids, block table rows)
+between steps, so a step only carries what changed: whole requests when they (re)enter
+the batch, new block ids and progress otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pd.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request entering the runner (first schedule, or resumed after preemption).
+    `token_ids`: every token known so far (prompt + outputs); `block_ids`: its whole
+    positional block list per KV cache group."""
+
+    req_id: str
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[list[int]]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the runner already holds: blocks appended to each group's list, and
+    tokens computed before this step."""
+
+    req_id: str
+    new_block_ids: list[list[int]]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One step. `num_scheduled_tokens[req_id]` new tokens per request, in batch order
+    (new requests first, then cached ones, as listed). `finished_req_ids`: requests the
+    runner must forget before this step (finished or preempted since the last one)."""
+
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Tokens sampled this step, for requests whose known tokens are all computed (a
+    prefill chunk short of the prompt's end samples nothing). `logits[req_id]` (float32,
+    the row sampled from) only when the runner keeps logits."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logits: dict[str, torch.Tensor] | None = None

@@ -1,0 +1,33 @@
+"""The checkpoint's tokenizer (tokenizer.json, via the `tokenizers` library)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
+        self._tokenizer = HFTokenizer.from_file(str(path))
+        config_path = model_dir / "tokenizer_config.json"
+        self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; the tokenizer's post-processor adds BOS where the family does."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)

@@ -1,0 +1,146 @@
+"""The model runner: turns a SchedulerOutput into one forward pass and sampled tokens.
+
+It owns the model, the KV cache memory, one block table per KV cache group and a copy
+of every scheduled request's tokens. Per step: forget finished requests, take in new
+ones and new blocks, lay out the batch (input ids, positions, per-group slot mappings),
+build metadata once per attention group, run the model, sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pd.attention.backend import CommonAttentionMetadata
+from pd.attention.group import AttentionGroup, make_attention_groups
+from pd.forward_context import ForwardContext, set_forward_context
+from pd.kv_cache.spec import KVCacheConfig
+from pd.models.base import CausalLM
+from pd.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pd.request import SamplingParams
+from pd.worker.block_table import MultiGroupBlockTable
+from pd.worker.kv_allocation import KVLayout, allocate_kv_caches
+from pd.worker.sampler import make_generator, sample
+
+
+@dataclass
+class RunnerRequest:
+    """The runner's copy of a request: every known token, its block table row."""
+
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    row: int
+    num_computed_tokens: int
+
+
+@dataclass
+class BatchInputs:
+    req_ids: list[str]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    common: list[CommonAttentionMetadata]  # per KV cache group
+    logits_indices: torch.Tensor
+    sampling_req_ids: list[str]
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_cache_config: KVCacheConfig, *, max_num_reqs: int,
+                 max_model_len: int, device: torch.device | str, layout: KVLayout = "canonical",
+                 keep_logits: bool = False) -> None:
+        self.model = model
+        self.kv_cache_config = kv_cache_config
+        self.device = torch.device(device)
+        self.keep_logits = keep_logits
+        self.kv_allocation = allocate_kv_caches(kv_cache_config, self.device, layout)
+        self.attention_groups: list[AttentionGroup] = make_attention_groups(
+            model.kv_cache_layers(), kv_cache_config, self.device)
+        block_sizes = [g.spec.block_size for g in kv_cache_config.groups]
+        self.block_tables = MultiGroupBlockTable(block_sizes, max_num_reqs, max_model_len, self.device)
+        self.requests: dict[str, RunnerRequest] = {}
+        self.free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_requests(scheduler_output)
+        if not scheduler_output.num_scheduled_tokens:
+            return ModelRunnerOutput()
+        batch = self._prepare_inputs(scheduler_output)
+        context = ForwardContext(self._build_metadata(batch.common), self.kv_allocation.layer_caches)
+        with torch.inference_mode(), set_forward_context(context):
+            hidden = self.model(batch.input_ids, batch.positions)
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return self._sample(batch.sampling_req_ids, logits)
+
+    def _update_requests(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                self.free_rows.append(state.row)
+        for new in so.new_requests:
+            self._add_request(new)
+        for cached in so.cached_requests:
+            state = self.requests[cached.req_id]
+            state.num_computed_tokens = cached.num_computed_tokens
+            self.block_tables.append(state.row, cached.new_block_ids)
+
+    def _add_request(self, new: NewRequestData) -> None:
+        if new.req_id in self.requests:
+            raise ValueError(f"request {new.req_id!r} is already in the model runner")
+        if not self.free_rows:
+            raise RuntimeError("more requests scheduled than the runner's max_num_reqs")
+        row = self.free_rows.pop()
+        generator = make_generator(new.sampling_params.seed, self.device)
+        self.requests[new.req_id] = RunnerRequest(
+            list(new.token_ids), new.sampling_params, generator, row, new.num_computed_tokens)
+        self.block_tables.set_row(row, new.block_ids)
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> BatchInputs:
+        req_ids = list(so.num_scheduled_tokens)
+        states = [self.requests[r] for r in req_ids]
+        num_new = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
+        computed = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
+        query_start = np.concatenate(([0], np.cumsum(num_new)))
+        rows = np.array([s.row for s in states], dtype=np.int64)
+        positions = np.repeat(computed - query_start[:-1], num_new) + np.arange(query_start[-1])
+        input_ids = [t for s, c, n in zip(states, computed, num_new) for t in s.token_ids[c : c + n]]
+        samples = [i for i, s in enumerate(states) if computed[i] + num_new[i] >= len(s.token_ids)]
+        seq_lens = computed + num_new
+        token_rows = np.repeat(rows, num_new)
+        common = [self._common_metadata(table, rows, token_rows, positions, query_start, computed, seq_lens)
+                  for table in self.block_tables.tables]
+        to_device = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(self.device)  # noqa: E731
+        return BatchInputs(req_ids, to_device(input_ids), to_device(positions), common,
+                           to_device(query_start[1:][samples] - 1), [req_ids[i] for i in samples])
+
+    def _common_metadata(self, table, rows, token_rows, positions, query_start, computed, seq_lens):
+        _, block_table = table.batch(rows)
+        slots = table.slot_mapping(token_rows, positions)
+        return CommonAttentionMetadata(
+            query_start_loc_cpu=query_start.tolist(),
+            num_computed_tokens_cpu=computed.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(self.device),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(self.device),
+            block_table=block_table,
+            slot_mapping=torch.from_numpy(slots).to(self.device),
+            block_size=table.block_size,
+        )
+
+    def _build_metadata(self, common: list[CommonAttentionMetadata]) -> dict[str, object]:
+        """Metadata once per attention group, shared by the group's layers."""
+        per_layer: dict[str, object] = {}
+        for group in self.attention_groups:
+            metadata = group.builder.build(common[group.kv_cache_group_id])
+            for name in group.layer_names:
+                per_layer[name] = metadata
+        return per_layer
+
+    def _sample(self, req_ids: list[str], logits: torch.Tensor) -> ModelRunnerOutput:
+        states = [self.requests[r] for r in req_ids]
+        tokens = sample(logits, [s.sampling_params for s in states], [s.generator for s in states])
+        for state, token in zip(states, tokens):
+            state.token_ids.append(token)
+        kept = {r: logits[i].clone() for i, r in enumerate(req_ids)} if self.keep_logits else None
+        return ModelRunnerOutput(dict(zip(req_ids, tokens)), kept)
