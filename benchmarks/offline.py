@@ -44,12 +44,15 @@ def time_pd(llm: LLM, prompts: list[list[int]], output_len: int) -> float:
 
 def time_transformers(model, prompts: list[list[int]], output_len: int) -> float:
     ids = torch.tensor(prompts)
-    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
-                  attention_mask=torch.ones_like(ids), pad_token_id=0)
+
+    def generate(batch: torch.Tensor) -> torch.Tensor:
+        return model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=output_len,
+                              min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+
     with torch.inference_mode():
-        model.generate(ids[:1], **kwargs)  # warm-up
+        generate(ids[:1])  # warm-up
         start = time.perf_counter()
-        out = model.generate(ids, **kwargs)
+        out = generate(ids)
         elapsed = time.perf_counter() - start
     assert out.shape[1] == ids.shape[1] + output_len
     return elapsed
@@ -59,16 +62,17 @@ def bench_arch(arch: str, args: argparse.Namespace, workdir: Path) -> list[dict]
     model_dir = make_model(arch, workdir / arch, seed=args.seed)
     llm = LLM(str(model_dir), dtype=args.dtype, max_num_seqs=max(args.batch_sizes),
               kv_cache_memory=args.kv_cache_memory, device="cpu")
-    engines = {"pd": lambda prompts: time_pd(llm, prompts, args.output_len)}
+    engines = {}
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
         engines["transformers"] = lambda prompts: time_transformers(hf, prompts, args.output_len)
+    engines["pd"] = lambda prompts: time_pd(llm, prompts, args.output_len)
     rows = []
-    for batch in args.batch_sizes:
-        prompts = random_prompts(batch, args.input_len, llm.engine.model_config.vocab_size, args.seed)
-        for engine, run in engines.items():
+    for engine, run in engines.items():
+        for batch in args.batch_sizes:
+            prompts = random_prompts(batch, args.input_len, llm.engine.model_config.vocab_size, args.seed)
             elapsed = run(prompts)
             rows.append({"arch": arch, "engine": engine, "batch": batch, "seconds": elapsed,
                          "output_tokens_per_s": batch * args.output_len / elapsed})

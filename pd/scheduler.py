@@ -36,6 +36,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # to tell the runner next step
         self.sent_blocks: dict[str, list[int]] = {}  # per group, block ids the runner has
+        self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -107,6 +108,7 @@ class Scheduler:
         recomputed (from its prefix-cache hit) when readmitted."""
         self.running.remove(request)
         self.kv.free(request)
+        self.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         self.sent_blocks.pop(request.request_id, None)

@@ -50,9 +50,16 @@ class ModelConfig:
         value = self.hf_config.get(key)
         return default if value is None else value
 
+    def require(self, key: str) -> Any:
+        """A config.json value the model cannot do without; ValueError naming it if absent."""
+        value = self.hf_config.get(key)
+        if value is None:
+            raise ValueError(f"{self.model_dir}/config.json lacks {key!r}")
+        return value
+
     @property
     def vocab_size(self) -> int:
-        return self.hf_config["vocab_size"]
+        return self.require("vocab_size")
 
     @property
     def context_len(self) -> int:

@@ -27,8 +27,8 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"{model_dir} has no model.safetensors nor model.safetensors.index.json")
 
 
-def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in safetensors_files(model_dir):
+def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
@@ -38,6 +38,7 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Causa
     """Build the model `config.architectures` names on `device` in `config.dtype` and
     load its weights; the model is in eval mode."""
     cls = model_class(config.architectures)
+    files = safetensors_files(config.model_dir)  # before building: fail fast
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype(config.dtype))
     try:
@@ -46,5 +47,5 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Causa
     finally:
         torch.set_default_dtype(previous)
     with torch.no_grad():
-        model.load_weights(iterate_weights(config.model_dir))
+        model.load_weights(iterate_weights(files))
     return model.eval()

@@ -151,3 +151,23 @@ def test_gemma3_no_hybrid_kv_cache_same_tokens_more_memory(checkpoints):
 def test_no_hybrid_kv_cache_is_refused_for_mamba_hybrids(checkpoints):
     with pytest.raises(ValueError, match="hybrid"):
         LLM(str(checkpoints["bamba"]), hybrid_kv_cache=False, kv_cache_memory=64 << 20)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gemma3", "bamba"])
+def test_preemption_under_a_small_kv_budget_keeps_outputs(arch, checkpoints):
+    """Requests admitted with short prompts outgrow a small pool, get preempted and are
+    recomputed (Bamba from its cached Mamba states); outputs stay the unbatched ones."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    roomy = LLM(str(checkpoints[arch]), kv_cache_memory=64 << 20, max_model_len=512)
+    block = roomy.engine.kv_cache_config.groups[0].spec.block_size
+    prompts = random_prompts([max(8, block - 30) + 3 * i for i in range(6)], seed=7)
+    alone = [roomy.generate([p], params)[0].token_ids for p in prompts]
+    probe = roomy.engine.kv_cache_config
+    small_blocks = 16 if arch == "bamba" else 52
+    tight = LLM(str(checkpoints[arch]), max_model_len=512,
+                kv_cache_memory=small_blocks * probe.cross_layer_page_bytes)
+    outputs = tight.generate(prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outputs] == alone
+    assert tight.engine.kv_cache_manager.usage == 0.0

@@ -99,16 +99,15 @@ def run_all(scheduler: Scheduler, kv: KVCacheManager, requests: list[Request]) -
     runner = ToyRunner(kv, scheduler.config)
     for r in requests:
         scheduler.add_request(r)
-    preemptions = steps = 0
+    steps = 0
     while scheduler.has_unfinished_requests:
         so = scheduler.schedule()
-        preemptions += sum(1 for r in requests if r.status is RequestStatus.PREEMPTED)
         scheduler.update_from_output(so, runner.execute(so))
         kv.check_integrity()
         steps += 1
         assert steps < 10_000, "scheduler made no progress"
     assert kv.usage == 0.0
-    return {"preemptions": preemptions, "steps": steps}
+    return {"preemptions": scheduler.num_preemptions, "steps": steps}
 
 
 def reference_outputs(prompt: list[int], max_tokens: int) -> list[int]:
