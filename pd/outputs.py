@@ -8,9 +8,11 @@ the batch, new block ids and progress otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from connectors.base import KVConnectorMetadata, KVConnectorOutput
 from pd.request import SamplingParams
 
 
@@ -47,6 +49,7 @@ class SchedulerOutput:
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -61,3 +64,21 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logits: dict[str, torch.Tensor] | None = None
+    kv_connector_output: KVConnectorOutput = field(default_factory=KVConnectorOutput)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: new tokens, and how it ended if it did.
+    `finish_reason` is "stop", "length" or "abort"; `kv_transfer_params` are the
+    connector's parameters for the response (a prefill server's handle to its blocks)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -69,6 +69,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    remote_kv_failed: bool = False  # its remote KV load failed: computed here instead
     _block_hashes: dict[int, list[BlockHash]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -89,8 +91,9 @@ class Request:
 
     @property
     def do_remote_prefill(self) -> bool:
-        """True on D for a request whose prompt KV comes from a remote prefill."""
-        return bool((self.kv_transfer_params or {}).get("do_remote_prefill"))
+        """True on D for a request whose prompt KV comes from a remote prefill (and has
+        not failed to, which makes it an ordinary request computed here)."""
+        return bool((self.kv_transfer_params or {}).get("do_remote_prefill")) and not self.remote_kv_failed
 
     def append_output_token_ids(self, *token_ids: int) -> None:
         self.output_token_ids.extend(token_ids)

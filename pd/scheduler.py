@@ -1,12 +1,19 @@
-"""Continuous batching over the KV cache manager.
+"""Continuous batching over the KV cache manager, with the connector at fixed points.
 
 Each step: running requests first (oldest first), each gets the tokens it still needs
 up to the step's token budget (`max_num_batched_tokens`), so a long prompt is prefilled
 in chunks; when the pool is short the newest running request is preempted (its blocks
 freed, recomputed later). Then waiting requests are admitted, oldest first, with their
-prefix-cache hit, while the budget, `max_num_seqs` and the pool allow; none are admitted
-in a step that preempted. After the step, `update_from_output` enters the newly written
-blocks in the prefix cache, appends sampled tokens and finishes requests that stop.
+prefix-cache hit plus whatever the connector can load, while the budget, `max_num_seqs`
+and the pool allow; none are admitted in a step that preempted. A request whose KV
+arrives asynchronously is parked in WAITING_FOR_REMOTE_KVS until the connector reports
+it received. After the step, `update_from_output` enters the newly written blocks in
+the prefix cache, appends sampled tokens and finishes requests that stop.
+
+With Mamba groups, prefill chunks end on block boundaries when the budget allows, so a
+chunk's last state is a boundary state (a request whose prompt KV comes from a remote
+prefill is exempt). Correctness does not depend on it: the runner writes every boundary
+state a chunk crosses.
 """
 
 from __future__ import annotations
@@ -14,9 +21,16 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from pd.kv_cache.manager import KVCacheBlocks, KVCacheManager
-from pd.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from connectors.base import KVConnectorOutput, KVConnectorScheduler, NullConnectorScheduler
+from pd.kv_cache.manager import KVCacheManager
+from pd.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput, SchedulerOutput
 from pd.request import Request, RequestStatus
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
 
 
 @dataclass(frozen=True)
@@ -25,21 +39,27 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     eos_token_ids: frozenset[int] = frozenset()
+    mamba_block_size: int | None = None  # align prefill chunks to it (Mamba align mode)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 connector: KVConnectorScheduler | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.connector = connector or NullConnectorScheduler()
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
+        self.waiting_for_remote: dict[str, Request] = {}
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # to tell the runner next step
         self.sent_blocks: dict[str, list[int]] = {}  # per group, block ids the runner has
+        self.delayed_free: dict[str, Request] = {}  # finished, blocks kept for the connector
+        self.aborted_while_loading: dict[str, Request] = {}  # blocks freed once the load ends
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.delayed_free:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.num_tokens >= self.config.max_model_len:
             raise ValueError(f"prompt of {request.num_tokens} tokens leaves no room under "
@@ -48,8 +68,17 @@ class Scheduler:
         self.waiting.append(request)
 
     @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.waiting_for_remote)
+
+    @property
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_remote)
+
+    @property
+    def has_work(self) -> bool:
+        """Requests to step, or blocks still kept for the connector."""
+        return self.has_unfinished_requests or bool(self.delayed_free or self.aborted_while_loading)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
@@ -57,11 +86,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         preempted = False
         for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
-                continue
+            if request.status is not RequestStatus.RUNNING or budget <= 0:
+                continue  # preempted earlier in this loop, or no budget left
+            num_new = self._num_new_tokens(request, budget)
             while (blocks := self.kv.allocate_slots(request, num_new)) is None:
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -74,26 +101,76 @@ class Scheduler:
             budget -= num_new
         if not preempted:
             self._admit_waiting(out, budget)
+        out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        """Tokens to compute this step; a partial chunk ends on a Mamba block boundary
+        when at least one boundary fits in the budget."""
+        remaining = request.num_tokens - request.num_computed_tokens
+        num_new = min(remaining, budget)
+        block = self.config.mamba_block_size
+        if block and num_new < remaining and not request.do_remote_prefill:
+            aligned = (request.num_computed_tokens + num_new) // block * block - request.num_computed_tokens
+            if aligned > 0:
+                return aligned
+        return num_new
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, budget)
-            blocks = self.kv.allocate_slots(request, num_new, num_hit, hit_blocks)
+            if request.num_computed_tokens == 0:  # new or preempted: look up what exists
+                hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+                num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
+            else:  # its remote KV has landed; its blocks are already allocated
+                hit_blocks, num_hit, num_external, load_async = None, 0, 0, False
+            if load_async:
+                if not self._park_for_remote_kv(request, hit_blocks, num_hit, num_external):
+                    return
+                continue
+            computed = request.num_computed_tokens + num_hit + num_external
+            num_new = self._num_new_tokens_from(request, computed, budget)
+            blocks = self.kv.allocate_slots(request, num_new, num_hit, hit_blocks, num_external)
             if blocks is None:
                 return
+            if num_external:
+                self.connector.update_state_after_alloc(request, blocks, num_external)
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit
-            self.running.append(request)
-            block_ids = self.kv.get_block_ids(request.request_id)
-            self.sent_blocks[request.request_id] = [len(ids) for ids in block_ids]
-            out.new_requests.append(NewRequestData(request.request_id, request.all_token_ids,
-                                                   request.sampling_params, block_ids, num_hit))
-            out.num_scheduled_tokens[request.request_id] = num_new
+            self._start_running(request, computed, num_hit, num_new, out)
             budget -= num_new
+
+    def _num_new_tokens_from(self, request: Request, computed: int, budget: int) -> int:
+        saved, request.num_computed_tokens = request.num_computed_tokens, computed
+        try:
+            return self._num_new_tokens(request, budget)
+        finally:
+            request.num_computed_tokens = saved
+
+    def _park_for_remote_kv(self, request: Request, hit_blocks, num_hit: int, num_external: int) -> bool:
+        """Allocate blocks for the external tokens and wait for the connector to fill them."""
+        blocks = self.kv.allocate_slots(request, 0, num_hit, hit_blocks, num_external)
+        if blocks is None:
+            return False
+        self.connector.update_state_after_alloc(request, self.kv.get_blocks(request.request_id), num_external)
+        self.waiting.popleft()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_computed_tokens = num_hit + num_external
+        request.num_cached_tokens = num_hit
+        self.waiting_for_remote[request.request_id] = request
+        return True
+
+    def _start_running(self, request: Request, computed: int, num_hit: int, num_new: int,
+                       out: SchedulerOutput) -> None:
+        if request.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
+            request.num_cached_tokens = num_hit
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = computed
+        self.running.append(request)
+        block_ids = self.kv.get_block_ids(request.request_id)
+        self.sent_blocks[request.request_id] = [len(ids) for ids in block_ids]
+        out.new_requests.append(NewRequestData(request.request_id, request.all_token_ids,
+                                               request.sampling_params, block_ids, computed))
+        out.num_scheduled_tokens[request.request_id] = num_new
 
     def _schedule_cached(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         block_ids = self.kv.get_block_ids(request.request_id)
@@ -117,11 +194,14 @@ class Scheduler:
         out.finished_req_ids.add(request.request_id)
         self.waiting.appendleft(request)
 
-    def update_from_output(self, so: SchedulerOutput, output: ModelRunnerOutput) -> list[Request]:
-        """Advance the scheduled requests; returns those that finished this step."""
-        finished = []
+    def update_from_output(self, so: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestOutput]:
+        """Advance the scheduled requests; one RequestOutput per request that got a token
+        or finished this step."""
+        outputs = []
         for req_id, num_new in so.num_scheduled_tokens.items():
-            request = self.requests[req_id]
+            request = self.requests.get(req_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while its step ran
             request.num_computed_tokens += num_new
             self.kv.cache_blocks(request, request.num_computed_tokens)
             token = output.sampled_token_ids.get(req_id)
@@ -129,10 +209,33 @@ class Scheduler:
                 continue
             request.append_output_token_ids(token)
             status = self._stop_status(request, token)
-            if status is not None:
-                self._finish(request, status)
-                finished.append(request)
-        return finished
+            params = self._finish(request, status) if status is not None else None
+            outputs.append(RequestOutput(req_id, [token], FINISH_REASONS.get(status), params,
+                                         request.num_cached_tokens))
+        self._update_connector(output.kv_connector_output)
+        return outputs
+
+    def _update_connector(self, connector_output: KVConnectorOutput) -> None:
+        self.connector.update_connector_output(connector_output)
+        for req_id in connector_output.finished_sending:
+            request = self.delayed_free.pop(req_id, None)
+            if request is not None:
+                self.kv.free(request)
+        for req_id in connector_output.finished_recving | connector_output.failed_recving:
+            aborted = self.aborted_while_loading.pop(req_id, None)
+            if aborted is not None:
+                self.kv.free(aborted)
+            request = self.waiting_for_remote.pop(req_id, None)
+            if request is None:
+                continue
+            if req_id in connector_output.failed_recving:  # recompute the prompt here
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                request.remote_kv_failed = True
+            else:
+                self.kv.cache_blocks(request, request.num_computed_tokens)
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -142,10 +245,36 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Finish the requests as aborted wherever they are; unknown ids are ignored."""
+        outputs = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request in self.waiting:
+                self.waiting.remove(request)
+            self.waiting_for_remote.pop(req_id, None)
+            params = self._finish(request, RequestStatus.FINISHED_ABORTED)
+            outputs.append(RequestOutput(req_id, [], "abort", params, request.num_cached_tokens))
+        return outputs
+
+    def _finish(self, request: Request, status: RequestStatus) -> dict | None:
+        """End the request; its blocks are freed now or, if the connector keeps them,
+        when it reports them sent. Returns the connector's kv_transfer_params."""
+        was_running = request.status is RequestStatus.RUNNING
+        was_loading = request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
         request.status = status
-        self.running.remove(request)
-        self.kv.free(request)
+        if was_running:
+            self.running.remove(request)
+            self.finished_req_ids.add(request.request_id)
         self.sent_blocks.pop(request.request_id, None)
-        self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        delay_free, params = self.connector.request_finished(request, self.kv.get_block_ids(request.request_id))
+        if was_loading:  # the connector may still be writing its blocks
+            self.aborted_while_loading[request.request_id] = request
+        elif delay_free:
+            self.delayed_free[request.request_id] = request
+        else:
+            self.kv.free(request)
+        return params

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from connectors.base import KVConnectorWorker, NullConnectorWorker
 from pd.attention.backend import CommonAttentionMetadata
 from pd.attention.group import AttentionGroup, make_attention_groups
 from pd.forward_context import ForwardContext, set_forward_context
@@ -49,7 +50,7 @@ class BatchInputs:
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache_config: KVCacheConfig, *, max_num_reqs: int,
                  max_model_len: int, device: torch.device | str, layout: KVLayout = "canonical",
-                 keep_logits: bool = False) -> None:
+                 keep_logits: bool = False, connector: KVConnectorWorker | None = None) -> None:
         self.model = model
         self.kv_cache_config = kv_cache_config
         self.device = torch.device(device)
@@ -61,17 +62,26 @@ class ModelRunner:
         self.block_tables = MultiGroupBlockTable(block_sizes, max_num_reqs, max_model_len, self.device)
         self.requests: dict[str, RunnerRequest] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self.connector = connector or NullConnectorWorker()
+        self.connector.register_kv_caches(self.kv_allocation.describe())
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_requests(scheduler_output)
-        if not scheduler_output.num_scheduled_tokens:
-            return ModelRunnerOutput()
-        batch = self._prepare_inputs(scheduler_output)
-        context = ForwardContext(self._build_metadata(batch.common), self.kv_allocation.layer_caches)
-        with torch.inference_mode(), set_forward_context(context):
-            hidden = self.model(batch.input_ids, batch.positions)
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return self._sample(batch.sampling_req_ids, logits)
+        if scheduler_output.kv_connector_metadata is not None:
+            self.connector.start_load_kv(scheduler_output.kv_connector_metadata)
+        output = ModelRunnerOutput()
+        if scheduler_output.num_scheduled_tokens:
+            batch = self._prepare_inputs(scheduler_output)
+            context = ForwardContext(self._build_metadata(batch.common), self.kv_allocation.layer_caches)
+            with torch.inference_mode(), set_forward_context(context):
+                hidden = self.model(batch.input_ids, batch.positions)
+                logits = self.model.compute_logits(hidden[batch.logits_indices])
+            output = self._sample(batch.sampling_req_ids, logits)
+        output.kv_connector_output = self.connector.get_finished(scheduler_output.finished_req_ids)
+        return output
+
+    def shutdown(self) -> None:
+        self.connector.shutdown()
 
     def _update_requests(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:

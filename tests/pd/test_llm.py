@@ -121,7 +121,7 @@ def peak_bytes_held(llm: LLM, prompt: list[int], params: SamplingParams) -> tupl
     usable = engine.kv_cache_config.num_blocks - 1
     row = engine.kv_cache_config.cross_layer_page_bytes
     peak = 0
-    while engine.has_unfinished_requests():
+    while engine.has_work():
         engine.step()
         peak = max(peak, (usable - engine.kv_cache_manager.num_free_blocks) * row)
     return request.output_token_ids, peak

@@ -180,3 +180,108 @@ def test_max_num_seqs_and_token_budget_bound_each_step() -> None:
     stats = run_all(scheduler, kv, requests)  # ToyRunner asserts both bounds every step
     total = sum(r.num_prompt_tokens + len(r.output_token_ids) - 1 for r in requests)
     assert stats["steps"] >= total / 20
+
+
+def test_abort_frees_blocks_wherever_the_request_is() -> None:
+    scheduler, kv = make_scheduler({"l0": attn()}, 10**7, max_num_seqs=1)
+    runner = ToyRunner(kv, scheduler.config)
+    a = Request("a", list(range(10, 50)), SamplingParams(max_tokens=30))
+    b = Request("b", list(range(10, 30)), SamplingParams(max_tokens=30))
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    so = scheduler.schedule()
+    scheduler.update_from_output(so, runner.execute(so))
+    assert a.status is RequestStatus.RUNNING and b.status is RequestStatus.WAITING
+    outputs = scheduler.abort_requests(["b", "a", "unknown"])
+    assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in outputs] == [("b", "abort", []), ("a", "abort", [])]
+    assert a.status is RequestStatus.FINISHED_ABORTED and not scheduler.has_work
+    assert kv.usage == 0.0
+    kv.check_integrity()
+    so = scheduler.schedule()
+    assert so.finished_req_ids == {"a"} and not so.num_scheduled_tokens  # the runner forgets it
+
+
+def prefill_chunks(request: Request, mamba_block_size: int | None) -> list[int]:
+    scheduler, kv = make_scheduler({"m0": ssm(), "a0": attn()}, 10**7, max_tokens_per_step=40)
+    scheduler.config = SchedulerConfig(8, 40, 512, frozenset(), mamba_block_size=mamba_block_size)
+    runner = ToyRunner(kv, scheduler.config)
+    scheduler.add_request(request)
+    chunks = []
+    while scheduler.has_unfinished_requests:
+        so = scheduler.schedule()
+        chunks.append(so.num_scheduled_tokens[request.request_id])
+        scheduler.update_from_output(so, runner.execute(so))
+    return chunks
+
+
+def test_mamba_prefill_chunks_end_on_block_boundaries_when_the_budget_allows() -> None:
+    prompt = list(range(10, 110))
+    assert prefill_chunks(Request("r", prompt, SamplingParams(max_tokens=2)), BLOCK) == [32, 32, 36, 1]
+    assert prefill_chunks(Request("r", prompt, SamplingParams(max_tokens=2)), None) == [40, 40, 20, 1]
+    remote = Request("p", prompt, SamplingParams(max_tokens=2), kv_transfer_params={"do_remote_prefill": True})
+    assert prefill_chunks(remote, BLOCK) == [40, 40, 20, 1]  # exempt
+    tight = prefill_chunks(Request("r", prompt, SamplingParams(max_tokens=2)), 64)
+    assert tight == [40, 24, 36, 1]  # no boundary fits the first budget: progress wins
+
+
+class ToyRemoteConnector:
+    """A connector whose 'remote' KV arrives after a given number of steps (the scheduler
+    contract only; real transfers are tested with NIXL)."""
+
+    def __init__(self, num_external: int, delay_steps: int, fail: bool = False) -> None:
+        from connectors.base import KVConnectorMetadata, KVConnectorOutput
+
+        self.meta, self.output = KVConnectorMetadata, KVConnectorOutput
+        self.num_external, self.delay, self.fail = num_external, delay_steps, fail
+        self.loading: dict[str, int] = {}
+        self.finished_calls: list[str] = []
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if request.do_remote_prefill:
+            return self.num_external - num_computed_tokens, True
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        self.loading[request.request_id] = self.delay
+
+    def build_connector_meta(self, scheduler_output):
+        return self.meta()
+
+    def request_finished(self, request, block_ids):
+        self.finished_calls.append(request.request_id)
+        return False, None
+
+    def update_connector_output(self, output):
+        pass
+
+    def tick(self):
+        done = {r for r, left in self.loading.items() if left <= 1}
+        self.loading = {r: left - 1 for r, left in self.loading.items() if left > 1}
+        return self.output(failed_recving=done) if self.fail else self.output(finished_recving=done)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_remote_kv_parks_the_request_until_it_lands(fail: bool) -> None:
+    specs = {"l0": attn()}
+    kv_config = make_kv_cache_config(specs, 10**7, 512)
+    kv = KVCacheManager(kv_config, True, 512)
+    connector = ToyRemoteConnector(num_external=40, delay_steps=2, fail=fail)
+    scheduler = Scheduler(SchedulerConfig(8, 64, 512, frozenset()), kv, connector)
+    runner = ToyRunner(kv, scheduler.config)
+    prompt = list(range(10, 50))
+    request = Request("d", prompt + [99], SamplingParams(max_tokens=3),
+                      kv_transfer_params={"do_remote_prefill": True})
+    scheduler.add_request(request)
+    statuses, computed_tokens = [], []
+    while scheduler.has_work:
+        so = scheduler.schedule()
+        statuses.append(request.status)
+        computed_tokens.append(so.num_scheduled_tokens.get("d"))
+        out = runner.execute(so)
+        out.kv_connector_output = connector.tick()
+        scheduler.update_from_output(so, out)
+    assert statuses[:2] == [RequestStatus.WAITING_FOR_REMOTE_KVS] * 2
+    # landed: only the last token is computed here; failed: the whole prompt is recomputed
+    assert next(c for c in computed_tokens if c) == (41 if fail else 1)
+    assert request.output_token_ids == reference_outputs(prompt + [99], 3)
+    assert connector.finished_calls == ["d"] and kv.usage == 0.0

@@ -1,0 +1,122 @@
+"""The KV connector API: how an engine hands KV blocks to, and takes them from, elsewhere.
+
+A connector has two halves. The **scheduler half** lives with the scheduler and decides
+what to load or keep; the **worker half** lives with the model runner and moves bytes.
+They talk only through `KVConnectorMetadata` (scheduler -> worker, once per step) and
+`KVConnectorOutput` (worker -> scheduler, once per step). A connector sees blocks and
+byte ranges (`CanonicalKVCaches`), never the model.
+
+Block ownership:
+- Blocks a request holds belong to the scheduler's KV cache manager. When
+  `update_state_after_alloc` is called the blocks for the request's external tokens are
+  allocated and owned by the request; the worker half may write them until it reports
+  the request in `finished_recving`. Until then the scheduler keeps the request in
+  `WAITING_FOR_REMOTE_KVS` and neither computes on those blocks nor caches them.
+- `request_finished` is called exactly once per request, when it finishes, before its
+  blocks are freed. If it returns `delay_free=True` the scheduler keeps the blocks until
+  the worker half reports the request in `finished_sending`; only then are they freed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from connectors.canonical import CanonicalKVCaches
+    from pd.kv_cache.manager import KVCacheBlocks
+    from pd.outputs import SchedulerOutput
+    from pd.request import Request
+
+
+@dataclass
+class KVConnectorMetadata:
+    """What the scheduler half tells the worker half in one step (connector-specific)."""
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the worker half reports back after a step: requests whose blocks finished
+    sending (their delayed free may happen) or receiving (they may be scheduled), and
+    requests whose load failed."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+
+
+class KVConnectorScheduler(ABC):
+    """The scheduler half."""
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens past the local prefix hit (`num_computed_tokens`) that can be loaded
+        from outside, and whether they load asynchronously (the request then waits in
+        WAITING_FOR_REMOTE_KVS). Called before allocation; may be called again for a
+        request whose allocation failed."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Blocks are allocated for the request (all groups); remember what to load."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's instructions for the worker half; resets per-step state."""
+
+    @abstractmethod
+    def request_finished(self, request: Request, block_ids: list[list[int]]) -> tuple[bool, dict[str, Any] | None]:
+        """Called exactly once per finished request, before its blocks are freed. Returns
+        (delay_free, kv_transfer_params for the response)."""
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """The worker half's report for the last step."""
+
+
+class KVConnectorWorker(ABC):
+    """The worker half."""
+
+    @abstractmethod
+    def register_kv_caches(self, kv_caches: CanonicalKVCaches) -> None:
+        """Called once, after the KV cache memory is allocated."""
+
+    @abstractmethod
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        """Start this step's loads (non-blocking)."""
+
+    @abstractmethod
+    def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        """Progress transfers; report what completed since the last call."""
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()
+
+    def shutdown(self) -> None:
+        """Release transfer resources; called once at engine shutdown."""
+
+
+class NullConnectorScheduler(KVConnectorScheduler):
+    """Serving alone: nothing arrives from outside, nothing is kept for anyone."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        pass
+
+    def build_connector_meta(self, scheduler_output):
+        return KVConnectorMetadata()
+
+    def request_finished(self, request, block_ids):
+        return False, None
+
+
+class NullConnectorWorker(KVConnectorWorker):
+    def register_kv_caches(self, kv_caches):
+        pass
+
+    def start_load_kv(self, metadata):
+        pass
+
+    def get_finished(self, finished_req_ids):
+        return KVConnectorOutput()

@@ -1,0 +1,1 @@
+"""The engine: the step loop (core.py), its process and IPC (process.py, client.py)."""

@@ -1,0 +1,105 @@
+"""EngineCore: the scheduler, the KV cache manager, the model runner and the connector,
+stepped as schedule -> execute -> update.
+
+This object runs in whatever process owns it: in-process for `pd.LLM`, in its own
+process behind ZMQ for `pd serve` (see `process.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from connectors.base import NullConnectorScheduler, NullConnectorWorker
+from pd.config import EngineConfig
+from pd.kv_cache.layout import make_kv_cache_config
+from pd.kv_cache.manager import KVCacheManager
+from pd.kv_cache.spec import KVCacheConfig, MambaSpec
+from pd.models.config import ModelConfig
+from pd.models.loader import load_model
+from pd.outputs import RequestOutput
+from pd.request import Request
+from pd.scheduler import Scheduler, SchedulerConfig
+from pd.worker.model_runner import ModelRunner
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for metrics: queue sizes, KV usage and prefix-cache counters (tokens),
+    overall and per KV cache group (`group_names[i]` names group i)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    group_names: list[str] = field(default_factory=list)
+    group_queries: list[int] = field(default_factory=list)
+    group_hits: list[int] = field(default_factory=list)
+
+
+def group_names(config: KVCacheConfig) -> list[str]:
+    """Readable, unique names of the KV cache groups, e.g. "0:full_attention"."""
+    kinds = {"FullAttentionSpec": "full_attention", "SlidingWindowSpec": "sliding_window",
+             "MambaSpec": "mamba"}
+    return [f"{i}:{kinds.get(type(g.spec).__name__, type(g.spec).__name__)}" for i, g in enumerate(config.groups)]
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, keep_logits: bool = False) -> None:
+        torch.manual_seed(config.seed)
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model, config.dtype, config.max_model_len)
+        device = config.torch_device
+        self.model = load_model(self.model_config, device)
+        self.max_model_len = self.model_config.context_len
+        specs = self.model.kv_cache_specs(config.block_size, hybrid=config.hybrid_kv_cache)
+        self.kv_cache_config = make_kv_cache_config(specs, config.kv_cache_memory, self.max_model_len)
+        self.kv_cache_manager = KVCacheManager(self.kv_cache_config, config.enable_prefix_caching,
+                                               self.max_model_len)
+        self.scheduler = Scheduler(self._scheduler_config(), self.kv_cache_manager, NullConnectorScheduler())
+        self.runner = ModelRunner(self.model, self.kv_cache_config, max_num_reqs=config.max_num_seqs,
+                                  max_model_len=self.max_model_len, device=device,
+                                  layout=config.kv_layout, keep_logits=keep_logits,
+                                  connector=NullConnectorWorker())
+        self.logits: dict[str, list[torch.Tensor]] = {}
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        mamba = [g.spec.block_size for g in self.kv_cache_config.groups if isinstance(g.spec, MambaSpec)]
+        return SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                               self.max_model_len, self.model_config.eos_token_ids,
+                               mamba_block_size=mamba[0] if mamba else None)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        return self.scheduler.abort_requests(request_ids)
+
+    def step(self) -> list[RequestOutput]:
+        """One schedule -> execute -> update; the outputs of this step."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(scheduler_output)
+        self._keep_logits(runner_output.logits)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def stats(self) -> EngineStats:
+        prefix = self.kv_cache_manager.stats
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,
+            kv_usage=self.kv_cache_manager.usage, num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
+            group_names=group_names(self.kv_cache_config),
+            group_queries=list(prefix.group_queries), group_hits=list(prefix.group_hits))
+
+    def _keep_logits(self, logits: dict[str, torch.Tensor] | None) -> None:
+        for req_id, row in (logits or {}).items():
+            self.logits.setdefault(req_id, []).append(row)
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
