@@ -9,6 +9,7 @@ from pathlib import Path
 from pd.models.config import SUPPORTED_DTYPES
 
 KV_LAYOUTS = ("canonical", "per-layer")
+ROLES = ("both", "prefill", "decode")
 DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024
 
 
@@ -29,11 +30,14 @@ class EngineConfig:
     kv_layout: str = "canonical"
     hybrid_kv_cache: bool = True
     seed: int = 0
+    role: str = "both"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", Path(self.model))
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         for name in ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
