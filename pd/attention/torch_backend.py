@@ -48,17 +48,20 @@ class PrefillSlice:
 
 @dataclass(frozen=True)
 class DecodeBatch:
-    """The single-token requests, gathered together.
+    """The single-token requests, gathered together block by block.
 
-    Row d gathers the key positions its query sees, left-aligned and padded to
-    `max_len`: `(blocks[d, j], offsets[d, j])` is the cache slot of its j-th key.
-    Padding repeats the query's own slot (always written) and is masked out by `mask`.
+    Row d reads `blocks_per_req` whole blocks, from the first block holding a key its
+    query sees; rows with fewer repeat their last block. Key slot j of row d is token
+    `j % block_size` of its `j // block_size`-th block. `visible[d, j]` says whether the
+    query sees that key (causal and in window); invisible keys are zeroed after the
+    gather (an unwritten slot may hold anything) and get -inf in `bias`.
     """
 
     token_indices: torch.Tensor  # int64 (num_decodes,): batch rows of the decode tokens
-    blocks: torch.Tensor  # int64 (num_decodes, max_len)
-    offsets: torch.Tensor  # int64 (num_decodes, max_len)
-    mask: torch.Tensor  # bool (num_decodes, 1, 1, max_len), True = attend
+    blocks: torch.Tensor  # int64 (num_decodes * blocks_per_req,): block ids, row-major
+    blocks_per_req: int
+    visible: torch.Tensor  # bool (1, num_decodes, 1, blocks_per_req * block_size, 1)
+    bias: torch.Tensor  # float32 (num_decodes, 1, 1, blocks_per_req * block_size): 0 or -inf
 
 
 @dataclass(frozen=True)
@@ -126,21 +129,25 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
         return mask
 
     def _decodes(self, common: CommonAttentionMetadata, reqs: list[int]) -> DecodeBatch:
+        bs = common.block_size
         positions = [common.seq_lens_cpu[i] - 1 for i in reqs]
-        firsts = [self._first_visible(p) for p in positions]
-        max_len = max(p - f + 1 for p, f in zip(positions, firsts))
-        host = torch.tensor([reqs, [common.query_start_loc_cpu[i] for i in reqs], positions, firsts])
-        rows, token_indices, pos, first = host.to(self.device).unbind(0)
-        j = torch.arange(max_len, device=self.device)[None, :]
-        key_pos = first[:, None] + j
-        valid = key_pos <= pos[:, None]
-        key_pos = torch.where(valid, key_pos, pos[:, None])  # padding: the query's own slot
-        table = common.block_table.to(self.device)
+        first_cols = [self._first_visible(p) // bs for p in positions]
+        per_req = max(p // bs - f + 1 for p, f in zip(positions, first_cols))
+        host = torch.tensor([reqs, [common.query_start_loc_cpu[i] for i in reqs], positions, first_cols])
+        rows, token_indices, pos, first_col = host.to(self.device).unbind(0)
+        cols = torch.minimum(first_col[:, None] + torch.arange(per_req, device=self.device), (pos // bs)[:, None])
+        blocks = common.block_table.to(self.device)[rows[:, None], cols].to(torch.int64)
+        key_pos = first_col[:, None] * bs + torch.arange(per_req * bs, device=self.device)[None, :]
+        visible = key_pos <= pos[:, None]
+        if self.sliding_window is not None:
+            visible &= key_pos > pos[:, None] - self.sliding_window
+        bias = torch.zeros(visible.shape, device=self.device).masked_fill_(~visible, float("-inf"))
         return DecodeBatch(
             token_indices=token_indices,
-            blocks=table[rows[:, None], key_pos // common.block_size].to(torch.int64),
-            offsets=key_pos % common.block_size,
-            mask=valid[:, None, None, :],
+            blocks=blocks.flatten(),
+            blocks_per_req=per_req,
+            visible=visible[None, :, None, :, None],
+            bias=bias[:, None, None, :],
         )
 
 
@@ -189,15 +196,21 @@ class TorchAttentionImpl(AttentionImpl):
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, d: DecodeBatch) -> torch.Tensor:
         """All decode queries at once -> (num_decodes, H, D).
 
-        The query heads sharing a KV head stand in for SDPA's query length, so grouped
-        heads need no repeated K/V: q (N, KVH, G, D) against k, v (N, KVH, max_len, D).
+        Whole blocks are gathered (one contiguous copy each), K and V together, then the
+        query heads sharing a KV head are batched against them with two bmm calls;
+        scores and softmax in float32.
         """
-        n, group = d.token_indices.numel(), self.num_heads // self.num_kv_heads
-        q = query[d.token_indices].view(n, self.num_kv_heads, group, self.head_size)
-        k = kv_cache[d.blocks, 0, d.offsets].to(query.dtype).transpose(1, 2)
-        v = kv_cache[d.blocks, 1, d.offsets].to(query.dtype).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=d.mask, scale=self.scale)
-        return out.reshape(n, self.num_heads, self.head_size)
+        n, group, kvh = d.token_indices.numel(), self.num_heads // self.num_kv_heads, self.num_kv_heads
+        gathered = kv_cache.index_select(0, d.blocks).unflatten(0, (n, d.blocks_per_req))
+        kv = gathered.permute(2, 0, 4, 1, 3, 5).flatten(3, 4)  # (2, n, KVH, keys, D)
+        kv = kv.masked_fill(~d.visible, 0).to(query.dtype)
+        keys = kv.shape[3]
+        k, v = kv[0].reshape(n * kvh, keys, -1), kv[1].reshape(n * kvh, keys, -1)
+        q = query[d.token_indices].view(n * kvh, group, self.head_size)
+        scores = torch.bmm(q.float(), k.float().transpose(1, 2)).view(n, kvh, group, keys)
+        probs = (scores * self.scale + d.bias).softmax(-1).to(query.dtype)
+        out = torch.bmm(probs.view(n * kvh, group, keys), v)
+        return out.view(n, self.num_heads, self.head_size)
 
 
 class TorchAttentionBackend(AttentionBackend):

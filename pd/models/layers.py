@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -20,12 +21,11 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        # The fused kernel accumulates in float32 for 16-bit inputs and rounds once.
         if self.offset:
-            return (x * (self.offset + self.weight.float())).to(dtype)
-        return self.weight * x.to(dtype)
+            weight = self.offset + self.weight.float()
+            return F.rms_norm(x.float(), self.weight.shape, weight, self.eps).to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_parameters(hf_config: dict[str, Any], layer_type: str | None = None) -> dict[str, Any]:
@@ -67,7 +67,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE over the first `rotary_dim` dims of each head (rotate-half)."""
+    """Neox-style RoPE over the first `rotary_dim` dims of each head (rotate-half).
+
+    rotate_half(x) * sin is computed as flip(x as two halves) * [-sin, sin], one copy
+    instead of slice/negate/concatenate. cos/sin rows are looked up once per positions
+    tensor, so the layers of one forward share them.
+    """
 
     def __init__(self, head_size: int, max_position: int, params: dict[str, Any],
                  rotary_dim: int | None = None) -> None:
@@ -76,24 +81,35 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim or head_size
         inv_freq, scale = _inv_freq(self.rotary_dim, params)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scale, persistent=False)
-        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+        self.register_buffer("cos", torch.cat((freqs, freqs), dim=-1).cos() * scale, persistent=False)
+        sin = freqs.sin() * scale
+        self.register_buffer("signed_sin", torch.cat((-sin, sin), dim=-1), persistent=False)
+        self._rows: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q (T, H*D), k (T, KVH*D) -> rotated, same shapes and dtypes."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = self._lookup(positions, q.dtype)
         return self._apply(q, cos, sin), self._apply(k, cos, sin)
+
+    def _lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rows is None or self._rows[0] is not positions or self._rows[1] != dtype:
+            cos = self.cos[positions].unsqueeze(1).to(dtype)
+            sin = self.signed_sin[positions].unsqueeze(1).to(dtype)
+            self._rows = (positions, dtype, cos, sin)
+        return self._rows[2], self._rows[3]
 
     def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.view(shape[0], -1, self.head_size)
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        half = self.rotary_dim // 2
-        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-        out = rot * cos.to(x.dtype) + rotated * sin.to(x.dtype)
-        return torch.cat((out, rest), dim=-1).view(shape) if rest.numel() else out.view(shape)
+        if self.rotary_dim < self.head_size:
+            rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+            return torch.cat((self._rotate(rot, cos, sin), rest), dim=-1).view(shape)
+        return self._rotate(x, cos, sin).view(shape)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        halves = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+        return x * cos + halves * sin
 
 
 class MergedLinear(nn.Linear):

@@ -174,10 +174,15 @@ class Harness:
         if not decodes:
             assert metadata.decodes is None
             return
-        gathered = metadata.decodes.blocks * bs + metadata.decodes.offsets
-        for row, (req, f) in zip(gathered.tolist(), decodes, strict=True):
+        d = metadata.decodes
+        blocks = d.blocks.view(-1, d.blocks_per_req)
+        slots = (blocks[:, :, None] * bs + torch.arange(bs, device=blocks.device)).flatten(1)
+        seen = d.visible.view(len(decodes), -1)
+        assert torch.equal(d.bias.view(len(decodes), -1) == 0, seen)
+        for row_blocks, row_slots, row_seen, (req, f) in zip(blocks.tolist(), slots.tolist(), seen.tolist(), decodes, strict=True):
+            assert set(row_blocks) <= set(req.blocks[f // bs : req.done // bs + 1])  # whole blocks, none outside
             visible = {req.blocks[q // bs] * bs + q % bs for q in range(f, req.done + 1)}
-            assert set(row) == visible
+            assert {slot for slot, ok in zip(row_slots, row_seen) if ok} == visible
 
     def _batch(self, new: list[tuple[Req, int, int]], layer: int, name: str, pad: int) -> torch.Tensor:
         rows = torch.cat([getattr(req, name)[layer, start:end] for req, start, end in new])
@@ -327,14 +332,16 @@ def test_window_mismatch_between_builder_and_layer_is_refused() -> None:
 
 
 def test_decode_gather_reads_only_window_positions() -> None:
-    """The padded decode gather covers exactly each query's visible positions."""
+    """The decode gather reads whole blocks from each query's first visible one, and
+    marks exactly its visible positions."""
     h = harness(Shape(block_size=4, window=6))
     a, b = h.request(30), h.request(3)
     h.step([(a, 29), (b, 2)])
     meta = h.step([(a, 1), (b, 1)])
     assert meta.decodes is not None
-    assert meta.decodes.mask[:, 0, 0].sum(-1).tolist() == [6, 3]
-    assert meta.decodes.blocks.shape == (2, 6)
+    assert meta.decodes.visible.view(2, -1).sum(-1).tolist() == [6, 3]
+    assert meta.decodes.blocks_per_req == 2  # a sees positions 24..29: blocks 6 and 7
+    assert meta.decodes.blocks.view(2, 2).tolist() == [a.blocks[6:8], [b.blocks[0]] * 2]
 
 
 # --- randomized scenarios --------------------------------------------------------------

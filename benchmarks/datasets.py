@@ -1,0 +1,179 @@
+"""Request datasets for the serving benchmark.
+
+A dataset is a list of `SampleRequest`s: a prompt (token ids or text), its length in
+tokens, and how many tokens to ask for. Three kinds:
+
+- `random`: prompts of exactly `--random-input-len` random token ids in
+  [`LOW_TOKEN_ID`, `--vocab-size`), the first `--random-prefix-len` of them shared by every
+  prompt. (vLLM's `random` puts the prefix *in front of* `input_len` ids; here the prefix
+  counts towards `--random-input-len`, so the prompt length is what the flag says.)
+- `prefix-repetition`: `--prefix-repetition-num-prefixes` random prefixes, each shared by
+  about `num_prompts / num_prefixes` prompts that differ in a random suffix; the prompts
+  are shuffled so that the groups interleave.
+- `sharegpt`: a ShareGPT JSON file (a list of `{"conversations": [{"from": "human",
+  "value": ...}, {"from": "gpt", "value": ...}, ...]}`); the first turn is the prompt
+  text and the second turn's length sets the output length. Without a tokenizer, lengths
+  are *estimated* as `round(chars / 4)` tokens (roughly English BPE); the benchmark reports
+  the server's own token counts (usage) for what was actually sent and generated.
+
+Token-id prompts go to `/v1/completions` as `prompt: [ids]`, so their lengths are exact
+with no tokenizer on the client. The chat endpoint needs text: `ids_to_text` spells each
+id as one made-up word ("ka", "zomi", ...). The server's tokenizer splits those words its
+own way, so a chat prompt's token count only approximates the id count (usage reports
+the real one), and a shared id prefix becomes a shared text prefix.
+
+All datasets are deterministic given `--seed`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+DATASETS = ("random", "prefix-repetition", "sharegpt")
+# Ids below this are left out of random prompts: most vocabularies put special tokens
+# (pad, bos, eos, unk) at the lowest ids.
+LOW_TOKEN_ID = 10
+CHARS_PER_TOKEN = 4
+_CONSONANTS = "bdfgklmnprstvz"
+_VOWELS = "aeiou"
+_SYLLABLES = [c + v for c in _CONSONANTS for v in _VOWELS]
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One request to send. `prompt_len` is exact for id prompts, estimated for text."""
+
+    prompt: str | list[int]
+    prompt_len: int
+    output_len: int
+
+    def text(self) -> str:
+        """The prompt as text (ids spelled as words, see `ids_to_text`)."""
+        return self.prompt if isinstance(self.prompt, str) else ids_to_text(self.prompt)
+
+
+def ids_to_text(ids: list[int]) -> str:
+    """Spell each token id as a distinct pronounceable word (injective, deterministic)."""
+    return " ".join(_id_to_word(i) for i in ids)
+
+
+def _id_to_word(token_id: int) -> str:
+    digits = []
+    while True:
+        token_id, digit = divmod(token_id, len(_SYLLABLES))
+        digits.append(_SYLLABLES[digit])
+        if token_id == 0:
+            return "".join(reversed(digits))
+
+
+def _random_ids(rng: np.random.Generator, n: int, vocab_size: int, low: int) -> list[int]:
+    return rng.integers(low, vocab_size, size=n).tolist()
+
+
+def random_dataset(num_prompts: int, input_len: int, output_len: int, prefix_len: int,
+                   vocab_size: int, seed: int, low: int = LOW_TOKEN_ID) -> list[SampleRequest]:
+    """Prompts of exactly `input_len` ids whose first `prefix_len` ids are shared."""
+    if not 0 <= prefix_len <= input_len:
+        raise ValueError(f"random prefix len {prefix_len} must be in [0, input len {input_len}]")
+    if not 0 <= low < vocab_size:
+        raise ValueError(f"vocab size {vocab_size} must exceed the lowest token id {low}")
+    rng = np.random.default_rng(seed)
+    prefix = _random_ids(rng, prefix_len, vocab_size, low)
+    return [SampleRequest(prefix + _random_ids(rng, input_len - prefix_len, vocab_size, low),
+                          input_len, output_len) for _ in range(num_prompts)]
+
+
+def prefix_repetition_dataset(num_prompts: int, prefix_len: int, suffix_len: int,
+                              num_prefixes: int, output_len: int, vocab_size: int, seed: int,
+                              low: int = LOW_TOKEN_ID) -> list[SampleRequest]:
+    """`num_prompts` prompts, prompt i built on prefix i % num_prefixes, then shuffled."""
+    if num_prefixes < 1:
+        raise ValueError("need at least one prefix")
+    rng = np.random.default_rng(seed)
+    prefixes = [_random_ids(rng, prefix_len, vocab_size, low) for _ in range(num_prefixes)]
+    samples = [SampleRequest(prefixes[i % num_prefixes] + _random_ids(rng, suffix_len, vocab_size, low),
+                             prefix_len + suffix_len, output_len) for i in range(num_prompts)]
+    order = rng.permutation(num_prompts)
+    return [samples[i] for i in order]
+
+
+def estimate_tokens(text: str) -> int:
+    """Token count of `text` without a tokenizer: one token per `CHARS_PER_TOKEN` chars."""
+    return max(1, round(len(text) / CHARS_PER_TOKEN))
+
+
+def sharegpt_dataset(path: str | Path, num_prompts: int, seed: int,
+                     output_len: int | None = None) -> list[SampleRequest]:
+    """First human turn as prompt, the reply's estimated length as output length.
+
+    Like vLLM's sampler, conversations with fewer than two turns are skipped, as are
+    (by estimated length) prompts or replies under 4 tokens, prompts over 1024 tokens
+    and pairs over 2048. `output_len` overrides the estimated reply length.
+    """
+    entries = json.loads(Path(path).read_text())
+    order = np.random.default_rng(seed).permutation(len(entries))
+    samples = []
+    for index in order:
+        sample = _sharegpt_sample(entries[index], output_len)
+        if sample is not None:
+            samples.append(sample)
+            if len(samples) == num_prompts:
+                return samples
+    raise ValueError(f"{path} has only {len(samples)} usable conversations, {num_prompts} requested")
+
+
+def _sharegpt_sample(entry: dict, output_len: int | None) -> SampleRequest | None:
+    turns = entry.get("conversations") or []
+    if len(turns) < 2:
+        return None
+    prompt = turns[0]["value"]
+    prompt_len = estimate_tokens(prompt)
+    reply_len = estimate_tokens(turns[1]["value"]) if output_len is None else output_len
+    if prompt_len < 4 or reply_len < 4 or prompt_len > 1024 or prompt_len + reply_len > 2048:
+        return None
+    return SampleRequest(prompt, prompt_len, reply_len)
+
+
+def add_dataset_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("dataset")
+    group.add_argument("--dataset", choices=DATASETS, default="random",
+                       help="where prompts come from (default: random)")
+    group.add_argument("--dataset-path", help="ShareGPT JSON file (required for --dataset sharegpt)")
+    group.add_argument("--vocab-size", type=int, default=4096,
+                       help=f"random token ids are drawn from [{LOW_TOKEN_ID}, V) (default: 4096)")
+    group.add_argument("--random-input-len", type=int, default=1024,
+                       help="random: prompt length in tokens, shared prefix included (default: 1024)")
+    group.add_argument("--random-output-len", type=int, default=128,
+                       help="random: tokens to generate per request (default: 128)")
+    group.add_argument("--random-prefix-len", type=int, default=0,
+                       help="random: leading tokens shared by every prompt (default: 0)")
+    group.add_argument("--prefix-repetition-prefix-len", type=int, default=256,
+                       help="prefix-repetition: tokens in each shared prefix (default: 256)")
+    group.add_argument("--prefix-repetition-suffix-len", type=int, default=256,
+                       help="prefix-repetition: random tokens after the prefix (default: 256)")
+    group.add_argument("--prefix-repetition-num-prefixes", type=int, default=10,
+                       help="prefix-repetition: number of distinct prefixes (default: 10)")
+    group.add_argument("--prefix-repetition-output-len", type=int, default=128,
+                       help="prefix-repetition: tokens to generate per request (default: 128)")
+    group.add_argument("--sharegpt-output-len", type=int,
+                       help="sharegpt: fixed output length instead of the reply's estimated length")
+
+
+def load_samples(args: argparse.Namespace) -> list[SampleRequest]:
+    """The dataset chosen by `args` (also reads `num_prompts` and `seed`)."""
+    if args.dataset == "random":
+        return random_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
+                              args.random_prefix_len, args.vocab_size, args.seed)
+    if args.dataset == "prefix-repetition":
+        return prefix_repetition_dataset(
+            args.num_prompts, args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes, args.prefix_repetition_output_len,
+            args.vocab_size, args.seed)
+    if not args.dataset_path:
+        raise ValueError("--dataset sharegpt needs --dataset-path")
+    return sharegpt_dataset(args.dataset_path, args.num_prompts, args.seed, args.sharegpt_output_len)
