@@ -1,0 +1,301 @@
+"""EngineClient: the server's handle on its engine-core process.
+
+`EngineClient.start(config)` (synchronous, before the server's event loop runs) spawns
+`run_engine_core` in a fresh process, binds the two ZMQ sockets it connects to (ipc://
+paths in a temp dir of this engine's own, so engines never collide) and waits for
+`Ready`. Requests then go out as msgspec messages and their outputs come back through
+one reader task, routed to a queue per request.
+
+Event loop: the client works in whichever asyncio loop uses it. Its two background
+tasks (the output reader, and the watcher that fails every pending request with
+`EngineDeadError` when the process dies) start on first use inside the running loop;
+a server should `await client.attach()` at startup so that a death is noticed even
+before the first request. Used from a new loop (each `asyncio.run` in tests), it
+re-attaches there; requests still pending in the old loop are forgotten. All methods
+are meant to be called from the loop's thread (and `start`/`shutdown` from any thread
+while no loop is using the client, or from the loop's thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pd.config import EngineConfig
+from pd.engine.messages import (
+    AbortRequests,
+    EngineInfo,
+    EngineRequest,
+    EngineStatsMsg,
+    Ready,
+    RequestOutputMsg,
+    Shutdown,
+    StartupFailed,
+    StepOutputs,
+    encode,
+    output_decoder,
+)
+from pd.engine.process import run_engine_core
+
+logger = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 0.2  # how often the watcher checks that the process is alive
+KILL_WAIT_S = 5.0  # how long terminate() is given before kill()
+
+
+class EngineStartupError(RuntimeError):
+    """The engine-core process failed to build its core, died or timed out starting."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; no request can be served any more."""
+
+
+class _Dead:
+    """Put in a request's queue when the engine dies."""
+
+
+_DEAD = _Dead()
+
+
+class EngineClient:
+    """Talks to one engine-core process. Create with `EngineClient.start`."""
+
+    def __init__(self, process: BaseProcess, context: zmq.Context, input_socket: zmq.Socket,
+                 output_socket: zmq.asyncio.Socket, ipc_dir: str, info: EngineInfo) -> None:
+        self.info = info
+        self._process = process
+        self._context = context
+        self._input = input_socket
+        self._output = output_socket
+        self._ipc_dir = ipc_dir
+        self._decoder = output_decoder()
+        self._stats = EngineStatsMsg(group_names=list(info.group_names),
+                                     group_queries=[0] * len(info.group_names),
+                                     group_hits=[0] * len(info.group_names))
+        self._queues: dict[str, asyncio.Queue[RequestOutputMsg | _Dead]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._dead_error: str | None = None
+        self._closed = False
+
+    # ---- lifecycle ----------------------------------------------------------------
+
+    @classmethod
+    def start(cls, config: EngineConfig, startup_timeout: float = 120.0) -> EngineClient:
+        """Spawn the engine-core process and wait until it is ready; EngineStartupError
+        if it reports a failure, dies or is not ready within `startup_timeout` seconds."""
+        ipc_dir = tempfile.mkdtemp(prefix="pd-engine-")
+        input_address, output_address = f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output"
+        context = zmq.Context()
+        input_socket = context.socket(zmq.PUSH)
+        input_socket.setsockopt(zmq.SNDHWM, 0)  # a send then fails only when the core is gone
+        input_socket.bind(input_address)
+        output_socket = zmq.asyncio.Socket(context, zmq.PULL)
+        output_socket.setsockopt(zmq.RCVHWM, 0)
+        output_socket.bind(output_address)
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(config, input_address, output_address),
+            name="pd-engine-core", daemon=True)
+        try:
+            process.start()
+            info = _wait_ready(process, zmq.Socket.shadow(output_socket.underlying), startup_timeout)
+        except BaseException:
+            _stop_process(process, timeout=2.0)
+            _close(context, input_socket, output_socket, ipc_dir)
+            raise
+        return cls(process, context, input_socket, output_socket, ipc_dir, info)
+
+    async def attach(self) -> None:
+        """Start the background tasks in the running loop now (else on first use)."""
+        self._attach()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask the core to stop, wait up to `timeout` s, then terminate / kill it. Pending
+        requests fail with EngineDeadError. Idempotent; the process is gone afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._process.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                self._input.send(encode(Shutdown()), zmq.NOBLOCK)
+        _stop_process(self._process, timeout)
+        self._mark_dead("the engine was shut down")
+        for task in self._tasks:
+            with contextlib.suppress(RuntimeError):  # its loop may be closed already
+                task.cancel()
+        _close(self._context, self._input, self._output, self._ipc_dir)
+
+    # ---- state --------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """The process's exit code (negative: killed by that signal); None while it runs."""
+        return self._process.exitcode
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead_error is None and self._process.is_alive()
+
+    @property
+    def dead_error(self) -> str | None:
+        """Why the engine is dead (None while it is alive)."""
+        if self._dead_error is None and not self._process.is_alive():
+            return _exit_message(self._process)
+        return self._dead_error
+
+    @property
+    def stats(self) -> EngineStatsMsg:
+        """The stats sent with the latest step (all zero before the first)."""
+        return self._stats
+
+    # ---- requests -----------------------------------------------------------------
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutputMsg]:
+        """Add the request and yield its outputs until the finished one. ValueError if
+        the core refuses it (or its id is in flight here), EngineDeadError if the engine
+        dies. Stopping early (aclose, cancellation) aborts the request in the core."""
+        queue = self._register(request.request_id)
+        finished = False
+        try:
+            self._send(request)
+            while not finished:
+                output = await queue.get()
+                if isinstance(output, _Dead):
+                    raise EngineDeadError(self.dead_error)
+                finished = output.finished
+                if output.error is not None:
+                    raise ValueError(output.error)
+                yield output
+        finally:
+            self._queues.pop(request.request_id, None)
+            if not finished:
+                self._abort_quietly([request.request_id])
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Abort requests; each one's generator ends with a "abort" output. Unknown or
+        finished ids are ignored, and so is everything once the engine is dead."""
+        self._attach()
+        self._abort_quietly(request_ids)
+
+    # ---- internals ----------------------------------------------------------------
+
+    def _attach(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop or self._closed:
+            return
+        self._loop = loop
+        self._queues = {}  # any left belong to a previous loop, whose tasks are gone
+        self._tasks = [loop.create_task(self._read_outputs(), name="pd-engine-outputs"),
+                       loop.create_task(self._watch_process(), name="pd-engine-watch")]
+
+    def _register(self, request_id: str) -> asyncio.Queue[RequestOutputMsg | _Dead]:
+        self._attach()
+        if self._closed or not self.is_alive:
+            raise EngineDeadError(self.dead_error)
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        queue: asyncio.Queue[RequestOutputMsg | _Dead] = asyncio.Queue()
+        self._queues[request_id] = queue
+        return queue
+
+    def _send(self, message: Any) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(self._dead_error)
+        try:
+            self._input.send(encode(message), zmq.NOBLOCK)
+        except zmq.Again:  # unbounded queue: only a core that disconnected refuses
+            raise EngineDeadError("the engine core is not connected") from None
+
+    def _abort_quietly(self, request_ids: list[str]) -> None:
+        if self._dead_error is None and not self._closed:
+            with contextlib.suppress(EngineDeadError, zmq.ZMQError):
+                self._send(AbortRequests(list(request_ids)))
+
+    async def _read_outputs(self) -> None:
+        try:
+            while True:
+                message = self._decoder.decode(await self._output.recv())
+                if isinstance(message, StepOutputs):
+                    self._route(message)
+        except Exception as e:  # a broken socket or message: nothing more will arrive
+            if not self._closed:
+                logger.exception("reading engine outputs failed")
+                self._mark_dead(f"reading engine outputs failed: {e!r}")
+
+    def _route(self, message: StepOutputs) -> None:
+        self._stats = message.stats
+        for output in message.outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:  # else its consumer left (and aborted it)
+                queue.put_nowait(output)
+
+    async def _watch_process(self) -> None:
+        while self._process.is_alive():
+            await asyncio.sleep(WATCH_INTERVAL_S)
+        self._mark_dead(_exit_message(self._process))
+
+    def _mark_dead(self, reason: str) -> None:
+        if self._dead_error is not None:
+            return
+        self._dead_error = reason
+        for queue in self._queues.values():
+            queue.put_nowait(_DEAD)
+
+
+def _wait_ready(process: BaseProcess, socket: zmq.Socket, timeout: float) -> EngineInfo:
+    decoder = output_decoder()
+    deadline = time.monotonic() + timeout
+    while True:
+        exited = not process.is_alive()  # checked first: a message sent before exiting is still read
+        if socket.poll(500 if exited else 100, zmq.POLLIN):
+            message = decoder.decode(socket.recv())
+            if isinstance(message, Ready):
+                return message.info
+            if isinstance(message, StartupFailed):
+                raise EngineStartupError(f"engine core failed to start: {message.error}")
+            continue
+        if exited:
+            raise EngineStartupError(f"{_exit_message(process)} before it was ready")
+        if time.monotonic() > deadline:
+            raise EngineStartupError(f"engine core (pid {process.pid}) not ready after {timeout:g} s")
+
+
+def _exit_message(process: BaseProcess) -> str:
+    return f"engine core process (pid {process.pid}) exited with code {process.exitcode}"
+
+
+def _stop_process(process: BaseProcess, timeout: float) -> None:
+    """Wait for the process to exit, escalating to SIGTERM, then SIGKILL."""
+    if process.pid is None:  # never started
+        return
+    process.join(timeout)
+    if process.is_alive():
+        logger.warning("engine core (pid %s) did not exit in %g s; terminating", process.pid, timeout)
+        process.terminate()
+        process.join(KILL_WAIT_S)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
+def _close(context: zmq.Context, input_socket: zmq.Socket, output_socket: zmq.Socket, ipc_dir: str) -> None:
+    input_socket.close(linger=0)
+    output_socket.close(linger=0)
+    context.term()
+    shutil.rmtree(ipc_dir, ignore_errors=True)

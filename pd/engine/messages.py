@@ -1,0 +1,207 @@
+"""What the server and the engine-core process say to each other over ZMQ.
+
+Every message is a msgspec Struct encoded as msgpack; nothing received is unpickled.
+Input (server -> core) is the tagged union `EngineInput`, output (core -> server) the
+tagged union `EngineOutput`. The conversion helpers turn these into the engine's own
+dataclasses and back; the `pd` modules that need torch are imported only inside them,
+so the server side of the wire imports without torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+if TYPE_CHECKING:
+    from pd.engine.core import EngineCore, EngineStats
+    from pd.outputs import RequestOutput
+    from pd.request import Request, SamplingParams
+
+
+# ---- server -> core ---------------------------------------------------------------
+
+
+class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
+    """A request to add: token ids and the fields of `SamplingParams`, unvalidated (the
+    core validates them and answers a bad one with an error output)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None
+
+    @classmethod
+    def create(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               kv_transfer_params: dict[str, Any] | None = None,
+               cache_salt: str | None = None) -> EngineRequest:
+        return cls(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                   max_tokens=params.max_tokens, temperature=params.temperature,
+                   top_k=params.top_k, top_p=params.top_p, seed=params.seed,
+                   stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+                   kv_transfer_params=kv_transfer_params, cache_salt=cache_salt)
+
+    def sampling_params(self) -> SamplingParams:
+        """The validated params; ValueError if a field is out of range."""
+        from pd.request import SamplingParams
+
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
+                              top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+                              stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos)
+
+    def to_request(self) -> Request:
+        """The engine's Request; ValueError for bad params or an empty prompt."""
+        from pd.request import Request
+
+        return Request(self.request_id, list(self.prompt_token_ids), self.sampling_params(),
+                       kv_transfer_params=self.kv_transfer_params, cache_salt=self.cache_salt)
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    """Finish these requests as aborted; unknown (or already finished) ids are ignored."""
+
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    """Stop the loop, shut the core down and exit 0."""
+
+
+EngineInput = EngineRequest | AbortRequests | Shutdown
+
+
+# ---- core -> server ---------------------------------------------------------------
+
+
+class EngineInfo(msgspec.Struct, kw_only=True):
+    """What the server needs to know about the engine it talks to. `group_names[i]`
+    and `block_sizes[i]` describe KV cache group i."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    group_names: list[str]
+    num_blocks: int
+    block_sizes: list[int]
+    architectures: list[str]
+
+    @classmethod
+    def from_core(cls, core: EngineCore) -> EngineInfo:
+        from pd.engine.core import group_names
+
+        kv = core.kv_cache_config
+        return cls(max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
+                   eos_token_ids=sorted(core.model_config.eos_token_ids),
+                   group_names=group_names(kv), num_blocks=kv.num_blocks,
+                   block_sizes=[g.spec.block_size for g in kv.groups],
+                   architectures=core.model_config.architectures)
+
+
+class RequestOutputMsg(msgspec.Struct, kw_only=True):
+    """`RequestOutput` on the wire, plus `error`: set (and nothing else) when the core
+    refused the request; such a request never ran and is already forgotten."""
+
+    request_id: str
+    new_token_ids: list[int] = []
+    finish_reason: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        """The last output this request will get."""
+        return self.finish_reason is not None or self.error is not None
+
+    @classmethod
+    def from_output(cls, output: RequestOutput) -> RequestOutputMsg:
+        return cls(request_id=output.request_id, new_token_ids=list(output.new_token_ids),
+                   finish_reason=output.finish_reason, kv_transfer_params=output.kv_transfer_params,
+                   num_cached_tokens=output.num_cached_tokens)
+
+    @classmethod
+    def refused(cls, request_id: str, error: str) -> RequestOutputMsg:
+        return cls(request_id=request_id, error=error)
+
+    def to_output(self) -> RequestOutput:
+        """The engine's RequestOutput (`error` has no counterpart there)."""
+        from pd.outputs import RequestOutput
+
+        return RequestOutput(self.request_id, list(self.new_token_ids), self.finish_reason,
+                             self.kv_transfer_params, self.num_cached_tokens)
+
+
+class EngineStatsMsg(msgspec.Struct, kw_only=True):
+    """`EngineStats` on the wire (see pd/engine/core.py)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    group_names: list[str] = []
+    group_queries: list[int] = []
+    group_hits: list[int] = []
+
+    @classmethod
+    def from_stats(cls, stats: EngineStats) -> EngineStatsMsg:
+        return cls(num_running=stats.num_running, num_waiting=stats.num_waiting,
+                   kv_usage=stats.kv_usage, num_preemptions=stats.num_preemptions,
+                   prefix_cache_queries=stats.prefix_cache_queries,
+                   prefix_cache_hits=stats.prefix_cache_hits, group_names=list(stats.group_names),
+                   group_queries=list(stats.group_queries), group_hits=list(stats.group_hits))
+
+    def to_stats(self) -> EngineStats:
+        from pd.engine.core import EngineStats
+
+        return EngineStats(self.num_running, self.num_waiting, self.kv_usage, self.num_preemptions,
+                           self.prefix_cache_queries, self.prefix_cache_hits, list(self.group_names),
+                           list(self.group_queries), list(self.group_hits))
+
+
+class Ready(msgspec.Struct, tag=True):
+    """The core is built and reading its input."""
+
+    info: EngineInfo
+
+
+class StartupFailed(msgspec.Struct, tag=True):
+    """Building the core raised; the process exits non-zero after sending this."""
+
+    error: str
+
+
+class StepOutputs(msgspec.Struct, tag=True):
+    """One step's outputs (with those of the aborts and refusals applied before it) and
+    the stats after it."""
+
+    outputs: list[RequestOutputMsg]
+    stats: EngineStatsMsg
+
+
+EngineOutput = Ready | StartupFailed | StepOutputs
+
+
+# ---- codecs -----------------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: Any) -> bytes:
+    return _encoder.encode(message)
+
+
+def input_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(EngineInput)
+
+
+def output_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(EngineOutput)

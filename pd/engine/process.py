@@ -1,0 +1,169 @@
+"""The engine-core process: an EngineCore stepped in a loop behind two ZMQ sockets.
+
+The server (see `client.py`) binds a PUSH socket at `input_address` and a PULL socket at
+`output_address`; this process connects to both. It answers `Ready` once the core is
+built (or `StartupFailed` and exits 1), then each turn of the loop applies every queued
+input message and steps the core if it has work, sending one `StepOutputs` per turn that
+produced outputs or changed the stats. SIGTERM, SIGINT, a `Shutdown` message or the death
+of the parent process end the loop after the current step; the process then exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import TYPE_CHECKING
+
+import msgspec
+import zmq
+
+from pd.config import EngineConfig
+from pd.engine.messages import (
+    AbortRequests,
+    EngineInfo,
+    EngineInput,
+    EngineRequest,
+    EngineStatsMsg,
+    Ready,
+    RequestOutputMsg,
+    Shutdown,
+    StartupFailed,
+    StepOutputs,
+    encode,
+    input_decoder,
+)
+
+if TYPE_CHECKING:
+    from pd.engine.core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 100  # how long an idle loop blocks on its input, so signals are seen
+LINGER_MS = 2000  # how long closing the output socket may wait to deliver what is queued
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
+    """The process entry point; returns (exit code 0) once stopped, exits 1 if the core
+    could not be built."""
+    stop = _StopFlag()
+    context = zmq.Context()
+    inbox, outbox = _connect(context, input_address, output_address)
+    try:
+        core = _build_core(config, outbox)
+        if core is None:
+            sys.exit(1)
+        try:
+            outbox.send(encode(Ready(EngineInfo.from_core(core))))
+            EngineLoop(core, inbox, outbox, stop).run()
+        finally:
+            core.shutdown()
+    finally:
+        inbox.close(linger=0)
+        outbox.close(linger=LINGER_MS)
+        context.term()
+
+
+class EngineLoop:
+    """Each turn: apply every queued input message, step if there is work, send what
+    came of both as one `StepOutputs`."""
+
+    def __init__(self, core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket, stop: _StopFlag) -> None:
+        self.core = core
+        self.inbox = inbox
+        self.outbox = outbox
+        self.stop = stop
+        self.decoder = input_decoder()
+        self.parent_pid = os.getppid()
+        self.last_stats: EngineStatsMsg | None = None
+
+    def run(self) -> None:
+        while not self.stop.is_set:
+            outputs = self.apply(self.receive())
+            stepped = self.core.has_work()
+            if stepped:
+                outputs += [RequestOutputMsg.from_output(o) for o in self.core.step()]
+            if stepped or outputs:
+                self.send(outputs)
+            if os.getppid() != self.parent_pid:  # orphaned: nobody will read our outputs
+                logger.warning("engine core: parent process died, stopping")
+                self.stop.set()
+
+    def send(self, outputs: list[RequestOutputMsg]) -> None:
+        """The outputs with the stats after them; nothing for a step that changed nothing
+        the server sees (a core waiting on remote KV steps without pause)."""
+        stats = EngineStatsMsg.from_stats(self.core.stats())
+        if outputs or stats != self.last_stats:
+            self.outbox.send(encode(StepOutputs(outputs, stats)))
+            self.last_stats = stats
+
+    def receive(self) -> list[EngineInput]:
+        """Every queued message; waits up to IDLE_POLL_MS for the first one when idle."""
+        timeout = 0 if self.core.has_work() else IDLE_POLL_MS
+        messages = []
+        while self.inbox.poll(timeout, zmq.POLLIN):
+            timeout = 0
+            frame = self.inbox.recv()
+            try:
+                messages.append(self.decoder.decode(frame))
+            except msgspec.DecodeError:  # not from our client; it cannot be answered
+                logger.exception("engine core: dropped a malformed input message")
+        return messages
+
+    def apply(self, messages: list[EngineInput]) -> list[RequestOutputMsg]:
+        outputs: list[RequestOutputMsg] = []
+        for message in messages:
+            if isinstance(message, EngineRequest):
+                outputs += self.add(message)
+            elif isinstance(message, AbortRequests):
+                aborted = self.core.abort_requests(message.request_ids)
+                outputs += [RequestOutputMsg.from_output(o) for o in aborted]
+            elif isinstance(message, Shutdown):
+                self.stop.set()
+        return outputs
+
+    def add(self, message: EngineRequest) -> list[RequestOutputMsg]:
+        """Nothing if the core took the request; its error output if it refused it."""
+        try:
+            self.core.add_request(message.to_request())
+        except ValueError as e:
+            return [RequestOutputMsg.refused(message.request_id, str(e))]
+        return []
+
+
+class _StopFlag:
+    """Set by SIGTERM / SIGINT (and by `Shutdown`); the loop checks it each turn."""
+
+    def __init__(self) -> None:
+        self.is_set = False
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.set()
+
+    def set(self) -> None:
+        self.is_set = True
+
+
+def _connect(context: zmq.Context, input_address: str, output_address: str) -> tuple[zmq.Socket, zmq.Socket]:
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(input_address)
+    outbox = context.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow reader
+    outbox.connect(output_address)
+    return inbox, outbox
+
+
+def _build_core(config: EngineConfig, outbox: zmq.Socket) -> EngineCore | None:
+    """The core, or None after sending `StartupFailed`. Imported here, not at the top,
+    so that a failure to import torch or the model code is reported the same way."""
+    try:
+        from pd.engine.core import EngineCore
+
+        return EngineCore(config)
+    except Exception as e:
+        logger.exception("engine core failed to start")
+        outbox.send(encode(StartupFailed(f"{type(e).__name__}: {e}")))
+        return None
