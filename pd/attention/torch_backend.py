@@ -53,15 +53,14 @@ class DecodeBatch:
     Row d reads `blocks_per_req` whole blocks, from the first block holding a key its
     query sees; rows with fewer repeat their last block. Key slot j of row d is token
     `j % block_size` of its `j // block_size`-th block. `visible[d, j]` says whether the
-    query sees that key (causal and in window); invisible keys are zeroed after the
-    gather (an unwritten slot may hold anything) and get -inf in `bias`.
+    query sees that key (causal and in window). Invisible keys get no weight and their
+    values are zeroed after the gather: an unwritten slot may hold anything, even NaN.
     """
 
     token_indices: torch.Tensor  # int64 (num_decodes,): batch rows of the decode tokens
     blocks: torch.Tensor  # int64 (num_decodes * blocks_per_req,): block ids, row-major
     blocks_per_req: int
-    visible: torch.Tensor  # bool (1, num_decodes, 1, blocks_per_req * block_size, 1)
-    bias: torch.Tensor  # float32 (num_decodes, 1, 1, blocks_per_req * block_size): 0 or -inf
+    visible: torch.Tensor  # bool (num_decodes, blocks_per_req * block_size)
 
 
 @dataclass(frozen=True)
@@ -141,14 +140,8 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
         visible = key_pos <= pos[:, None]
         if self.sliding_window is not None:
             visible &= key_pos > pos[:, None] - self.sliding_window
-        bias = torch.zeros(visible.shape, device=self.device).masked_fill_(~visible, float("-inf"))
-        return DecodeBatch(
-            token_indices=token_indices,
-            blocks=blocks.flatten(),
-            blocks_per_req=per_req,
-            visible=visible[None, :, None, :, None],
-            bias=bias[:, None, None, :],
-        )
+        return DecodeBatch(token_indices=token_indices, blocks=blocks.flatten(),
+                           blocks_per_req=per_req, visible=visible)
 
 
 class TorchAttentionImpl(AttentionImpl):
@@ -203,12 +196,13 @@ class TorchAttentionImpl(AttentionImpl):
         n, group, kvh = d.token_indices.numel(), self.num_heads // self.num_kv_heads, self.num_kv_heads
         gathered = kv_cache.index_select(0, d.blocks).unflatten(0, (n, d.blocks_per_req))
         kv = gathered.permute(2, 0, 4, 1, 3, 5).flatten(3, 4)  # (2, n, KVH, keys, D)
-        kv = kv.masked_fill(~d.visible, 0).to(query.dtype)
         keys = kv.shape[3]
-        k, v = kv[0].reshape(n * kvh, keys, -1), kv[1].reshape(n * kvh, keys, -1)
-        q = query[d.token_indices].view(n * kvh, group, self.head_size)
-        scores = torch.bmm(q.float(), k.float().transpose(1, 2)).view(n, kvh, group, keys)
-        probs = (scores * self.scale + d.bias).softmax(-1).to(query.dtype)
+        hidden = ~d.visible
+        k = kv[0].reshape(n * kvh, keys, -1).float()
+        v = kv[1].masked_fill(hidden[:, None, :, None], 0).to(query.dtype).reshape(n * kvh, keys, -1)
+        q = query[d.token_indices].view(n * kvh, group, self.head_size).float()
+        scores = torch.bmm(q, k.transpose(1, 2)).view(n, kvh, group, keys).mul_(self.scale)
+        probs = scores.masked_fill_(hidden[:, None, None, :], float("-inf")).softmax(-1).to(query.dtype)
         out = torch.bmm(probs.view(n * kvh, group, keys), v)
         return out.view(n, self.num_heads, self.head_size)
 

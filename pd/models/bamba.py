@@ -30,7 +30,7 @@ from pd.attention.layer import Attention
 from pd.kv_cache.spec import KVCacheSpec
 from pd.models.base import CausalLM
 from pd.models.config import ModelConfig
-from pd.models.layers import GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, rope_parameters
+from pd.models.layers import GatedMLP, MergedLinear, RMSNorm, get_rope, rope_parameters
 from pd.models.mamba2 import Mamba2Mixer
 
 MAMBA, ATTENTION = "mamba", "attention"
@@ -69,7 +69,7 @@ class HybridAttention(nn.Module):
         self.rotary_emb = None
         if arch.rope is not None:
             max_position = max(config.context_len, config.get("max_position_embeddings", 0))
-            self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, arch.rope, arch.rotary_dim)
+            self.rotary_emb = get_rope(self.head_dim, max_position, arch.rope, arch.rotary_dim)
         self.attn = Attention(f"layers.{index}", self.num_heads, self.num_kv_heads, self.head_dim,
                               scale=arch.attention_scale)
 

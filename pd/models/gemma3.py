@@ -17,7 +17,7 @@ from torch import nn
 from pd.attention.layer import Attention
 from pd.models.base import CausalLM
 from pd.models.config import ModelConfig
-from pd.models.layers import GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding
+from pd.models.layers import GatedMLP, MergedLinear, RMSNorm, get_rope
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' Gemma3TextConfig defaults, for configs that leave a field out.
@@ -67,7 +67,7 @@ class Gemma3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps, offset=1.0)
         self.k_norm = RMSNorm(self.head_dim, eps, offset=1.0)
         max_position = max(config.context_len, config.get("max_position_embeddings", 0))
-        self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, gemma3_rope(config.hf_config, layer_type))
+        self.rotary_emb = get_rope(self.head_dim, max_position, gemma3_rope(config.hf_config, layer_type))
         window = config.get("sliding_window", 4096) if layer_type == SLIDING else None
         scale = config.get("query_pre_attn_scalar", 256) ** -0.5
         self.attn = Attention(f"layers.{index}", self.num_heads, self.num_kv_heads, self.head_dim,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -89,7 +90,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q (T, H*D), k (T, KVH*D) -> rotated, same shapes and dtypes."""
         cos, sin = self._lookup(positions, q.dtype)
-        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+        return self._rotate_heads(q, cos, sin), self._rotate_heads(k, cos, sin)
 
     def _lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rows is None or self._rows[0] is not positions or self._rows[1] != dtype:
@@ -98,7 +99,7 @@ class RotaryEmbedding(nn.Module):
             self._rows = (positions, dtype, cos, sin)
         return self._rows[2], self._rows[3]
 
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rotate_heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.view(shape[0], -1, self.head_size)
         if self.rotary_dim < self.head_size:
@@ -110,6 +111,20 @@ class RotaryEmbedding(nn.Module):
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         halves = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
         return x * cos + halves * sin
+
+
+def get_rope(head_size: int, max_position: int, params: dict[str, Any],
+             rotary_dim: int | None = None) -> RotaryEmbedding:
+    """A RotaryEmbedding shared by every layer (and model) asking for the same one on the
+    same device: one cos/sin table, and one lookup per forward instead of one per layer."""
+    key = (head_size, max_position, tuple(sorted(params.items())), rotary_dim, str(torch.get_default_device()))
+    return _shared_rope(key)
+
+
+@functools.lru_cache(maxsize=32)
+def _shared_rope(key: tuple) -> RotaryEmbedding:
+    head_size, max_position, params, rotary_dim, device = key
+    return RotaryEmbedding(head_size, max_position, dict(params), rotary_dim).to(device)
 
 
 class MergedLinear(nn.Linear):

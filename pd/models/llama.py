@@ -15,7 +15,7 @@ from torch import nn
 from pd.attention.layer import Attention
 from pd.models.base import CausalLM
 from pd.models.config import ModelConfig
-from pd.models.layers import GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, rope_parameters
+from pd.models.layers import GatedMLP, MergedLinear, RMSNorm, get_rope, rope_parameters
 
 
 def layer_types(config: ModelConfig) -> list[str]:
@@ -43,7 +43,7 @@ class LlamaAttention(nn.Module):
         eps = config.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
-        self.rotary_emb = RotaryEmbedding(self.head_dim, max(config.context_len, config.get("max_position_embeddings", 0)), rope)
+        self.rotary_emb = get_rope(self.head_dim, max(config.context_len, config.get("max_position_embeddings", 0)), rope)
         self.attn = Attention(f"layers.{index}", self.num_heads, self.num_kv_heads, self.head_dim,
                               scale=self.head_dim**-0.5, sliding_window=sliding_window)
 
