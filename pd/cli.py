@@ -84,13 +84,27 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-# Later subcommands (serve, bench) register here.
+def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    from pd.server.main import add_serve_flags
+
+    add_serve_flags(parser)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from pd.server.main import run_serve
+
+    return run_serve(args)
+
+
+# Later subcommands (bench) register here.
 COMMANDS: dict[str, Command] = {
     "version": Command("print the pd-serve version", lambda parser: None, _run_version),
     "make-model": Command("write a tiny random checkpoint in a family's published HF format",
                           _add_make_model_flags, _run_make_model),
     "generate": Command("generate from prompts offline and print one JSON object per prompt",
                         _add_generate_flags, _run_generate),
+    "serve": Command("serve a model over an OpenAI-compatible HTTP API (engine core in its own process)",
+                     _add_serve_flags, _run_serve),
 }
 
 

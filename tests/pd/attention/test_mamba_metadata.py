@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from itertools import accumulate
 
 import pytest
 import torch

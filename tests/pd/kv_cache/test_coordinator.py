@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from pd.kv_cache.block_pool import KVCacheBlock
 from pd.kv_cache.coordinator import (
     HybridKVCacheCoordinator,
-    KVCacheCoordinator,
     NoPrefixCacheCoordinator,
     UnitaryKVCacheCoordinator,
 )

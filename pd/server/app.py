@@ -1,0 +1,286 @@
+"""The OpenAI-compatible FastAPI app: routes, auth, errors, streaming.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (behind the
+optional API key), GET /health, GET /metrics (always open). Every refusal is OpenAI's
+`{"error": {...}}` with a 4xx status; a dead engine is a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pd.engine.client import EngineDeadError
+from pd.server.chat import ChatTemplate
+from pd.server.metrics import CONTENT_TYPE, ServerMetrics
+from pd.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body, parse_body
+from pd.server.serving import Generation, Prepared, Server
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is there
+
+
+def build_app(client: Any, tokenizer: Any, served_model_name: str, api_key: str | None = None,
+              chat_template: ChatTemplate | None = None) -> FastAPI:
+    """The app serving `client`'s engine as `served_model_name`. `chat_template` defaults
+    to the one in the tokenizer's config."""
+    template = chat_template or ChatTemplate.from_config(tokenizer.config)
+    server = Server(client, tokenizer, served_model_name, template)
+    metrics = ServerMetrics(lambda: client.stats)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await client.attach()  # so that an engine death is noticed before any request
+        yield
+
+    app = FastAPI(title="pd-serve", lifespan=lifespan)
+    app.state.server = server
+    app.state.metrics = metrics
+    _add_error_handlers(app)
+    app.include_router(_v1_router(server, metrics, api_key))
+    app.include_router(_open_router(server, metrics))
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)  # a safety net: bodies are parsed by parse_body
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
+        return JSONResponse(error_body(f"{param}: {first.get('msg', 'invalid request')}", param=param),
+                            status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error serving %s", request.url.path)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_error"), status_code=500)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+
+def _api_key_check(api_key: str | None) -> Callable[[Request], None]:
+    def check(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise RequestError("missing or incorrect API key (send Authorization: Bearer <key>)",
+                               code="invalid_api_key", status=401)
+
+    return check
+
+
+def _v1_router(server: Server, metrics: ServerMetrics, api_key: str | None) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
+    created = int(time.time())
+
+    @router.get("/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": server.served_model_name, "object": "model", "created": created, "owned_by": "pd-serve",
+            "max_model_len": server.max_model_len}]}
+
+    @router.post("/completions")
+    async def completions(request: Request) -> Response:
+        body = parse_body(await request.body(), CompletionRequest)
+        request_id = server.request_id(request.headers.get("x-request-id"), "cmpl")
+        return await _serve(server, metrics, request, server.prepare_completion(body, request_id), COMPLETION)
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = parse_body(await request.body(), ChatCompletionRequest)
+        request_id = server.request_id(request.headers.get("x-request-id"), "chatcmpl")
+        return await _serve(server, metrics, request, server.prepare_chat(body, request_id), CHAT)
+
+    return router
+
+
+def _open_router(server: Server, metrics: ServerMetrics) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> JSONResponse:
+        client = server.client
+        if client.is_alive:
+            return JSONResponse({"status": "ok", "engine_pid": client.pid})
+        return JSONResponse({"status": "engine dead", "error": client.dead_error, "engine_pid": client.pid},
+                            status_code=503)
+
+    @router.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return router
+
+
+# ---- response shapes --------------------------------------------------------------
+
+
+class Shape:
+    """How one endpoint spells its responses (OpenAI's completion or chat objects)."""
+
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+    opens_with_role = False
+
+    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def chunk_choice(self, text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
+        return self.choice(text, finish_reason)
+
+
+class ChatShape(Shape):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+    opens_with_role = True
+
+    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish_reason}
+
+    def chunk_choice(self, text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
+        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+COMPLETION, CHAT = Shape(), ChatShape()
+
+
+# ---- serving one request ----------------------------------------------------------
+
+
+async def _serve(server: Server, metrics: ServerMetrics, request: Request, prepared: Prepared,
+                 shape: Shape) -> Response:
+    if not server.client.is_alive:
+        raise RequestError(f"the engine is not running: {server.client.dead_error}", type="service_unavailable",
+                           code="engine_dead", status=503)
+    generation = Generation(server.client, server.tokenizer, prepared, metrics)
+    headers = {"X-Request-Id": prepared.request_id}
+    server.in_flight.add(prepared.request_id)
+    if prepared.stream:
+        return _ClosingStreamingResponse(_sse(server, generation, shape),
+                                         lambda: server.in_flight.discard(prepared.request_id),
+                                         media_type="text/event-stream",
+                                         headers=headers | {"Cache-Control": "no-cache"})
+    try:
+        text = await _collect_unless_disconnected(generation, request)
+    finally:
+        server.in_flight.discard(prepared.request_id)
+    if text is None:  # the client left; nobody reads this
+        return Response(status_code=499)
+    body = _envelope(server, generation, shape.object_name)
+    body |= {"choices": [shape.choice(text, generation.finish_reason)], "usage": generation.usage(),
+             "kv_transfer_params": generation.kv_transfer_params}
+    return JSONResponse(body, headers=headers)
+
+
+def _envelope(server: Server, generation: Generation, object_name: str) -> dict[str, Any]:
+    return {"id": generation.prepared.request_id, "object": object_name, "created": generation.created,
+            "model": server.served_model_name}
+
+
+async def _collect(generation: Generation) -> str:
+    try:
+        async with contextlib.aclosing(generation.deltas()) as deltas:
+            return "".join([delta.text async for delta in deltas])
+    except EngineDeadError as e:
+        raise RequestError(f"the engine died: {e}", type="service_unavailable", code="engine_dead",
+                           status=503) from None
+    except ValueError as e:  # refused by the core
+        raise RequestError(str(e)) from None
+
+
+async def _collect_unless_disconnected(generation: Generation, request: Request) -> str | None:
+    """The whole text, or None if the client disconnected first (the request is then
+    aborted in the engine: cancelling the task closes its engine stream)."""
+    task = asyncio.ensure_future(_collect(generation))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                logger.info("client of %s disconnected; aborting it", generation.prepared.request_id)
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+            with anyio.CancelScope(shield=True), contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def _sse(server: Server, generation: Generation, shape: Shape) -> AsyncIterator[str]:
+    """The SSE stream: one chunk per new text (for chat, first the assistant role), the
+    finish reason and kv_transfer_params in the last, a usage chunk if asked for, then
+    [DONE]. An engine failure midway is an error event."""
+    if shape.opens_with_role:
+        yield _chunk(server, generation, shape, "", None, first=True)
+    try:
+        async with contextlib.aclosing(generation.deltas()) as deltas:
+            async for delta in deltas:
+                if delta.text or delta.finish_reason:
+                    yield _chunk(server, generation, shape, delta.text, delta.finish_reason, first=False)
+        if generation.prepared.include_usage:
+            yield _event(_envelope(server, generation, shape.chunk_object_name)
+                         | {"choices": [], "usage": generation.usage()})
+    except EngineDeadError as e:
+        yield _event(error_body(f"the engine died: {e}", "service_unavailable", code=503))
+    except ValueError as e:  # refused by the core
+        yield _event(error_body(str(e), code=400))
+    yield "data: [DONE]\n\n"
+
+
+def _chunk(server: Server, generation: Generation, shape: Shape, text: str, finish_reason: str | None,
+           first: bool) -> str:
+    chunk = _envelope(server, generation, shape.chunk_object_name)
+    chunk["choices"] = [shape.chunk_choice(text, finish_reason, first)]
+    if finish_reason is not None:
+        chunk["kv_transfer_params"] = generation.kv_transfer_params
+    return _event(chunk)
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Closes its generator however the response ends, then calls `on_close`. When the
+    client disconnects while the generator is parked at a `yield`, Starlette only stops
+    iterating; closing it here runs its `finally` blocks now, which abort the engine
+    request."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            finally:
+                self.on_close()

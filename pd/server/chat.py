@@ -1,0 +1,101 @@
+"""The checkpoint's chat template, rendered as transformers renders it.
+
+The template comes from `chat_template.jinja` in the model directory when present (newer
+checkpoints), else from tokenizer_config.json's `chat_template` (a string, or a list of
+named templates of which "default" is used). It is rendered in a sandboxed jinja2
+environment with `trim_blocks`/`lstrip_blocks`, the `loopcontrols` extension, a `tojson`
+filter, `raise_exception` and `strftime_now`, and the tokenizer's special tokens as
+variables; the result is tokenized without adding special tokens (the template has them).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                      "mask_token")
+
+
+class ChatTemplateError(ValueError):
+    """The conversation cannot be rendered: no template, or the template refused it."""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # transformers' tojson: unlike jinja2's, it does not HTML-escape.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class ChatTemplate:
+    """`render(messages)` -> prompt text; `encode(messages)` -> prompt token ids."""
+
+    def __init__(self, source: str | None, tokenizer_config: dict[str, Any]) -> None:
+        self.source = source
+        self.special_tokens = {key: _token_text(tokenizer_config.get(key)) for key in SPECIAL_TOKEN_KEYS}
+
+    @classmethod
+    def from_config(cls, tokenizer_config: dict[str, Any]) -> ChatTemplate:
+        return cls(_pick_template(tokenizer_config.get("chat_template")), tokenizer_config)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, tokenizer_config: dict[str, Any]) -> ChatTemplate:
+        jinja_file = Path(model_dir) / "chat_template.jinja"
+        if jinja_file.is_file():
+            return cls(jinja_file.read_text(encoding="utf-8"), tokenizer_config)
+        return cls.from_config(tokenizer_config)
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        if self.source is None:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        return env.from_string(self.source)
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               **kwargs: Any) -> str:
+        """The prompt text; ChatTemplateError if the template refuses the conversation."""
+        variables = {**self.special_tokens, **kwargs}
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **variables)
+        except (jinja2.exceptions.TemplateError, TypeError) as e:
+            raise ChatTemplateError(f"the chat template refused the conversation: {e}") from None
+
+    def encode(self, tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               **kwargs: Any) -> list[int]:
+        text = self.render(messages, add_generation_prompt, **kwargs)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _pick_template(value: Any) -> str | None:
+    if isinstance(value, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {entry.get("name"): entry.get("template") for entry in value if isinstance(entry, dict)}
+        return named.get("default")
+    return value if isinstance(value, str) else None

@@ -1,0 +1,96 @@
+"""`pd serve`: an engine-core process and the OpenAI-compatible app in front of it.
+
+Flags -> EngineConfig -> EngineClient.start (the engine process) -> uvicorn with the app.
+The engine is shut down however the server ends: SIGINT, SIGTERM, a failed bind, an
+error. Heavy imports (uvicorn, FastAPI, the engine client) happen only when run, so
+building the `pd` parser stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from typing import Any, NoReturn
+
+from pd.config import ROLES, EngineConfig, add_engine_flags
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    add_engine_flags(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
+    parser.add_argument("--role", choices=ROLES, default="both",
+                        help="both: prefill and decode here; prefill / decode: one side of a "
+                             "disaggregated pair behind the proxy (default both)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model name clients must use (default: the model directory's name)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> NoReturn:
+    # SIGTERM's default kills the process without unwinding, which would orphan the
+    # engine core; as SystemExit, the `finally` below shuts it down first.
+    raise SystemExit(0)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serve until SIGINT / SIGTERM; 0 then, 1 if the engine failed to start."""
+    from pd.tokenizer import Tokenizer
+
+    try:
+        config = EngineConfig.from_args(args)
+        tokenizer = Tokenizer(config.model)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"pd serve: {e}") from None
+    name = args.served_model_name or config.model.resolve().name
+    from pd.engine.client import EngineClient, EngineStartupError
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    client = None
+    try:
+        client = EngineClient.start(config)
+        asyncio.run(_serve(client, tokenizer, name, config, args))
+    except EngineStartupError as e:
+        print(f"pd serve: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if client is not None:
+            # A second signal must not cut the shutdown short (it is bounded in time).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            client.shutdown()
+    return 0
+
+
+async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from pd.server.app import build_app
+    from pd.server.chat import ChatTemplate
+
+    template = ChatTemplate.from_model_dir(config.model, tokenizer.config)
+    app = build_app(client, tokenizer, name, api_key=args.api_key, chat_template=template)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5))
+    announce = asyncio.create_task(_announce(server, f"http://{args.host}:{args.port}", name, config.role))
+    try:
+        await server.serve()
+    finally:
+        announce.cancel()
+
+
+async def _announce(server: Any, url: str, name: str, role: str) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    print(f"pd serve: {name} ({role}) ready at {url} (OpenAI API under {url}/v1)", flush=True)
+

@@ -1,0 +1,82 @@
+"""Prometheus metrics of one server, in a registry of its own (never the global one, so
+several apps in one process do not collide).
+
+Engine-side values (queues, KV usage, prefix cache, preemptions) are read from the engine
+client's latest stats at scrape time by a custom collector; request-side values
+(latencies, token counts, finished requests) are observed by the server as it answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+               0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+               40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+class EngineStatsCollector(Collector):
+    """The engine's latest stats (`EngineStatsMsg`, or None before the first step)."""
+
+    def __init__(self, get_stats: Callable[[], Any]) -> None:
+        self.get_stats = get_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.get_stats()
+        running = GaugeMetricFamily("pd_num_requests_running", "Requests in the engine's running batch.")
+        waiting = GaugeMetricFamily("pd_num_requests_waiting", "Requests waiting to be scheduled.")
+        usage = GaugeMetricFamily("pd_kv_cache_usage", "Fraction of KV cache blocks in use (0..1).")
+        preemptions = CounterMetricFamily("pd_num_preemptions", "Requests preempted for lack of KV blocks.")
+        queries = CounterMetricFamily("pd_prefix_cache_queries", "Prompt tokens looked up in the prefix cache; "
+                                      "unlabelled: overall, `group`: per KV cache group.", labels=["group"])
+        hits = CounterMetricFamily("pd_prefix_cache_hits", "Prompt tokens found in the prefix cache; "
+                                   "unlabelled: overall, `group`: per KV cache group.", labels=["group"])
+        if stats is not None:
+            running.add_metric([], stats.num_running)
+            waiting.add_metric([], stats.num_waiting)
+            usage.add_metric([], stats.kv_usage)
+            preemptions.add_metric([], stats.num_preemptions)
+            queries.add_metric([], stats.prefix_cache_queries)
+            hits.add_metric([], stats.prefix_cache_hits)
+            for name, q, h in zip(stats.group_names, stats.group_queries, stats.group_hits):
+                queries.add_metric([name], q)
+                hits.add_metric([name], h)
+        else:  # no step yet: an idle engine
+            for family in (running, waiting, usage, preemptions, queries, hits):
+                family.add_metric([], 0)
+        yield from (running, waiting, usage, preemptions, queries, hits)
+
+
+class ServerMetrics:
+    """Every metric of one server; `render()` is the /metrics body."""
+
+    def __init__(self, get_stats: Callable[[], Any]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(EngineStatsCollector(get_stats))
+        r = self.registry
+        self.time_to_first_token = Histogram("pd_time_to_first_token_seconds",
+                                             "Seconds from arrival to the first output token.",
+                                             buckets=TTFT_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram("pd_inter_token_latency_seconds",
+                                             "Seconds between consecutive output tokens of a request.",
+                                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e_request_latency = Histogram("pd_e2e_request_latency_seconds",
+                                             "Seconds from arrival to the last output of a request.",
+                                             buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pd_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("pd_generation_tokens", "Output tokens generated.", registry=r)
+        self.request_success = Counter("pd_request_success", "Requests finished, by finish reason.",
+                                       ["finish_reason"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,187 @@
+"""The OpenAI request bodies the server accepts, and the one error shape it answers with.
+
+Bodies are parsed from raw JSON in strict mode (no "5" for 5, no 1.0 for a count), so a
+wrong type is a 400 that names the field, never FastAPI's 422. Fields OpenAI defines but
+this server does not implement are declared only to be refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class RequestError(Exception):
+    """A request this server refuses; rendered as OpenAI's `{"error": {...}}`."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None,
+                 status: int = 400, type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.status = status
+        self.type = type
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    """Strict types; unknown fields are ignored (clients send extras we need not read)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(_Strict):
+    """What completions and chat share: the model, sampling, stopping and PD fields."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extra
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extra
+    ignore_eos: bool = False  # extra
+    min_tokens: int | None = None  # extra; only 0 is supported
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # extra (PD)
+    cache_salt: str | None = None  # extra
+    # Declared to be refused when used:
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    best_of: int | None = None
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_tokens
+
+
+class CompletionRequest(SamplingFields):
+    # Optional here so that a missing prompt is refused by the server with its own message.
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string; text parts are joined by newlines."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True  # extra
+    chat_template_kwargs: dict[str, Any] | None = None  # extra
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(raw: bytes, model: type[Body]) -> Body:
+    """The validated body; RequestError naming the first bad field otherwise."""
+    try:
+        return model.model_validate_json(raw or b"")
+    except ValidationError as e:
+        raise _to_request_error(e) from None
+
+
+# What a union-typed field expects, for a message better than its first branch's error.
+_UNION_EXPECTS = {
+    "prompt": "a string, a list of token ids, or a list holding one of those",
+    "stop": "a string or a list of strings",
+    "content": 'a string or a list of {"type": "text", "text": ...} parts',
+}
+
+
+def _to_request_error(e: ValidationError) -> RequestError:
+    first = e.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        return RequestError(f"the body is not valid JSON: {first['msg']}", code="invalid_json")
+    if not first["loc"]:
+        return RequestError(f"the body must be a JSON object: {first['msg']}", code="invalid_body")
+    path = [str(part) for part in first["loc"]]
+    # Union branches add their type name to loc ("prompt", "str"); cut the path there.
+    branch = next((i for i, part in enumerate(path) if _is_union_branch(part)), None)
+    if branch is not None:
+        param = ".".join(path[:branch])
+        expects = _UNION_EXPECTS.get(path[branch - 1], "another type")
+        return RequestError(f"{param} must be {expects}", param=param, code="invalid_type")
+    param = ".".join(path)
+    return RequestError(f"{param}: {first['msg']}", param=param, code="invalid_type")
+
+
+def _is_union_branch(part: str) -> bool:
+    return part in {"str", "int", "float", "bool"} or "[" in part or part[:1].isupper()
+
+
+def refuse_unsupported(body: SamplingFields) -> None:
+    """RequestError for a field this server does not implement."""
+    unsupported: list[tuple[str, bool]] = [
+        ("n", body.n not in (None, 1)),
+        ("best_of", body.best_of not in (None, 1)),
+        ("min_tokens", body.min_tokens not in (None, 0)),
+        ("presence_penalty", body.presence_penalty not in (None, 0.0)),
+        ("frequency_penalty", body.frequency_penalty not in (None, 0.0)),
+        ("logit_bias", bool(body.logit_bias)),
+    ]
+    if isinstance(body, CompletionRequest):
+        unsupported += [("logprobs", body.logprobs is not None), ("echo", bool(body.echo)),
+                        ("suffix", body.suffix is not None)]
+    if isinstance(body, ChatCompletionRequest):
+        unsupported += [("logprobs", bool(body.logprobs)), ("top_logprobs", body.top_logprobs is not None),
+                        ("tools", bool(body.tools)),
+                        ("response_format", (body.response_format or {}).get("type", "text") != "text")]
+    for name, used in unsupported:
+        if used:
+            raise RequestError(f"{name} is not supported by this server", param=name, code="unsupported")
+

@@ -1,0 +1,237 @@
+"""From a parsed OpenAI body to engine requests, and from engine outputs to text.
+
+`Server.prepare_*` validate a body against the model (prompt length, vocabulary,
+sampling ranges) and build the `EngineRequest`; `Generation` runs one request through
+the engine client, detokenizing, cutting at stop strings and observing the latency
+metrics. Neither knows about HTTP; `app.py` shapes what they produce into responses.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from pd.engine.messages import EngineRequest
+from pd.request import SamplingParams
+from pd.server.chat import ChatTemplate, ChatTemplateError
+from pd.server.detokenize import IncrementalDetokenizer
+from pd.server.metrics import ServerMetrics
+from pd.server.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, SamplingFields,
+                                refuse_unsupported)
+
+MAX_SEED = 2**63
+
+
+@dataclass
+class Prepared:
+    """A validated request: what to send to the engine and how to treat its output."""
+
+    engine_request: EngineRequest
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+    @property
+    def request_id(self) -> str:
+        return self.engine_request.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.engine_request.prompt_token_ids)
+
+
+class Server:
+    """The model-facing half of the app: one tokenizer, one engine, one model name."""
+
+    def __init__(self, client: Any, tokenizer: Any, served_model_name: str, chat_template: ChatTemplate) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.served_model_name = served_model_name
+        self.chat_template = chat_template
+        self.in_flight: set[str] = set()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.client.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.client.info.vocab_size
+
+    def request_id(self, header: str | None, prefix: str) -> str:
+        """The incoming X-Request-Id if given (it must not be in flight), else a new id."""
+        if header is None:
+            return f"{prefix}-{uuid.uuid4().hex}"
+        if not header or len(header) > 256 or not header.isprintable():
+            raise RequestError("X-Request-Id must be 1 to 256 printable characters", param="X-Request-Id")
+        if header in self.in_flight:
+            raise RequestError(f"request id {header!r} is already in flight", param="X-Request-Id",
+                               code="duplicate_request_id")
+        return header
+
+    def prepare_completion(self, body: CompletionRequest, request_id: str) -> Prepared:
+        self._check_common(body)
+        return self._prepare(body, request_id, self._completion_prompt(body.prompt), "prompt")
+
+    def prepare_chat(self, body: ChatCompletionRequest, request_id: str) -> Prepared:
+        self._check_common(body)
+        if not body.messages:
+            raise RequestError("messages must be a non-empty list", param="messages")
+        messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
+                    for m in body.messages]
+        try:
+            ids = self.chat_template.encode(self.tokenizer, messages, body.add_generation_prompt,
+                                            **(body.chat_template_kwargs or {}))
+        except ChatTemplateError as e:
+            raise RequestError(str(e), param="messages") from None
+        return self._prepare(body, request_id, ids, "messages")
+
+    def _check_common(self, body: SamplingFields) -> None:
+        if body.model is not None and body.model != self.served_model_name:
+            raise RequestError(f"the model {body.model!r} does not exist; this server serves "
+                               f"{self.served_model_name!r}", param="model", code="model_not_found", status=404)
+        refuse_unsupported(body)
+
+    def _completion_prompt(self, prompt: Any) -> list[int]:
+        if prompt is None:
+            raise RequestError("prompt is required", param="prompt")
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) > 1:
+                raise RequestError("only one prompt per request is supported", param="prompt", code="unsupported")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt) if prompt else []
+        self._check_vocab(prompt, "prompt")
+        return list(prompt)
+
+    def _check_vocab(self, token_ids: list[int], param: str) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"{param} holds token ids outside the vocabulary [0, {self.vocab_size}): "
+                               f"{bad[:5]}", param=param)
+
+    def _prepare(self, body: SamplingFields, request_id: str, prompt_ids: list[int], prompt_param: str) -> Prepared:
+        if not prompt_ids:
+            raise RequestError("the prompt is empty", param=prompt_param)
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
+                               f"{self.max_model_len} tokens, prompt and output together",
+                               param=prompt_param, code="context_length_exceeded")
+        params = self._sampling_params(body, len(prompt_ids))
+        if body.cache_salt is not None and not body.cache_salt:
+            raise RequestError("cache_salt must be a non-empty string", param="cache_salt")
+        stop = body.stop_strings
+        if any(not s for s in stop):
+            raise RequestError("stop strings must be non-empty", param="stop")
+        engine_request = EngineRequest.create(request_id, prompt_ids, params, body.kv_transfer_params,
+                                              body.cache_salt)
+        return Prepared(engine_request, stop, bool(body.stream), body.include_usage)
+
+    def _sampling_params(self, body: SamplingFields, num_prompt_tokens: int) -> SamplingParams:
+        room = self.max_model_len - num_prompt_tokens
+        max_tokens = body.output_limit if body.output_limit is not None else room
+        param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+        if max_tokens <= 0:
+            raise RequestError(f"{param} must be positive, got {max_tokens}", param=param)
+        if max_tokens > room:
+            raise RequestError(f"{param}={max_tokens} with a prompt of {num_prompt_tokens} tokens exceeds "
+                               f"the context of {self.max_model_len} tokens", param=param,
+                               code="context_length_exceeded")
+        temperature = 1.0 if body.temperature is None else body.temperature
+        if not 0.0 <= temperature <= 2.0:
+            raise RequestError(f"temperature must be in [0, 2], got {temperature}", param="temperature")
+        top_p = 1.0 if body.top_p is None else body.top_p
+        if not 0.0 < top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+        if body.top_k is not None and body.top_k < -1:
+            raise RequestError(f"top_k must be positive, or 0 or -1 for no limit; got {body.top_k}", param="top_k")
+        if body.seed is not None and not -MAX_SEED <= body.seed < MAX_SEED:
+            raise RequestError("seed must fit in a signed 64-bit integer", param="seed")
+        stop_token_ids = body.stop_token_ids or []
+        self._check_vocab(stop_token_ids, "stop_token_ids")
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                  top_k=body.top_k if body.top_k and body.top_k > 0 else None, top_p=top_p,
+                                  seed=body.seed, stop_token_ids=tuple(stop_token_ids), ignore_eos=body.ignore_eos)
+        except ValueError as e:  # a range the checks above missed
+            raise RequestError(str(e)) from None
+
+
+@dataclass
+class Delta:
+    """New text of one request; `finish_reason` set on its last delta."""
+
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass
+class Generation:
+    """One request's run through the engine. Iterate `deltas()` once; afterwards the
+    counts, `finish_reason` and `kv_transfer_params` describe how it went. Leaving the
+    iteration early (a stop string, a cancelled task) closes the engine stream, which
+    aborts the request there and frees its blocks."""
+
+    client: Any
+    tokenizer: Any
+    prepared: Prepared
+    metrics: ServerMetrics
+    arrival: float = field(default_factory=time.monotonic)
+    created: int = field(default_factory=lambda: int(time.time()))  # the responses' `created`
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    _last_token_time: float | None = None
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        detokenizer = IncrementalDetokenizer(self.tokenizer, self.prepared.stop)
+        outputs = self.client.generate(self.prepared.engine_request)
+        try:
+            async for out in outputs:
+                self._observe(out)
+                text = detokenizer.add(out.new_token_ids)
+                if detokenizer.stopped or out.finish_reason is not None:
+                    text += detokenizer.finish()
+                    self._finish("stop" if detokenizer.stopped else out.finish_reason, out)
+                    yield Delta(text, self.finish_reason)
+                    return
+                if text:
+                    yield Delta(text)
+        finally:
+            # Shielded: under a cancelled scope (client gone) the abort must still be sent.
+            with anyio.CancelScope(shield=True):
+                await outputs.aclose()
+
+    def _observe(self, out: Any) -> None:
+        self.num_cached_tokens = out.num_cached_tokens
+        n = len(out.new_token_ids)
+        if not n:
+            return
+        now = time.monotonic()
+        if self._last_token_time is None:
+            self.metrics.time_to_first_token.observe(now - self.arrival)
+        else:
+            for _ in range(n):
+                self.metrics.inter_token_latency.observe((now - self._last_token_time) / n)
+        self._last_token_time = now
+        self.num_output_tokens += n
+        self.metrics.generation_tokens.inc(n)
+
+    def _finish(self, reason: str, out: Any) -> None:
+        self.finish_reason = reason
+        self.kv_transfer_params = out.kv_transfer_params if out.finish_reason is not None else None
+        self.metrics.e2e_request_latency.observe(time.monotonic() - self.arrival)
+        self.metrics.prompt_tokens.inc(self.prepared.num_prompt_tokens)
+        self.metrics.request_success.labels(finish_reason=reason).inc()
+
+    def usage(self) -> dict[str, Any]:
+        prompt = self.prepared.num_prompt_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": self.num_output_tokens,
+                "total_tokens": prompt + self.num_output_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}

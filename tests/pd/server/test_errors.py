@@ -1,0 +1,181 @@
+"""Bad requests, the API key and disconnecting clients, against one real `pd serve`
+(qwen3, `--api-key`): every refusal is a 4xx OpenAI error object,
+the server stays healthy, and a client that leaves frees its request's KV blocks."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from server_harness import running_server
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MAX_MODEL_LEN = 4096
+VOCAB = 4096
+# max_tokens of a request interrupted midway: it would run for tens of seconds, so its
+# blocks are freed within the tests' few seconds only if it was aborted.
+LONG = 3000
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve-errors") / "server.log"
+    with running_server(tiny_models["qwen3"], log, "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN),
+                        "--kv-cache-memory", str(32 << 20)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as client:
+        yield client
+
+
+def completion(**fields):
+    return ("/v1/completions", {"model": "qwen3", **fields})
+
+
+def chat(**fields):
+    return ("/v1/chat/completions", {"model": "qwen3", **fields})
+
+
+USER = [{"role": "user", "content": "hi"}]
+
+BAD_REQUESTS = {
+    "malformed json": ("/v1/completions", b'{"prompt": "x",'),
+    "body not an object": ("/v1/completions", b"[1, 2, 3]"),
+    "empty body": ("/v1/completions", b""),
+    "prompt missing": completion(max_tokens=4),
+    "prompt empty string": completion(prompt=""),
+    "prompt empty list": completion(prompt=[]),
+    "prompt wrong type": completion(prompt=5),
+    "prompt mixed list": completion(prompt=["a", 1]),
+    "two prompts": completion(prompt=["a", "b"]),
+    "two token prompts": completion(prompt=[[1, 2], [3, 4]]),
+    "prompt too long": completion(prompt=[11] * MAX_MODEL_LEN),
+    "prompt plus max_tokens too long": completion(prompt=[11] * 100, max_tokens=MAX_MODEL_LEN - 99),
+    "max_tokens zero": completion(prompt="x", max_tokens=0),
+    "max_tokens negative": completion(prompt="x", max_tokens=-3),
+    "max_tokens string": completion(prompt="x", max_tokens="4"),
+    "temperature negative": completion(prompt="x", temperature=-0.1),
+    "temperature above 2": completion(prompt="x", temperature=2.5),
+    "top_p zero": completion(prompt="x", top_p=0.0),
+    "top_p above 1": completion(prompt="x", top_p=1.5),
+    "top_k below -1": completion(prompt="x", top_k=-2),
+    "unknown model": completion(prompt="x", model="gpt-5"),
+    "n > 1": completion(prompt="x", n=2),
+    "logprobs": completion(prompt="x", logprobs=2),
+    "echo": completion(prompt="x", echo=True),
+    "best_of": completion(prompt="x", best_of=2),
+    "suffix": completion(prompt="x", suffix="end"),
+    "min_tokens": completion(prompt="x", min_tokens=3),
+    "token id above vocab": completion(prompt=[5, VOCAB + 10]),
+    "negative token id": completion(prompt=[5, -1]),
+    "stop token id above vocab": completion(prompt="x", stop_token_ids=[VOCAB]),
+    "empty stop string": completion(prompt="x", stop=["ok", ""]),
+    "stop wrong type": completion(prompt="x", stop=7),
+    "kv_transfer_params not a dict": completion(prompt="x", kv_transfer_params=[1]),
+    "stream_options wrong type": completion(prompt="x", stream=True, stream_options={"include_usage": "yes"}),
+    "messages missing": chat(max_tokens=4),
+    "messages empty": chat(messages=[]),
+    "messages not a list": chat(messages="hi"),
+    "unknown role": chat(messages=[{"role": "wizard", "content": "hi"}]),
+    "content wrong type": chat(messages=[{"role": "user", "content": 5}]),
+    "content image part": chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+    "content missing": chat(messages=[{"role": "user"}]),
+    "max_completion_tokens zero": chat(messages=USER, max_completion_tokens=0),
+    "chat logprobs": chat(messages=USER, logprobs=True),
+    "chat unknown model": chat(messages=USER, model="other"),
+    "unknown route": ("/v1/embeddings", {"input": "x"}),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_REQUESTS))
+def test_bad_request_is_a_4xx_openai_error_and_the_server_stays_healthy(server, http, name) -> None:
+    path, body = BAD_REQUESTS[name]
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    response = http.post(path, headers={"Content-Type": "application/json"}, **kwargs)
+    assert 400 <= response.status_code < 500, (response.status_code, response.text)
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"} and error["message"], error
+    if "model" in name:
+        assert (response.status_code, error["code"]) == (404, "model_not_found")
+    assert server.health().status_code == 200
+
+
+def test_good_requests_still_work_after_the_bad_ones(http) -> None:
+    for top_k in (0, -1, 5):  # 0 and -1 mean "no limit"
+        response = http.post("/v1/completions", json={"model": "qwen3", "prompt": "Hello", "max_tokens": 3,
+                                                      "top_k": top_k, "temperature": 0})
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 3
+    response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}], "max_tokens": 2})
+    assert response.status_code == 200, response.text
+
+
+def test_api_key_guards_v1_only(server) -> None:
+    body = {"model": "qwen3", "prompt": "x", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
+            response = httpx.request(method, f"{server.url}{path}", json=body, headers=headers, timeout=30)
+            assert response.status_code == 401, (headers, path)
+            assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=30).status_code == 200
+    assert httpx.get(f"{server.url}/v1/models", headers=AUTH, timeout=30).status_code == 200
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+    assert "pd_kv_cache_usage" in httpx.get(f"{server.url}/metrics", timeout=30).text
+
+
+def wait_until_running(server, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while server.metrics()["pd_kv_cache_usage"] == 0:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.02)
+
+
+def long_body(stream: bool) -> dict:
+    return {"model": "qwen3", "prompt": "Once upon a time", "max_tokens": LONG, "ignore_eos": True,
+            "temperature": 0, "stream": stream}
+
+
+def test_client_disconnect_mid_stream_frees_the_blocks(server, http) -> None:
+    with http.stream("POST", "/v1/completions", json=long_body(stream=True)) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert server.metrics()["pd_kv_cache_usage"] > 0
+    # Leaving the `with` closed the connection with ~LONG tokens still to come.
+    assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+    assert server.metrics()['pd_request_success_total{finish_reason="length"}'] >= 0
+    assert server.health().status_code == 200
+
+
+def test_client_disconnect_while_waiting_for_a_full_response_aborts_it(server) -> None:
+    raw = json.dumps(long_body(stream=False)).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw)
+        wait_until_running(server)
+    assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+    assert server.metrics()["pd_num_requests_running"] == 0
+
+
+def test_request_id_in_flight_cannot_be_reused(server, http) -> None:
+    headers = {"X-Request-Id": "same-id"}
+    with http.stream("POST", "/v1/completions", json=long_body(stream=True), headers=headers) as response:
+        assert response.status_code == 200 and response.headers["x-request-id"] == "same-id"
+        second = http.post("/v1/completions", json={"model": "qwen3", "prompt": "x", "max_tokens": 1},
+                           headers=headers)
+        assert second.status_code == 400 and second.json()["error"]["code"] == "duplicate_request_id"
+    server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0)
+    again = http.post("/v1/completions", json={"model": "qwen3", "prompt": "x", "max_tokens": 1}, headers=headers)
+    assert again.status_code == 200, again.text

@@ -1,0 +1,92 @@
+"""`pd serve` as a process: it stops its engine on SIGTERM, reports a dead engine (503s
+within seconds, in-flight streams end with an error), and fails cleanly at startup."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pd.cli import main
+from server_harness import running_server, stop_process
+
+pytestmark = pytest.mark.slow
+
+DEATH_DEADLINE_S = 5.0
+
+
+def process_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":  # exited, not yet reaped
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_sigterm_stops_the_server_and_its_engine(tiny_models, tmp_path) -> None:
+    with running_server(tiny_models["bamba"], tmp_path / "server.log") as server:
+        engine_pid = server.health().json()["engine_pid"]
+        assert engine_pid != server.process.pid and not process_gone(engine_pid, 0.1)
+        assert "ready at http://127.0.0.1:" in server.log_tail()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(20) == 0, server.log_tail()
+        assert process_gone(engine_pid, 5.0), "the engine core outlived its server"
+
+
+def test_engine_death_fails_requests_and_health_promptly(tiny_models, tmp_path) -> None:
+    with running_server(tiny_models["qwen3"], tmp_path / "server.log") as server:
+        engine_pid = server.health().json()["engine_pid"]
+        body = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            os.kill(engine_pid, signal.SIGKILL)  # a child of the server this test started
+            killed = time.monotonic()
+            events = [line for line in lines if line.startswith("data: ")]
+        assert time.monotonic() - killed < DEATH_DEADLINE_S
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][len("data: "):])["error"]["code"] == 503
+
+        while server.health().status_code != 503:
+            assert time.monotonic() - killed < DEATH_DEADLINE_S, "/health still 200 after the engine died"
+            time.sleep(0.05)
+        assert server.health().json()["status"] == "engine dead"
+        for stream in (False, True):
+            response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": stream},
+                                  timeout=DEATH_DEADLINE_S)
+            assert response.status_code == 503, response.text
+            assert response.json()["error"]["code"] == "engine_dead"
+        assert time.monotonic() - killed < DEATH_DEADLINE_S
+        assert server.process.poll() is None  # the server itself stays up to say so
+
+
+def test_engine_startup_failure_exits_1_with_the_reason(tiny_models, tmp_path) -> None:
+    cmd = [str(Path(sys.executable).parent / "pd"), "serve", "--model", str(tiny_models["qwen3"]),
+           "--port", "1", "--kv-cache-memory", "4096"]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = process.communicate(timeout=120)
+    finally:
+        stop_process(process)
+    assert process.returncode == 1
+    assert "engine core failed to start" in out and "KV cache memory" in out
+
+
+def test_bad_flags_are_refused_before_anything_starts(tmp_path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--model", str(tmp_path), "--role", "wizard"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit, match="no tokenizer.json"):
+        main(["serve", "--model", str(tmp_path)])
