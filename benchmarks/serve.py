@@ -100,7 +100,7 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict, promp
 
 
 async def _read_stream(response: httpx.Response, record: RequestRecord, t0: float) -> None:
-    last = None
+    last = first_choice = None
     chunks = 0
     async for line in response.aiter_lines():
         if not line.startswith("data:"):
@@ -112,6 +112,8 @@ async def _read_stream(response: httpx.Response, record: RequestRecord, t0: floa
         if data.get("error"):
             record.error = f"stream error: {data['error']}"
             return
+        if data.get("choices") and first_choice is None:
+            first_choice = time.perf_counter() - t0
         if _chunk_text(data):
             now = time.perf_counter() - t0
             if last is None:
@@ -123,7 +125,9 @@ async def _read_stream(response: httpx.Response, record: RequestRecord, t0: floa
             if usage.get("completion_tokens") is not None:
                 record.output_len, record.output_len_from_usage = usage["completion_tokens"], True
             record.prompt_len = usage.get("prompt_tokens") or record.prompt_len
-    if chunks == 0:
+    if chunks == 0 and record.output_len_from_usage and record.output_len > 0 and first_choice is not None:
+        record.ttft = first_choice - record.start  # tokens that decode to no text (e.g. special tokens)
+    elif chunks == 0:
         record.error = "stream ended without content"
     elif not record.output_len_from_usage:
         record.output_len = chunks

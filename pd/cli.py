@@ -127,3 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     return args.run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -59,3 +59,9 @@ def test_generate_rejects_bad_flags_with_a_message(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--model", str(tmp_path), "--prompt", "x", "--kv-layout", "diagonal"])
     assert exc.value.code == 2  # argparse's usage error
+
+
+def test_python_dash_m_runs_the_cli() -> None:
+    result = subprocess.run([sys.executable, "-m", "pd.cli", "version"], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == package_version()
