@@ -212,11 +212,15 @@ class Scheduler:
             params = self._finish(request, status) if status is not None else None
             outputs.append(RequestOutput(req_id, [token], FINISH_REASONS.get(status), params,
                                          request.num_cached_tokens))
-        self._update_connector(output.kv_connector_output)
+        outputs += self._update_connector(output.kv_connector_output)
         return outputs
 
-    def _update_connector(self, connector_output: KVConnectorOutput) -> None:
+    def _update_connector(self, connector_output: KVConnectorOutput) -> list[RequestOutput]:
+        """Free blocks the connector finished sending; requeue requests whose remote KV
+        landed (or failed to: they are recomputed here). Returns the outputs of requests
+        that continue from a remote prefill's first token."""
         self.connector.update_connector_output(connector_output)
+        outputs = []
         for req_id in connector_output.finished_sending:
             request = self.delayed_free.pop(req_id, None)
             if request is not None:
@@ -236,6 +240,24 @@ class Scheduler:
                 self.kv.cache_blocks(request, request.num_computed_tokens)
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
+            if req_id in connector_output.finished_recving:
+                outputs += self._continue_from_first_token(request)
+        return outputs
+
+    def _continue_from_first_token(self, request: Request) -> list[RequestOutput]:
+        """A remote prefill sampled the first token: it becomes this request's first
+        output (nothing is recomputed), and may already finish it."""
+        first = (request.kv_transfer_params or {}).get("first_token_id")
+        if first is None or request.output_token_ids:
+            return []
+        request.append_output_token_ids(first)
+        status = self._stop_status(request, first)
+        params = None
+        if status is not None:
+            self.waiting.remove(request)
+            params = self._finish(request, status)
+        return [RequestOutput(request.request_id, [first], FINISH_REASONS.get(status), params,
+                              request.num_cached_tokens)]
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

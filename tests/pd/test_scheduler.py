@@ -260,17 +260,20 @@ class ToyRemoteConnector:
         return self.output(failed_recving=done) if self.fail else self.output(finished_recving=done)
 
 
+@pytest.mark.parametrize("with_first_token", [False, True])
 @pytest.mark.parametrize("fail", [False, True])
-def test_remote_kv_parks_the_request_until_it_lands(fail: bool) -> None:
+def test_remote_kv_parks_the_request_until_it_lands(fail: bool, with_first_token: bool) -> None:
     specs = {"l0": attn()}
     kv_config = make_kv_cache_config(specs, 10**7, 512)
     kv = KVCacheManager(kv_config, True, 512)
     connector = ToyRemoteConnector(num_external=40, delay_steps=2, fail=fail)
     scheduler = Scheduler(SchedulerConfig(8, 64, 512, frozenset()), kv, connector)
     runner = ToyRunner(kv, scheduler.config)
-    prompt = list(range(10, 50))
-    request = Request("d", prompt + [99], SamplingParams(max_tokens=3),
-                      kv_transfer_params={"do_remote_prefill": True})
+    prompt = list(range(10, 50)) + [99]
+    params = {"do_remote_prefill": True}
+    if with_first_token:  # what the prefill server sampled: D continues from it
+        params["first_token_id"] = toy_next_token(prompt)
+    request = Request("d", prompt, SamplingParams(max_tokens=3), kv_transfer_params=params)
     scheduler.add_request(request)
     statuses, computed_tokens = [], []
     while scheduler.has_work:
@@ -281,7 +284,8 @@ def test_remote_kv_parks_the_request_until_it_lands(fail: bool) -> None:
         out.kv_connector_output = connector.tick()
         scheduler.update_from_output(so, out)
     assert statuses[:2] == [RequestStatus.WAITING_FOR_REMOTE_KVS] * 2
-    # landed: only the last token is computed here; failed: the whole prompt is recomputed
-    assert next(c for c in computed_tokens if c) == (41 if fail else 1)
-    assert request.output_token_ids == reference_outputs(prompt + [99], 3)
+    # landed: the one prompt token the connector did not load is computed here (plus P's
+    # first token when given, without sampling it again); failed: the whole prompt
+    assert next(c for c in computed_tokens if c) == (41 if fail else 1 + with_first_token)
+    assert request.output_token_ids == reference_outputs(prompt, 3)
     assert connector.finished_calls == ["d"] and kv.usage == 0.0
