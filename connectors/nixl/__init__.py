@@ -1,0 +1,1 @@
+"""The NIXL connector: scheduler half (scheduler.py), transport and side channel."""

@@ -1,0 +1,174 @@
+"""The NIXL connector's scheduler half between a P and a D scheduler (real schedulers and
+KV cache managers; block contents are not moved here, see test_transport.py for bytes).
+
+Checks the bookkeeping the PD protocol rests on: P keeps exactly the request's blocks
+under a lease and hands out their positional ids; D reads exactly the positions it
+lacks (past its own prefix hit; only the final Mamba state); bad parameters and early
+aborts turn into rejects that let P free at once.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from connectors.base import KVConnectorOutput
+from connectors.nixl.scheduler import NixlConnectorScheduler, ReqToSend
+from pd.kv_cache.layout import make_kv_cache_config
+from pd.kv_cache.manager import KVCacheManager
+from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from pd.outputs import ModelRunnerOutput
+from pd.request import Request, RequestStatus, SamplingParams
+from pd.scheduler import Scheduler, SchedulerConfig
+
+BLOCK = 16
+
+
+def attn(window=None):
+    kw = dict(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype="float32")
+    return SlidingWindowSpec(sliding_window=window, **kw) if window else FullAttentionSpec(**kw)
+
+
+def ssm():
+    return MambaSpec(block_size=BLOCK, conv_state_shape=(4, 8), ssm_state_shape=(2, 8, 8),
+                     conv_dtype="float32", ssm_dtype="float32")
+
+
+MODELS = {"full": [attn(), attn()], "gemma3": [attn(40), attn(40), attn()], "bamba": [ssm(), ssm(), attn()]}
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_side(model: str, engine_id: str, clock: Clock):
+    specs = {f"l{i}": s for i, s in enumerate(MODELS[model])}
+    config = make_kv_cache_config(specs, 10**8, 1024)
+    kv = KVCacheManager(config, True, 1024)
+    sizes = [g.spec.block_size for g in config.groups]
+    connector = NixlConnectorScheduler(engine_id, "127.0.0.1", 5555, sizes, lease_seconds=30, clock=clock)
+    scheduler = Scheduler(SchedulerConfig(8, 64, 1024, frozenset()), kv, connector)
+    return scheduler, kv, connector
+
+
+def run_step(scheduler: Scheduler, token: int = 7, connector_output: KVConnectorOutput | None = None):
+    """One step; every request whose known tokens are all computed samples `token`."""
+    so = scheduler.schedule()
+    sampled = {r: token for r, n in so.num_scheduled_tokens.items()
+               if scheduler.requests[r].num_computed_tokens + n >= scheduler.requests[r].num_tokens}
+    out = ModelRunnerOutput(sampled, kv_connector_output=connector_output or KVConnectorOutput())
+    return so, scheduler.update_from_output(so, out)
+
+
+def prefill_on_p(model: str, prompt: list[int]):
+    clock = Clock()
+    p, p_kv, _ = make_side(model, "P", clock)
+    p.add_request(Request("p1", prompt, SamplingParams(max_tokens=1), kv_transfer_params={"do_remote_decode": True}))
+    finished = []
+    while not finished:
+        _, outs = run_step(p, token=42)
+        finished = [o for o in outs if o.finished]
+    return p, p_kv, clock, finished[0]
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_p_keeps_the_blocks_under_a_lease_and_hands_out_their_ids(model: str) -> None:
+    prompt = list(range(100, 100 + 5 * BLOCK + 3))
+    p, p_kv, clock, out = prefill_on_p(model, prompt)
+    params = out.kv_transfer_params
+    assert out.finish_reason == "length" and out.new_token_ids == [42]
+    assert params["do_remote_prefill"] and params["first_token_id"] == 42
+    assert params["num_prompt_tokens"] == len(prompt) and params["remote_request_id"] == "p1"
+    held = p.delayed_free["p1"]
+    assert params["remote_block_ids"] == p_kv.get_block_ids("p1") and p_kv.usage > 0
+    lease = run_step(p)[0].kv_connector_metadata.reqs_to_send  # queued at finish, sent next step
+    assert lease == [ReqToSend("p1", clock.now + 30)]
+    run_step(p, connector_output=KVConnectorOutput(finished_sending={"p1"}))
+    assert "p1" not in p.delayed_free and p_kv.usage == 0.0 and held.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    p_kv.check_integrity()
+
+
+def remote_request(req_id: str, prompt: list[int], params: dict) -> Request:
+    return Request(req_id, prompt, SamplingParams(max_tokens=4), kv_transfer_params=dict(params))
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_d_reads_exactly_the_positions_it_lacks(model: str) -> None:
+    prompt = list(range(100, 100 + 5 * BLOCK + 3))
+    _, _, _, out = prefill_on_p(model, prompt)
+    d, d_kv, _ = make_side(model, "D", Clock())
+    d.add_request(remote_request("d1", prompt, out.kv_transfer_params))
+    so, _ = run_step(d)
+    (recv,) = so.kv_connector_metadata.reqs_to_recv
+    assert d.requests["d1"].status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert recv.remote.request_id == "p1" and recv.remote_block_ids == out.kv_transfer_params["remote_block_ids"]
+    local = d_kv.get_block_ids("d1")
+    for group, spec in enumerate(d_kv.config.groups):
+        reads = [i for i, b in enumerate(recv.local_block_ids[group]) if b]
+        if isinstance(spec.spec, MambaSpec):
+            assert reads == [len(prompt) // BLOCK]  # only the block with the final state
+        elif isinstance(spec.spec, SlidingWindowSpec):
+            assert reads == [i for i, b in enumerate(local[group]) if b]  # the window's blocks
+            assert reads[0] > 0
+        else:
+            assert reads == list(range(len(prompt) // BLOCK + 1))  # every block, partial last one too
+        assert all(recv.remote_block_ids[group][i] for i in reads), "P must hold what D reads"
+    # the read lands: D continues from P's first token without recomputing the prompt
+    so, outs = run_step(d, token=9, connector_output=KVConnectorOutput(finished_recving={"d1"}))
+    assert outs[0].new_token_ids == [42]
+    so, outs = run_step(d, token=9)
+    assert so.num_scheduled_tokens == {"d1": 1} and outs[0].new_token_ids == [9]
+
+
+def test_a_d_prefix_hit_shrinks_what_is_read_for_a_hybrid_too() -> None:
+    shared = list(range(500, 500 + 4 * BLOCK))
+    first, second = shared + [1, 2, 3], shared + list(range(7, 7 + BLOCK + 5))
+    d, d_kv, _ = make_side("bamba", "D", Clock())
+    reads = []
+    for i, prompt in enumerate((first, second)):
+        _, _, _, out = prefill_on_p("bamba", prompt)
+        d.add_request(remote_request(f"d{i}", prompt, out.kv_transfer_params))
+        so, _ = run_step(d)
+        (recv,) = so.kv_connector_metadata.reqs_to_recv
+        reads.append(sum(1 for ids in recv.local_block_ids for b in ids if b))
+        run_step(d, connector_output=KVConnectorOutput(finished_recving={f"d{i}"}))
+        while f"d{i}" in d.requests:
+            run_step(d)
+    assert d_kv.stats.group_hits[2] >= 4 * BLOCK  # the attention group hit the shared prefix
+    attention_reads_second = reads[1] - 2  # two Mamba groups read one block each
+    assert attention_reads_second == 2  # blocks 4 and 5 only, not 0..5
+
+
+def test_bad_params_are_computed_locally_and_rejected_to_p() -> None:
+    prompt = list(range(100, 140))
+    _, _, _, out = prefill_on_p("full", prompt)
+    d, d_kv, connector = make_side("full", "D", Clock())
+    wrong = remote_request("d1", prompt + [5], out.kv_transfer_params)  # one token more than P saw
+    d.add_request(wrong)
+    so, _ = run_step(d)
+    assert so.num_scheduled_tokens == {"d1": len(prompt) + 1}  # computed here
+    assert wrong.remote_kv_failed and not wrong.do_remote_prefill
+    (remote, reason), = so.kv_connector_metadata.reqs_to_reject
+    assert remote.request_id == "p1" and "41" in reason and connector.num_rejected == 1
+
+
+def test_aborting_before_admission_rejects_to_p() -> None:
+    prompt = list(range(100, 140))
+    _, _, _, out = prefill_on_p("full", prompt)
+    d, d_kv, _ = make_side("full", "D", Clock())
+    d.add_request(remote_request("d1", prompt, out.kv_transfer_params))
+    d.abort_requests(["d1"])
+    so, _ = run_step(d)
+    assert [r.request_id for r, _ in so.kv_connector_metadata.reqs_to_reject] == ["p1"]
+    assert d_kv.usage == 0.0
+
+
+def test_an_aborted_p_request_keeps_nothing() -> None:
+    clock = Clock()
+    p, p_kv, _ = make_side("full", "P", clock)
+    p.add_request(Request("p1", list(range(100, 140)), SamplingParams(max_tokens=1),
+                          kv_transfer_params={"do_remote_decode": True}))
+    (out,) = p.abort_requests(["p1"])
+    assert out.kv_transfer_params is None and not p.delayed_free and p_kv.usage == 0.0
