@@ -6,9 +6,11 @@ Per request, from its `kv_transfer_params` (DESIGN.md, "PD protocol"):
 - **P** (`do_remote_decode`): the request prefills and samples its first token as usual.
   When it finishes, its blocks are kept (`delay_free`) under a lease, and the response
   carries the handle D needs: engine id, side-channel host/port, request id, positional
-  block ids per group (0 where P no longer holds a block), prompt length, first token.
-  The worker half frees them when D's read-done notification arrives, when D rejects,
-  or when the lease expires.
+  block ids per group (0 where P no longer holds a block), prompt length, first token,
+  and the wall-clock time the lease ends (`lease_expires_at`). The worker half frees
+  them when D's read-done notification arrives, when D rejects, or when the lease
+  expires. A read NIXL cannot stop, so D treats a read that ends after the lease as
+  failed: it never decodes on blocks P may have reused.
 - **D** (`do_remote_prefill`): everything past D's own prefix hit arrives from P
   (`get_num_new_matched_tokens` -> (prompt - hit, async)). After allocation, D reads
   exactly its newly allocated positions: attention blocks past the hit, the window's
@@ -42,6 +44,7 @@ class RemotePrefill:
     host: str
     port: int
     request_id: str
+    lease_expires_at: float | None = None  # wall clock; a read ending later is a failure
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,8 @@ class KVTransferParamsError(ValueError):
 
 class NixlConnectorScheduler(KVConnectorScheduler):
     def __init__(self, engine_id: str, host: str, side_channel_port: int, block_sizes: list[int],
-                 lease_seconds: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 lease_seconds: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         if len(set(block_sizes)) != 1:
             raise ValueError(f"the NIXL connector needs one block size across KV cache groups, got {block_sizes}")
         self.engine_id = engine_id
@@ -85,6 +89,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.block_sizes = block_sizes
         self.lease_seconds = lease_seconds
         self.clock = clock
+        self.wall_clock = wall_clock
         self._meta = NixlConnectorMetadata()
         self.num_rejected = 0
 
@@ -141,6 +146,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             "first_token_id": request.output_token_ids[0],
             "block_size": self.block_sizes[0],
             "tp_size": 1,
+            "lease_expires_at": self.wall_clock() + self.lease_seconds,
         }
 
     # --- every step ---------------------------------------------------------------
@@ -153,8 +159,10 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
 
 def remote_of(params: dict[str, Any]) -> RemotePrefill:
+    lease = params.get("lease_expires_at")
     return RemotePrefill(str(params["remote_engine_id"]), str(params["remote_host"]),
-                         int(params["remote_port"]), str(params["remote_request_id"]))
+                         int(params["remote_port"]), str(params["remote_request_id"]),
+                         float(lease) if isinstance(lease, (int, float)) else None)
 
 
 def remote_prefill_params(request: Request, num_groups: int, block_size: int) -> dict[str, Any]:
