@@ -1,0 +1,176 @@
+"""The side channel: a peer fetches this worker's NIXL agent metadata and KV layout.
+
+The worker owns a `SideChannelServer` (ZMQ ROUTER, one background thread that blocks in
+`poll` with a timeout, so it never spins). Each request is one msgpack `HandshakeRequest`;
+each reply one `HandshakeResponse` or `HandshakeError`. A malformed or oversized request
+gets a `HandshakeError` and is logged; the server keeps serving. Peers call
+`fetch_remote_layout`, which raises `HandshakeFailed` on an error reply, a timeout, or an
+undecodable reply.
+
+Wire format: both REQ and DEALER clients are served; a reply carries the request's
+envelope back (identity, empty delimiter, payload).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import zmq
+
+from connectors.nixl.messages import (
+    HandshakeError,
+    HandshakeReply,
+    HandshakeRequest,
+    HandshakeResponse,
+    MessageDecodeError,
+    decode_reply,
+    decode_request,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_REQUEST_BYTES = 1 << 20  # larger requests get a HandshakeError reply
+MAX_WIRE_BYTES = 16 << 20  # ZMQ drops the connection of a peer sending more than this
+POLL_INTERVAL_MS = 100  # how long the server thread blocks before checking for close()
+
+Responder = Callable[[HandshakeRequest], HandshakeReply]
+
+
+class HandshakeFailed(Exception):
+    """The side channel gave no usable layout: `reason` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _endpoint(host: str, port: int | str) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+class SideChannelServer:
+    """Serves `respond(request)` on tcp://host:port until `close()`.
+
+    `port=0` binds a free port; `self.port` is the port bound. `respond` runs on the
+    server thread; an exception it raises becomes a HandshakeError reply.
+    """
+
+    def __init__(self, host: str, port: int, respond: Responder) -> None:
+        self._respond = respond
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises, not blocks
+        if ":" in host:
+            self._socket.setsockopt(zmq.IPV6, 1)
+        try:
+            self._socket.bind(_endpoint(host, port or "*"))
+        except zmq.ZMQError:
+            self._socket.close()
+            self._context.term()
+            raise
+        endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.host = host
+        self.port = int(endpoint.rsplit(":", 1)[1])
+        self._stop = threading.Event()
+        # The socket is used only by the thread from here on (ZMQ sockets are not thread-safe;
+        # starting the thread is the memory barrier that hands it over).
+        self._thread = threading.Thread(target=self._serve, name=f"side-channel:{self.port}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving and release the port; idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join()
+        self._context.term()
+
+    def __enter__(self) -> SideChannelServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _serve(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self._socket.poll(POLL_INTERVAL_MS, zmq.POLLIN):
+                    try:
+                        self._serve_one()
+                    except Exception:  # keep serving whatever one request did
+                        logger.exception("side channel: serving a request failed")
+        finally:
+            self._socket.close()
+
+    def _serve_one(self) -> None:
+        frames = self._socket.recv_multipart()
+        reply = self._reply_to(frames[1:])
+        try:
+            self._socket.send_multipart([frames[0], b"", encode(reply)])
+        except zmq.ZMQError as exc:  # the client left before its reply
+            logger.info("side channel: could not reply to a client: %s", exc)
+
+    def _reply_to(self, body: list[bytes]) -> HandshakeReply:
+        """The reply to one request; `body` is the message after the ROUTER identity."""
+        if body and body[0] == b"":  # REQ / DEALER-with-delimiter envelope
+            body = body[1:]
+        size = sum(len(frame) for frame in body)
+        if size > MAX_REQUEST_BYTES:
+            return self._refuse(f"handshake request of {size} bytes exceeds {MAX_REQUEST_BYTES}")
+        if len(body) != 1:
+            return self._refuse(f"malformed handshake request: expected 1 frame, got {len(body)}")
+        try:
+            request = decode_request(body[0])
+        except MessageDecodeError as exc:
+            return self._refuse(f"malformed handshake request: {exc}")
+        try:
+            reply = self._respond(request)
+        except Exception as exc:  # a bug in respond must not stop the side channel
+            logger.exception("side channel: responding to %r failed", request.engine_id)
+            return HandshakeError(f"internal error answering the handshake: {exc}")
+        if not isinstance(reply, (HandshakeResponse, HandshakeError)):
+            logger.error("side channel: respond returned %s", type(reply).__name__)
+            return HandshakeError("internal error answering the handshake")
+        return reply
+
+    @staticmethod
+    def _refuse(reason: str) -> HandshakeError:
+        logger.warning("side channel: %s", reason)
+        return HandshakeError(reason)
+
+
+def fetch_remote_layout(host: str, port: int, request: HandshakeRequest, timeout_s: float) -> HandshakeResponse:
+    """Ask the side channel at host:port; raises HandshakeFailed on an error reply, no
+    reply within `timeout_s`, or a reply that does not decode."""
+    endpoint = _endpoint(host, port)
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
+    if ":" in host:
+        socket.setsockopt(zmq.IPV6, 1)
+    try:
+        socket.connect(endpoint)
+        socket.send_multipart([b"", encode(request)])
+        if not socket.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
+            raise HandshakeFailed(f"no handshake reply from {endpoint} within {timeout_s:g} s")
+        frames = socket.recv_multipart()
+    finally:
+        socket.close()
+        context.term()
+    return _response_from(frames, endpoint)
+
+
+def _response_from(frames: list[bytes], endpoint: str) -> HandshakeResponse:
+    try:
+        reply = decode_reply(frames[-1])
+    except MessageDecodeError as exc:
+        raise HandshakeFailed(f"undecodable handshake reply from {endpoint}: {exc}") from None
+    if isinstance(reply, HandshakeError):
+        raise HandshakeFailed(f"{endpoint} refused the handshake: {reply.reason}")
+    return reply

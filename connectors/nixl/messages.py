@@ -1,0 +1,178 @@
+"""What NIXL connectors say to each other: side-channel handshakes and notifications.
+
+Everything here is a msgspec Struct sent as msgpack. Nothing from the network is ever
+unpickled: a decoder accepts exactly these types, and any other bytes raise a
+`MessageDecodeError` (a `ValueError`) that the receiver can catch and log.
+
+- Side channel (ZMQ, see `handshake.py`): D sends a `HandshakeRequest`; P answers with a
+  `HandshakeResponse` (its NIXL agent metadata and KV layout) or a `HandshakeError`.
+- Notifications (bytes carried by NIXL, see `transport.py`): `ReadDone` rides on D's READ
+  and reaches P after the data moved; `Reject` tells P that D will not read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Annotated, Literal, Union
+
+import msgspec
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(gt=0)]
+DeviceKind = Literal["DRAM", "VRAM"]
+
+
+class MessageDecodeError(ValueError):
+    """Bytes that are not a valid message of the expected type."""
+
+
+class NotifDecodeError(MessageDecodeError):
+    """A NIXL notification payload that is not a `ReadDone` or a `Reject`."""
+
+
+# --- KV layout ---------------------------------------------------------------------
+
+
+class TensorInfo(msgspec.Struct, frozen=True):
+    """One registered KV tensor: `num_blocks` rows of `row_bytes`, back to back."""
+
+    base_address: NonNegative
+    num_blocks: Positive
+    row_bytes: Positive
+    device_id: NonNegative = 0
+
+
+class DataRefInfo(msgspec.Struct, frozen=True):
+    """Where one group's data is in a row of tensor `tensor_idx` (see `KVCacheBlockDataRef`)."""
+
+    tensor_idx: NonNegative
+    page_size_bytes: Positive
+    offset_bytes: NonNegative = 0
+
+
+class KVLayoutInfo(msgspec.Struct, frozen=True):
+    """An engine's KV cache as a peer needs it to build READ descriptors.
+
+    `group_data_refs[g]` are the refs of KV cache group g; `block_sizes[g]` its tokens per
+    block (an empty list: not stated). `compat_hash` (see `compat_hash()`) is equal on two engines iff they may
+    exchange KV blocks.
+    """
+
+    engine_id: str
+    tensors: list[TensorInfo]
+    group_data_refs: list[list[DataRefInfo]]
+    block_sizes: list[Positive]
+    compat_hash: str
+    device_kind: DeviceKind = "DRAM"
+
+    def __post_init__(self) -> None:
+        # Runs on decode too: a layout from the network that names a missing tensor or
+        # overruns a row raises msgspec.ValidationError there, so it never reaches NIXL.
+        if self.block_sizes and len(self.block_sizes) != len(self.group_data_refs):
+            raise ValueError(f"{len(self.block_sizes)} block sizes for {len(self.group_data_refs)} groups")
+        for group_id, refs in enumerate(self.group_data_refs):
+            if not refs:
+                raise ValueError(f"group {group_id} has no data refs")
+            for ref in refs:
+                if ref.tensor_idx >= len(self.tensors):
+                    raise ValueError(f"group {group_id}: {ref} names tensor {ref.tensor_idx} of {len(self.tensors)}")
+                row = self.tensors[ref.tensor_idx].row_bytes
+                if ref.offset_bytes + ref.page_size_bytes > row:
+                    raise ValueError(f"group {group_id}: {ref} runs past the row of {row} bytes")
+
+
+# --- side channel --------------------------------------------------------------------
+
+
+class HandshakeRequest(msgspec.Struct, frozen=True, tag="handshake_request"):
+    engine_id: str
+    compat_hash: str
+
+
+class HandshakeResponse(msgspec.Struct, frozen=True, tag="handshake_response"):
+    agent_metadata: bytes
+    layout: KVLayoutInfo
+
+
+class HandshakeError(msgspec.Struct, frozen=True, tag="handshake_error"):
+    reason: str
+
+
+HandshakeReply = Union[HandshakeResponse, HandshakeError]
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(HandshakeRequest)
+_reply_decoder = msgspec.msgpack.Decoder(HandshakeReply)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_request(data: bytes) -> HandshakeRequest:
+    """Raises MessageDecodeError unless `data` is a HandshakeRequest."""
+    return _decode(_request_decoder, data, MessageDecodeError)
+
+
+def decode_reply(data: bytes) -> HandshakeReply:
+    """Raises MessageDecodeError unless `data` is a HandshakeResponse or a HandshakeError."""
+    return _decode(_reply_decoder, data, MessageDecodeError)
+
+
+# --- notifications ---------------------------------------------------------------------
+
+
+class ReadDone(msgspec.Struct, frozen=True, tag="read_done"):
+    """D finished reading P's blocks for `request_id` (P's id): P may free them."""
+
+    request_id: str
+
+
+class Reject(msgspec.Struct, frozen=True, tag="reject"):
+    """D will not read P's blocks for `request_id` (P's id): P may free them."""
+
+    request_id: str
+    reason: str
+
+
+Notif = Union[ReadDone, Reject]
+_notif_decoder = msgspec.msgpack.Decoder(Notif)
+
+
+def encode_notif(notif: Notif) -> bytes:
+    return _encoder.encode(notif)
+
+
+def decode_notif(data: bytes) -> Notif:
+    """Raises NotifDecodeError unless `data` is a ReadDone or a Reject."""
+    return _decode(_notif_decoder, data, NotifDecodeError)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes, error: type[MessageDecodeError]):
+    try:
+        return decoder.decode(data)
+    except (msgspec.DecodeError, ValueError, TypeError) as exc:  # ValidationError is a DecodeError
+        raise error(f"malformed message ({len(data)} bytes): {exc}") from None
+
+
+# --- compatibility ---------------------------------------------------------------------
+
+_COMPAT_VERSION = "pd-kv-compat-v1"
+
+
+def compat_hash(
+    model_id: str,
+    dtype: str,
+    block_sizes: Sequence[int],
+    layout: str,
+    group_specs_repr: Sequence[str],
+) -> str:
+    """sha256 hex of everything that decides what a block's bytes mean.
+
+    Two engines can exchange KV blocks iff their hashes are equal. The inputs are encoded
+    as one msgpack array (deterministic for these types), with a version tag so a change
+    of what is hashed never makes old and new engines look compatible.
+    """
+    fields = [_COMPAT_VERSION, model_id, dtype, [int(b) for b in block_sizes], layout, list(group_specs_repr)]
+    return hashlib.sha256(_encoder.encode(fields)).hexdigest()

@@ -1,0 +1,194 @@
+"""The NIXL connector's worker half: moves the blocks the scheduler half decided on.
+
+It owns one NIXL agent (progress thread off; transfers progress when `get_finished`
+polls, once per engine step) with the whole KV cache registered once, and the side
+channel on which peers fetch this engine's agent metadata and layout.
+
+- D: for each request to receive, handshake with P once per peer (side channel), then
+  post one READ of all its runs, carrying a read-done notification that NIXL delivers
+  to P after the data moved. A read that fails, or ends after P's lease, is reported
+  in `failed_recving` (the scheduler then recomputes or fails the request).
+- P: blocks kept for a reader are released (`finished_sending`) on its read-done
+  notification, on its reject, or when the lease expires.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from connectors.base import KVConnectorOutput, KVConnectorWorker
+from connectors.canonical import CanonicalKVCaches
+from connectors.nixl.handshake import SideChannelServer, fetch_remote_layout
+from connectors.nixl.messages import (HandshakeError, HandshakeRequest, HandshakeResponse, NotifDecodeError,
+                                      ReadDone, Reject, decode_notif, encode_notif)
+from connectors.nixl.scheduler import NixlConnectorMetadata, RemotePrefill, ReqToRecv
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TransferStats:
+    """Cumulative figures for metrics."""
+
+    reads: int = 0
+    read_bytes: int = 0
+    read_seconds: float = 0.0
+    read_descriptors: int = 0
+    failures: int = 0
+    leases_expired: int = 0
+    rejects_received: int = 0
+
+    @property
+    def descriptors_per_read(self) -> float:
+        return self.read_descriptors / self.reads if self.reads else 0.0
+
+
+@dataclass
+class _Loading:
+    request: ReqToRecv
+    handle: object
+    started: float
+    num_bytes: int
+    num_descriptors: int
+
+
+@dataclass
+class NixlWorkerConfig:
+    engine_id: str
+    host: str
+    side_channel_port: int
+    compat_hash: str
+    handshake_timeout_s: float = 5.0
+    clock: Callable[[], float] = time.monotonic
+    wall_clock: Callable[[], float] = time.time
+
+
+class NixlConnectorWorker(KVConnectorWorker):
+    def __init__(self, config: NixlWorkerConfig) -> None:
+        self.config = config
+        self.transport = None
+        self.side_channel = None
+        self.peers: set[str] = set()
+        self.loading: dict[str, _Loading] = {}
+        self.failed: set[str] = set()  # failed before a read could be posted
+        self.leases: dict[str, float] = {}  # P: request id -> monotonic deadline
+        self.stats = TransferStats()
+
+    # --- set-up -------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: CanonicalKVCaches) -> None:
+        from connectors.nixl.transport import NixlTransport  # imports nixl: only when used
+
+        self.transport = NixlTransport(self.config.engine_id, kv_caches)
+        self.side_channel = SideChannelServer(self.config.host, self.config.side_channel_port, self._respond)
+
+    @property
+    def side_channel_port(self) -> int:
+        """The port bound (the configured one, or a free one when it was 0)."""
+        return self.side_channel.port
+
+    def _respond(self, request):
+        if request.compat_hash != self.config.compat_hash:
+            return HandshakeError(f"incompatible KV layout: peer {request.engine_id!r} has "
+                                  f"{request.compat_hash[:12]}, this engine {self.config.compat_hash[:12]} "
+                                  f"(model, dtype, block size, layout or KV cache groups differ)")
+        return HandshakeResponse(self.transport.agent_metadata(), self.transport.local_layout(self.config.compat_hash))
+
+    def _ensure_peer(self, remote: RemotePrefill) -> None:
+        if remote.engine_id in self.peers:
+            return
+        response = fetch_remote_layout(remote.host, remote.port,
+                                       HandshakeRequest(self.config.engine_id, self.config.compat_hash),
+                                       self.config.handshake_timeout_s)
+        self.transport.add_peer(response)
+        self.peers.add(remote.engine_id)
+
+    # --- every step ---------------------------------------------------------------
+    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        for send in metadata.reqs_to_send:
+            self.leases[send.request_id] = send.deadline
+        for recv in metadata.reqs_to_recv:
+            self._start_read(recv)
+        for remote, reason in metadata.reqs_to_reject:
+            self._reject(remote, reason)
+
+    def _start_read(self, recv: ReqToRecv) -> None:
+        try:
+            self._ensure_peer(recv.remote)
+            handle = self.transport.start_read(recv.remote.engine_id, recv.local_block_ids, recv.remote_block_ids,
+                                               encode_notif(ReadDone(recv.remote.request_id)))
+        except Exception as exc:  # any transport or handshake failure fails this request only
+            logger.warning("KV read for %s from %s failed to start: %s", recv.request_id, recv.remote.engine_id, exc)
+            self.failed.add(recv.request_id)
+            self.stats.failures += 1
+            return
+        self.loading[recv.request_id] = _Loading(recv, handle, self.config.clock(),
+                                                 handle.num_bytes, handle.num_descriptors)
+
+    def _reject(self, remote: RemotePrefill, reason: str) -> None:
+        try:
+            self._ensure_peer(remote)
+            self.transport.send_notif(remote.engine_id, encode_notif(Reject(remote.request_id, reason)))
+        except Exception as exc:  # P unreachable: its lease frees the blocks
+            logger.info("could not reject %s to %s: %s", remote.request_id, remote.engine_id, exc)
+
+    def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        output = KVConnectorOutput(failed_recving=self.failed)
+        self.failed = set()
+        self._poll_reads(output)
+        self._read_notifs(output)
+        self._expire_leases(output)
+        return output
+
+    def _poll_reads(self, output: KVConnectorOutput) -> None:
+        for req_id, loading in list(self.loading.items()):
+            state = self.transport.poll(loading.handle)
+            if state == "PROC":
+                continue
+            del self.loading[req_id]
+            lease = loading.request.remote.lease_expires_at
+            if state == "DONE" and (lease is None or self.config.wall_clock() < lease):
+                output.finished_recving.add(req_id)
+                self.stats.reads += 1
+                self.stats.read_bytes += loading.num_bytes
+                self.stats.read_descriptors += loading.num_descriptors
+                self.stats.read_seconds += self.config.clock() - loading.started
+            else:
+                logger.warning("KV read for %s from %s %s", req_id, loading.request.remote.engine_id,
+                               "failed" if state != "DONE" else "ended after P's lease")
+                output.failed_recving.add(req_id)
+                self.stats.failures += 1
+
+    def _read_notifs(self, output: KVConnectorOutput) -> None:
+        for peer, payloads in self.transport.get_notifs().items():
+            for payload in payloads:
+                try:
+                    notif = decode_notif(payload)
+                except NotifDecodeError as exc:
+                    logger.warning("ignoring a malformed notification from %s: %s", peer, exc)
+                    continue
+                if notif.request_id in self.leases and isinstance(notif, (ReadDone, Reject)):
+                    del self.leases[notif.request_id]
+                    output.finished_sending.add(notif.request_id)
+                    self.stats.rejects_received += isinstance(notif, Reject)
+
+    def _expire_leases(self, output: KVConnectorOutput) -> None:
+        now = self.config.clock()
+        for req_id, deadline in list(self.leases.items()):
+            if now >= deadline:
+                logger.warning("lease of %s expired before a decode server read it: freeing its blocks", req_id)
+                del self.leases[req_id]
+                output.finished_sending.add(req_id)
+                self.stats.leases_expired += 1
+
+    @property
+    def num_requests_held(self) -> int:
+        return len(self.leases)
+
+    def shutdown(self) -> None:
+        if self.side_channel is not None:
+            self.side_channel.close()
+        if self.transport is not None:
+            self.transport.close()

@@ -1,0 +1,131 @@
+"""The NIXL connector's worker half: a D worker reads a request's blocks from a P worker
+(two real NIXL agents, side channel on 127.0.0.1), P frees on the read-done notification,
+on a reject, or when the lease expires; late and failed reads are reported as failures."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from connectors.nixl.scheduler import NixlConnectorMetadata, RemotePrefill, ReqToRecv, ReqToSend
+from connectors.nixl.worker import NixlConnectorWorker, NixlWorkerConfig
+from pd.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
+from pd.worker.kv_allocation import allocate_kv_caches
+
+SPEC = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float32")  # 256-byte pages
+CONFIG = KVCacheConfig(num_blocks=32, groups=(KVCacheGroup(SPEC, ("a", "b")), KVCacheGroup(SPEC, ("c", "d"))))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_worker(engine_id: str, compat: str = "h", clock=None, wall_clock=time.time):
+    alloc = allocate_kv_caches(CONFIG, "cpu", "canonical")
+    worker = NixlConnectorWorker(NixlWorkerConfig(engine_id, "127.0.0.1", 0, compat,
+                                                  clock=clock or time.monotonic, wall_clock=wall_clock))
+    worker.register_kv_caches(alloc.describe())
+    return worker, alloc.buffers[0]
+
+
+@pytest.fixture
+def pair():
+    p, p_buf = make_worker("P", clock=Clock())
+    d, d_buf = make_worker("D")
+    p_buf.copy_(torch.randint(-128, 127, p_buf.shape, dtype=torch.int8))
+    try:
+        yield p, p_buf, d, d_buf
+    finally:
+        d.shutdown()
+        p.shutdown()
+
+
+class Poller:
+    """Polls every worker like an engine step does (without progress threads a transfer
+    moves only while both agents are polled) and accumulates what each reported."""
+
+    def __init__(self, *workers) -> None:
+        self.workers = workers
+        self.sent = {w.config.engine_id: set() for w in workers}
+        self.recved = {w.config.engine_id: set() for w in workers}
+        self.failed = {w.config.engine_id: set() for w in workers}
+
+    def until(self, predicate, deadline_s: float = 10.0) -> None:
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            for w in self.workers:
+                out = w.get_finished(set())
+                name = w.config.engine_id
+                self.sent[name] |= out.finished_sending
+                self.recved[name] |= out.finished_recving
+                self.failed[name] |= out.failed_recving
+            if predicate(self):
+                return
+            time.sleep(0.002)
+        raise AssertionError(f"condition not met in {deadline_s}s: sent={self.sent} "
+                             f"recved={self.recved} failed={self.failed}")
+
+
+def recv(p, local, remote, lease=None) -> ReqToRecv:
+    return ReqToRecv("d1", RemotePrefill("P", "127.0.0.1", p.side_channel_port, "p1", lease), local, remote)
+
+
+def test_d_reads_the_blocks_and_p_frees_on_the_notification(pair) -> None:
+    p, p_buf, d, d_buf = pair
+    before = d_buf.clone()
+    p.start_load_kv(NixlConnectorMetadata(reqs_to_send=[ReqToSend("p1", deadline=p.config.clock() + 60)]))
+    local, remote = [[0, 5, 6, 9], [0, 0, 11, 0]], [[3, 4, 5, 8], [0, 0, 7, 0]]
+    d.start_load_kv(NixlConnectorMetadata(reqs_to_recv=[recv(p, local, remote)]))
+    poller = Poller(p, d)
+    poller.until(lambda x: x.recved["D"] and x.sent["P"])
+    assert poller.recved["D"] == {"d1"} and poller.sent["P"] == {"p1"}
+    for local_ids, remote_ids, group in zip(local, remote, (0, 1)):
+        for lb, rb in zip(local_ids, remote_ids):
+            if lb:
+                page = CONFIG.page_size_bytes * 2  # two layers per group: one contiguous range
+                assert torch.equal(d_buf[lb, :page], p_buf[rb, :page])
+    touched = {5, 6, 9, 11}
+    untouched = [b for b in range(CONFIG.num_blocks) if b not in touched]
+    assert torch.equal(d_buf[untouched], before[untouched])
+    assert d.stats.reads == 1 and d.stats.read_descriptors == 3  # runs: (5,6) (9) in group 0, (11) in group 1
+    assert d.stats.read_bytes == 4 * 2 * CONFIG.page_size_bytes
+
+
+def test_a_reject_frees_at_once_and_a_lease_expiry_frees_later(pair) -> None:
+    p, _, d, _ = pair
+    p.start_load_kv(NixlConnectorMetadata(reqs_to_send=[ReqToSend("p1", p.config.clock() + 60),
+                                                        ReqToSend("p2", p.config.clock() + 60)]))
+    d.start_load_kv(NixlConnectorMetadata(reqs_to_reject=[(RemotePrefill("P", "127.0.0.1", p.side_channel_port, "p1"),
+                                                          "aborted")]))
+    poller = Poller(p, d)
+    poller.until(lambda x: x.sent["P"])
+    assert poller.sent["P"] == {"p1"} and p.num_requests_held == 1
+    p.config.clock.now += 61
+    assert p.get_finished(set()).finished_sending == {"p2"} and p.stats.leases_expired == 1
+
+
+def test_a_read_ending_after_the_lease_is_a_failure(pair) -> None:
+    p, _, d, _ = pair
+    d.start_load_kv(NixlConnectorMetadata(reqs_to_recv=[recv(p, [[1], [2]], [[3], [4]], lease=time.time() - 1)]))
+    poller = Poller(p, d)
+    poller.until(lambda x: x.failed["D"])
+    assert poller.failed["D"] == {"d1"} and d.stats.failures == 1
+
+
+def test_an_incompatible_peer_or_unreachable_p_fails_the_request_only(pair) -> None:
+    p, _, _, _ = pair
+    other, _ = make_worker("D2", compat="other-model")
+    try:
+        other.start_load_kv(NixlConnectorMetadata(reqs_to_recv=[recv(p, [[1], [2]], [[3], [4]])]))
+        assert other.get_finished(set()).failed_recving == {"d1"}
+        gone = ReqToRecv("d2", RemotePrefill("P9", "127.0.0.1", 1, "p9"), [[1], [2]], [[3], [4]])
+        other.start_load_kv(NixlConnectorMetadata(reqs_to_recv=[gone]))
+        assert other.get_finished(set()).failed_recving == {"d2"}
+    finally:
+        other.shutdown()
