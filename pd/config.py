@@ -10,6 +10,7 @@ from pd.models.config import SUPPORTED_DTYPES
 
 KV_LAYOUTS = ("canonical", "per-layer")
 ROLES = ("both", "prefill", "decode")
+KV_CONNECTORS = ("none", "nixl")
 DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024
 
 
@@ -31,11 +32,22 @@ class EngineConfig:
     hybrid_kv_cache: bool = True
     seed: int = 0
     role: str = "both"
+    kv_connector: str = "none"
+    kv_host: str = "127.0.0.1"
+    kv_side_channel_port: int = 0
+    kv_lease_seconds: float = 60.0
+    skip_mamba_align: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", Path(self.model))
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_connector must be one of {', '.join(KV_CONNECTORS)}, got {self.kv_connector!r}")
+        if self.kv_lease_seconds <= 0:
+            raise ValueError(f"kv_lease_seconds must be positive, got {self.kv_lease_seconds}")
+        if not 0 <= self.kv_side_channel_port < 65536:
+            raise ValueError(f"kv_side_channel_port must be a TCP port (0: any free one), got {self.kv_side_channel_port}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.kv_layout not in KV_LAYOUTS:
@@ -74,4 +86,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV blocks of shared prompt prefixes (default on)")
     parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default="canonical", help="canonical: one cross-layer buffer, one byte range per block per group; per-layer: one buffer per layer slot (default canonical)")
     parser.add_argument("--no-hybrid-kv-cache", dest="hybrid_kv_cache", action="store_false", help="attention-only models: keep every attention layer's KV for all tokens in one group (sliding layers still attend within their window); refused for Mamba hybrids")
+    parser.add_argument("--kv-connector", choices=KV_CONNECTORS, default="none", help="move KV blocks between prefill and decode servers: nixl, or none to serve alone (default none)")
+    parser.add_argument("--kv-host", default="127.0.0.1", help="address the KV side channel binds and advertises to decode servers (default 127.0.0.1)")
+    parser.add_argument("--kv-side-channel-port", type=int, default=0, help="TCP port of the KV side channel (handshakes); 0 picks a free one (default 0)")
+    parser.add_argument("--kv-lease-seconds", type=float, default=60.0, help="a prefill server frees KV blocks no decode server read after this long (default 60)")
+    parser.add_argument("--no-skip-mamba-align", dest="skip_mamba_align", action="store_false", help="on a decode server, keep Mamba groups in the prefix-cache hit search for remote-prefill requests (A/B comparison; collapses attention hits)")
     parser.add_argument("--seed", type=int, default=0, help="seed for requests that sample without their own seed (default 0)")

@@ -76,6 +76,11 @@ class Scheduler:
         return bool(self.waiting or self.running or self.waiting_for_remote)
 
     @property
+    def has_compute_work(self) -> bool:
+        """Requests to compute (not only waiting for remote KV or holding blocks for one)."""
+        return bool(self.waiting or self.running)
+
+    @property
     def has_work(self) -> bool:
         """Requests to step, or blocks still kept for the connector."""
         return self.has_unfinished_requests or bool(self.delayed_free or self.aborted_while_loading)

@@ -7,11 +7,14 @@ process behind ZMQ for `pd serve` (see `process.py`).
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import uuid
 from dataclasses import dataclass, field
 
 import torch
 
-from connectors.base import NullConnectorScheduler, NullConnectorWorker
+from connectors.base import KVConnectorScheduler, KVConnectorWorker, NullConnectorScheduler, NullConnectorWorker
 from pd.config import EngineConfig
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.manager import KVCacheManager
@@ -38,6 +41,7 @@ class EngineStats:
     group_names: list[str] = field(default_factory=list)
     group_queries: list[int] = field(default_factory=list)
     group_hits: list[int] = field(default_factory=list)
+    kv_transfer: dict[str, float] = field(default_factory=dict)  # the connector's counters, if any
 
 
 def group_names(config: KVCacheConfig) -> list[str]:
@@ -58,13 +62,41 @@ class EngineCore:
         specs = self.model.kv_cache_specs(config.block_size, hybrid=config.hybrid_kv_cache)
         self.kv_cache_config = make_kv_cache_config(specs, config.kv_cache_memory, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(self.kv_cache_config, config.enable_prefix_caching,
-                                               self.max_model_len)
-        self.scheduler = Scheduler(self._scheduler_config(), self.kv_cache_manager, NullConnectorScheduler())
+                                               self.max_model_len, config.skip_mamba_align)
+        self.engine_id = f"pd-{uuid.uuid4().hex[:12]}"
+        worker_connector = self._worker_connector()
         self.runner = ModelRunner(self.model, self.kv_cache_config, max_num_reqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, device=device,
                                   layout=config.kv_layout, keep_logits=keep_logits,
-                                  connector=NullConnectorWorker())
+                                  connector=worker_connector)
+        self.scheduler = Scheduler(self._scheduler_config(), self.kv_cache_manager,
+                                   self._scheduler_connector(worker_connector))
         self.logits: dict[str, list[torch.Tensor]] = {}
+
+    def _worker_connector(self) -> KVConnectorWorker:
+        if self.config.kv_connector == "none":
+            return NullConnectorWorker()
+        from connectors.nixl.worker import NixlConnectorWorker, NixlWorkerConfig
+
+        return NixlConnectorWorker(NixlWorkerConfig(self.engine_id, self.config.kv_host,
+                                                    self.config.kv_side_channel_port, self.compat_hash()))
+
+    def _scheduler_connector(self, worker: KVConnectorWorker) -> KVConnectorScheduler:
+        if self.config.kv_connector == "none":
+            return NullConnectorScheduler()
+        from connectors.nixl.scheduler import NixlConnectorScheduler
+
+        block_sizes = [g.spec.block_size for g in self.kv_cache_config.groups]
+        return NixlConnectorScheduler(self.engine_id, self.config.kv_host, worker.side_channel_port,
+                                      block_sizes, self.config.kv_lease_seconds)
+
+    def compat_hash(self) -> str:
+        """Equal for two engines whose KV blocks mean the same thing byte for byte."""
+        from connectors.nixl.messages import compat_hash
+
+        model_id = json.dumps(self.model_config.hf_config, sort_keys=True, default=str)
+        return compat_hash(model_id, self.config.dtype, [g.spec.block_size for g in self.kv_cache_config.groups],
+                           self.config.kv_layout, [repr(g.spec) + repr(g.layer_names) for g in self.kv_cache_config.groups])
 
     def _scheduler_config(self) -> SchedulerConfig:
         mamba = [g.spec.block_size for g in self.kv_cache_config.groups if isinstance(g.spec, MambaSpec)]
@@ -88,6 +120,9 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def has_compute_work(self) -> bool:
+        return self.scheduler.has_compute_work
+
     def stats(self) -> EngineStats:
         prefix = self.kv_cache_manager.stats
         return EngineStats(
@@ -95,7 +130,15 @@ class EngineCore:
             kv_usage=self.kv_cache_manager.usage, num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
             group_names=group_names(self.kv_cache_config),
-            group_queries=list(prefix.group_queries), group_hits=list(prefix.group_hits))
+            group_queries=list(prefix.group_queries), group_hits=list(prefix.group_hits),
+            kv_transfer=self._transfer_stats())
+
+    def _transfer_stats(self) -> dict[str, float]:
+        connector = self.runner.connector
+        stats = getattr(connector, "stats", None)
+        if stats is None:
+            return {}
+        return dataclasses.asdict(stats) | {"requests_held": float(connector.num_requests_held)}
 
     def _keep_logits(self, logits: dict[str, torch.Tensor] | None) -> None:
         for req_id, row in (logits or {}).items():

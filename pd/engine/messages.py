@@ -150,6 +150,7 @@ class EngineStatsMsg(msgspec.Struct, kw_only=True):
     group_names: list[str] = []
     group_queries: list[int] = []
     group_hits: list[int] = []
+    kv_transfer: dict[str, float] = {}
 
     @classmethod
     def from_stats(cls, stats: EngineStats) -> EngineStatsMsg:
@@ -157,14 +158,15 @@ class EngineStatsMsg(msgspec.Struct, kw_only=True):
                    kv_usage=stats.kv_usage, num_preemptions=stats.num_preemptions,
                    prefix_cache_queries=stats.prefix_cache_queries,
                    prefix_cache_hits=stats.prefix_cache_hits, group_names=list(stats.group_names),
-                   group_queries=list(stats.group_queries), group_hits=list(stats.group_hits))
+                   group_queries=list(stats.group_queries), group_hits=list(stats.group_hits),
+                   kv_transfer=dict(stats.kv_transfer))
 
     def to_stats(self) -> EngineStats:
         from pd.engine.core import EngineStats
 
         return EngineStats(self.num_running, self.num_waiting, self.kv_usage, self.num_preemptions,
                            self.prefix_cache_queries, self.prefix_cache_hits, list(self.group_names),
-                           list(self.group_queries), list(self.group_hits))
+                           list(self.group_queries), list(self.group_hits), dict(self.kv_transfer))
 
 
 class Ready(msgspec.Struct, tag=True):

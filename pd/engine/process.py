@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100  # how long an idle loop blocks on its input, so signals are seen
+TRANSFER_POLL_MS = 1  # with only KV transfers in flight: poll them often, without spinning
 LINGER_MS = 2000  # how long closing the output socket may wait to deliver what is queued
 
 
@@ -99,8 +100,12 @@ class EngineLoop:
             self.last_stats = stats
 
     def receive(self) -> list[EngineInput]:
-        """Every queued message; waits up to IDLE_POLL_MS for the first one when idle."""
-        timeout = 0 if self.core.has_work() else IDLE_POLL_MS
+        """Every queued message; waits for the first one up to IDLE_POLL_MS when idle, or
+        TRANSFER_POLL_MS when only KV transfers are in flight (they progress when polled)."""
+        if self.core.has_compute_work():
+            timeout = 0
+        else:
+            timeout = TRANSFER_POLL_MS if self.core.has_work() else IDLE_POLL_MS
         messages = []
         while self.inbox.poll(timeout, zmq.POLLIN):
             timeout = 0

@@ -55,6 +55,32 @@ class EngineStatsCollector(Collector):
             for family in (running, waiting, usage, preemptions, queries, hits):
                 family.add_metric([], 0)
         yield from (running, waiting, usage, preemptions, queries, hits)
+        yield from kv_transfer_metrics(stats.kv_transfer if stats is not None else {})
+
+
+# metric name (without pd_kv_transfer_ and _total) -> (connector stats field, help)
+KV_TRANSFER_COUNTERS = {
+    "reads": ("reads", "KV reads completed (decode side)."),
+    "bytes": ("read_bytes", "Bytes of KV read from prefill servers."),
+    "seconds": ("read_seconds", "Seconds KV reads took, from post to completion."),
+    "descriptors": ("read_descriptors", "Transfer descriptors of completed reads (one per run of blocks per group)."),
+    "failures": ("failures", "KV reads that failed or ended after the prefill server's lease."),
+    "leases_expired": ("leases_expired", "Requests whose KV blocks a prefill server freed unread after the lease."),
+    "rejects": ("rejects_received", "Requests a decode server rejected (their blocks freed at once)."),
+}
+
+
+def kv_transfer_metrics(values: dict[str, float]) -> Iterator[Metric]:
+    """pd_kv_transfer_*_total counters and pd_kv_requests_held, when a connector reports them."""
+    if not values:
+        return
+    for name, (field, help_text) in KV_TRANSFER_COUNTERS.items():
+        family = CounterMetricFamily(f"pd_kv_transfer_{name}", help_text)
+        family.add_metric([], values.get(field, 0.0))
+        yield family
+    held = GaugeMetricFamily("pd_kv_requests_held", "Requests whose KV blocks a prefill server keeps for a reader.")
+    held.add_metric([], values.get("requests_held", 0.0))
+    yield held
 
 
 class ServerMetrics:
