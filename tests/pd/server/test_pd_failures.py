@@ -1,0 +1,66 @@
+"""PD failure paths on real servers with real NIXL: P gone before D reads, a lease that
+runs out, and a decode request D cannot serve from P's blocks (a reject)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import httpx
+import pytest
+
+from server_harness import running_server, stop_process
+
+pytestmark = pytest.mark.slow
+BODY = {"prompt": "An old lighthouse keeper kept a log of every ship that passed. " * 4,
+        "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture
+def start(tiny_models, tmp_path):
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    with contextlib.ExitStack() as stack:
+        yield lambda name, *args: stack.enter_context(
+            running_server(tiny_models["qwen3"], tmp_path / f"{name}.log", *args))
+
+
+def complete(server, body: dict) -> dict:
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def prefill(p) -> dict:
+    return complete(p, BODY | {"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"]
+
+
+def test_p_gone_before_d_reads_d_recomputes_the_right_tokens(start) -> None:
+    p, d, c = start("p", "--kv-connector", "nixl"), start("d", "--kv-connector", "nixl"), start("c")
+    params = prefill(p)
+    stop_process(p.process)
+    out = complete(d, BODY | {"kv_transfer_params": params})
+    assert out["choices"][0]["text"] == complete(c, BODY)["choices"][0]["text"]
+    metrics = d.metrics()
+    assert metrics["pd_kv_transfer_failures_total"] == 1 and metrics["pd_kv_transfer_reads_total"] == 0
+    assert d.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+
+
+def test_blocks_nobody_reads_are_freed_when_the_lease_ends(start) -> None:
+    p = start("p", "--kv-connector", "nixl", "--kv-lease-seconds", "1")
+    prefill(p)
+    assert p.metrics()["pd_kv_requests_held"] == 1 and p.metrics()["pd_kv_cache_usage"] > 0
+    time.sleep(1.0)
+    assert p.wait_for_metric("pd_kv_requests_held", lambda v: v == 0, timeout=5) == 0
+    assert p.metrics()["pd_kv_transfer_leases_expired_total"] == 1
+    assert p.metrics()["pd_kv_cache_usage"] == 0
+
+
+def test_a_request_d_cannot_load_is_computed_there_and_p_frees_at_once(start) -> None:
+    p, d, c = start("p", "--kv-connector", "nixl"), start("d", "--kv-connector", "nixl"), start("c")
+    params = prefill(p)
+    other = BODY | {"prompt": BODY["prompt"] + " And more."}  # not the prompt P prefilled
+    out = complete(d, other | {"kv_transfer_params": params})
+    assert out["choices"][0]["text"] == complete(c, other)["choices"][0]["text"]
+    assert p.wait_for_metric("pd_kv_requests_held", lambda v: v == 0, timeout=5) == 0  # lease is 60 s
+    assert p.metrics()["pd_kv_transfer_rejects_total"] == 1
