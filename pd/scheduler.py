@@ -93,7 +93,7 @@ class Scheduler:
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or budget <= 0:
                 continue  # preempted earlier in this loop, or no budget left
-            num_new = self._num_new_tokens(request, budget)
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
             while (blocks := self.kv.allocate_slots(request, num_new)) is None:
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -109,14 +109,14 @@ class Scheduler:
         out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        """Tokens to compute this step; a partial chunk ends on a Mamba block boundary
-        when at least one boundary fits in the budget."""
-        remaining = request.num_tokens - request.num_computed_tokens
+    def _num_new_tokens(self, request: Request, computed: int, budget: int) -> int:
+        """Tokens to compute this step past `computed`; a partial chunk ends on a Mamba
+        block boundary when at least one boundary fits in the budget."""
+        remaining = request.num_tokens - computed
         num_new = min(remaining, budget)
         block = self.config.mamba_block_size
         if block and num_new < remaining and not request.do_remote_prefill:
-            aligned = (request.num_computed_tokens + num_new) // block * block - request.num_computed_tokens
+            aligned = (computed + num_new) // block * block - computed
             if aligned > 0:
                 return aligned
         return num_new
@@ -134,7 +134,7 @@ class Scheduler:
                     return
                 continue
             computed = request.num_computed_tokens + num_hit + num_external
-            num_new = self._num_new_tokens_from(request, computed, budget)
+            num_new = self._num_new_tokens(request, computed, budget)
             blocks = self.kv.allocate_slots(request, num_new, num_hit, hit_blocks, num_external)
             if blocks is None:
                 return
@@ -143,13 +143,6 @@ class Scheduler:
             self.waiting.popleft()
             self._start_running(request, computed, num_hit, num_new, out)
             budget -= num_new
-
-    def _num_new_tokens_from(self, request: Request, computed: int, budget: int) -> int:
-        saved, request.num_computed_tokens = request.num_computed_tokens, computed
-        try:
-            return self._num_new_tokens(request, budget)
-        finally:
-            request.num_computed_tokens = saved
 
     def _park_for_remote_kv(self, request: Request, hit_blocks, num_hit: int, num_external: int) -> bool:
         """Allocate blocks for the external tokens and wait for the connector to fill them."""
