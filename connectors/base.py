@@ -39,11 +39,11 @@ class KVConnectorMetadata:
 class KVConnectorOutput:
     """What the worker half reports back after a step: requests whose blocks finished
     sending (their delayed free may happen) or receiving (they may be scheduled), and
-    requests whose load failed."""
+    requests whose load failed (request id -> why, for logs and error messages)."""
 
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
-    failed_recving: set[str] = field(default_factory=set)
+    failed_recving: dict[str, str] = field(default_factory=dict)
 
 
 class KVConnectorScheduler(ABC):
@@ -58,7 +58,10 @@ class KVConnectorScheduler(ABC):
 
     @abstractmethod
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        """Blocks are allocated for the request (all groups); remember what to load."""
+        """Blocks are allocated for the request: `blocks` are all it holds, positional per
+        group (hits, nulls and new ones; `blocks.get_unfilled_block_ids()` names the new
+        ones, which the connector owns for writing until it reports the load finished or
+        failed). Remember what to load."""
 
     @abstractmethod
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

@@ -11,13 +11,18 @@ from pd.models.config import SUPPORTED_DTYPES
 KV_LAYOUTS = ("canonical", "per-layer")
 ROLES = ("both", "prefill", "decode")
 KV_CONNECTORS = ("none", "nixl")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """One engine's settings. `max_model_len=None` takes the model's own limit;
-    `device=None` picks CUDA when present, else the CPU."""
+    `device=None` picks CUDA when present, else the CPU. `kv_connector=None` takes
+    "nixl" for the prefill and decode roles and "none" for `both`.
+
+    The role sets defaults only: what a server does with a request is decided per
+    request, by its `kv_transfer_params` (DESIGN.md, "PD protocol")."""
 
     model: Path
     dtype: str = "float32"
@@ -32,14 +37,19 @@ class EngineConfig:
     hybrid_kv_cache: bool = True
     seed: int = 0
     role: str = "both"
-    kv_connector: str = "none"
+    kv_connector: str | None = None
     kv_host: str = "127.0.0.1"
     kv_side_channel_port: int = 0
     kv_lease_seconds: float = 60.0
     skip_mamba_align: bool = True
+    kv_load_failure_policy: str = "recompute"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", Path(self.model))
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.kv_connector is None:
+            object.__setattr__(self, "kv_connector", "none" if self.role == "both" else "nixl")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
         if self.kv_connector not in KV_CONNECTORS:
@@ -48,8 +58,12 @@ class EngineConfig:
             raise ValueError(f"kv_lease_seconds must be positive, got {self.kv_lease_seconds}")
         if not 0 <= self.kv_side_channel_port < 65536:
             raise ValueError(f"kv_side_channel_port must be a TCP port (0: any free one), got {self.kv_side_channel_port}")
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.role != "both" and self.kv_connector == "none":
+            raise ValueError(f"a {self.role} server moves KV to or from its peer: use --kv-connector nixl "
+                             "(or --role both to serve alone)")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}, "
+                             f"got {self.kv_load_failure_policy!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         for name in ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
@@ -86,9 +100,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV blocks of shared prompt prefixes (default on)")
     parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default="canonical", help="canonical: one cross-layer buffer, one byte range per block per group; per-layer: one buffer per layer slot (default canonical)")
     parser.add_argument("--no-hybrid-kv-cache", dest="hybrid_kv_cache", action="store_false", help="attention-only models: keep every attention layer's KV for all tokens in one group (sliding layers still attend within their window); refused for Mamba hybrids")
-    parser.add_argument("--kv-connector", choices=KV_CONNECTORS, default="none", help="move KV blocks between prefill and decode servers: nixl, or none to serve alone (default none)")
+    parser.add_argument("--kv-connector", choices=KV_CONNECTORS, default=None, help="move KV blocks between prefill and decode servers: nixl, or none to serve alone (default: nixl for --role prefill/decode, none for --role both)")
     parser.add_argument("--kv-host", default="127.0.0.1", help="address the KV side channel binds and advertises to decode servers (default 127.0.0.1)")
     parser.add_argument("--kv-side-channel-port", type=int, default=0, help="TCP port of the KV side channel (handshakes); 0 picks a free one (default 0)")
     parser.add_argument("--kv-lease-seconds", type=float, default=60.0, help="a prefill server frees KV blocks no decode server read after this long (default 60)")
-    parser.add_argument("--no-skip-mamba-align", dest="skip_mamba_align", action="store_false", help="on a decode server, keep Mamba groups in the prefix-cache hit search for remote-prefill requests (A/B comparison; collapses attention hits)")
+    parser.add_argument("--no-skip-mamba-align", dest="skip_mamba_align", action="store_false", help="on a decode server, keep Mamba and sliding-window groups in the prefix-cache hit search for remote-prefill requests (A/B comparison: their misses collapse the full-attention hit, so D reads more)")
+    parser.add_argument("--kv-load-failure-policy", choices=KV_LOAD_FAILURE_POLICIES, default="recompute", help="when a decode server cannot load a request's KV from the prefill server (P gone, read failed, incompatible pair): recompute the prompt here, or fail the request with an error (default recompute)")
     parser.add_argument("--seed", type=int, default=0, help="seed for requests that sample without their own seed (default 0)")

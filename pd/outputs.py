@@ -70,14 +70,16 @@ class ModelRunnerOutput:
 @dataclass
 class RequestOutput:
     """What one step produced for one request: new tokens, and how it ended if it did.
-    `finish_reason` is "stop", "length" or "abort"; `kv_transfer_params` are the
-    connector's parameters for the response (a prefill server's handle to its blocks)."""
+    `finish_reason` is "stop", "length", "abort" or "error" (then `error` says why);
+    `kv_transfer_params` are the connector's parameters for the response (a prefill
+    server's handle to its blocks)."""
 
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     num_cached_tokens: int = 0
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

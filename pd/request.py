@@ -17,6 +17,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # failed in the engine (its remote KV could not be loaded)
 
     @property
     def is_finished(self) -> bool:
@@ -70,7 +71,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
-    remote_kv_failed: bool = False  # its remote KV load failed: computed here instead
+    kv_load_error: str | None = None  # why its remote KV could not be loaded, if it could not
     _block_hashes: dict[int, list[BlockHash]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -93,7 +94,7 @@ class Request:
     def do_remote_prefill(self) -> bool:
         """True on D for a request whose prompt KV comes from a remote prefill (and has
         not failed to, which makes it an ordinary request computed here)."""
-        return bool((self.kv_transfer_params or {}).get("do_remote_prefill")) and not self.remote_kv_failed
+        return bool((self.kv_transfer_params or {}).get("do_remote_prefill")) and self.kv_load_error is None
 
     def append_output_token_ids(self, *token_ids: int) -> None:
         self.output_token_ids.extend(token_ids)

@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from connectors.base import KVConnectorOutput, KVConnectorScheduler, NullConnectorScheduler
+from pd.config import KV_LOAD_FAILURE_POLICIES
 from pd.kv_cache.manager import KVCacheManager
 from pd.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput, SchedulerOutput
 from pd.request import Request, RequestStatus
@@ -30,6 +31,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -40,6 +42,12 @@ class SchedulerConfig:
     max_model_len: int
     eos_token_ids: frozenset[int] = frozenset()
     mamba_block_size: int | None = None  # align prefill chunks to it (Mamba align mode)
+    kv_load_failure_policy: str = "recompute"  # or "fail": a request whose remote KV fails to load
+
+    def __post_init__(self) -> None:
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}, "
+                             f"got {self.kv_load_failure_policy!r}")
 
 
 class Scheduler:
@@ -57,6 +65,8 @@ class Scheduler:
         self.delayed_free: dict[str, Request] = {}  # finished, blocks kept for the connector
         self.aborted_while_loading: dict[str, Request] = {}  # blocks freed once the load ends
         self.num_preemptions = 0
+        self.kv_load_failures = {"recompute": 0, "fail": 0}  # by what was done about them
+        self._failed_outputs: list[RequestOutput] = []  # failed at admission; sent with the next update
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests or request.request_id in self.delayed_free:
@@ -126,7 +136,10 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_computed_tokens == 0:  # new or preempted: look up what exists
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+                load_error = request.kv_load_error
                 num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
+                if request.kv_load_error != load_error and self._fails_on_load_error(request):
+                    continue  # the connector found its kv_transfer_params unloadable just now
             else:  # its remote KV has landed; its blocks are already allocated
                 hit_blocks, num_hit, num_external, load_async = None, 0, 0, False
             if load_async:
@@ -139,7 +152,7 @@ class Scheduler:
             if blocks is None:
                 return
             if num_external:
-                self.connector.update_state_after_alloc(request, blocks, num_external)
+                self.connector.update_state_after_alloc(request, self.kv.get_blocks(request.request_id), num_external)
             self.waiting.popleft()
             self._start_running(request, computed, num_hit, num_new, out)
             budget -= num_new
@@ -211,36 +224,52 @@ class Scheduler:
             outputs.append(RequestOutput(req_id, [token], FINISH_REASONS.get(status), params,
                                          request.num_cached_tokens))
         outputs += self._update_connector(output.kv_connector_output)
+        outputs += self._failed_outputs
+        self._failed_outputs = []
         return outputs
 
     def _update_connector(self, connector_output: KVConnectorOutput) -> list[RequestOutput]:
         """Free blocks the connector finished sending; requeue requests whose remote KV
-        landed (or failed to: they are recomputed here). Returns the outputs of requests
-        that continue from a remote prefill's first token."""
+        landed (or failed to: the load failure policy decides). Returns the outputs of
+        requests that continue from a remote prefill's first token."""
         self.connector.update_connector_output(connector_output)
         outputs = []
         for req_id in connector_output.finished_sending:
             request = self.delayed_free.pop(req_id, None)
             if request is not None:
                 self.kv.free(request)
-        for req_id in connector_output.finished_recving | connector_output.failed_recving:
+        for req_id in [*connector_output.finished_recving, *connector_output.failed_recving]:
             aborted = self.aborted_while_loading.pop(req_id, None)
             if aborted is not None:
                 self.kv.free(aborted)
             request = self.waiting_for_remote.pop(req_id, None)
             if request is None:
                 continue
-            if req_id in connector_output.failed_recving:  # recompute the prompt here
-                self.kv.free(request)
-                request.num_computed_tokens = 0
-                request.remote_kv_failed = True
-            else:
-                self.kv.cache_blocks(request, request.num_computed_tokens)
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
-            if req_id in connector_output.finished_recving:
-                outputs += self._continue_from_first_token(request)
+            if req_id in connector_output.failed_recving:
+                request.kv_load_error = connector_output.failed_recving[req_id]
+                if not self._fails_on_load_error(request):  # computed here from scratch
+                    self.kv.free(request)
+                    request.num_computed_tokens = 0
+                continue
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            outputs += self._continue_from_first_token(request)
         return outputs
+
+    def _fails_on_load_error(self, request: Request) -> bool:
+        """A waiting request (at the queue's front) whose remote KV could not be loaded:
+        under "recompute" it stays queued and is computed here; under "fail" it finishes
+        with an error output (queued for the next update). True if it failed."""
+        policy = self.config.kv_load_failure_policy
+        self.kv_load_failures[policy] += 1
+        if policy == "recompute":
+            return False
+        self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        message = f"the KV cache of this request could not be loaded from the prefill server: {request.kv_load_error}"
+        self._failed_outputs.append(RequestOutput(request.request_id, [], "error", error=message))
+        return True
 
     def _continue_from_first_token(self, request: Request) -> list[RequestOutput]:
         """A remote prefill sampled the first token: it becomes this request's first

@@ -12,13 +12,16 @@ Per request, from its `kv_transfer_params` (DESIGN.md, "PD protocol"):
   expires. A read NIXL cannot stop, so D treats a read that ends after the lease as
   failed: it never decodes on blocks P may have reused.
 - **D** (`do_remote_prefill`): everything past D's own prefix hit arrives from P
-  (`get_num_new_matched_tokens` -> (prompt - hit, async)). After allocation, D reads
-  exactly its newly allocated positions: attention blocks past the hit, the window's
-  blocks, and the Mamba block holding the final state; positions D holds as null (out
-  of the window, behind the Mamba state) or as hits are not read.
+  (`get_num_new_matched_tokens` -> (prompt - hit, async)). The hit is the full
+  attention hit: Mamba and sliding-window groups are left out of the reduction for
+  such requests (see KVCacheManager.get_computed_blocks). After allocation, D reads
+  exactly its newly allocated positions: full attention blocks past the hit, the last
+  window's blocks, and the Mamba block holding the final state; positions D holds as
+  null (out of the window, behind the Mamba state) or as prefix-cache hits are not read.
 
 A D request whose parameters do not fit (wrong prompt length, block lists of the wrong
-shape) is not loaded: it is computed here and P is told to free its blocks (a reject).
+shape) is not loaded: P is told to free its blocks (a reject), and the scheduler's load
+failure policy decides whether the request is computed here or fails.
 """
 
 from __future__ import annotations
@@ -108,16 +111,12 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         if not request.do_remote_prefill or num_external_tokens == 0:
             return
         params = request.kv_transfer_params
-        num_hit = request.num_prompt_tokens - num_external_tokens
-        local = blocks.get_block_ids()
-        to_read = [[0 if i < num_hit // bs else block for i, block in enumerate(ids)]
-                   for ids, bs in zip(local, self.block_sizes)]
-        self._meta.reqs_to_recv.append(ReqToRecv(request.request_id, remote_of(params), to_read,
+        self._meta.reqs_to_recv.append(ReqToRecv(request.request_id, remote_of(params), blocks.get_unfilled_block_ids(),
                                                  [list(ids) for ids in params["remote_block_ids"]]))
 
     def _reject_invalid(self, request: Request, reason: str) -> None:
         """Compute the request here; tell P (if it can be reached) to free its blocks."""
-        request.remote_kv_failed = True
+        request.kv_load_error = f"its kv_transfer_params cannot be loaded here: {reason}"
         params = request.kv_transfer_params or {}
         if all(k in params for k in ("remote_engine_id", "remote_host", "remote_port", "remote_request_id")):
             self._meta.reqs_to_reject.append((remote_of(params), reason))

@@ -73,7 +73,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.side_channel = None
         self.peers: set[str] = set()
         self.loading: dict[str, _Loading] = {}
-        self.failed: set[str] = set()  # failed before a read could be posted
+        self.failed: dict[str, str] = {}  # failed before a read could be posted -> why
         self.leases: dict[str, float] = {}  # P: request id -> monotonic deadline
         self.stats = TransferStats()
 
@@ -121,7 +121,7 @@ class NixlConnectorWorker(KVConnectorWorker):
                                                encode_notif(ReadDone(recv.remote.request_id)))
         except Exception as exc:  # any transport or handshake failure fails this request only
             logger.warning("KV read for %s from %s failed to start: %s", recv.request_id, recv.remote.engine_id, exc)
-            self.failed.add(recv.request_id)
+            self.failed[recv.request_id] = f"the read from {recv.remote.host}:{recv.remote.port} could not start: {exc}"
             self.stats.failures += 1
             return
         self.loading[recv.request_id] = _Loading(recv, handle, self.config.clock(),
@@ -136,7 +136,7 @@ class NixlConnectorWorker(KVConnectorWorker):
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         output = KVConnectorOutput(failed_recving=self.failed)
-        self.failed = set()
+        self.failed = {}
         self._poll_reads(output)
         self._read_notifs(output)
         self._expire_leases(output)
@@ -156,9 +156,9 @@ class NixlConnectorWorker(KVConnectorWorker):
                 self.stats.read_descriptors += loading.num_descriptors
                 self.stats.read_seconds += self.config.clock() - loading.started
             else:
-                logger.warning("KV read for %s from %s %s", req_id, loading.request.remote.engine_id,
-                               "failed" if state != "DONE" else "ended after P's lease")
-                output.failed_recving.add(req_id)
+                why = "failed in transfer" if state != "DONE" else "ended after the prefill server's lease"
+                logger.warning("KV read for %s from %s %s", req_id, loading.request.remote.engine_id, why)
+                output.failed_recving[req_id] = f"the read from {loading.request.remote.engine_id} {why}"
                 self.stats.failures += 1
 
     def _read_notifs(self, output: KVConnectorOutput) -> None:

@@ -58,6 +58,11 @@ class EngineStartupError(RuntimeError):
     """The engine-core process failed to build its core, died or timed out starting."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine admitted the request and then could not finish it (for example its
+    remote KV could not be loaded under the "fail" policy); the message says why."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine-core process is gone; no request can be served any more."""
 
@@ -81,9 +86,7 @@ class EngineClient:
         self._output = output_socket
         self._ipc_dir = ipc_dir
         self._decoder = output_decoder()
-        self._stats = EngineStatsMsg(group_names=list(info.group_names),
-                                     group_queries=[0] * len(info.group_names),
-                                     group_hits=[0] * len(info.group_names))
+        self._stats = info.stats
         self._queues: dict[str, asyncio.Queue[RequestOutputMsg | _Dead]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -161,15 +164,15 @@ class EngineClient:
 
     @property
     def stats(self) -> EngineStatsMsg:
-        """The stats sent with the latest step (all zero before the first)."""
+        """The stats sent with the latest step (those at start-up before the first)."""
         return self._stats
 
     # ---- requests -----------------------------------------------------------------
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutputMsg]:
         """Add the request and yield its outputs until the finished one. ValueError if
-        the core refuses it (or its id is in flight here), EngineDeadError if the engine
-        dies. Stopping early (aclose, cancellation) aborts the request in the core."""
+        the core refuses it (or its id is in flight here), RequestFailedError if it fails
+        after admission, EngineDeadError if the engine dies. Stopping early (aclose, cancellation) aborts the request in the core."""
         queue = self._register(request.request_id)
         finished = False
         try:
@@ -180,7 +183,7 @@ class EngineClient:
                     raise EngineDeadError(self.dead_error)
                 finished = output.finished
                 if output.error is not None:
-                    raise ValueError(output.error)
+                    raise ValueError(output.error) if output.is_refusal else RequestFailedError(output.error)
                 yield output
         finally:
             self._queues.pop(request.request_id, None)

@@ -42,6 +42,7 @@ class EngineStats:
     group_queries: list[int] = field(default_factory=list)
     group_hits: list[int] = field(default_factory=list)
     kv_transfer: dict[str, float] = field(default_factory=dict)  # the connector's counters, if any
+    kv_load_failures: dict[str, int] = field(default_factory=dict)  # by policy action: recompute / fail
 
 
 def group_names(config: KVCacheConfig) -> list[str]:
@@ -102,7 +103,8 @@ class EngineCore:
         mamba = [g.spec.block_size for g in self.kv_cache_config.groups if isinstance(g.spec, MambaSpec)]
         return SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                self.max_model_len, self.model_config.eos_token_ids,
-                               mamba_block_size=mamba[0] if mamba else None)
+                               mamba_block_size=mamba[0] if mamba else None,
+                               kv_load_failure_policy=self.config.kv_load_failure_policy)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -131,7 +133,7 @@ class EngineCore:
             prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
             group_names=group_names(self.kv_cache_config),
             group_queries=list(prefix.group_queries), group_hits=list(prefix.group_hits),
-            kv_transfer=self._transfer_stats())
+            kv_transfer=self._transfer_stats(), kv_load_failures=dict(self.scheduler.kv_load_failures))
 
     def _transfer_stats(self) -> dict[str, float]:
         connector = self.runner.connector

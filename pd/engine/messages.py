@@ -91,6 +91,7 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     num_blocks: int
     block_sizes: list[int]
     architectures: list[str]
+    stats: EngineStatsMsg  # at start-up: what /metrics shows before the first step
 
     @classmethod
     def from_core(cls, core: EngineCore) -> EngineInfo:
@@ -101,12 +102,15 @@ class EngineInfo(msgspec.Struct, kw_only=True):
                    eos_token_ids=sorted(core.model_config.eos_token_ids),
                    group_names=group_names(kv), num_blocks=kv.num_blocks,
                    block_sizes=[g.spec.block_size for g in kv.groups],
-                   architectures=core.model_config.architectures)
+                   architectures=core.model_config.architectures,
+                   stats=EngineStatsMsg.from_stats(core.stats()))
 
 
 class RequestOutputMsg(msgspec.Struct, kw_only=True):
-    """`RequestOutput` on the wire, plus `error`: set (and nothing else) when the core
-    refused the request; such a request never ran and is already forgotten."""
+    """`RequestOutput` on the wire. `error` alone (no `finish_reason`): the core refused
+    the request, which never ran and is already forgotten. `error` with finish_reason
+    "error": the request was admitted and then failed (its remote KV could not be loaded
+    under the "fail" policy)."""
 
     request_id: str
     new_token_ids: list[int] = []
@@ -124,18 +128,22 @@ class RequestOutputMsg(msgspec.Struct, kw_only=True):
     def from_output(cls, output: RequestOutput) -> RequestOutputMsg:
         return cls(request_id=output.request_id, new_token_ids=list(output.new_token_ids),
                    finish_reason=output.finish_reason, kv_transfer_params=output.kv_transfer_params,
-                   num_cached_tokens=output.num_cached_tokens)
+                   num_cached_tokens=output.num_cached_tokens, error=output.error)
+
+    @property
+    def is_refusal(self) -> bool:
+        return self.error is not None and self.finish_reason is None
 
     @classmethod
     def refused(cls, request_id: str, error: str) -> RequestOutputMsg:
         return cls(request_id=request_id, error=error)
 
     def to_output(self) -> RequestOutput:
-        """The engine's RequestOutput (`error` has no counterpart there)."""
+        """The engine's RequestOutput (a refusal has no counterpart there)."""
         from pd.outputs import RequestOutput
 
         return RequestOutput(self.request_id, list(self.new_token_ids), self.finish_reason,
-                             self.kv_transfer_params, self.num_cached_tokens)
+                             self.kv_transfer_params, self.num_cached_tokens, self.error)
 
 
 class EngineStatsMsg(msgspec.Struct, kw_only=True):
@@ -151,6 +159,7 @@ class EngineStatsMsg(msgspec.Struct, kw_only=True):
     group_queries: list[int] = []
     group_hits: list[int] = []
     kv_transfer: dict[str, float] = {}
+    kv_load_failures: dict[str, int] = {}
 
     @classmethod
     def from_stats(cls, stats: EngineStats) -> EngineStatsMsg:
@@ -159,14 +168,15 @@ class EngineStatsMsg(msgspec.Struct, kw_only=True):
                    prefix_cache_queries=stats.prefix_cache_queries,
                    prefix_cache_hits=stats.prefix_cache_hits, group_names=list(stats.group_names),
                    group_queries=list(stats.group_queries), group_hits=list(stats.group_hits),
-                   kv_transfer=dict(stats.kv_transfer))
+                   kv_transfer=dict(stats.kv_transfer), kv_load_failures=dict(stats.kv_load_failures))
 
     def to_stats(self) -> EngineStats:
         from pd.engine.core import EngineStats
 
         return EngineStats(self.num_running, self.num_waiting, self.kv_usage, self.num_preemptions,
                            self.prefix_cache_queries, self.prefix_cache_hits, list(self.group_names),
-                           list(self.group_queries), list(self.group_hits), dict(self.kv_transfer))
+                           list(self.group_queries), list(self.group_hits), dict(self.kv_transfer),
+                           dict(self.kv_load_failures))
 
 
 class Ready(msgspec.Struct, tag=True):

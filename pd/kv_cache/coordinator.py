@@ -11,7 +11,8 @@
   downward-closed, so it is searched once and its blocks trimmed at the end.
 
 Groups can be skipped from the reduction per lookup (`skip_group_ids`): they do not
-constrain the hit and get null blocks for it (their data comes from elsewhere).
+constrain the hit and get no hit blocks (their data comes from elsewhere: allocation then
+gives them null blocks where they need nothing and new blocks where they do).
 """
 
 from __future__ import annotations
@@ -59,10 +60,12 @@ class KVCacheCoordinator:
         raise NotImplementedError
 
     def null_hit(self, num_tokens: int, skip_group_ids: frozenset[int]) -> CacheHit:
-        """A hit of `num_tokens` tokens made of null blocks only (0 for a miss)."""
+        """A hit of `num_tokens` tokens made of null blocks only (0 for a miss); skipped
+        groups get no blocks."""
         null = self.pool.null_block
         return CacheHit(
-            blocks=tuple([null] * (num_tokens // m.block_size) for m in self.managers),
+            blocks=tuple([] if g in skip_group_ids else [null] * (num_tokens // m.block_size)
+                         for g, m in enumerate(self.managers)),
             num_tokens=num_tokens,
             group_hit_tokens=tuple(
                 None if g in skip_group_ids else 0 for g in range(len(self.managers))
@@ -192,7 +195,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         return num_tokens // self.lcm * self.lcm
 
     def _assemble(self, types, found, own_hits, num_tokens: int, skip_group_ids) -> CacheHit:
-        """Per-group blocks trimmed to the hit; null blocks for skipped groups."""
+        """Per-group blocks trimmed to the hit; none for skipped groups."""
         hit = self.null_hit(num_tokens, skip_group_ids)
         blocks, group_hits = list(hit.blocks), list(hit.group_hit_tokens)
         for t, (type_blocks, _), own_hit in zip(types, found, own_hits):

@@ -23,7 +23,7 @@ from pd.kv_cache.coordinator import (
     NoPrefixCacheCoordinator,
     UnitaryKVCacheCoordinator,
 )
-from pd.kv_cache.spec import KVCacheConfig, MambaSpec
+from pd.kv_cache.spec import KVCacheConfig, MambaSpec, SlidingWindowSpec
 from pd.request import Request
 
 
@@ -35,6 +35,13 @@ class KVCacheBlocks:
 
     def get_block_ids(self) -> list[list[int]]:
         return [[b.block_id for b in group] for group in self.blocks]
+
+    def get_unfilled_block_ids(self) -> list[list[int]]:
+        """Positional block ids per group with 0 where the block is the null block or a
+        prefix-cache entry: what is left are the blocks whose contents nobody has
+        written yet (what a connector must load)."""
+        return [[0 if b.is_null or b.block_hash is not None else b.block_id for b in group]
+                for group in self.blocks]
 
     @property
     def num_blocks(self) -> int:
@@ -76,8 +83,8 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.coordinator = make_coordinator(config, enable_caching)
         self.pool = self.coordinator.pool
-        mamba = {i for i, g in enumerate(config.groups) if isinstance(g.spec, MambaSpec)}
-        self.remote_prefill_skip = frozenset(mamba if skip_mamba_for_remote_prefill else ())
+        partial = {i for i, g in enumerate(config.groups) if isinstance(g.spec, (MambaSpec, SlidingWindowSpec))}
+        self.remote_prefill_skip = frozenset(partial if skip_mamba_for_remote_prefill else ())
         self.stats = PrefixCacheStats(num_groups=len(config.groups))
 
     @property
@@ -100,9 +107,10 @@ class KVCacheManager:
         """The request's prefix-cache hit: blocks per group and its length in tokens.
 
         At least one token is always left to compute. For a request whose
-        `kv_transfer_params["do_remote_prefill"]` is true, Mamba groups are skipped from
-        the reduction (their state arrives from the prefill server), so the attention hit
-        is not collapsed to 0 by a Mamba miss; their hit blocks are null blocks.
+        `kv_transfer_params["do_remote_prefill"]` is true, the groups that keep only part
+        of a prefix (Mamba: one state; sliding window: the last window) are skipped from
+        the reduction: what they need arrives from the prefill server, so the full
+        attention hit is not collapsed to 0 by their misses. They get no hit blocks.
         """
         if not self.enable_caching:
             return self.empty_blocks(), 0

@@ -22,11 +22,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pd.engine.client import EngineDeadError
+from pd.engine.client import EngineDeadError, RequestFailedError
 from pd.server.chat import ChatTemplate
 from pd.server.metrics import CONTENT_TYPE, ServerMetrics
 from pd.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body, parse_body
-from pd.server.serving import Generation, Prepared, Server
+from pd.server.serving import Delta, Generation, Prepared, Server
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +34,11 @@ DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its cli
 
 
 def build_app(client: Any, tokenizer: Any, served_model_name: str, api_key: str | None = None,
-              chat_template: ChatTemplate | None = None) -> FastAPI:
+              chat_template: ChatTemplate | None = None, role: str = "both") -> FastAPI:
     """The app serving `client`'s engine as `served_model_name`. `chat_template` defaults
-    to the one in the tokenizer's config."""
+    to the one in the tokenizer's config; `role` is reported by /health."""
     template = chat_template or ChatTemplate.from_config(tokenizer.config)
-    server = Server(client, tokenizer, served_model_name, template)
+    server = Server(client, tokenizer, served_model_name, template, role)
     metrics = ServerMetrics(lambda: client.stats)
 
     @contextlib.asynccontextmanager
@@ -123,8 +123,9 @@ def _open_router(server: Server, metrics: ServerMetrics) -> APIRouter:
     async def health() -> JSONResponse:
         client = server.client
         if client.is_alive:
-            return JSONResponse({"status": "ok", "engine_pid": client.pid})
-        return JSONResponse({"status": "engine dead", "error": client.dead_error, "engine_pid": client.pid},
+            return JSONResponse({"status": "ok", "role": server.role, "engine_pid": client.pid})
+        return JSONResponse({"status": "engine dead", "error": client.dead_error, "role": server.role,
+                             "engine_pid": client.pid},
                             status_code=503)
 
     @router.get("/metrics")
@@ -191,8 +192,11 @@ async def _serve(server: Server, metrics: ServerMetrics, request: Request, prepa
     if text is None:  # the client left; nobody reads this
         return Response(status_code=499)
     body = _envelope(server, generation, shape.object_name)
-    body |= {"choices": [shape.choice(text, generation.finish_reason)], "usage": generation.usage(),
-             "kv_transfer_params": generation.kv_transfer_params}
+    choice = shape.choice(text, generation.finish_reason)
+    if prepared.return_token_ids:
+        choice |= {"prompt_token_ids": list(prepared.engine_request.prompt_token_ids),
+                   "token_ids": generation.output_token_ids}
+    body |= {"choices": [choice], "usage": generation.usage(), "kv_transfer_params": generation.kv_transfer_params}
     return JSONResponse(body, headers=headers)
 
 
@@ -208,6 +212,8 @@ async def _collect(generation: Generation) -> str:
     except EngineDeadError as e:
         raise RequestError(f"the engine died: {e}", type="service_unavailable", code="engine_dead",
                            status=503) from None
+    except RequestFailedError as e:  # e.g. its KV could not be loaded from the prefill server
+        raise RequestError(str(e), type="bad_gateway", code="kv_load_failed", status=502) from None
     except ValueError as e:  # refused by the core
         raise RequestError(str(e)) from None
 
@@ -236,27 +242,31 @@ async def _sse(server: Server, generation: Generation, shape: Shape) -> AsyncIte
     finish reason and kv_transfer_params in the last, a usage chunk if asked for, then
     [DONE]. An engine failure midway is an error event."""
     if shape.opens_with_role:
-        yield _chunk(server, generation, shape, "", None, first=True)
+        yield _chunk(server, generation, shape, Delta(""), first=True)
     try:
         async with contextlib.aclosing(generation.deltas()) as deltas:
             async for delta in deltas:
-                if delta.text or delta.finish_reason:
-                    yield _chunk(server, generation, shape, delta.text, delta.finish_reason, first=False)
+                if delta.text or delta.finish_reason or delta.token_ids:
+                    yield _chunk(server, generation, shape, delta, first=False)
         if generation.prepared.include_usage:
             yield _event(_envelope(server, generation, shape.chunk_object_name)
                          | {"choices": [], "usage": generation.usage()})
     except EngineDeadError as e:
         yield _event(error_body(f"the engine died: {e}", "service_unavailable", code=503))
+    except RequestFailedError as e:
+        yield _event(error_body(str(e), "bad_gateway", code=502))
     except ValueError as e:  # refused by the core
         yield _event(error_body(str(e), code=400))
     yield "data: [DONE]\n\n"
 
 
-def _chunk(server: Server, generation: Generation, shape: Shape, text: str, finish_reason: str | None,
-           first: bool) -> str:
+def _chunk(server: Server, generation: Generation, shape: Shape, delta: Delta, first: bool) -> str:
     chunk = _envelope(server, generation, shape.chunk_object_name)
-    chunk["choices"] = [shape.chunk_choice(text, finish_reason, first)]
-    if finish_reason is not None:
+    choice = shape.chunk_choice(delta.text, delta.finish_reason, first)
+    if generation.prepared.return_token_ids:
+        choice["token_ids"] = delta.token_ids
+    chunk["choices"] = [choice]
+    if delta.finish_reason is not None:
         chunk["kv_transfer_params"] = generation.kv_transfer_params
     return _event(chunk)
 

@@ -79,7 +79,8 @@ async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, a
     from pd.server.chat import ChatTemplate
 
     template = ChatTemplate.from_model_dir(config.model, tokenizer.config)
-    app = build_app(client, tokenizer, name, api_key=args.api_key, chat_template=template)
+    app = build_app(client, tokenizer, name, api_key=args.api_key, chat_template=template,
+                    role=config.role)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5))
     announce = asyncio.create_task(_announce(server, f"http://{args.host}:{args.port}", name, config.role))

@@ -55,7 +55,9 @@ class EngineStatsCollector(Collector):
             for family in (running, waiting, usage, preemptions, queries, hits):
                 family.add_metric([], 0)
         yield from (running, waiting, usage, preemptions, queries, hits)
-        yield from kv_transfer_metrics(stats.kv_transfer if stats is not None else {})
+        if stats is not None and stats.kv_transfer:  # a connector is configured
+            yield from kv_transfer_metrics(stats.kv_transfer)
+            yield from kv_load_failure_metrics(stats.kv_load_failures)
 
 
 # metric name (without pd_kv_transfer_ and _total) -> (connector stats field, help)
@@ -71,9 +73,7 @@ KV_TRANSFER_COUNTERS = {
 
 
 def kv_transfer_metrics(values: dict[str, float]) -> Iterator[Metric]:
-    """pd_kv_transfer_*_total counters and pd_kv_requests_held, when a connector reports them."""
-    if not values:
-        return
+    """pd_kv_transfer_*_total counters and pd_kv_requests_held."""
     for name, (field, help_text) in KV_TRANSFER_COUNTERS.items():
         family = CounterMetricFamily(f"pd_kv_transfer_{name}", help_text)
         family.add_metric([], values.get(field, 0.0))
@@ -81,6 +81,16 @@ def kv_transfer_metrics(values: dict[str, float]) -> Iterator[Metric]:
     held = GaugeMetricFamily("pd_kv_requests_held", "Requests whose KV blocks a prefill server keeps for a reader.")
     held.add_metric([], values.get("requests_held", 0.0))
     yield held
+
+
+def kv_load_failure_metrics(values: dict[str, int]) -> Iterator[Metric]:
+    """pd_kv_load_failures_total{policy}: decode requests whose KV could not be loaded
+    from the prefill server, by what the load failure policy did (recompute / fail)."""
+    family = CounterMetricFamily("pd_kv_load_failures", "Decode requests whose KV could not be loaded from "
+                                 "the prefill server, by the policy applied: recompute or fail.", labels=["policy"])
+    for policy in ("recompute", "fail"):
+        family.add_metric([policy], values.get(policy, 0))
+    yield family
 
 
 class ServerMetrics:

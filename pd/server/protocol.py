@@ -63,6 +63,7 @@ class SamplingFields(_Strict):
     user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None  # extra (PD)
     cache_salt: str | None = None  # extra
+    return_token_ids: bool = False  # extra: output token ids in each choice / chunk (prompt's too, unstreamed)
     # Declared to be refused when used:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

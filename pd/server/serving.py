@@ -35,6 +35,7 @@ class Prepared:
     stop: list[str]
     stream: bool
     include_usage: bool
+    return_token_ids: bool = False
 
     @property
     def request_id(self) -> str:
@@ -48,8 +49,10 @@ class Prepared:
 class Server:
     """The model-facing half of the app: one tokenizer, one engine, one model name."""
 
-    def __init__(self, client: Any, tokenizer: Any, served_model_name: str, chat_template: ChatTemplate) -> None:
+    def __init__(self, client: Any, tokenizer: Any, served_model_name: str, chat_template: ChatTemplate,
+                 role: str = "both") -> None:
         self.client = client
+        self.role = role
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.chat_template = chat_template
@@ -130,7 +133,7 @@ class Server:
             raise RequestError("stop strings must be non-empty", param="stop")
         engine_request = EngineRequest.create(request_id, prompt_ids, params, body.kv_transfer_params,
                                               body.cache_salt)
-        return Prepared(engine_request, stop, bool(body.stream), body.include_usage)
+        return Prepared(engine_request, stop, bool(body.stream), body.include_usage, body.return_token_ids)
 
     def _sampling_params(self, body: SamplingFields, num_prompt_tokens: int) -> SamplingParams:
         room = self.max_model_len - num_prompt_tokens
@@ -164,9 +167,11 @@ class Server:
 
 @dataclass
 class Delta:
-    """New text of one request; `finish_reason` set on its last delta."""
+    """New text of one request, and the token ids that arrived since the last delta;
+    `finish_reason` set on its last delta."""
 
     text: str
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
 
 
@@ -187,22 +192,28 @@ class Generation:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    output_token_ids: list[int] = field(default_factory=list)
     _last_token_time: float | None = None
 
     async def deltas(self) -> AsyncIterator[Delta]:
+        """Deltas with new text (or, when token ids were asked for, new token ids), and
+        the finishing one."""
         detokenizer = IncrementalDetokenizer(self.tokenizer, self.prepared.stop)
         outputs = self.client.generate(self.prepared.engine_request)
+        pending: list[int] = []  # token ids not yet in a delta
         try:
             async for out in outputs:
                 self._observe(out)
+                pending += out.new_token_ids
                 text = detokenizer.add(out.new_token_ids)
                 if detokenizer.stopped or out.finish_reason is not None:
                     text += detokenizer.finish()
                     self._finish("stop" if detokenizer.stopped else out.finish_reason, out)
-                    yield Delta(text, self.finish_reason)
+                    yield Delta(text, pending, self.finish_reason)
                     return
-                if text:
-                    yield Delta(text)
+                if text or (pending and self.prepared.return_token_ids):
+                    yield Delta(text, pending)
+                    pending = []
         finally:
             # Shielded: under a cancelled scope (client gone) the abort must still be sent.
             with anyio.CancelScope(shield=True):
@@ -221,6 +232,7 @@ class Generation:
                 self.metrics.inter_token_latency.observe((now - self._last_token_time) / n)
         self._last_token_time = now
         self.num_output_tokens += n
+        self.output_token_ids += out.new_token_ids
         self.metrics.generation_tokens.inc(n)
 
     def _finish(self, reason: str, out: Any) -> None:

@@ -257,7 +257,7 @@ class ToyRemoteConnector:
     def tick(self):
         done = {r for r, left in self.loading.items() if left <= 1}
         self.loading = {r: left - 1 for r, left in self.loading.items() if left > 1}
-        return self.output(failed_recving=done) if self.fail else self.output(finished_recving=done)
+        return self.output(failed_recving=dict.fromkeys(done, "toy failure")) if self.fail else self.output(finished_recving=done)
 
 
 @pytest.mark.parametrize("with_first_token", [False, True])
@@ -289,3 +289,35 @@ def test_remote_kv_parks_the_request_until_it_lands(fail: bool, with_first_token
     assert next(c for c in computed_tokens if c) == (41 if fail else 1 + with_first_token)
     assert request.output_token_ids == reference_outputs(prompt, 3)
     assert connector.finished_calls == ["d"] and kv.usage == 0.0
+    assert scheduler.kv_load_failures == {"recompute": int(fail), "fail": 0}
+
+
+def test_fail_policy_ends_a_request_whose_remote_kv_failed_with_an_error() -> None:
+    kv_config = make_kv_cache_config({"l0": attn()}, 10**7, 512)
+    kv = KVCacheManager(kv_config, True, 512)
+    connector = ToyRemoteConnector(num_external=40, delay_steps=1, fail=True)
+    config = SchedulerConfig(8, 64, 512, frozenset(), kv_load_failure_policy="fail")
+    scheduler = Scheduler(config, kv, connector)
+    runner = ToyRunner(kv, scheduler.config)
+    remote = Request("d", list(range(10, 51)), SamplingParams(max_tokens=3), kv_transfer_params={"do_remote_prefill": True})
+    local = Request("c", list(range(60, 70)), SamplingParams(max_tokens=3))
+    scheduler.add_request(remote)
+    scheduler.add_request(local)
+    outputs = []
+    while scheduler.has_work:
+        so = scheduler.schedule()
+        assert "d" not in so.num_scheduled_tokens  # never computed here
+        out = runner.execute(so)
+        out.kv_connector_output = connector.tick()
+        outputs += scheduler.update_from_output(so, out)
+    failed, = [o for o in outputs if o.request_id == "d"]
+    assert failed.finish_reason == "error" and "toy failure" in failed.error and failed.new_token_ids == []
+    assert remote.status is RequestStatus.FINISHED_ERROR and remote.output_token_ids == []
+    assert local.output_token_ids == reference_outputs(local.prompt_token_ids, 3)  # the others go on
+    assert scheduler.kv_load_failures == {"recompute": 0, "fail": 1}
+    assert connector.finished_calls == ["d", "c"] and kv.usage == 0.0
+
+
+def test_unknown_load_failure_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="recompute, fail"):
+        SchedulerConfig(8, 64, 512, kv_load_failure_policy="retry")

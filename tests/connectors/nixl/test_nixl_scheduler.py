@@ -149,7 +149,7 @@ def test_bad_params_are_computed_locally_and_rejected_to_p() -> None:
     d.add_request(wrong)
     so, _ = run_step(d)
     assert so.num_scheduled_tokens == {"d1": len(prompt) + 1}  # computed here
-    assert wrong.remote_kv_failed and not wrong.do_remote_prefill
+    assert "cannot be loaded" in wrong.kv_load_error and not wrong.do_remote_prefill
     (remote, reason), = so.kv_connector_metadata.reqs_to_reject
     assert remote.request_id == "p1" and "41" in reason and connector.num_rejected == 1
 

@@ -64,7 +64,7 @@ class Poller:
                 name = w.config.engine_id
                 self.sent[name] |= out.finished_sending
                 self.recved[name] |= out.finished_recving
-                self.failed[name] |= out.failed_recving
+                self.failed[name] |= out.failed_recving.keys()
             if predicate(self):
                 return
             time.sleep(0.002)
@@ -123,9 +123,9 @@ def test_an_incompatible_peer_or_unreachable_p_fails_the_request_only(pair) -> N
     other, _ = make_worker("D2", compat="other-model")
     try:
         other.start_load_kv(NixlConnectorMetadata(reqs_to_recv=[recv(p, [[1], [2]], [[3], [4]])]))
-        assert other.get_finished(set()).failed_recving == {"d1"}
+        assert other.get_finished(set()).failed_recving.keys() == {"d1"}
         gone = ReqToRecv("d2", RemotePrefill("P9", "127.0.0.1", 1, "p9"), [[1], [2]], [[3], [4]])
         other.start_load_kv(NixlConnectorMetadata(reqs_to_recv=[gone]))
-        assert other.get_finished(set()).failed_recving == {"d2"}
+        assert other.get_finished(set()).failed_recving.keys() == {"d2"}
     finally:
         other.shutdown()

@@ -197,9 +197,38 @@ def test_remote_prefill_skips_mamba_only_for_that_request() -> None:
     blocks, hit = manager.get_computed_blocks(remote)
     assert hit == 64
     for g in mamba_groups:
-        assert all(b.is_null for b in blocks.blocks[g])
+        assert blocks.blocks[g] == []  # no hit: its state comes from the prefill server
     off = make_manager("bamba", 200, skip_mamba_for_remote_prefill=False)
     assert off.get_computed_blocks(remote)[1] == 0
+
+
+def test_remote_prefill_keeps_the_full_attention_hit_and_loads_only_the_rest() -> None:
+    # D holds a prefix's full-attention blocks, but neither the window's blocks at the
+    # hit point nor a Mamba state there (as after an earlier P-then-D request, which
+    # brought only its last window and final state).
+    manager = make_manager("hybrid3", 200)
+    sim = Simulator(manager)
+    prefix = list(range(64))
+    assert sim.admit(Request("a", prefix + [1]), chunk=1000)
+    partial = {i for i, g in enumerate(manager.config.groups) if not isinstance(g.spec, FullAttentionSpec)}
+    for key in [k for k in manager.pool.cached if k.group_id in partial]:
+        manager.pool.cached.pop(key).block_hash = None
+    prompt = prefix + list(range(500, 536))  # 100 tokens: 7 blocks, 4 of them hits
+    assert manager.get_computed_blocks(Request("local", prompt))[1] == 0  # collapsed
+    request = Request("r", prompt, kv_transfer_params={"do_remote_prefill": True})
+    blocks, hit = manager.get_computed_blocks(request)
+    assert hit == 64
+    assert manager.allocate_slots(request, 0, hit, blocks, num_external_computed_tokens=100 - hit) is not None
+    unfilled = manager.get_blocks("r").get_unfilled_block_ids()
+    for group, ids in zip(manager.config.groups, unfilled):
+        to_load = [i for i, b in enumerate(ids) if b != 0]
+        if isinstance(group.spec, MambaSpec):
+            assert to_load == [99 // BLOCK]  # the final state only
+        elif isinstance(group.spec, SlidingWindowSpec):
+            assert to_load == list(range((100 - 24 + 1) // BLOCK, 7))  # the last window, hits or not
+        else:
+            assert to_load == [4, 5, 6]  # past the hit
+    manager.check_integrity()
 
 
 def test_remote_prefill_allocation_leaves_out_of_reach_positions_null() -> None:

@@ -4,6 +4,7 @@ sampling fields (seed, top_k, top_p, stop, ignore_eos) reach the engine."""
 
 from __future__ import annotations
 
+import json
 import httpx
 import openai
 import pytest
@@ -93,6 +94,24 @@ def test_streamed_completion_equals_llm(client, greedy, arch, prompt) -> None:
     assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
     assert len({c.id for c in chunks}) == 1
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_return_token_ids_gives_the_llm_token_ids(server, greedy, arch, tiny_models, endpoint) -> None:
+    prompt = {"prompt": PROMPT} if endpoint == "completions" else {"messages": MESSAGES}
+    expected = greedy(PROMPT if endpoint == "completions" else chat_prompt_ids(tiny_models[arch]))
+    body = prompt | {"max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+    out = httpx.post(f"{server.url}/v1/{endpoint}", json=body, timeout=60).json()
+    assert out["choices"][0]["token_ids"] == expected.token_ids
+    assert out["choices"][0]["prompt_token_ids"] == expected.prompt_token_ids
+    streamed = []
+    with httpx.stream("POST", f"{server.url}/v1/{endpoint}", json=body | {"stream": True}, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                streamed += json.loads(line[6:])["choices"][0].get("token_ids", [])
+    assert streamed == expected.token_ids
+    assert "token_ids" not in httpx.post(f"{server.url}/v1/{endpoint}", json=prompt | {"max_tokens": 2},
+                                         timeout=60).json()["choices"][0]
 
 
 def test_chat_equals_llm_on_the_rendered_template(client, greedy, arch, tiny_models) -> None:

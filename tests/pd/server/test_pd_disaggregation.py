@@ -1,79 +1,144 @@
 """Prefill on one `pd serve`, decode on another, KV moved by NIXL (real transfers between
-real server processes on 127.0.0.1), held against one colocated server.
+real server processes on 127.0.0.1), held against one colocated server, for every tiny
+architecture.
 
-The client plays the proxy: the request goes to P with max_tokens=1 and
-kv_transfer_params={"do_remote_decode": true}, then to D with P's kv_transfer_params.
+Servers per architecture: `a` and `b`, both `--role both --kv-connector nixl` (each acts
+as P for one request and as D for the next: the decision is per request), `c` colocated
+without a connector (the reference), and, for the Mamba hybrids, `noskip`: a decode
+server started with `--no-skip-mamba-align`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import random
+from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
-from server_harness import running_server
+from pd_client import complete, p_then_d
+from server_harness import ARCHS, running_server
 
 pytestmark = pytest.mark.slow
-PROMPTS = [
-    "The history of the city begins with a small settlement by the river, where " * 3,
-    "Hello",
-    "A long time ago " * 25,
-]
+HYBRIDS = ("bamba", "granitehybrid")
+NUM_PROMPTS = 32
+MAX_TOKENS = 8
+CONCURRENCY = 8
+# Lengths around the block sizes (16; 144 for the hybrids): single tokens, partial,
+# exact and just-over blocks, and several blocks.
+PROMPT_LENGTHS = [1, 2, 5, 15, 16, 17, 31, 32, 33, 50, 64, 100, 143, 144, 145, 160,
+                  200, 250, 287, 288, 289, 300, 350, 400, 431, 432, 433, 470, 500, 550, 600, 700]
+assert len(PROMPT_LENGTHS) == NUM_PROMPTS
 
 
-@pytest.fixture(scope="module", params=["qwen3", "bamba"])
-def servers(request, tiny_models, tmp_path_factory):
-    arch = request.param
+def token_prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(300, 3800) for _ in range(n)]  # clear of every family's special tokens
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def servers(arch, tiny_models, tmp_path_factory):
     logs = tmp_path_factory.mktemp(f"pd-{arch}")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     with contextlib.ExitStack() as stack:
         start = lambda name, *args: stack.enter_context(  # noqa: E731
             running_server(tiny_models[arch], logs / f"{name}.log", *args))
-        yield {"p": start("p", "--kv-connector", "nixl"), "d": start("d", "--kv-connector", "nixl"),
-               "c": start("c")}
+        servers = {"a": start("a", "--kv-connector", "nixl"), "b": start("b", "--kv-connector", "nixl"),
+                   "c": start("c")}
+        if arch in HYBRIDS:
+            servers["noskip"] = start("noskip", "--kv-connector", "nixl", "--no-skip-mamba-align")
+        yield servers
 
 
-def complete(server, body: dict) -> dict:
-    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
-    assert response.status_code == 200, response.text
-    return response.json()
+def counter(server, name: str) -> float:
+    return server.metrics().get(name, 0.0)
 
 
-def p_then_d(servers, body: dict) -> tuple[dict, dict]:
-    p = complete(servers["p"], body | {"max_tokens": 1, "stream": False,
-                                        "kv_transfer_params": {"do_remote_decode": True}})
-    params = p["kv_transfer_params"]
-    assert params["do_remote_prefill"] and params["num_prompt_tokens"] == p["usage"]["prompt_tokens"]
-    return p, complete(servers["d"], body | {"kv_transfer_params": params})
+def test_32_mixed_prompts_through_p_then_d_give_the_colocated_tokens(servers, arch) -> None:
+    """Non-streamed and streamed, A as P for B and B as P for A, 8 at a time; and each
+    connector server's own colocated requests are unchanged."""
+    rng = random.Random(f"mixed-{arch}")
+    prompts = [token_prompt(rng, n) for n in PROMPT_LENGTHS]
+    a, b, c = servers["a"], servers["b"], servers["c"]
+    reads_before = counter(a, "pd_kv_transfer_reads_total") + counter(b, "pd_kv_transfer_reads_total")
+
+    def run(i: int) -> None:
+        body = {"prompt": prompts[i], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+        expected = complete(c, body)
+        p, d = (a, b) if i % 2 == 0 else (b, a)
+        got = p_then_d(p, d, body)
+        assert (got.token_ids, got.text, got.finish_reason) == (expected.token_ids, expected.text, "length"), i
+        assert got.body["usage"]["completion_tokens"] == MAX_TOKENS
+        assert got.body["usage"]["prompt_tokens"] == len(prompts[i])
+        streamed = p_then_d(d, p, body, streamed=True)  # the other way round
+        assert (streamed.token_ids, streamed.text, streamed.finish_reason) == (expected.token_ids, expected.text,
+                                                                               "length"), i
+        assert complete(p, body).token_ids == expected.token_ids  # colocated on a connector server
+
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        list(pool.map(run, range(NUM_PROMPTS)))
+    reads = counter(a, "pd_kv_transfer_reads_total") + counter(b, "pd_kv_transfer_reads_total") - reads_before
+    assert reads == 2 * NUM_PROMPTS  # every decode read from P; none fell back to recomputing
+    for server in (a, b):
+        assert counter(server, "pd_kv_transfer_failures_total") == 0
+        assert server.wait_for_metric("pd_kv_requests_held", lambda v: v == 0) == 0
+        assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
 
 
-def test_p_then_d_gives_the_colocated_tokens_without_recomputing(servers) -> None:
-    d_before = servers["d"].metrics()
-    for prompt in PROMPTS:
-        body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
-        p, d = p_then_d(servers, body)
-        c = complete(servers["c"], body)
-        assert d["choices"][0]["text"] == c["choices"][0]["text"]
-        assert d["usage"]["completion_tokens"] == 10
-        assert p["choices"][0]["text"] == c["choices"][0]["text"][: len(p["choices"][0]["text"])]
-    d_after = servers["d"].metrics()
-    assert d_after["pd_kv_transfer_reads_total"] - d_before.get("pd_kv_transfer_reads_total", 0) == len(PROMPTS)
-    assert d_after["pd_kv_transfer_failures_total"] == 0
-    # D computed no prompt token: it only decoded (10 tokens each, the first came from P)
-    assert servers["p"].wait_for_metric("pd_kv_requests_held", lambda v: v == 0) == 0
-    assert servers["p"].wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
-    assert servers["d"].wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+def test_chat_through_p_then_d_gives_the_colocated_tokens(servers) -> None:
+    body = {"messages": [{"role": "user", "content": "Tell me about the sea and its tides."}],
+            "max_tokens": MAX_TOKENS, "temperature": 0}
+    expected = complete(servers["c"], body, endpoint="chat/completions")
+    for streamed in (False, True):
+        got = p_then_d(servers["a"], servers["b"], body, streamed, endpoint="chat/completions")
+        assert (got.token_ids, got.text) == (expected.token_ids, expected.text)
 
 
-def test_a_shared_prefix_makes_d_read_fewer_bytes(servers) -> None:
-    base = "Shared preamble for every request in this family. " * 12
+def read_bytes_of_a_family(p, d, rng: random.Random, c) -> list[float]:
+    """Two requests sharing a 500-token prefix, P then D; the bytes D read for each."""
+    base = token_prompt(rng, 500)
     read = []
-    for suffix in ("first question?", "second, different question?"):
-        before = servers["d"].metrics()
-        body = {"prompt": base + suffix, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-        _, d = p_then_d(servers, body)
-        assert d["choices"][0]["text"] == complete(servers["c"], body)["choices"][0]["text"]
-        read.append(servers["d"].metrics()["pd_kv_transfer_bytes_total"] - before.get("pd_kv_transfer_bytes_total", 0))
+    for _ in range(2):
+        body = {"prompt": base + token_prompt(rng, 40), "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        before = counter(d, "pd_kv_transfer_bytes_total")
+        assert p_then_d(p, d, body).token_ids == complete(c, body).token_ids
+        read.append(counter(d, "pd_kv_transfer_bytes_total") - before)
+    return read
+
+
+def prefix_hits(server) -> float:
+    """Prompt tokens served from the prefix cache, after the reduction across groups."""
+    return counter(server, "pd_prefix_cache_hits_total")
+
+
+def test_a_shared_prefix_makes_d_read_only_the_blocks_it_lacks(servers, arch) -> None:
+    hits_before = prefix_hits(servers["b"])
+    read = read_bytes_of_a_family(servers["a"], servers["b"], random.Random(f"family-{arch}"), servers["c"])
     assert 0 < read[1] < read[0], read  # D pulled only the blocks past its own prefix hit
+    assert prefix_hits(servers["b"]) > hits_before  # the blocks it received earlier were hits
+
+
+@pytest.mark.parametrize("arch", HYBRIDS, indirect=True)
+def test_without_the_per_request_mamba_skip_ds_attention_hits_collapse(servers, arch) -> None:
+    """Same family shape on a `--no-skip-mamba-align` D: the Mamba group has no state at
+    the shared prefix's boundary on D (it received only P's final state), so the hit
+    reduction drops to zero and the second request reads as much as the first. (Each
+    group's own hit, pd_prefix_cache_hits_total{group=...}, still shows attention's.)"""
+    skip = read_bytes_of_a_family(servers["a"], servers["b"], random.Random(f"skip-{arch}"), servers["c"])
+    hits_before = prefix_hits(servers["noskip"])
+    noskip = read_bytes_of_a_family(servers["a"], servers["noskip"], random.Random(f"noskip-{arch}"), servers["c"])
+    assert noskip[1] == noskip[0] == skip[0], (skip, noskip)
+    assert skip[1] < noskip[1]
+    assert prefix_hits(servers["noskip"]) == hits_before
+
+
+def test_a_decode_server_frees_everything_and_p_holds_nothing_afterwards(servers) -> None:
+    for server in servers.values():
+        assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+        if "pd_kv_requests_held" in server.metrics():
+            assert server.metrics()["pd_kv_requests_held"] == 0

@@ -43,7 +43,31 @@ def test_p_gone_before_d_reads_d_recomputes_the_right_tokens(start) -> None:
     assert out["choices"][0]["text"] == complete(c, BODY)["choices"][0]["text"]
     metrics = d.metrics()
     assert metrics["pd_kv_transfer_failures_total"] == 1 and metrics["pd_kv_transfer_reads_total"] == 0
+    assert metrics['pd_kv_load_failures_total{policy="recompute"}'] == 1
     assert d.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+
+
+def test_p_gone_before_d_reads_with_the_fail_policy_d_answers_a_clear_error(start) -> None:
+    """Roles without --kv-connector: prefill and decode servers take the NIXL connector."""
+    p = start("p", "--role", "prefill")
+    d = start("d", "--role", "decode", "--kv-load-failure-policy", "fail")
+    assert p.health().json()["role"] == "prefill" and d.health().json()["role"] == "decode"
+    assert d.metrics()["pd_kv_transfer_reads_total"] == 0  # connector metrics exist from start-up
+    params = [prefill(p), prefill(p)]
+    stop_process(p.process)
+    response = httpx.post(f"{d.url}/v1/completions", json=BODY | {"kv_transfer_params": params[0]}, timeout=60)
+    assert response.status_code == 502, response.text
+    error = response.json()["error"]
+    assert error["code"] == "kv_load_failed" and "could not be loaded from the prefill server" in error["message"]
+    with httpx.stream("POST", f"{d.url}/v1/completions", timeout=60,
+                      json=BODY | {"kv_transfer_params": params[1], "stream": True}) as streamed:
+        events = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and '"code":502' in events[-2] and "could not be loaded" in events[-2]
+    metrics = d.metrics()
+    assert metrics['pd_kv_load_failures_total{policy="fail"}'] == 2
+    assert metrics['pd_kv_load_failures_total{policy="recompute"}'] == 0
+    assert d.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+    assert complete(d, BODY)["usage"]["completion_tokens"] == BODY["max_tokens"]  # still serving
 
 
 def test_blocks_nobody_reads_are_freed_when_the_lease_ends(start) -> None:
