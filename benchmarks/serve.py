@@ -81,11 +81,27 @@ def _chunk_text(data: dict) -> str:
     return choice.get("text") or ""
 
 
+async def prefill_remotely(client: httpx.AsyncClient, prefill_url: str, payload: dict) -> dict:
+    """Send the request to a prefill server first, as a PD proxy does (max_tokens=1, not
+    streamed, do_remote_decode); the payload for the decode server, carrying P's
+    kv_transfer_params."""
+    body = {k: v for k, v in payload.items() if k != "stream_options"}
+    body |= {"max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    response = await client.post(prefill_url, json=body)
+    if response.status_code != 200:
+        raise RuntimeError(f"prefill HTTP {response.status_code}: {response.text[:500]}")
+    return payload | {"kv_transfer_params": response.json()["kv_transfer_params"]}
+
+
 async def send_request(client: httpx.AsyncClient, url: str, payload: dict, prompt_len: int,
-                       t0: float) -> RequestRecord:
-    """Stream one request; every failure ends up in `record.error`, never raised."""
+                       t0: float, prefill_url: str | None = None) -> RequestRecord:
+    """Stream one request (after prefilling it at `prefill_url`, when given: TTFT then
+    includes the prefill server's answer); every failure ends up in `record.error`,
+    never raised."""
     record = RequestRecord(prompt_len=prompt_len, start=time.perf_counter() - t0)
     try:
+        if prefill_url is not None:
+            payload = await prefill_remotely(client, prefill_url, payload)
         async with client.stream("POST", url, json=payload) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode(errors="replace")
@@ -135,7 +151,7 @@ async def _read_stream(response: httpx.Response, record: RequestRecord, t0: floa
 
 async def run_requests(client: httpx.AsyncClient, url: str, payloads: list[dict],
                        samples: list[SampleRequest], offsets: list[float],
-                       max_concurrency: int | None) -> tuple[list[RequestRecord], float]:
+                       max_concurrency: int | None, prefill_url: str | None = None) -> tuple[list[RequestRecord], float]:
     """Send request i at `offsets[i]` seconds (or later, once a concurrency slot frees)."""
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else nullcontext()
     progress = tqdm(total=len(payloads), disable=not sys.stderr.isatty())
@@ -144,7 +160,7 @@ async def run_requests(client: httpx.AsyncClient, url: str, payloads: list[dict]
     async def one(i: int) -> RequestRecord:
         await asyncio.sleep(max(0.0, t0 + offsets[i] - time.perf_counter()))
         async with limit:
-            record = await send_request(client, url, payloads[i], samples[i].prompt_len, t0)
+            record = await send_request(client, url, payloads[i], samples[i].prompt_len, t0, prefill_url)
         progress.update(1)
         return record
 
@@ -195,8 +211,9 @@ async def benchmark(args: argparse.Namespace) -> dict:
         payloads = [build_payload(args.endpoint, model, s, args.ignore_eos) for s in samples]
         offsets = send_offsets(arrival_intervals(len(samples), args.request_rate, args.burstiness, args.seed))
         before = await scrape_metrics(client, metrics_url)
+        prefill_url = args.prefill_url + args.endpoint if args.prefill_url else None
         records, duration = await run_requests(client, args.base_url + args.endpoint, payloads,
-                                               samples, offsets, args.max_concurrency)
+                                               samples, offsets, args.max_concurrency, prefill_url)
         after = await scrape_metrics(client, metrics_url)
     metrics = compute_metrics(records, duration, slos)
     server = server_metric_deltas(before, after) if before is not None and after is not None else None
@@ -268,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--endpoint", choices=ENDPOINTS, default="/v1/completions",
         help="API route (default: /v1/completions)")
     add("--model", help="model name to send (default: the first from /v1/models)")
+    add("--prefill-url", help="drive PD from the client: send each request to this prefill server "
+        "first (max_tokens=1, do_remote_decode), then to BASE_URL (the decode server) with its "
+        "kv_transfer_params (default: off, BASE_URL serves whole requests)")
     add("--num-prompts", type=int, default=1000, help="number of requests (default: 1000)")
     add("--request-rate", type=float, default=float("inf"),
         help="mean arrivals per second; inf sends all at once (default: inf)")
@@ -298,6 +318,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     except ValueError as exc:
         parser.error(str(exc))
     args.base_url = args.base_url.rstrip("/")
+    if args.prefill_url:
+        args.prefill_url = args.prefill_url.rstrip("/")
     result = asyncio.run(benchmark(args))
     print(format_table(result))
     if args.save_result or args.result_file:

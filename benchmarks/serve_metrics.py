@@ -147,19 +147,23 @@ def _hit_rate(queries: float, hits: float) -> dict:
 
 
 def server_metric_deltas(before: Samples, after: Samples) -> dict:
-    """Prefix-cache hit rates (overall and per `group` label) and KV transfer bytes."""
+    """Prefix-cache hit rates (overall and per `group` label) and KV transfer bytes. The
+    overall rate is the unlabelled series when the server exports one (pd serve does:
+    tokens hit after the reduction across groups), else the sum over groups."""
     queries = counter_deltas(before, after, PREFIX_QUERIES)
     hits = counter_deltas(before, after, PREFIX_HITS)
     result: dict = {"prefix_cache": None, "kv_transfer_bytes": None}
     if queries:
         groups: dict[str, list[float]] = {}
+        overall = [0.0, 0.0]  # series without a group label: the overall counts, when the server has them
         for labels, value in queries.items():
             group = dict(labels).get("group")
-            if group is not None:
-                totals = groups.setdefault(group, [0.0, 0.0])
-                totals[0] += value
-                totals[1] += hits.get(labels, 0.0)
-        result["prefix_cache"] = {**_hit_rate(sum(queries.values()), sum(hits.values())),
+            totals = overall if group is None else groups.setdefault(group, [0.0, 0.0])
+            totals[0] += value
+            totals[1] += hits.get(labels, 0.0)
+        if overall == [0.0, 0.0] and not any(dict(labels).get("group") is None for labels in queries):
+            overall = [sum(q for q, _ in groups.values()), sum(h for _, h in groups.values())]
+        result["prefix_cache"] = {**_hit_rate(*overall),
                                   "by_group": {g: _hit_rate(q, h) for g, (q, h) in sorted(groups.items())}}
     transfers = counter_deltas(before, after, KV_TRANSFER_BYTES)
     if transfers:

@@ -39,11 +39,12 @@ def pd_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "pd.cli", *args]
 
 
-def start_server(model_dir: Path, port: int, dtype: str, log: Path) -> tuple[subprocess.Popen, float]:
-    """Start `pd serve`; returns the process and the seconds until /health answered 200."""
+def start_server(model_dir: Path, port: int, dtype: str, log: Path, *extra: str) -> tuple[subprocess.Popen, float]:
+    """Start `pd serve` (with `extra` flags); returns the process and the seconds until
+    /health answered 200."""
     start = time.perf_counter()
-    proc = subprocess.Popen(pd_command("serve", "--model", str(model_dir), "--port", str(port), "--dtype", dtype),
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(pd_command("serve", "--model", str(model_dir), "--port", str(port), "--dtype", dtype,
+                                       *extra), stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/health"
     while True:
         if proc.poll() is not None:

@@ -55,6 +55,8 @@ def group_names(config: KVCacheConfig) -> list[str]:
 class EngineCore:
     def __init__(self, config: EngineConfig, keep_logits: bool = False) -> None:
         torch.manual_seed(config.seed)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model, config.dtype, config.max_model_len)
         device = config.torch_device

@@ -225,6 +225,22 @@ def test_server_metric_deltas_hit_rates_overall_and_per_group() -> None:
     assert server_metric_deltas({}, {}) == {"prefix_cache": None, "kv_transfer_bytes": None}
 
 
+def test_server_metric_deltas_take_pd_serves_overall_series_as_the_overall_rate() -> None:
+    # pd serve: an unlabelled overall series (after the reduction) beside per-group ones
+    before = parse_prometheus("pd_prefix_cache_queries_total 0\npd_prefix_cache_hits_total 0\n")
+    after = parse_prometheus("""\
+pd_prefix_cache_queries_total 100
+pd_prefix_cache_queries_total{group="0:full_attention"} 100
+pd_prefix_cache_queries_total{group="1:mamba"} 100
+pd_prefix_cache_hits_total 0
+pd_prefix_cache_hits_total{group="0:full_attention"} 80
+pd_prefix_cache_hits_total{group="1:mamba"} 0
+""")
+    prefix = server_metric_deltas(before, after)["prefix_cache"]
+    assert (prefix["queries"], prefix["hits"]) == (100.0, 0.0)  # the collapsed hit, not 80 of 300
+    assert prefix["by_group"]["0:full_attention"]["hit_rate"] == 0.8
+
+
 # ---------------------------------------------------------------- live HTTP
 
 

@@ -86,8 +86,10 @@ def stop_process(process: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> 
 def running_server(model_dir: Path, log_path: Path, *args: str) -> Iterator[ServerProcess]:
     """Start `pd serve --model model_dir *args` on a free port; yield it once healthy."""
     port = free_port()
+    # One torch thread each: several servers share this machine's cores, and
+    # oversubscribed threads spin (the tests check behaviour, not speed).
     cmd = [str(Path(sys.executable).parent / "pd"), "serve", "--model", str(model_dir),
-           "--host", "127.0.0.1", "--port", str(port), *args]
+           "--host", "127.0.0.1", "--port", str(port), "--num-threads", "1", *args]
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:

@@ -1,0 +1,38 @@
+"""EngineConfig: role defaults, refused combinations, and settings the engine applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pd.config import EngineConfig
+from pd.llm import LLM
+from pd.models.make_model import make_model
+
+
+@pytest.mark.parametrize("role, connector", [("both", "none"), ("prefill", "nixl"), ("decode", "nixl")])
+def test_the_role_picks_the_default_connector(role: str, connector: str) -> None:
+    assert EngineConfig(model="m", role=role).kv_connector == connector
+    assert EngineConfig(model="m", role=role, kv_connector="nixl").kv_connector == "nixl"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"role": "prefill", "kv_connector": "none"}, "--kv-connector nixl"),
+    ({"role": "router"}, "role must be one of"),
+    ({"kv_load_failure_policy": "retry"}, "kv_load_failure_policy must be one of recompute, fail"),
+    ({"num_threads": 0}, "num_threads must be positive"),
+    ({"kv_lease_seconds": 0}, "kv_lease_seconds must be positive"),
+])
+def test_bad_settings_are_refused_with_the_reason(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="m", **kwargs)
+
+
+def test_num_threads_sets_the_engines_torch_threads(tmp_path) -> None:
+    model = make_model("qwen3", tmp_path / "qwen3", seed=1)
+    before = torch.get_num_threads()
+    try:
+        LLM(str(model), num_threads=1, max_model_len=256, kv_cache_memory=8 << 20)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
