@@ -96,6 +96,18 @@ def _run_serve(args: argparse.Namespace) -> int:
     return run_serve(args)
 
 
+def _add_proxy_flags(parser: argparse.ArgumentParser) -> None:
+    from proxy.main import add_proxy_flags
+
+    add_proxy_flags(parser)
+
+
+def _run_proxy(args: argparse.Namespace) -> int:
+    from proxy.main import run_proxy
+
+    return run_proxy(args)
+
+
 # Later subcommands (bench) register here.
 COMMANDS: dict[str, Command] = {
     "version": Command("print the pd-serve version", lambda parser: None, _run_version),
@@ -105,6 +117,8 @@ COMMANDS: dict[str, Command] = {
                         _add_generate_flags, _run_generate),
     "serve": Command("serve a model over an OpenAI-compatible HTTP API (engine core in its own process)",
                      _add_serve_flags, _run_serve),
+    "proxy": Command("front prefill and decode servers: P with max_tokens=1, then D with P's kv_transfer_params",
+                     _add_proxy_flags, _run_proxy),
 }
 
 

@@ -98,3 +98,27 @@ def running_server(model_dir: Path, log_path: Path, *args: str) -> Iterator[Serv
             yield server
         finally:
             stop_process(process)
+
+
+@contextlib.contextmanager
+def running_proxy(log_path: Path, *args: str) -> Iterator[ServerProcess]:
+    """Start `pd proxy *args` on a free port; yield it once it answers /health (200 or 503)."""
+    port = free_port()
+    cmd = [str(Path(sys.executable).parent / "pd"), "proxy", "--host", "127.0.0.1", "--port", str(port), *args]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            proxy = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"pd proxy exited with {process.returncode}:\n{proxy.log_tail()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    proxy.health()
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"pd proxy not answering after {STARTUP_TIMEOUT_S} s:\n{proxy.log_tail()}")
+                time.sleep(0.1)
+            yield proxy
+        finally:
+            stop_process(process)
