@@ -277,8 +277,8 @@ def _server_rows(server: dict | None) -> list[str]:
     return lines
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.serve",
+def build_parser(prog: str = "python -m benchmarks.serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog,
                                      description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
@@ -308,8 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.serve") -> dict:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         parser.error("--max-concurrency must be at least 1")

@@ -108,7 +108,18 @@ def _run_proxy(args: argparse.Namespace) -> int:
     return run_proxy(args)
 
 
-# Later subcommands (bench) register here.
+def _add_bench_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("bench_command", choices=["serve"],
+                        help="serve: load-test an OpenAI-compatible server (see `pd bench serve --help`)")
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from benchmarks import serve
+
+    result = serve.main(args.bench_args, prog="pd bench serve")
+    return 0 if result["metrics"]["completed"] else 1
+
 COMMANDS: dict[str, Command] = {
     "version": Command("print the pd-serve version", lambda parser: None, _run_version),
     "make-model": Command("write a tiny random checkpoint in a family's published HF format",
@@ -119,6 +130,8 @@ COMMANDS: dict[str, Command] = {
                      _add_serve_flags, _run_serve),
     "proxy": Command("front prefill and decode servers: P with max_tokens=1, then D with P's kv_transfer_params",
                      _add_proxy_flags, _run_proxy),
+    "bench": Command("benchmarks: `pd bench serve` load-tests a server and reports TTFT, TPOT, ITL, throughput",
+                     _add_bench_flags, _run_bench),
 }
 
 

@@ -133,7 +133,11 @@ class Proxy:
                 continue
             if response.status_code != 200:  # the request's fault: every P would say the same
                 return Response(response.content, response.status_code, media_type="application/json")
-            params = response.json().get("kv_transfer_params")
+            try:
+                params = response.json().get("kv_transfer_params")
+            except (ValueError, AttributeError):
+                self.failed(instance, f"an answer that is not a JSON object: {response.text[:200]!r}")
+                continue
             if not params:
                 return error(f"the prefill server {instance.url} kept no KV for the request "
                              "(is it started with --kv-connector nixl?)", 502)

@@ -65,3 +65,27 @@ def test_python_dash_m_runs_the_cli() -> None:
     result = subprocess.run([sys.executable, "-m", "pd.cli", "version"], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == package_version()
+
+
+def test_every_flag_of_every_command_has_help_text() -> None:
+    from pd.cli import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction))
+    for name, sub in subparsers.choices.items():
+        for action in sub._actions:
+            assert action.help, f"pd {name} {action.option_strings or action.dest} has no help text"
+
+
+def test_proxy_needs_prefill_and_decode_servers(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["proxy", "--decode", "http://127.0.0.1:1"])
+    assert exc.value.code == 2 and "--prefill" in capsys.readouterr().err
+
+
+def test_bench_serve_is_the_serving_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "serve", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: pd bench serve") and "--prefill-url" in out and "--goodput" in out

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The one-command demo, from a fresh clone:
+#   installs the project into .venv (pinned CPU torch first), makes a tiny Bamba
+#   (Mamba2 + attention), starts 1P1D + the proxy (deploy/local.sh), sends a completion
+#   and a chat through the proxy, then runs a short `pd bench serve` of PD (through the
+#   proxy) against one colocated server on the same prompts, prints the table, and stops
+#   everything it started.
+#
+#   bash deploy/demo.sh [--num-prompts N] [--port-base P]
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+NUM_PROMPTS=32 BASE=18000
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --num-prompts) NUM_PROMPTS="$2"; shift 2 ;;
+        --port-base) BASE="$2"; shift 2 ;;
+        -h|--help) sed -n '2,9p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "demo: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+    esac
+done
+
+echo "== install (.venv, torch==2.13.0 CPU first)"
+[ -d .venv ] || python3 -m venv .venv
+.venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e .
+PD="$ROOT/.venv/bin/pd"
+
+export PD_DEPLOY_DIR="${PD_DEPLOY_DIR:-${TMPDIR:-/tmp}/pd-demo-$(id -u)}"
+mkdir -p "$PD_DEPLOY_DIR"
+MODEL="$PD_DEPLOY_DIR/tiny-bamba"
+PROXY=$BASE P_BASE=$((BASE + 10)) D_BASE=$((BASE + 20)) COLOCATED=$((BASE + 30))
+COLOCATED_PID=""
+cleanup() {
+    [ -z "$COLOCATED_PID" ] || { kill -TERM "$COLOCATED_PID" 2>/dev/null || true; wait "$COLOCATED_PID" 2>/dev/null || true; }
+    PD="$PD" "$ROOT/deploy/xpyd.sh" stop > /dev/null || true
+    echo "== stopped everything the demo started"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+echo "== tiny model"
+[ -f "$MODEL/config.json" ] || "$PD" make-model --arch bamba --out "$MODEL"
+
+echo "== 1P1D + proxy"
+PD="$PD" "$ROOT/deploy/local.sh" --model "$MODEL" --port "$PROXY" --prefill-base-port "$P_BASE" \
+    --decode-base-port "$D_BASE" --detach
+
+echo "== a completion and a chat through the proxy"
+curl -s "http://127.0.0.1:$PROXY/v1/completions" -H 'Content-Type: application/json' \
+    -d '{"prompt": "The sea is", "max_tokens": 12, "temperature": 0}'
+echo
+curl -s "http://127.0.0.1:$PROXY/v1/chat/completions" -H 'Content-Type: application/json' \
+    -d '{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 12, "temperature": 0}'
+echo
+
+echo "== one colocated server for comparison"
+NIXL_LOG_LEVEL=WARN "$PD" serve --model "$MODEL" --host 127.0.0.1 --port "$COLOCATED" \
+    > "$PD_DEPLOY_DIR/colocated.log" 2>&1 < /dev/null &
+COLOCATED_PID=$!
+for _ in $(seq 1800); do curl -sf "http://127.0.0.1:$COLOCATED/health" > /dev/null && break; sleep 0.1; done
+
+echo "== pd bench serve: $NUM_PROMPTS prompts sharing prefixes, PD through the proxy vs colocated"
+BENCH=(--dataset prefix-repetition --num-prompts "$NUM_PROMPTS" --max-concurrency 4 --ignore-eos --seed 0)
+"$PD" bench serve --base-url "http://127.0.0.1:$PROXY" --metrics-url "http://127.0.0.1:$D_BASE/metrics" \
+    "${BENCH[@]}" --label pd --result-file "$PD_DEPLOY_DIR/pd.json" > "$PD_DEPLOY_DIR/bench-pd.txt"
+"$PD" bench serve --base-url "http://127.0.0.1:$COLOCATED" "${BENCH[@]}" --label colocated \
+    --result-file "$PD_DEPLOY_DIR/colocated.json" > "$PD_DEPLOY_DIR/bench-colocated.txt"
+"$ROOT/.venv/bin/python" - "$PD_DEPLOY_DIR/pd.json" "$PD_DEPLOY_DIR/colocated.json" <<'EOF'
+import json, sys
+rows = [json.load(open(path)) for path in sys.argv[1:]]
+print("| deployment | completed | output tok/s | mean TTFT (ms) | mean TPOT (ms) | prefix-cache hit rate | KV bytes moved |")
+print("|---|---|---|---|---|---|---|")
+for r in rows:
+    m, s = r["metrics"], r.get("server_metrics") or {}
+    hit = (s.get("prefix_cache") or {}).get("hit_rate")
+    moved = (s.get("kv_transfer_bytes") or {}).get("total")
+    print(f"| {r['label']} | {m['completed']} | {m['output_throughput']:.1f} | {m['mean_ttft_ms']:.1f} | "
+          f"{m['mean_tpot_ms']:.2f} | {'-' if hit is None else f'{hit:.0%}'} | "
+          f"{'-' if not moved else f'{moved / 2**20:.1f} MiB'} |")
+EOF

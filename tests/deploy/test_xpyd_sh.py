@@ -1,0 +1,110 @@
+"""deploy/xpyd.sh and deploy/local.sh on this machine: they bring up P, D and the proxy,
+a request through the proxy succeeds, and stopping them (`stop`, or Ctrl-C) leaves none
+of the processes they started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).parents[2]
+
+
+def free_run(n: int) -> int:
+    """A port p with p .. p+n-1 all free."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n < 65536 and all(_free(base + i) for i in range(n)):
+            return base
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+
+
+def deployment_env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ, PD_DEPLOY_DIR=str(tmp_path / "state"))
+    env["PD"] = str(Path(os.sys.executable).parent / "pd")
+    return env
+
+
+def ports() -> list[str]:
+    return ["--port", str(free_run(1)), "--prefill-base-port", str(free_run(2)),
+            "--decode-base-port", str(free_run(2))]
+
+
+def complete(port: str) -> dict:
+    response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                          json={"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_xpyd_detached_serves_through_the_proxy_and_stop_ends_everything(tmp_path) -> None:
+    env, flags = deployment_env(tmp_path), ports()
+    pids_file = tmp_path / "state" / "pids"
+    try:
+        out = subprocess.run([str(ROOT / "deploy/xpyd.sh"), "--prefill", "2", "--decode", "1", "--detach", *flags],
+                             env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "2P1D" in out.stdout and "proxy:" in out.stdout
+        pids = [int(p) for p in pids_file.read_text().split()]
+        assert len(pids) == 4 and all(alive(p) for p in pids)  # 2 P, 1 D, the proxy
+        assert complete(flags[1])["usage"]["completion_tokens"] == 4
+        health = httpx.get(f"http://127.0.0.1:{flags[1]}/health", timeout=5).json()
+        assert len(health["prefill"]) == 2 and len(health["decode"]) == 1
+        again = subprocess.run([str(ROOT / "deploy/xpyd.sh"), *flags], env=env, capture_output=True, text=True)
+        assert again.returncode == 1 and "is running" in again.stderr  # one deployment per state dir
+    finally:
+        subprocess.run([str(ROOT / "deploy/xpyd.sh"), "stop"], env=env, capture_output=True, timeout=60)
+    assert not any(alive(p) for p in pids) and not pids_file.exists()
+
+
+def test_local_sh_stops_everything_when_interrupted(tmp_path) -> None:
+    env, flags = deployment_env(tmp_path), ports()
+    log = (tmp_path / "local.log").open("w")
+    process = subprocess.Popen([str(ROOT / "deploy/local.sh"), *flags], env=env, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        while "Ctrl-C stops everything" not in (tmp_path / "local.log").read_text():
+            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "local.log").read_text()
+            time.sleep(0.2)
+        pids = [int(p) for p in (tmp_path / "state" / "pids").read_text().split()]
+        assert complete(flags[1])["choices"][0]["finish_reason"] == "length"
+        # SIGINT to the script alone (Ctrl-C reaches its whole group): its trap must stop the rest
+        os.kill(process.pid, signal.SIGINT)
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        log.close()
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pids and not any(alive(p) for p in pids)
