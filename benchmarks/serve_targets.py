@@ -43,20 +43,27 @@ def start_server(model_dir: Path, port: int, dtype: str, log: Path, *extra: str)
     """Start `pd serve` (with `extra` flags); returns the process and the seconds until
     /health answered 200."""
     start = time.perf_counter()
-    proc = subprocess.Popen(pd_command("serve", "--model", str(model_dir), "--port", str(port), "--dtype", dtype,
-                                       *extra), stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/health"
+    cmd = pd_command("serve", "--model", str(model_dir), "--port", str(port), "--dtype", dtype, *extra)
+    proc = start_process(cmd, f"http://127.0.0.1:{port}", log)
+    return proc, time.perf_counter() - start
+
+
+def start_process(cmd: list[str], url: str, log: Path, timeout_s: float = 120.0) -> subprocess.Popen:
+    """Run `cmd` (a server) with its output in `log`; return once `url`/health answers 200."""
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    deadline = time.perf_counter() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"pd serve exited with {proc.returncode}; see {log}")
+            raise RuntimeError(f"{' '.join(cmd[:4])} exited with {proc.returncode}; see {log}:\n"
+                               f"{log.read_text(errors='replace')[-2000:]}")
         try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return proc, time.perf_counter() - start
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return proc
         except httpx.HTTPError:
             pass
-        if time.perf_counter() - start > 120:
-            proc.kill()
-            raise RuntimeError(f"pd serve not healthy after 120 s; see {log}")
+        if time.perf_counter() > deadline:
+            stop_server(proc)
+            raise RuntimeError(f"{' '.join(cmd[:4])} not healthy after {timeout_s:g} s; see {log}")
         time.sleep(0.05)
 
 

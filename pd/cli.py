@@ -109,12 +109,18 @@ def _run_proxy(args: argparse.Namespace) -> int:
 
 
 def _add_bench_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("bench_command", choices=["serve"],
-                        help="serve: load-test an OpenAI-compatible server (see `pd bench serve --help`)")
+    parser.add_argument("bench_command", choices=["serve", "compare"],
+                        help="serve: load-test an OpenAI-compatible server; compare: launch several "
+                             "deployments of one model and run the same load on each (see --help of each)")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
 
 
 def _run_bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "compare":
+        from benchmarks import compare
+
+        rows = compare.main(args.bench_args, prog="pd bench compare")
+        return 0 if all(r["medians"]["failed"] == 0 for r in rows) else 1
     from benchmarks import serve
 
     result = serve.main(args.bench_args, prog="pd bench serve")
@@ -130,7 +136,8 @@ COMMANDS: dict[str, Command] = {
                      _add_serve_flags, _run_serve),
     "proxy": Command("front prefill and decode servers: P with max_tokens=1, then D with P's kv_transfer_params",
                      _add_proxy_flags, _run_proxy),
-    "bench": Command("benchmarks: `pd bench serve` load-tests a server and reports TTFT, TPOT, ITL, throughput",
+    "bench": Command("benchmarks: `pd bench serve` load-tests a server (TTFT, TPOT, ITL, throughput); "
+                     "`pd bench compare` runs it against several deployments",
                      _add_bench_flags, _run_bench),
 }
 

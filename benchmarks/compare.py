@@ -1,0 +1,228 @@
+"""`pd bench compare`: the same workload against several deployments of one model on
+this machine, each launched and torn down here, with a warm-up and repetitions; a
+markdown table of medians, a JSON file with every run, and a PNG plot.
+
+Configurations (`--configs`, comma-separated):
+
+- `colocated`: one `pd serve` doing prefill and decode, all cores;
+- `pd`: a prefill and a decode server (NIXL, canonical layout) behind `pd proxy`, the
+  cores split between them;
+- `pd-per-layer`: `pd` with the per-layer KV layout on both servers;
+- `pd-no-skip-mamba`: `pd` with `--no-skip-mamba-align` on the decode server;
+- `no-prefix-cache`: `colocated` with prefix caching off.
+
+Every configuration sees the same prompts: repetition r uses seed `--seed + r` for all of
+them (fresh prompts per repetition, so one repetition does not warm the next one's
+prefix cache); the warm-up uses other prompts. Prefix-cache and KV-transfer figures are
+read from the server that decodes (D for PD).
+
+    pd bench compare --model DIR --dataset prefix-repetition --num-prompts 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from benchmarks import serve
+from benchmarks.datasets import add_dataset_args
+from benchmarks.serve_targets import free_port, pd_command, start_process, stop_server
+
+CONFIGS = ("colocated", "pd", "pd-per-layer", "pd-no-skip-mamba", "no-prefix-cache")
+WARMUP_SEED_OFFSET = 10_000
+FIGURES = {  # column -> (title, how to read it from one run's result)
+    "output_throughput": ("output tok/s", lambda r: r["metrics"]["output_throughput"]),
+    "mean_ttft_ms": ("mean TTFT (ms)", lambda r: r["metrics"]["mean_ttft_ms"]),
+    "p99_ttft_ms": ("p99 TTFT (ms)", lambda r: r["metrics"]["p99_ttft_ms"]),
+    "mean_tpot_ms": ("mean TPOT (ms)", lambda r: r["metrics"]["mean_tpot_ms"]),
+    "prefix_hit_rate": ("prefix hit rate", lambda r: ((r["server_metrics"] or {}).get("prefix_cache") or {})
+                        .get("hit_rate")),
+    "kv_mib": ("KV read (MiB)", lambda r: _mib(((r["server_metrics"] or {}).get("kv_transfer_bytes") or {})
+                                                .get("total"))),
+}
+
+
+def _mib(num_bytes: float | None) -> float | None:
+    return None if num_bytes is None else num_bytes / 2**20
+
+
+@dataclass
+class Deployment:
+    """What `bench serve` talks to: the front URL and the decoding server's metrics."""
+
+    base_url: str
+    metrics_url: str
+
+
+@contextlib.contextmanager
+def deploy(config: str, args: argparse.Namespace, workdir: Path) -> Iterator[Deployment]:
+    """Launch one configuration; everything it started is stopped on exit."""
+    cores = os.cpu_count() or 2
+    common = ["--model", str(args.model), "--dtype", args.dtype, "--host", "127.0.0.1"]
+    with contextlib.ExitStack() as stack:
+        def start(name: str, *extra: str) -> str:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            proc = start_process(pd_command("serve", *common, "--port", str(port), *extra), url,
+                                 workdir / f"{config}-{name}.log")
+            stack.callback(stop_server, proc)
+            return url
+
+        if config in ("colocated", "no-prefix-cache"):
+            url = start("server", *(["--no-enable-prefix-caching"] if config == "no-prefix-cache" else []))
+            yield Deployment(url, f"{url}/metrics")
+            return
+        threads = ["--num-threads", str(max(1, cores // 2))]
+        layout = ["--kv-layout", "per-layer"] if config == "pd-per-layer" else []
+        p = start("prefill", "--role", "prefill", *threads, *layout)
+        d = start("decode", "--role", "decode", *threads, *layout,
+                  *(["--no-skip-mamba-align"] if config == "pd-no-skip-mamba" else []))
+        port = free_port()
+        proxy_url = f"http://127.0.0.1:{port}"
+        proxy = start_process(pd_command("proxy", "--prefill", p, "--decode", d, "--host", "127.0.0.1",
+                                         "--port", str(port), "--log-level", "warning"),
+                              proxy_url, workdir / f"{config}-proxy.log")
+        stack.callback(stop_server, proxy)
+        yield Deployment(proxy_url, f"{d}/metrics")
+
+
+def serve_args(args: argparse.Namespace, deployment: Deployment, seed: int, num_prompts: int,
+               label: str) -> argparse.Namespace:
+    """`bench serve`'s arguments for one run: the dataset flags as given to compare."""
+    argv = ["--base-url", deployment.base_url, "--metrics-url", deployment.metrics_url,
+            "--endpoint", args.endpoint, "--num-prompts", str(num_prompts), "--seed", str(seed),
+            "--request-rate", str(args.request_rate), "--burstiness", str(args.burstiness), "--label", label]
+    if args.max_concurrency:
+        argv += ["--max-concurrency", str(args.max_concurrency)]
+    if args.ignore_eos:
+        argv.append("--ignore-eos")
+    for action in _dataset_actions():
+        value = getattr(args, action.dest)
+        if value is not None:
+            argv += [action.option_strings[0], str(value)]
+    return serve.build_parser().parse_args(argv)
+
+
+def _dataset_actions() -> list[argparse.Action]:
+    parser = argparse.ArgumentParser()
+    add_dataset_args(parser)
+    return [a for a in parser._actions if a.option_strings and a.dest != "help"]
+
+
+def run_config(config: str, args: argparse.Namespace, workdir: Path) -> dict:
+    runs = []
+    with deploy(config, args, workdir) as deployment:
+        if args.warmup_prompts:
+            asyncio.run(serve.benchmark(serve_args(args, deployment, args.seed + WARMUP_SEED_OFFSET,
+                                                   args.warmup_prompts, f"{config}-warmup")))
+        for rep in range(args.repetitions):
+            result = asyncio.run(serve.benchmark(serve_args(args, deployment, args.seed + rep, args.num_prompts,
+                                                            f"{config}-{rep}")))
+            failed = result["metrics"]["failed"]
+            print(f"  {config} repetition {rep + 1}/{args.repetitions}: "
+                  f"{result['metrics']['output_throughput']:.1f} output tok/s, {failed} failed", flush=True)
+            runs.append(result)
+    medians = {}
+    for key, (_, read) in FIGURES.items():
+        values = [v for v in (read(r) for r in runs) if v is not None]
+        medians[key] = statistics.median(values) if values else None
+    medians["failed"] = sum(r["metrics"]["failed"] for r in runs)
+    return {"config": config, "medians": medians, "runs": runs}
+
+
+def format_table(rows: list[dict]) -> str:
+    titles = [title for title, _ in FIGURES.values()]
+    lines = ["| configuration | " + " | ".join(titles) + " | failed |", "|---|" + "---|" * (len(titles) + 1)]
+    for row in rows:
+        cells = []
+        for key in FIGURES:
+            value = row["medians"][key]
+            cells.append("-" if value is None else (f"{value:.1%}" if key == "prefix_hit_rate" else f"{value:.1f}"))
+        lines.append(f"| {row['config']} | " + " | ".join(cells) + f" | {row['medians']['failed']} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["config"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for ax, key in zip(axes, ("output_throughput", "mean_ttft_ms", "mean_tpot_ms")):
+        values = [r["medians"][key] or 0 for r in rows]
+        ax.bar(names, values, color="#4c72b0")
+        ax.set_title(FIGURES[key][0] + " (median)")
+        ax.tick_params(axis="x", labelrotation=30)
+        for i, v in enumerate(values):
+            ax.annotate(f"{v:.1f}", (i, v), ha="center", va="bottom", fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def build_parser(prog: str = "pd bench compare") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--model", required=True, type=Path, help="model directory every configuration serves")
+    add("--configs", default=",".join(CONFIGS[:2]),
+        help=f"comma-separated configurations among {', '.join(CONFIGS)} (default: colocated,pd)")
+    add("--dtype", choices=("float32", "bfloat16"), default="float32", help="model dtype (default float32)")
+    add("--endpoint", choices=serve.ENDPOINTS, default="/v1/completions", help="API route (default /v1/completions)")
+    add("--num-prompts", type=int, default=64, help="requests per repetition (default 64)")
+    add("--warmup-prompts", type=int, default=8, help="requests sent first and not counted (default 8)")
+    add("--repetitions", type=int, default=3, help="timed runs per configuration; medians reported (default 3)")
+    add("--request-rate", type=float, default=float("inf"), help="mean arrivals per second (default inf)")
+    add("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (default 1: Poisson)")
+    add("--max-concurrency", type=int, default=8, help="most requests in flight (default 8)")
+    add("--seed", type=int, default=0, help="seed of repetition 0's prompts; repetition r uses seed+r (default 0)")
+    add("--ignore-eos", action="store_true", help="run every request to its output length")
+    add("--output-dir", type=Path, default=None,
+        help="where compare.md, compare.json and compare.png go (default results/compare-DATE)")
+    add_dataset_args(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "pd bench compare") -> list[dict]:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown or not configs:
+        parser.error(f"unknown configuration(s) {', '.join(unknown) or '(none given)'}; choose among {', '.join(CONFIGS)}")
+    if args.repetitions < 1 or args.num_prompts < 1 or args.warmup_prompts < 0:
+        parser.error("--repetitions and --num-prompts must be at least 1, --warmup-prompts at least 0")
+    if not (args.model / "config.json").is_file():
+        parser.error(f"{args.model} is not a model directory (no config.json)")
+    out = args.output_dir or Path(f"results/compare-{datetime.now():%Y%m%d-%H%M%S}")
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for config in configs:
+            print(f"== {config}", flush=True)
+            rows.append(run_config(config, args, Path(tmp)))
+    title = (f"{args.model.name} {args.dtype}, {args.dataset}, {args.num_prompts} prompts x {args.repetitions}, "
+             f"concurrency {args.max_concurrency}, {os.cpu_count()} CPUs")
+    table = format_table(rows)
+    print(f"\n{title} (medians)\n{table}")
+    (out / "compare.md").write_text(f"{title} (medians)\n\n{table}\n")
+    parameters = {k: str(v) for k, v in vars(args).items()}
+    (out / "compare.json").write_text(json.dumps({"parameters": parameters, "rows": rows}, indent=2) + "\n")
+    plot(rows, out / "compare.png", title)
+    print(f"wrote {out}/compare.md, compare.json, compare.png")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

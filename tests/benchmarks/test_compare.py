@@ -1,0 +1,95 @@
+"""`pd bench compare` and `pd bench serve` against real servers: the table, the JSON and
+the plot are written, every figure is present and consistent."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks import compare, serve
+from benchmarks.serve_targets import free_port, pd_command, start_process, stop_server
+from pd.models.make_model import make_model
+
+SMALL = ["--dataset", "prefix-repetition", "--prefix-repetition-prefix-len", "160",
+         "--prefix-repetition-suffix-len", "16", "--prefix-repetition-output-len", "6",
+         "--prefix-repetition-num-prefixes", "2", "--ignore-eos"]
+
+
+def test_serve_args_carry_the_dataset_flags_and_the_repetitions_seed() -> None:
+    args = compare.build_parser().parse_args(["--model", "m", "--seed", "5", *SMALL])
+    run = compare.serve_args(args, compare.Deployment("http://a", "http://d/metrics"), seed=7, num_prompts=3,
+                             label="x")
+    assert (run.base_url, run.metrics_url, run.seed, run.num_prompts) == ("http://a", "http://d/metrics", 7, 3)
+    assert (run.dataset, run.prefix_repetition_prefix_len, run.prefix_repetition_num_prefixes) == (
+        "prefix-repetition", 160, 2)
+    assert run.ignore_eos and run.max_concurrency == 8
+
+
+def test_the_table_shows_medians_and_dashes_for_missing_figures() -> None:
+    rows = [{"config": "colocated", "medians": {"output_throughput": 100.0, "mean_ttft_ms": 50.0,
+                                                "p99_ttft_ms": 80.0, "mean_tpot_ms": 9.5, "prefix_hit_rate": 0.25,
+                                                "kv_mib": None, "failed": 0}}]
+    table = compare.format_table(rows)
+    assert table.splitlines()[2] == "| colocated | 100.0 | 50.0 | 80.0 | 9.5 | 25.0% | - | 0 |"
+
+
+def test_unknown_configurations_are_refused(tmp_path, capsys) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        compare.main(["--model", str(tmp_path), "--configs", "colocated,magic"])
+    assert "magic" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def bamba(tmp_path_factory) -> Path:
+    return make_model("bamba", tmp_path_factory.mktemp("compare") / "bamba", seed=1)
+
+
+def check_metrics(m: dict, num_prompts: int) -> None:
+    assert m["completed"] == num_prompts and m["failed"] == 0
+    assert m["output_throughput"] > 0 and m["request_throughput"] > 0
+    for key, value in m.items():
+        if isinstance(value, float):
+            assert not math.isnan(value) and value >= 0, key
+    assert m["mean_ttft_ms"] <= m["mean_e2el_ms"] and m["median_tpot_ms"] > 0
+
+
+@pytest.mark.slow
+def test_bench_serve_against_a_real_server_saves_every_figure(bamba, tmp_path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_process(pd_command("serve", "--model", str(bamba), "--port", str(port), "--num-threads", "1"), url,
+                         tmp_path / "server.log")
+    try:
+        result_file = tmp_path / "result.json"
+        serve.main(["--base-url", url, "--num-prompts", "6", "--max-concurrency", "3", *SMALL,
+                    "--result-file", str(result_file)])
+    finally:
+        stop_server(proc)
+    saved = json.loads(result_file.read_text())
+    check_metrics(saved["metrics"], 6)
+    assert saved["metrics"]["total_output_tokens"] == 6 * 6
+    assert len(saved["requests"]) == 6
+    for r in saved["requests"]:  # every per-request figure
+        assert r["output_len"] == 6 and r["ttft"] > 0 and len(r["itl"]) >= 1 and r["error"] is None
+    assert saved["server_metrics"]["prefix_cache"]["queries"] > 0
+
+
+@pytest.mark.slow
+def test_compare_writes_the_table_json_and_plot(bamba, tmp_path) -> None:
+    out = tmp_path / "out"
+    rows = compare.main(["--model", str(bamba), "--configs", "colocated,pd", "--num-prompts", "4",
+                         "--warmup-prompts", "1", "--repetitions", "2", *SMALL, "--output-dir", str(out)])
+    assert [r["config"] for r in rows] == ["colocated", "pd"]
+    for row in rows:
+        assert len(row["runs"]) == 2 and row["medians"]["failed"] == 0
+        for run in row["runs"]:
+            check_metrics(run["metrics"], 4)
+    assert rows[0]["medians"]["kv_mib"] is None and rows[1]["medians"]["kv_mib"] > 0  # only PD moves KV
+    table = (out / "compare.md").read_text()
+    assert "| colocated |" in table and "| pd |" in table
+    assert len(json.loads((out / "compare.json").read_text())["rows"]) == 2
+    assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
