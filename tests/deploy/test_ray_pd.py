@@ -1,0 +1,168 @@
+"""deploy/ray_pd.py on a local Ray cluster: one prefill and one decode server come up as
+Ray actors, a request through the proxy succeeds, and SIGINT / SIGTERM to the script
+leaves none of the servers (nor the processes under them) running."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pd.models.make_model import make_model
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).parents[2]
+READY_TIMEOUT_S = 240.0
+EXIT_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model("qwen3", tmp_path_factory.mktemp("ray-pd-model") / "qwen3", seed=1)
+
+
+def read_proc(pid: int, name: str) -> str:
+    return Path(f"/proc/{pid}/{name}").read_bytes().decode(errors="replace")
+
+
+def pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def alive(pid: int) -> bool:
+    """Running, and not a zombie (this container's init may be slow to reap orphans)."""
+    try:
+        return read_proc(pid, "stat").rpartition(") ")[2][0] != "Z"
+    except OSError:
+        return False
+
+
+def parent(pid: int) -> int | None:
+    try:
+        return int(read_proc(pid, "stat").rpartition(") ")[2].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for pid in pids():
+        children.setdefault(parent(pid), []).append(pid)
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def argv(pid: int) -> list[str]:
+    try:
+        return read_proc(pid, "cmdline").split("\0")
+    except OSError:
+        return []
+
+
+def serving_port(pid: int, port: int) -> bool:
+    """Whether `pid`'s command line has `--port PORT` (a `pd serve` of ours)."""
+    args = argv(pid)
+    return any(a == "--port" and b == str(port) for a, b in itertools.pairwise(args))
+
+
+def accepts(url: str) -> bool:
+    host, port = httpx.URL(url).host, httpx.URL(url).port
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex((host, port)) == 0
+
+
+def wait_for_urls(process: subprocess.Popen, urls_file: Path, log_path: Path) -> dict:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not urls_file.exists():
+        assert process.poll() is None, f"ray_pd.py exited with {process.returncode}:\n{log_path.read_text()[-6000:]}"
+        assert time.monotonic() < deadline, f"no {urls_file} after {READY_TIMEOUT_S} s:\n{log_path.read_text()[-6000:]}"
+        time.sleep(0.5)
+    return json.loads(urls_file.read_text())
+
+
+def wait_until_gone(pids_: set[int], timeout: float) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while (left := {p for p in pids_ if alive(p)}) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM first (its teardown stops the servers), SIGKILL only if that hangs."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def test_ray_pd_refuses_fewer_than_one_server(tiny_qwen3) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "deploy" / "ray_pd.py"), "--prefill", "0", "--decode", "1",
+                          "--model", str(tiny_qwen3)], capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 2 and "--prefill: must be at least 1, got 0" in out.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_ray_pd_serves_through_the_proxy_and_a_signal_stops_every_server(tmp_path, tiny_qwen3, signum) -> None:
+    urls_file, log_path = tmp_path / "urls.json", tmp_path / "ray_pd.log"
+    cmd = [sys.executable, str(ROOT / "deploy" / "ray_pd.py"), "--prefill", "1", "--decode", "1",
+           "--model", str(tiny_qwen3), "--num-threads", "1", "--port", str(free_port()),
+           "--urls-file", str(urls_file), "--log-dir", str(tmp_path / "logs")]
+    env = dict(os.environ, NIXL_LOG_LEVEL="WARN", RAY_USAGE_STATS_ENABLED="0")
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                   start_new_session=True)
+    try:
+        urls = wait_for_urls(process, urls_file, log_path)
+        print(f"ray_pd.py up in {time.monotonic() - started:.1f} s")
+        assert len(urls["prefill"]) == 1 and len(urls["decode"]) == 1
+        response = httpx.post(f"{urls['proxy']}/v1/completions", timeout=120,
+                              json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 4
+        servers = urls["servers"]
+        assert all(accepts(s["url"]) for s in servers)
+        ports = [s["port"] for s in servers]
+        server_pids = {pid for pid in pids() if any(serving_port(pid, port) for port in ports)}
+        assert server_pids == {s["pid"] for s in servers}  # what the actors reported, found in /proc
+        ours = descendants(process.pid)  # Ray's processes, the actors, the servers, their engines, the proxy
+        server_trees = server_pids | {d for pid in server_pids for d in descendants(pid)}
+
+        stopping = time.monotonic()
+        process.send_signal(signum)
+        assert process.wait(timeout=EXIT_TIMEOUT_S) == 0, log_path.read_text()[-6000:]
+        print(f"ray_pd.py stopped in {time.monotonic() - stopping:.1f} s")
+    finally:
+        stop(process)
+
+    assert not any(accepts(url) for url in [urls["proxy"], *(s["url"] for s in servers)])
+    assert not [pid for pid in pids() if alive(pid) and any(serving_port(pid, port) for port in ports)]
+    assert not wait_until_gone(server_trees, 10), "a server's engine process outlived it"
+    # ray.shutdown() stops the local cluster ray.init() started; its processes may take a moment.
+    if left := wait_until_gone(ours, 30):
+        warnings.warn(f"Ray processes left after ray.shutdown(): {[' '.join(argv(p))[:120] for p in left]}",
+                      stacklevel=1)
