@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,16 +60,16 @@ class ServerProcess:
             time.sleep(0.05)
 
 
-def _wait_healthy(server: ServerProcess, timeout: float) -> None:
+def _wait_ready(server: ServerProcess, name: str, ready: Callable[[int], bool], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
-            raise RuntimeError(f"pd serve exited with {server.process.returncode}:\n{server.log_tail()}")
+            raise RuntimeError(f"pd {name} exited with {server.process.returncode}:\n{server.log_tail()}")
         with contextlib.suppress(httpx.HTTPError):
-            if server.health().status_code == 200:
+            if ready(server.health().status_code):
                 return
         time.sleep(0.1)
-    raise RuntimeError(f"pd serve not healthy after {timeout} s:\n{server.log_tail()}")
+    raise RuntimeError(f"pd {name} not ready after {timeout} s:\n{server.log_tail()}")
 
 
 def stop_process(process: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> None:
@@ -83,42 +83,29 @@ def stop_process(process: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> 
 
 
 @contextlib.contextmanager
-def running_server(model_dir: Path, log_path: Path, *args: str) -> Iterator[ServerProcess]:
-    """Start `pd serve --model model_dir *args` on a free port; yield it once healthy."""
+def _running(name: str, log_path: Path, ready: Callable[[int], bool], *args: str) -> Iterator[ServerProcess]:
+    """Start `pd NAME --host 127.0.0.1 --port P *args` on a free port P; yield it once
+    `ready(status of /health)`; always stop it."""
     port = free_port()
-    # One torch thread each: several servers share this machine's cores, and
-    # oversubscribed threads spin (the tests check behaviour, not speed).
-    cmd = [str(Path(sys.executable).parent / "pd"), "serve", "--model", str(model_dir),
-           "--host", "127.0.0.1", "--port", str(port), "--num-threads", "1", *args]
+    cmd = [str(Path(sys.executable).parent / "pd"), name, "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             server = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
-            _wait_healthy(server, STARTUP_TIMEOUT_S)
+            _wait_ready(server, name, ready, STARTUP_TIMEOUT_S)
             yield server
         finally:
             stop_process(process)
 
 
-@contextlib.contextmanager
-def running_proxy(log_path: Path, *args: str) -> Iterator[ServerProcess]:
-    """Start `pd proxy *args` on a free port; yield it once it answers /health (200 or 503)."""
-    port = free_port()
-    cmd = [str(Path(sys.executable).parent / "pd"), "proxy", "--host", "127.0.0.1", "--port", str(port), *args]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            proxy = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"pd proxy exited with {process.returncode}:\n{proxy.log_tail()}")
-                with contextlib.suppress(httpx.HTTPError):
-                    proxy.health()
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"pd proxy not answering after {STARTUP_TIMEOUT_S} s:\n{proxy.log_tail()}")
-                time.sleep(0.1)
-            yield proxy
-        finally:
-            stop_process(process)
+def running_server(model_dir: Path, log_path: Path, *args: str) -> contextlib.AbstractContextManager[ServerProcess]:
+    """`pd serve --model model_dir *args`, yielded once healthy. One torch thread each:
+    several servers share this machine's cores, and oversubscribed threads spin (the
+    tests check behaviour, not speed)."""
+    return _running("serve", log_path, lambda status: status == 200,
+                    "--model", str(model_dir), "--num-threads", "1", *args)
+
+
+def running_proxy(log_path: Path, *args: str) -> contextlib.AbstractContextManager[ServerProcess]:
+    """`pd proxy *args`, yielded once it answers /health (200, or 503 with no healthy server)."""
+    return _running("proxy", log_path, lambda status: status in (200, 503), *args)
