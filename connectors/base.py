@@ -21,10 +21,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from connectors.canonical import CanonicalKVCaches
+    from connectors.params import RemotePrefillParams
     from pd.kv_cache.manager import KVCacheBlocks
     from pd.outputs import SchedulerOutput
     from pd.request import Request
@@ -68,9 +69,15 @@ class KVConnectorScheduler(ABC):
         """This step's instructions for the worker half; resets per-step state."""
 
     @abstractmethod
-    def request_finished(self, request: Request, block_ids: list[list[int]]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request,
+                         block_ids: list[list[int]]) -> tuple[bool, RemotePrefillParams | None]:
         """Called exactly once per finished request, before its blocks are freed. Returns
         (delay_free, kv_transfer_params for the response)."""
+
+    def release(self, request_id: str) -> None:
+        """A finished request whose blocks are kept (`delay_free`) will not be read: have
+        the worker half report it in `finished_sending` so they are freed now. Called
+        only for requests the scheduler keeps blocks for."""
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """The worker half's report for the last step."""

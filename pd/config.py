@@ -43,6 +43,7 @@ class EngineConfig:
     kv_lease_seconds: float = 60.0
     skip_mamba_align: bool = True
     kv_load_failure_policy: str = "recompute"
+    kv_max_held_fraction: float = 0.5  # P: share of blocks kept for unread requests before refusing more
     num_threads: int | None = None  # torch intra-op threads; None: torch's default (all cores)
 
     def __post_init__(self) -> None:
@@ -65,6 +66,8 @@ class EngineConfig:
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_load_failure_policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}, "
                              f"got {self.kv_load_failure_policy!r}")
+        if not 0.0 < self.kv_max_held_fraction <= 1.0:
+            raise ValueError(f"kv_max_held_fraction must be in (0, 1], got {self.kv_max_held_fraction}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         for name in ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
@@ -109,5 +112,6 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-lease-seconds", type=float, default=60.0, help="a prefill server frees KV blocks no decode server read after this long (default 60)")
     parser.add_argument("--no-skip-mamba-align", dest="skip_mamba_align", action="store_false", help="on a decode server, keep Mamba and sliding-window groups in the prefix-cache hit search for remote-prefill requests (A/B comparison: their misses collapse the full-attention hit, so D reads more)")
     parser.add_argument("--kv-load-failure-policy", choices=KV_LOAD_FAILURE_POLICIES, default="recompute", help="when a decode server cannot load a request's KV from the prefill server (P gone, read failed, incompatible pair): recompute the prompt here, or fail the request with an error (default recompute)")
+    parser.add_argument("--kv-max-held-fraction", type=float, default=0.5, help="on a prefill server, the most of its KV cache (0..1] kept for decode servers that have not read it yet; past it, new prefills for decode servers are refused with 503 and Retry-After so the server's own queue is not starved (default 0.5)")
     parser.add_argument("--num-threads", type=int, default=None, help="CPU threads the engine's torch ops use (default: torch's, one per core); when P and D share a machine, split its cores between them: oversubscribed threads spin and slow both")
     parser.add_argument("--seed", type=int, default=0, help="seed for requests that sample without their own seed (default 0)")

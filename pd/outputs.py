@@ -8,11 +8,11 @@ the batch, new block ids and progress otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from connectors.base import KVConnectorMetadata, KVConnectorOutput
+from connectors.params import RemotePrefillParams
 from pd.request import SamplingParams
 
 
@@ -65,6 +65,7 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logits: dict[str, torch.Tensor] | None = None
     kv_connector_output: KVConnectorOutput = field(default_factory=KVConnectorOutput)
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why its step failed
 
 
 @dataclass
@@ -72,14 +73,15 @@ class RequestOutput:
     """What one step produced for one request: new tokens, and how it ended if it did.
     `finish_reason` is "stop", "length", "abort" or "error" (then `error` says why);
     `kv_transfer_params` are the connector's parameters for the response (a prefill
-    server's handle to its blocks)."""
+    server's handle to its blocks); `error_code` is one of `pd.errors`' codes."""
 
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: RemotePrefillParams | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    error_code: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
-
+from connectors.params import RemoteDecodeParams, RemotePrefillParams, TransferParams
 from pd.kv_cache.hashing import BlockHash, extend_block_hashes
 
 
@@ -58,14 +57,16 @@ class SamplingParams:
 class Request:
     """One request. `num_computed_tokens` counts tokens whose KV is in the cache.
 
-    `kv_transfer_params` carries the PD fields (`do_remote_prefill`, ...) when present.
+    `kv_transfer_params` are its typed PD parameters (connectors/params.py), if any. On
+    D they are dropped once the remote KV has landed: from then on the request is a
+    local one (a preemption recomputes it here and never reads P again).
     `cache_salt` keeps this request's prefix-cache entries apart from other salts.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: TransferParams | None = None
     cache_salt: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -92,9 +93,19 @@ class Request:
 
     @property
     def do_remote_prefill(self) -> bool:
-        """True on D for a request whose prompt KV comes from a remote prefill (and has
-        not failed to, which makes it an ordinary request computed here)."""
-        return bool((self.kv_transfer_params or {}).get("do_remote_prefill")) and self.kv_load_error is None
+        """True on D for a request whose prompt KV comes from a remote prefill and has
+        neither landed nor failed to (either makes it an ordinary request computed here)."""
+        return isinstance(self.kv_transfer_params, RemotePrefillParams) and self.kv_load_error is None
+
+    @property
+    def remote_prefill(self) -> RemotePrefillParams | None:
+        params = self.kv_transfer_params
+        return params if isinstance(params, RemotePrefillParams) else None
+
+    @property
+    def do_remote_decode(self) -> bool:
+        """True on P for a request whose blocks are kept for a decode server."""
+        return isinstance(self.kv_transfer_params, RemoteDecodeParams)
 
     def append_output_token_ids(self, *token_ids: int) -> None:
         self.output_token_ids.extend(token_ids)

@@ -18,14 +18,19 @@ state a chunk crosses.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
 from connectors.base import KVConnectorOutput, KVConnectorScheduler, NullConnectorScheduler
+from connectors.params import RemotePrefillParams
 from pd.config import KV_LOAD_FAILURE_POLICIES
 from pd.kv_cache.manager import KVCacheManager
+from pd.errors import ERROR_INTERNAL, ERROR_KV_LOAD_FAILED, HeldBlocksLimitError
 from pd.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput, SchedulerOutput
 from pd.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -43,8 +48,11 @@ class SchedulerConfig:
     eos_token_ids: frozenset[int] = frozenset()
     mamba_block_size: int | None = None  # align prefill chunks to it (Mamba align mode)
     kv_load_failure_policy: str = "recompute"  # or "fail": a request whose remote KV fails to load
+    kv_max_held_fraction: float = 1.0  # of all blocks, kept for decode servers; past it P refuses more
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.kv_max_held_fraction <= 1.0:
+            raise ValueError(f"kv_max_held_fraction must be in (0, 1], got {self.kv_max_held_fraction}")
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_load_failure_policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}, "
                              f"got {self.kv_load_failure_policy!r}")
@@ -66,7 +74,7 @@ class Scheduler:
         self.aborted_while_loading: dict[str, Request] = {}  # blocks freed once the load ends
         self.num_preemptions = 0
         self.kv_load_failures = {"recompute": 0, "fail": 0}  # by what was done about them
-        self._failed_outputs: list[RequestOutput] = []  # failed at admission; sent with the next update
+        self._failed_outputs: list[RequestOutput] = []  # failed between updates; sent with the next one
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests or request.request_id in self.delayed_free:
@@ -74,8 +82,31 @@ class Scheduler:
         if request.num_tokens >= self.config.max_model_len:
             raise ValueError(f"prompt of {request.num_tokens} tokens leaves no room under "
                              f"max_model_len={self.config.max_model_len}")
+        if request.do_remote_decode:
+            self._check_held_limit()
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def _check_held_limit(self) -> None:
+        held, usable = self.num_held_blocks, self.kv.num_usable_blocks
+        if held >= self.config.kv_max_held_fraction * usable:
+            raise HeldBlocksLimitError(f"this prefill server keeps {held} of its {usable} KV blocks for decode "
+                                       "servers that have not read them yet; retry later")
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Distinct blocks kept for decode servers (finished requests under a lease)."""
+        held = {b for req_id in self.delayed_free for ids in self.kv.get_block_ids(req_id) for b in ids}
+        held.discard(0)  # the null block
+        return len(held)
+
+    def release_held(self, request_ids: list[str]) -> list[str]:
+        """Free now the blocks kept for these finished requests (their reader will not
+        come); the ids that were held."""
+        held = [r for r in request_ids if r in self.delayed_free]
+        for req_id in held:
+            self.connector.release(req_id)
+        return held
 
     @property
     def num_waiting(self) -> int:
@@ -134,28 +165,39 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if request.num_computed_tokens == 0:  # new or preempted: look up what exists
-                hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-                load_error = request.kv_load_error
-                num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
-                if request.kv_load_error != load_error and self._fails_on_load_error(request):
-                    continue  # the connector found its kv_transfer_params unloadable just now
-            else:  # its remote KV has landed; its blocks are already allocated
-                hit_blocks, num_hit, num_external, load_async = None, 0, 0, False
-            if load_async:
-                if not self._park_for_remote_kv(request, hit_blocks, num_hit, num_external):
-                    return
+            try:
+                scheduled = self._admit(request, out, budget)
+            except Exception as exc:  # a fault serving one request fails that request alone
+                logger.exception("admitting request %s failed", request.request_id)
+                self._fail(request, ERROR_INTERNAL, f"internal error admitting the request: {type(exc).__name__}: {exc}")
                 continue
-            computed = request.num_computed_tokens + num_hit + num_external
-            num_new = self._num_new_tokens(request, computed, budget)
-            blocks = self.kv.allocate_slots(request, num_new, num_hit, hit_blocks, num_external)
-            if blocks is None:
+            if scheduled is None:
                 return
-            if num_external:
-                self.connector.update_state_after_alloc(request, self.kv.get_blocks(request.request_id), num_external)
-            self.waiting.popleft()
-            self._start_running(request, computed, num_hit, num_new, out)
-            budget -= num_new
+            budget -= scheduled
+
+    def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> int | None:
+        """Admit the request at the queue's front: the tokens scheduled for it (0 if it
+        was parked for remote KV or failed), or None when the pool cannot take it."""
+        if request.num_computed_tokens == 0:  # new or preempted: look up what exists
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            load_error = request.kv_load_error
+            num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
+            if request.kv_load_error != load_error and self._fails_on_load_error(request):
+                return 0  # the connector found its kv_transfer_params unloadable just now
+        else:  # its remote KV has landed; its blocks are already allocated
+            hit_blocks, num_hit, num_external, load_async = None, 0, 0, False
+        if load_async:
+            return 0 if self._park_for_remote_kv(request, hit_blocks, num_hit, num_external) else None
+        computed = request.num_computed_tokens + num_hit + num_external
+        num_new = self._num_new_tokens(request, computed, budget)
+        blocks = self.kv.allocate_slots(request, num_new, num_hit, hit_blocks, num_external)
+        if blocks is None:
+            return None
+        if num_external:
+            self.connector.update_state_after_alloc(request, self.kv.get_blocks(request.request_id), num_external)
+        self.waiting.popleft()
+        self._start_running(request, computed, num_hit, num_new, out)
+        return num_new
 
     def _park_for_remote_kv(self, request: Request, hit_blocks, num_hit: int, num_external: int) -> bool:
         """Allocate blocks for the external tokens and wait for the connector to fill them."""
@@ -209,10 +251,13 @@ class Scheduler:
         """Advance the scheduled requests; one RequestOutput per request that got a token
         or finished this step."""
         outputs = []
+        for req_id, why in output.failed.items():
+            if (request := self.requests.get(req_id)) is not None:
+                self._fail(request, ERROR_INTERNAL, f"internal error computing the request: {why}")
         for req_id, num_new in so.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted while its step ran
+                continue  # aborted (or failed) while its step ran
             request.num_computed_tokens += num_new
             self.kv.cache_blocks(request, request.num_computed_tokens)
             token = output.sampled_token_ids.get(req_id)
@@ -255,6 +300,7 @@ class Scheduler:
                 continue
             self.kv.cache_blocks(request, request.num_computed_tokens)
             outputs += self._continue_from_first_token(request)
+            request.kv_transfer_params = None  # a local request from now on (P frees its blocks)
         return outputs
 
     def _fails_on_load_error(self, request: Request) -> bool:
@@ -265,18 +311,26 @@ class Scheduler:
         self.kv_load_failures[policy] += 1
         if policy == "recompute":
             return False
-        self.waiting.remove(request)
-        self._finish(request, RequestStatus.FINISHED_ERROR)
-        message = f"the KV cache of this request could not be loaded from the prefill server: {request.kv_load_error}"
-        self._failed_outputs.append(RequestOutput(request.request_id, [], "error", error=message))
+        self._fail(request, ERROR_KV_LOAD_FAILED, "the KV cache of this request could not be loaded from the "
+                                                  f"prefill server: {request.kv_load_error}")
         return True
+
+    def _fail(self, request: Request, code: str, message: str) -> None:
+        """End the request wherever it is with finish_reason "error" (its output goes
+        out with the next update); its blocks are freed as for any finished request."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self.waiting_for_remote.pop(request.request_id, None)
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        self._failed_outputs.append(RequestOutput(request.request_id, [], "error", error=message, error_code=code))
 
     def _continue_from_first_token(self, request: Request) -> list[RequestOutput]:
         """A remote prefill sampled the first token: it becomes this request's first
         output (nothing is recomputed), and may already finish it."""
-        first = (request.kv_transfer_params or {}).get("first_token_id")
-        if first is None or request.output_token_ids:
+        params = request.remote_prefill
+        if params is None or request.output_token_ids:
             return []
+        first = params.first_token_id
         request.append_output_token_ids(first)
         status = self._stop_status(request, first)
         params = None
@@ -308,7 +362,7 @@ class Scheduler:
             outputs.append(RequestOutput(req_id, [], "abort", params, request.num_cached_tokens))
         return outputs
 
-    def _finish(self, request: Request, status: RequestStatus) -> dict | None:
+    def _finish(self, request: Request, status: RequestStatus) -> RemotePrefillParams | None:
         """End the request; its blocks are freed now or, if the connector keeps them,
         when it reports them sent. Returns the connector's kv_transfer_params."""
         was_running = request.status is RequestStatus.RUNNING
@@ -319,7 +373,7 @@ class Scheduler:
             self.finished_req_ids.add(request.request_id)
         self.sent_blocks.pop(request.request_id, None)
         del self.requests[request.request_id]
-        delay_free, params = self.connector.request_finished(request, self.kv.get_block_ids(request.request_id))
+        delay_free, params = self._connector_finished(request)
         if was_loading:  # the connector may still be writing its blocks
             self.aborted_while_loading[request.request_id] = request
         elif delay_free:
@@ -327,3 +381,11 @@ class Scheduler:
         else:
             self.kv.free(request)
         return params
+
+    def _connector_finished(self, request: Request) -> tuple[bool, RemotePrefillParams | None]:
+        """The connector's `request_finished`; a fault there keeps nothing for anyone."""
+        try:
+            return self.connector.request_finished(request, self.kv.get_block_ids(request.request_id))
+        except Exception:
+            logger.exception("the connector failed finishing request %s; its blocks are freed", request.request_id)
+            return False, None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -21,6 +22,12 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token's text has (special tokens included): a text of
+        n tokens has at most n times this many characters."""
+        return max(map(len, self._tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; the tokenizer's post-processor adds BOS where the family does."""

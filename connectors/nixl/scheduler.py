@@ -8,7 +8,8 @@ Per request, from its `kv_transfer_params` (DESIGN.md, "PD protocol"):
   carries the handle D needs: engine id, side-channel host/port, request id, positional
   block ids per group (0 where P no longer holds a block), prompt length, first token,
   and the wall-clock time the lease ends (`lease_expires_at`). The worker half frees
-  them when D's read-done notification arrives, when D rejects, or when the lease
+  them when D's read-done notification arrives, when D rejects, when they are
+  released (`release`: the proxy saw D fail or refuse the request), or when the lease
   expires. A read NIXL cannot stop, so D treats a read that ends after the lease as
   failed: it never decodes on blocks P may have reused.
 - **D** (`do_remote_prefill`): everything past D's own prefix hit arrives from P
@@ -19,8 +20,9 @@ Per request, from its `kv_transfer_params` (DESIGN.md, "PD protocol"):
   window's blocks, and the Mamba block holding the final state; positions D holds as
   null (out of the window, behind the Mamba state) or as prefix-cache hits are not read.
 
-A D request whose parameters do not fit (wrong prompt length, block lists of the wrong
-shape) is not loaded: P is told to free its blocks (a reject), and the scheduler's load
+The parameters arrive typed and bounded (connectors/params.py). A D request whose
+parameters do not fit it (wrong prompt length, block lists of the wrong shape) is not
+loaded: P is told to free its blocks (a reject), and the scheduler's load
 failure policy decides whether the request is computed here or fails.
 """
 
@@ -29,14 +31,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from connectors.base import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler
+from connectors.params import RemotePrefillParams
 from pd.kv_cache.spec import cdiv
 from pd.request import Request, RequestStatus
-
-REQUIRED_D_PARAMS = ("remote_engine_id", "remote_host", "remote_port", "remote_request_id",
-                     "remote_block_ids", "num_prompt_tokens")
 
 
 @dataclass(frozen=True)
@@ -48,6 +47,11 @@ class RemotePrefill:
     port: int
     request_id: str
     lease_expires_at: float | None = None  # wall clock; a read ending later is a failure
+
+    @classmethod
+    def of(cls, params: RemotePrefillParams) -> RemotePrefill:
+        return cls(params.remote_engine_id, params.remote_host, params.remote_port, params.remote_request_id,
+                   params.lease_expires_at)
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class NixlConnectorMetadata(KVConnectorMetadata):
     reqs_to_recv: list[ReqToRecv] = field(default_factory=list)
     reqs_to_send: list[ReqToSend] = field(default_factory=list)
     reqs_to_reject: list[tuple[RemotePrefill, str]] = field(default_factory=list)  # (where, why)
+    reqs_to_release: list[str] = field(default_factory=list)  # P: kept blocks to free now
 
 
 class KVTransferParamsError(ValueError):
@@ -98,55 +103,50 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
     # --- D side -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        if not request.do_remote_prefill:
+        params = request.remote_prefill
+        if params is None or not request.do_remote_prefill:
             return 0, False
         try:
-            remote_prefill_params(request, len(self.block_sizes), self.block_sizes[0])
+            check_fits(params, request, len(self.block_sizes), self.block_sizes[0])
         except KVTransferParamsError as exc:
-            self._reject_invalid(request, str(exc))
+            self._reject_invalid(request, params, str(exc))
             return 0, False
-        return request.num_prompt_tokens - num_computed_tokens, True
+        return max(request.num_prompt_tokens - num_computed_tokens, 0), True
 
     def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
-        if not request.do_remote_prefill or num_external_tokens == 0:
+        params = request.remote_prefill
+        if params is None or not request.do_remote_prefill or num_external_tokens == 0:
             return
-        params = request.kv_transfer_params
-        self._meta.reqs_to_recv.append(ReqToRecv(request.request_id, remote_of(params), blocks.get_unfilled_block_ids(),
-                                                 [list(ids) for ids in params["remote_block_ids"]]))
+        self._meta.reqs_to_recv.append(ReqToRecv(request.request_id, RemotePrefill.of(params),
+                                                 blocks.get_unfilled_block_ids(),
+                                                 [list(ids) for ids in params.remote_block_ids]))
 
-    def _reject_invalid(self, request: Request, reason: str) -> None:
-        """Compute the request here; tell P (if it can be reached) to free its blocks."""
+    def _reject_invalid(self, request: Request, params: RemotePrefillParams, reason: str) -> None:
+        """Compute the request here; tell P to free its blocks."""
         request.kv_load_error = f"its kv_transfer_params cannot be loaded here: {reason}"
-        params = request.kv_transfer_params or {}
-        if all(k in params for k in ("remote_engine_id", "remote_host", "remote_port", "remote_request_id")):
-            self._meta.reqs_to_reject.append((remote_of(params), reason))
+        self._meta.reqs_to_reject.append((RemotePrefill.of(params), reason))
         self.num_rejected += 1
 
     # --- P side -------------------------------------------------------------------
-    def request_finished(self, request: Request, block_ids: list[list[int]]) -> tuple[bool, dict[str, Any] | None]:
-        params = request.kv_transfer_params or {}
+    def request_finished(self, request: Request, block_ids: list[list[int]]) -> tuple[bool, RemotePrefillParams | None]:
         never_loaded = request.num_computed_tokens == 0
-        if request.do_remote_prefill and request.status is RequestStatus.FINISHED_ABORTED and never_loaded:
-            self._meta.reqs_to_reject.append((remote_of(params), "aborted on the decode server"))
+        aborted = request.status is RequestStatus.FINISHED_ABORTED
+        if request.do_remote_prefill and aborted and never_loaded:
+            self._meta.reqs_to_reject.append((RemotePrefill.of(request.remote_prefill), "aborted on the decode server"))
             return False, None
-        if not params.get("do_remote_decode") or request.status is RequestStatus.FINISHED_ABORTED:
-            return False, None
-        if not request.output_token_ids:
+        finished_well = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+        if not request.do_remote_decode or not finished_well or not request.output_token_ids:
             return False, None
         self._meta.reqs_to_send.append(ReqToSend(request.request_id, self.clock() + self.lease_seconds))
-        return True, {
-            "do_remote_prefill": True,
-            "remote_engine_id": self.engine_id,
-            "remote_host": self.host,
-            "remote_port": self.side_channel_port,
-            "remote_request_id": request.request_id,
-            "remote_block_ids": block_ids,
-            "num_prompt_tokens": request.num_prompt_tokens,
-            "first_token_id": request.output_token_ids[0],
-            "block_size": self.block_sizes[0],
-            "tp_size": 1,
-            "lease_expires_at": self.wall_clock() + self.lease_seconds,
-        }
+        return True, RemotePrefillParams(
+            do_remote_prefill=True, remote_engine_id=self.engine_id, remote_host=self.host,
+            remote_port=self.side_channel_port, remote_request_id=request.request_id,
+            remote_block_ids=block_ids, num_prompt_tokens=request.num_prompt_tokens,
+            first_token_id=request.output_token_ids[0], block_size=self.block_sizes[0],
+            lease_expires_at=self.wall_clock() + self.lease_seconds)
+
+    def release(self, request_id: str) -> None:
+        self._meta.reqs_to_release.append(request_id)
 
     # --- every step ---------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> NixlConnectorMetadata:
@@ -157,29 +157,15 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         pass
 
 
-def remote_of(params: dict[str, Any]) -> RemotePrefill:
-    lease = params.get("lease_expires_at")
-    return RemotePrefill(str(params["remote_engine_id"]), str(params["remote_host"]),
-                         int(params["remote_port"]), str(params["remote_request_id"]),
-                         float(lease) if isinstance(lease, (int, float)) else None)
-
-
-def remote_prefill_params(request: Request, num_groups: int, block_size: int) -> dict[str, Any]:
-    """The request's kv_transfer_params, checked against what this server can load;
-    raises KVTransferParamsError saying what does not fit."""
-    params = request.kv_transfer_params or {}
-    missing = [k for k in REQUIRED_D_PARAMS if k not in params]
-    if missing:
-        raise KVTransferParamsError(f"kv_transfer_params lacks {', '.join(missing)}")
-    if params["num_prompt_tokens"] != request.num_prompt_tokens:
-        raise KVTransferParamsError(f"the prefill covered {params['num_prompt_tokens']} prompt tokens, "
+def check_fits(params: RemotePrefillParams, request: Request, num_groups: int, block_size: int) -> None:
+    """Raises KVTransferParamsError saying what of P's (well-formed) parameters does not
+    fit this request or this server."""
+    if params.num_prompt_tokens != request.num_prompt_tokens:
+        raise KVTransferParamsError(f"the prefill covered {params.num_prompt_tokens} prompt tokens, "
                                     f"this request has {request.num_prompt_tokens}")
-    if params.get("block_size", block_size) != block_size:
-        raise KVTransferParamsError(f"block size {params.get('block_size')} differs from ours ({block_size})")
-    remote = params["remote_block_ids"]
+    if params.block_size != block_size:
+        raise KVTransferParamsError(f"block size {params.block_size} differs from ours ({block_size})")
     expected = cdiv(request.num_prompt_tokens, block_size)
-    if (not isinstance(remote, list) or len(remote) != num_groups
-            or any(not isinstance(ids, list) or len(ids) != expected
-                   or not all(isinstance(b, int) and b >= 0 for b in ids) for ids in remote)):
+    remote = params.remote_block_ids
+    if len(remote) != num_groups or any(len(ids) != expected for ids in remote):
         raise KVTransferParamsError(f"remote_block_ids must be {num_groups} lists of {expected} block ids")
-    return params

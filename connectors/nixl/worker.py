@@ -9,7 +9,8 @@ channel on which peers fetch this engine's agent metadata and layout.
   to P after the data moved. A read that fails, or ends after P's lease, is reported
   in `failed_recving` (the scheduler then recomputes or fails the request).
 - P: blocks kept for a reader are released (`finished_sending`) on its read-done
-  notification, on its reject, or when the lease expires.
+  notification, on its reject, on a release from the scheduler half, or when the
+  lease expires.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class TransferStats:
     failures: int = 0
     leases_expired: int = 0
     rejects_received: int = 0
+    released: int = 0
 
     @property
     def descriptors_per_read(self) -> float:
@@ -75,6 +77,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.loading: dict[str, _Loading] = {}
         self.failed: dict[str, str] = {}  # failed before a read could be posted -> why
         self.leases: dict[str, float] = {}  # P: request id -> monotonic deadline
+        self.released: set[str] = set()  # P: leases ended by a release, reported next poll
         self.stats = TransferStats()
 
     # --- set-up -------------------------------------------------------------------
@@ -109,6 +112,10 @@ class NixlConnectorWorker(KVConnectorWorker):
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
         for send in metadata.reqs_to_send:
             self.leases[send.request_id] = send.deadline
+        for req_id in metadata.reqs_to_release:
+            if self.leases.pop(req_id, None) is not None:
+                self.released.add(req_id)
+                self.stats.released += 1
         for recv in metadata.reqs_to_recv:
             self._start_read(recv)
         for remote, reason in metadata.reqs_to_reject:
@@ -135,8 +142,8 @@ class NixlConnectorWorker(KVConnectorWorker):
             logger.info("could not reject %s to %s: %s", remote.request_id, remote.engine_id, exc)
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
-        output = KVConnectorOutput(failed_recving=self.failed)
-        self.failed = {}
+        output = KVConnectorOutput(finished_sending=self.released, failed_recving=self.failed)
+        self.failed, self.released = {}, set()
         self._poll_reads(output)
         self._read_notifs(output)
         self._expire_leases(output)

@@ -35,10 +35,12 @@ import zmq.asyncio
 from pd.config import EngineConfig
 from pd.engine.messages import (
     AbortRequests,
+    EngineFailed,
     EngineInfo,
     EngineRequest,
     EngineStatsMsg,
     Ready,
+    ReleaseKV,
     RequestOutputMsg,
     Shutdown,
     StartupFailed,
@@ -58,9 +60,23 @@ class EngineStartupError(RuntimeError):
     """The engine-core process failed to build its core, died or timed out starting."""
 
 
+class RequestRefusedError(ValueError):
+    """The engine did not admit the request; `code` (pd.errors) says why, the message
+    how."""
+
+    def __init__(self, message: str, code: str | None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class RequestFailedError(RuntimeError):
-    """The engine admitted the request and then could not finish it (for example its
-    remote KV could not be loaded under the "fail" policy); the message says why."""
+    """The engine admitted the request and then could not finish it (its remote KV could
+    not be loaded under the "fail" policy, or a fault computing it); `code` (pd.errors)
+    says which, the message why."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class EngineDeadError(RuntimeError):
@@ -182,8 +198,10 @@ class EngineClient:
                 if isinstance(output, _Dead):
                     raise EngineDeadError(self.dead_error)
                 finished = output.finished
+                if output.is_refusal:
+                    raise RequestRefusedError(output.error, output.error_code)
                 if output.error is not None:
-                    raise ValueError(output.error) if output.is_refusal else RequestFailedError(output.error)
+                    raise RequestFailedError(output.error, output.error_code)
                 yield output
         finally:
             self._queues.pop(request.request_id, None)
@@ -195,6 +213,14 @@ class EngineClient:
         finished ids are ignored, and so is everything once the engine is dead."""
         self._attach()
         self._abort_quietly(request_ids)
+
+    async def release_held(self, request_ids: list[str]) -> None:
+        """Have a prefill engine free now the blocks it keeps for these finished requests
+        (ids it does not hold are ignored, and so is everything once it is dead)."""
+        self._attach()
+        if self._dead_error is None and not self._closed:
+            with contextlib.suppress(EngineDeadError, zmq.ZMQError):
+                self._send(ReleaseKV(list(request_ids)))
 
     # ---- internals ----------------------------------------------------------------
 
@@ -236,6 +262,8 @@ class EngineClient:
                 message = self._decoder.decode(await self._output.recv())
                 if isinstance(message, StepOutputs):
                     self._route(message)
+                elif isinstance(message, EngineFailed):
+                    self._mark_dead(f"the engine core failed: {message.error}")
         except Exception as e:  # a broken socket or message: nothing more will arrive
             if not self._closed:
                 logger.exception("reading engine outputs failed")

@@ -106,10 +106,29 @@ class EngineCore:
         return SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                self.max_model_len, self.model_config.eos_token_ids,
                                mamba_block_size=mamba[0] if mamba else None,
-                               kv_load_failure_policy=self.config.kv_load_failure_policy)
+                               kv_load_failure_policy=self.config.kv_load_failure_policy,
+                               kv_max_held_fraction=self.config.kv_max_held_fraction)
 
     def add_request(self, request: Request) -> None:
+        """Queue the request; ValueError if it cannot be served (HeldBlocksLimitError if
+        it would keep blocks for a decode server past this server's share)."""
+        self._check_token_ids(request)
         self.scheduler.add_request(request)
+
+    def _check_token_ids(self, request: Request) -> None:
+        """Every token id the request brings must index the vocabulary: one that does not
+        would fail the batch it is computed in."""
+        vocab = self.model_config.vocab_size
+        first = [request.remote_prefill.first_token_id] if request.remote_prefill else []
+        for what, ids in (("prompt", request.prompt_token_ids), ("stop_token_ids", request.sampling_params.stop_token_ids),
+                          ("kv_transfer_params.first_token_id", first)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{what} holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+
+    def release_held(self, request_ids: list[str]) -> list[str]:
+        """Free now the blocks kept for these finished prefills; the ids that were held."""
+        return self.scheduler.release_held(request_ids)
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         return self.scheduler.abort_requests(request_ids)

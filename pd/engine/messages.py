@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from connectors.params import RemoteDecodeParams, RemotePrefillParams, TransferParams
+
 if TYPE_CHECKING:
     from pd.engine.core import EngineCore, EngineStats
     from pd.outputs import RequestOutput
@@ -24,7 +26,9 @@ if TYPE_CHECKING:
 
 class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
     """A request to add: token ids and the fields of `SamplingParams`, unvalidated (the
-    core validates them and answers a bad one with an error output)."""
+    core validates them and answers a bad one with an error output). The PD parameters
+    travel as `remote_decode` (P keeps the blocks for a decode server) or
+    `remote_prefill` (D reads them from P), already typed (connectors/params.py)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -35,18 +39,27 @@ class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
-    kv_transfer_params: dict[str, Any] | None = None
+    remote_decode: bool = False
+    remote_prefill: RemotePrefillParams | None = None
     cache_salt: str | None = None
 
     @classmethod
     def create(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               kv_transfer_params: dict[str, Any] | None = None,
+               kv_transfer_params: TransferParams | None = None,
                cache_salt: str | None = None) -> EngineRequest:
         return cls(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                    max_tokens=params.max_tokens, temperature=params.temperature,
                    top_k=params.top_k, top_p=params.top_p, seed=params.seed,
                    stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-                   kv_transfer_params=kv_transfer_params, cache_salt=cache_salt)
+                   remote_decode=isinstance(kv_transfer_params, RemoteDecodeParams),
+                   remote_prefill=kv_transfer_params if isinstance(kv_transfer_params, RemotePrefillParams) else None,
+                   cache_salt=cache_salt)
+
+    @property
+    def kv_transfer_params(self) -> TransferParams | None:
+        if self.remote_prefill is not None:
+            return self.remote_prefill
+        return RemoteDecodeParams(True) if self.remote_decode else None
 
     def sampling_params(self) -> SamplingParams:
         """The validated params; ValueError if a field is out of range."""
@@ -64,6 +77,13 @@ class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
                        kv_transfer_params=self.kv_transfer_params, cache_salt=self.cache_salt)
 
 
+class ReleaseKV(msgspec.Struct, tag=True):
+    """Free now the blocks a prefill server keeps for these finished requests (their
+    decode server failed or refused them); ids not held are ignored."""
+
+    request_ids: list[str]
+
+
 class AbortRequests(msgspec.Struct, tag=True):
     """Finish these requests as aborted; unknown (or already finished) ids are ignored."""
 
@@ -74,7 +94,7 @@ class Shutdown(msgspec.Struct, tag=True):
     """Stop the loop, shut the core down and exit 0."""
 
 
-EngineInput = EngineRequest | AbortRequests | Shutdown
+EngineInput = EngineRequest | AbortRequests | ReleaseKV | Shutdown
 
 
 # ---- core -> server ---------------------------------------------------------------
@@ -82,8 +102,10 @@ EngineInput = EngineRequest | AbortRequests | Shutdown
 
 class EngineInfo(msgspec.Struct, kw_only=True):
     """What the server needs to know about the engine it talks to. `group_names[i]`
-    and `block_sizes[i]` describe KV cache group i."""
+    and `block_sizes[i]` describe KV cache group i; `engine_id` is the one its
+    connector hands out in kv_transfer_params."""
 
+    engine_id: str
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]
@@ -98,7 +120,7 @@ class EngineInfo(msgspec.Struct, kw_only=True):
         from pd.engine.core import group_names
 
         kv = core.kv_cache_config
-        return cls(max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
+        return cls(engine_id=core.engine_id, max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
                    eos_token_ids=sorted(core.model_config.eos_token_ids),
                    group_names=group_names(kv), num_blocks=kv.num_blocks,
                    block_sizes=[g.spec.block_size for g in kv.groups],
@@ -109,15 +131,16 @@ class EngineInfo(msgspec.Struct, kw_only=True):
 class RequestOutputMsg(msgspec.Struct, kw_only=True):
     """`RequestOutput` on the wire. `error` alone (no `finish_reason`): the core refused
     the request, which never ran and is already forgotten. `error` with finish_reason
-    "error": the request was admitted and then failed (its remote KV could not be loaded
-    under the "fail" policy)."""
+    "error": the request was admitted and then failed. `error_code` says why (see
+    `pd.outputs.ErrorCode`)."""
 
     request_id: str
     new_token_ids: list[int] = []
     finish_reason: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: RemotePrefillParams | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    error_code: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -128,22 +151,23 @@ class RequestOutputMsg(msgspec.Struct, kw_only=True):
     def from_output(cls, output: RequestOutput) -> RequestOutputMsg:
         return cls(request_id=output.request_id, new_token_ids=list(output.new_token_ids),
                    finish_reason=output.finish_reason, kv_transfer_params=output.kv_transfer_params,
-                   num_cached_tokens=output.num_cached_tokens, error=output.error)
+                   num_cached_tokens=output.num_cached_tokens, error=output.error,
+                   error_code=output.error_code)
 
     @property
     def is_refusal(self) -> bool:
         return self.error is not None and self.finish_reason is None
 
     @classmethod
-    def refused(cls, request_id: str, error: str) -> RequestOutputMsg:
-        return cls(request_id=request_id, error=error)
+    def refused(cls, request_id: str, error: str, code: str) -> RequestOutputMsg:
+        return cls(request_id=request_id, error=error, error_code=code)
 
     def to_output(self) -> RequestOutput:
         """The engine's RequestOutput (a refusal has no counterpart there)."""
         from pd.outputs import RequestOutput
 
         return RequestOutput(self.request_id, list(self.new_token_ids), self.finish_reason,
-                             self.kv_transfer_params, self.num_cached_tokens, self.error)
+                             self.kv_transfer_params, self.num_cached_tokens, self.error, self.error_code)
 
 
 class EngineStatsMsg(msgspec.Struct, kw_only=True):
@@ -199,7 +223,14 @@ class StepOutputs(msgspec.Struct, tag=True):
     stats: EngineStatsMsg
 
 
-EngineOutput = Ready | StartupFailed | StepOutputs
+class EngineFailed(msgspec.Struct, tag=True):
+    """The core hit an error it cannot pin on one request and stops; the process exits
+    non-zero after sending this."""
+
+    error: str
+
+
+EngineOutput = Ready | StartupFailed | StepOutputs | EngineFailed
 
 
 # ---- codecs -----------------------------------------------------------------------

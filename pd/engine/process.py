@@ -6,6 +6,11 @@ built (or `StartupFailed` and exits 1), then each turn of the loop applies every
 input message and steps the core if it has work, sending one `StepOutputs` per turn that
 produced outputs or changed the stats. SIGTERM, SIGINT, a `Shutdown` message or the death
 of the parent process end the loop after the current step; the process then exits 0.
+
+Faults: a request the core refuses, or whose admission or batch fails, is answered with
+an error output of its own (see `pd.outputs` ERROR_*), and the loop goes on. An error
+the core cannot pin on a request (the scheduler's or the KV cache's own state) stops
+it: the loop sends `EngineFailed` with the reason, and the process exits 1.
 """
 
 from __future__ import annotations
@@ -20,13 +25,16 @@ import msgspec
 import zmq
 
 from pd.config import EngineConfig
+from pd.errors import ERROR_INTERNAL, ERROR_INVALID, ERROR_KV_HELD_LIMIT, HeldBlocksLimitError
 from pd.engine.messages import (
     AbortRequests,
+    EngineFailed,
     EngineInfo,
     EngineInput,
     EngineRequest,
     EngineStatsMsg,
     Ready,
+    ReleaseKV,
     RequestOutputMsg,
     Shutdown,
     StartupFailed,
@@ -58,6 +66,10 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         try:
             outbox.send(encode(Ready(EngineInfo.from_core(core))))
             EngineLoop(core, inbox, outbox, stop).run()
+        except Exception as e:
+            logger.exception("engine core failed; stopping")
+            outbox.send(encode(EngineFailed(f"{type(e).__name__}: {e}")))
+            sys.exit(1)
         finally:
             core.shutdown()
     finally:
@@ -124,6 +136,8 @@ class EngineLoop:
             elif isinstance(message, AbortRequests):
                 aborted = self.core.abort_requests(message.request_ids)
                 outputs += [RequestOutputMsg.from_output(o) for o in aborted]
+            elif isinstance(message, ReleaseKV):
+                self.core.release_held(message.request_ids)
             elif isinstance(message, Shutdown):
                 self.stop.set()
         return outputs
@@ -132,8 +146,14 @@ class EngineLoop:
         """Nothing if the core took the request; its error output if it refused it."""
         try:
             self.core.add_request(message.to_request())
+        except HeldBlocksLimitError as e:
+            return [RequestOutputMsg.refused(message.request_id, str(e), ERROR_KV_HELD_LIMIT)]
         except ValueError as e:
-            return [RequestOutputMsg.refused(message.request_id, str(e))]
+            return [RequestOutputMsg.refused(message.request_id, str(e), ERROR_INVALID)]
+        except Exception as e:  # refused; nothing of it was kept
+            logger.exception("adding request %s failed", message.request_id)
+            return [RequestOutputMsg.refused(message.request_id, f"internal error: {type(e).__name__}: {e}",
+                                             ERROR_INTERNAL)]
         return []
 
 

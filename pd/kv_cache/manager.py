@@ -97,6 +97,11 @@ class KVCacheManager:
         return self.pool.usage
 
     @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold (every block but the null block)."""
+        return self.pool.num_blocks - 1
+
+    @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 

@@ -14,16 +14,19 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
+import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pd.engine.client import EngineDeadError, RequestFailedError
+from pd.engine.client import EngineDeadError, RequestFailedError, RequestRefusedError
+from pd.errors import ERROR_INTERNAL, ERROR_INVALID, ERROR_KV_HELD_LIMIT, ERROR_KV_LOAD_FAILED
 from pd.server.chat import ChatTemplate
+from pd.server.main import DEFAULT_MAX_REQUEST_BYTES
 from pd.server.metrics import CONTENT_TYPE, ServerMetrics
 from pd.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body, parse_body
 from pd.server.serving import Delta, Generation, Prepared, Server
@@ -34,12 +37,14 @@ DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its cli
 
 
 def build_app(client: Any, tokenizer: Any, served_model_name: str, api_key: str | None = None,
-              chat_template: ChatTemplate | None = None, role: str = "both") -> FastAPI:
+              chat_template: ChatTemplate | None = None, role: str = "both",
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The app serving `client`'s engine as `served_model_name`. `chat_template` defaults
-    to the one in the tokenizer's config; `role` is reported by /health."""
+    to the one in the tokenizer's config; `role` is reported by /health; a request body
+    over `max_request_bytes` is refused (413) before it is read whole."""
     template = chat_template or ChatTemplate.from_config(tokenizer.config)
     server = Server(client, tokenizer, served_model_name, template, role)
-    metrics = ServerMetrics(lambda: client.stats)
+    metrics = ServerMetrics(lambda: client.stats, lambda: client.is_alive)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -50,7 +55,7 @@ def build_app(client: Any, tokenizer: Any, served_model_name: str, api_key: str 
     app.state.server = server
     app.state.metrics = metrics
     _add_error_handlers(app)
-    app.include_router(_v1_router(server, metrics, api_key))
+    app.include_router(_v1_router(server, metrics, api_key, max_request_bytes))
     app.include_router(_open_router(server, metrics))
     return app
 
@@ -58,7 +63,7 @@ def build_app(client: Any, tokenizer: Any, served_model_name: str, api_key: str 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
     async def request_error(request: Request, exc: RequestError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)  # a safety net: bodies are parsed by parse_body
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -91,7 +96,31 @@ def _api_key_check(api_key: str | None) -> Callable[[Request], None]:
     return check
 
 
-def _v1_router(server: Server, metrics: ServerMetrics, api_key: str | None) -> APIRouter:
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body; RequestError 413 once it is past `limit` bytes (the declared
+    Content-Length is checked first, and a chunked body is not read past the limit)."""
+    declared = request.headers.get("content-length", "")
+    too_large = RequestError(f"the request body is larger than this server's limit of {limit} bytes",
+                             code="request_too_large", status=413)
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class ReleaseBody(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /v1/kv/release: the `remote_request_id` of kv_transfer_params this prefill
+    server answered, whose decode request failed or was refused."""
+
+    remote_request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+
+
+def _v1_router(server: Server, metrics: ServerMetrics, api_key: str | None, max_request_bytes: int) -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
     created = int(time.time())
 
@@ -103,15 +132,25 @@ def _v1_router(server: Server, metrics: ServerMetrics, api_key: str | None) -> A
 
     @router.post("/completions")
     async def completions(request: Request) -> Response:
-        body = parse_body(await request.body(), CompletionRequest)
+        body = parse_body(await read_body(request, max_request_bytes), CompletionRequest)
         request_id = server.request_id(request.headers.get("x-request-id"), "cmpl")
         return await _serve(server, metrics, request, server.prepare_completion(body, request_id), COMPLETION)
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = parse_body(await request.body(), ChatCompletionRequest)
+        body = parse_body(await read_body(request, max_request_bytes), ChatCompletionRequest)
         request_id = server.request_id(request.headers.get("x-request-id"), "chatcmpl")
         return await _serve(server, metrics, request, server.prepare_chat(body, request_id), CHAT)
+
+    @router.post("/kv/release")
+    async def release(request: Request) -> dict[str, bool]:
+        """Free now the blocks kept for a prefilled request no decode server will read."""
+        try:
+            body = msgspec.json.decode(await read_body(request, 4096), type=ReleaseBody)
+        except msgspec.DecodeError as e:
+            raise RequestError(f"the body must be {{\"remote_request_id\": <string>}}: {e}",
+                               param="remote_request_id") from None
+        return {"released": await server.release_held(body.remote_request_id)}
 
     return router
 
@@ -177,6 +216,8 @@ async def _serve(server: Server, metrics: ServerMetrics, request: Request, prepa
     if not server.client.is_alive:
         raise RequestError(f"the engine is not running: {server.client.dead_error}", type="service_unavailable",
                            code="engine_dead", status=503)
+    if prepared.release_first is not None:
+        await server.release_held(prepared.release_first)
     generation = Generation(server.client, server.tokenizer, prepared, metrics)
     headers = {"X-Request-Id": prepared.request_id}
     server.in_flight.add(prepared.request_id)
@@ -191,12 +232,14 @@ async def _serve(server: Server, metrics: ServerMetrics, request: Request, prepa
         server.in_flight.discard(prepared.request_id)
     if text is None:  # the client left; nobody reads this
         return Response(status_code=499)
+    if generation.kv_transfer_params is not None:
+        server.note_held(generation.kv_transfer_params)
     body = _envelope(server, generation, shape.object_name)
     choice = shape.choice(text, generation.finish_reason)
     if prepared.return_token_ids:
         choice |= {"prompt_token_ids": list(prepared.engine_request.prompt_token_ids),
                    "token_ids": generation.output_token_ids}
-    body |= {"choices": [choice], "usage": generation.usage(), "kv_transfer_params": generation.kv_transfer_params}
+    body |= {"choices": [choice], "usage": generation.usage(), "kv_transfer_params": generation.transfer_params_json}
     return JSONResponse(body, headers=headers)
 
 
@@ -205,17 +248,33 @@ def _envelope(server: Server, generation: Generation, object_name: str) -> dict[
             "model": server.served_model_name}
 
 
+ENGINE_ERRORS = (EngineDeadError, RequestRefusedError, RequestFailedError)
+# error code from the engine -> (HTTP status, OpenAI error type)
+ENGINE_ERROR_STATUS = {
+    ERROR_INVALID: (400, "invalid_request_error"),
+    ERROR_KV_HELD_LIMIT: (503, "service_unavailable"),
+    ERROR_KV_LOAD_FAILED: (502, "bad_gateway"),
+    ERROR_INTERNAL: (500, "internal_error"),
+}
+RETRY_AFTER_S = 1  # what a client refused for the held-blocks limit is told to wait
+
+
+def engine_error(exc: Exception) -> RequestError:
+    """The client's answer to an engine that died, refused or failed its request."""
+    if isinstance(exc, EngineDeadError):
+        return RequestError(f"the engine died: {exc}", type="service_unavailable", code="engine_dead", status=503)
+    code = getattr(exc, "code", None) or ERROR_INVALID
+    status, kind = ENGINE_ERROR_STATUS.get(code, (500, "internal_error"))
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if code == ERROR_KV_HELD_LIMIT else None
+    return RequestError(str(exc), type=kind, code=code, status=status, headers=headers)
+
+
 async def _collect(generation: Generation) -> str:
     try:
         async with contextlib.aclosing(generation.deltas()) as deltas:
             return "".join([delta.text async for delta in deltas])
-    except EngineDeadError as e:
-        raise RequestError(f"the engine died: {e}", type="service_unavailable", code="engine_dead",
-                           status=503) from None
-    except RequestFailedError as e:  # e.g. its KV could not be loaded from the prefill server
-        raise RequestError(str(e), type="bad_gateway", code="kv_load_failed", status=502) from None
-    except ValueError as e:  # refused by the core
-        raise RequestError(str(e)) from None
+    except ENGINE_ERRORS as e:
+        raise engine_error(e) from None
 
 
 async def _collect_unless_disconnected(generation: Generation, request: Request) -> str | None:
@@ -251,12 +310,9 @@ async def _sse(server: Server, generation: Generation, shape: Shape) -> AsyncIte
         if generation.prepared.include_usage:
             yield _event(_envelope(server, generation, shape.chunk_object_name)
                          | {"choices": [], "usage": generation.usage()})
-    except EngineDeadError as e:
-        yield _event(error_body(f"the engine died: {e}", "service_unavailable", code=503))
-    except RequestFailedError as e:
-        yield _event(error_body(str(e), "bad_gateway", code=502))
-    except ValueError as e:  # refused by the core
-        yield _event(error_body(str(e), code=400))
+    except ENGINE_ERRORS as e:
+        error = engine_error(e)
+        yield _event(error_body(error.message, error.type, code=error.status))
     yield "data: [DONE]\n\n"
 
 
@@ -267,7 +323,7 @@ def _chunk(server: Server, generation: Generation, shape: Shape, delta: Delta, f
         choice["token_ids"] = delta.token_ids
     chunk["choices"] = [choice]
     if delta.finish_reason is not None:
-        chunk["kv_transfer_params"] = generation.kv_transfer_params
+        chunk["kv_transfer_params"] = generation.transfer_params_json
     return _event(chunk)
 
 

@@ -24,6 +24,9 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_t
                       "mask_token")
 
 
+RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt"})
+
+
 class ChatTemplateError(ValueError):
     """The conversation cannot be rendered: no template, or the template refused it."""
 
@@ -79,18 +82,24 @@ class ChatTemplate:
         return env.from_string(self.source)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               **kwargs: Any) -> str:
-        """The prompt text; ChatTemplateError if the template refuses the conversation."""
-        variables = {**self.special_tokens, **kwargs}
+               template_kwargs: dict[str, Any] | None = None) -> str:
+        """The prompt text; ChatTemplateError if the template refuses the conversation
+        or the extra variables (`template_kwargs`, a client's chat_template_kwargs)."""
+        reserved = sorted(RESERVED_VARIABLES & set(template_kwargs or {}))
+        if reserved:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+        variables = {**self.special_tokens, **(template_kwargs or {})}
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          **variables)
-        except (jinja2.exceptions.TemplateError, TypeError) as e:
-            raise ChatTemplateError(f"the chat template refused the conversation: {e}") from None
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # the template ran on client data: any failure is the request's
+            raise ChatTemplateError(f"the chat template refused the conversation: {type(e).__name__}: {e}") from None
 
     def encode(self, tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               **kwargs: Any) -> list[int]:
-        text = self.render(messages, add_generation_prompt, **kwargs)
+               template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        text = self.render(messages, add_generation_prompt, template_kwargs)
         return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -17,6 +17,8 @@ from typing import Any, NoReturn
 
 from pd.config import ROLES, EngineConfig, add_engine_flags
 
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -31,6 +33,9 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         help="model name clients must use (default: the model directory's name)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="largest request body accepted; a larger one is refused with 413 before it is "
+                             f"read whole (default {DEFAULT_MAX_REQUEST_BYTES})")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")
 
 
@@ -46,6 +51,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     try:
         config = EngineConfig.from_args(args)
+        if args.max_request_bytes <= 0:
+            raise ValueError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
         tokenizer = Tokenizer(config.model)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"pd serve: {e}") from None
@@ -80,7 +87,7 @@ async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, a
 
     template = ChatTemplate.from_model_dir(config.model, tokenizer.config)
     app = build_app(client, tokenizer, name, api_key=args.api_key, chat_template=template,
-                    role=config.role)
+                    role=config.role, max_request_bytes=args.max_request_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5))
     announce = asyncio.create_task(_announce(server, f"http://{args.host}:{args.port}", name, config.role))

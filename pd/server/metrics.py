@@ -26,13 +26,22 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
 
 
 class EngineStatsCollector(Collector):
-    """The engine's latest stats (`EngineStatsMsg`, or None before the first step)."""
+    """`pd_engine_alive`, and while the engine lives its latest stats (`EngineStatsMsg`,
+    or None before the first step). A dead engine's last figures are not shown: they
+    would describe requests and blocks that no longer exist."""
 
-    def __init__(self, get_stats: Callable[[], Any]) -> None:
+    def __init__(self, get_stats: Callable[[], Any], is_alive: Callable[[], bool]) -> None:
         self.get_stats = get_stats
+        self.is_alive = is_alive
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.get_stats()
+        alive = GaugeMetricFamily("pd_engine_alive", "1 while the engine core process serves, 0 once it died.")
+        alive.add_metric([], int(self.is_alive()))
+        yield alive
+        if self.is_alive():
+            yield from self._engine_metrics(self.get_stats())
+
+    def _engine_metrics(self, stats: Any) -> Iterator[Metric]:
         running = GaugeMetricFamily("pd_num_requests_running", "Requests in the engine's running batch.")
         waiting = GaugeMetricFamily("pd_num_requests_waiting", "Requests waiting to be scheduled.")
         usage = GaugeMetricFamily("pd_kv_cache_usage", "Fraction of KV cache blocks in use (0..1).")
@@ -69,6 +78,7 @@ KV_TRANSFER_COUNTERS = {
     "failures": ("failures", "KV reads that failed or ended after the prefill server's lease."),
     "leases_expired": ("leases_expired", "Requests whose KV blocks a prefill server freed unread after the lease."),
     "rejects": ("rejects_received", "Requests a decode server rejected (their blocks freed at once)."),
+    "released": ("released", "Requests whose kept blocks were released because their decode request failed."),
 }
 
 
@@ -96,9 +106,9 @@ def kv_load_failure_metrics(values: dict[str, int]) -> Iterator[Metric]:
 class ServerMetrics:
     """Every metric of one server; `render()` is the /metrics body."""
 
-    def __init__(self, get_stats: Callable[[], Any]) -> None:
+    def __init__(self, get_stats: Callable[[], Any], is_alive: Callable[[], bool] = lambda: True) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(EngineStatsCollector(get_stats))
+        self.registry.register(EngineStatsCollector(get_stats, is_alive))
         r = self.registry
         self.time_to_first_token = Histogram("pd_time_to_first_token_seconds",
                                              "Seconds from arrival to the first output token.",

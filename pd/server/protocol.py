@@ -16,13 +16,15 @@ class RequestError(Exception):
     """A request this server refuses; rendered as OpenAI's `{"error": {...}}`."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None,
-                 status: int = 400, type: str = "invalid_request_error") -> None:
+                 status: int = 400, type: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
         self.status = status
         self.type = type
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)

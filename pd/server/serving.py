@@ -8,6 +8,7 @@ metrics. Neither knows about HTTP; `app.py` shapes what they produce into respon
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from typing import Any
 
 import anyio
 
+from connectors.params import RemoteDecodeParams, RemotePrefillParams, TransferParamsError, parse_transfer_params
 from pd.engine.messages import EngineRequest
 from pd.request import SamplingParams
 from pd.server.chat import ChatTemplate, ChatTemplateError
@@ -25,21 +27,25 @@ from pd.server.protocol import (ChatCompletionRequest, CompletionRequest, Reques
                                 refuse_unsupported)
 
 MAX_SEED = 2**63
+# A token's text is at most `tokenizer.max_token_chars` characters, so a text longer than
+# that times the context cannot fit; the slack covers normalizers that merge characters.
+CHARS_PER_TOKEN_SLACK = 4
 
 
 @dataclass
 class Prepared:
-    """A validated request: what to send to the engine and how to treat its output."""
+    """A validated request: what to send to the engine and how to treat its output.
+    `request_id` is the id the client sees (its X-Request-Id, or a new one); the engine
+    request's id is unique to this request, so that two requests sharing a client id
+    (P and D on one server) never meet in the engine."""
 
+    request_id: str
     engine_request: EngineRequest
     stop: list[str]
     stream: bool
     include_usage: bool
     return_token_ids: bool = False
-
-    @property
-    def request_id(self) -> str:
-        return self.engine_request.request_id
+    release_first: str | None = None  # blocks this server keeps for the request, to free before it runs
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -57,6 +63,21 @@ class Server:
         self.served_model_name = served_model_name
         self.chat_template = chat_template
         self.in_flight: set[str] = set()
+        self.held: dict[str, float] = {}  # engine request id -> lease end (wall clock), of params answered
+
+    def note_held(self, params: RemotePrefillParams) -> None:
+        """This server answered `params`: its engine keeps their blocks until the lease ends."""
+        now = time.time()
+        self.held = {r: end for r, end in self.held.items() if end > now}
+        self.held[params.remote_request_id] = params.lease_expires_at or now
+
+    async def release_held(self, remote_request_id: str) -> bool:
+        """Have the engine free now the blocks kept for `remote_request_id`; False if this
+        server holds none for it (never answered, already read, or the lease ended)."""
+        if self.held.pop(remote_request_id, 0.0) <= time.time():
+            return False
+        await self.client.release_held([remote_request_id])
+        return True
 
     @property
     def max_model_len(self) -> int:
@@ -87,9 +108,10 @@ class Server:
             raise RequestError("messages must be a non-empty list", param="messages")
         messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
                     for m in body.messages]
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
             ids = self.chat_template.encode(self.tokenizer, messages, body.add_generation_prompt,
-                                            **(body.chat_template_kwargs or {}))
+                                            body.chat_template_kwargs)
         except ChatTemplateError as e:
             raise RequestError(str(e), param="messages") from None
         return self._prepare(body, request_id, ids, "messages")
@@ -108,9 +130,19 @@ class Server:
                 raise RequestError("only one prompt per request is supported", param="prompt", code="unsupported")
             prompt = prompt[0]
         if isinstance(prompt, str):
+            self._check_chars(len(prompt), "prompt")
             return self.tokenizer.encode(prompt) if prompt else []
         self._check_vocab(prompt, "prompt")
         return list(prompt)
+
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        """Refuse, before tokenizing it, a text too long to fit the context whatever its
+        tokens (tokenizing megabytes would take the server's CPU for seconds)."""
+        limit = CHARS_PER_TOKEN_SLACK * self.tokenizer.max_token_chars * self.max_model_len
+        if num_chars > limit:
+            raise RequestError(f"the {param} has {num_chars} characters, more than any text of "
+                               f"{self.max_model_len} tokens (this model's context) can have",
+                               param=param, code="context_length_exceeded")
 
     def _check_vocab(self, token_ids: list[int], param: str) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -131,9 +163,29 @@ class Server:
         stop = body.stop_strings
         if any(not s for s in stop):
             raise RequestError("stop strings must be non-empty", param="stop")
-        engine_request = EngineRequest.create(request_id, prompt_ids, params, body.kv_transfer_params,
-                                              body.cache_salt)
-        return Prepared(engine_request, stop, bool(body.stream), body.include_usage, body.return_token_ids)
+        transfer = self._transfer_params(body.kv_transfer_params)
+        release_first = None
+        if isinstance(transfer, RemotePrefillParams) and transfer.remote_engine_id == self.client.info.engine_id:
+            # Prefilled here: served from this server's own prefix cache (its blocks, once released).
+            transfer, release_first = None, transfer.remote_request_id
+        stream = bool(body.stream)
+        if isinstance(transfer, RemoteDecodeParams):  # P: prefill and the first token only, answered whole
+            params, stream = dataclasses.replace(params, max_tokens=1), False
+        engine_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
+        engine_request = EngineRequest.create(engine_id, prompt_ids, params, transfer, body.cache_salt)
+        return Prepared(request_id, engine_request, stop, stream, body.include_usage, body.return_token_ids,
+                        release_first)
+
+    def _transfer_params(self, raw: Any) -> RemoteDecodeParams | RemotePrefillParams | None:
+        """The typed PD parameters; RequestError naming the field that is malformed."""
+        try:
+            transfer = parse_transfer_params(raw)
+        except TransferParamsError as e:
+            raise RequestError(str(e), param=e.field) from None
+        if isinstance(transfer, RemotePrefillParams) and not 0 <= transfer.first_token_id < self.vocab_size:
+            raise RequestError(f"kv_transfer_params.first_token_id {transfer.first_token_id} is outside the "
+                               f"vocabulary [0, {self.vocab_size})", param="kv_transfer_params.first_token_id")
+        return transfer
 
     def _sampling_params(self, body: SamplingFields, num_prompt_tokens: int) -> SamplingParams:
         room = self.max_model_len - num_prompt_tokens
@@ -159,7 +211,7 @@ class Server:
         self._check_vocab(stop_token_ids, "stop_token_ids")
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                  top_k=body.top_k if body.top_k and body.top_k > 0 else None, top_p=top_p,
+                                  top_k=body.top_k if body.top_k and 0 < body.top_k < self.vocab_size else None, top_p=top_p,
                                   seed=body.seed, stop_token_ids=tuple(stop_token_ids), ignore_eos=body.ignore_eos)
         except ValueError as e:  # a range the checks above missed
             raise RequestError(str(e)) from None
@@ -191,7 +243,7 @@ class Generation:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     finish_reason: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: RemotePrefillParams | None = None
     output_token_ids: list[int] = field(default_factory=list)
     _last_token_time: float | None = None
 
@@ -241,6 +293,10 @@ class Generation:
         self.metrics.e2e_request_latency.observe(time.monotonic() - self.arrival)
         self.metrics.prompt_tokens.inc(self.prepared.num_prompt_tokens)
         self.metrics.request_success.labels(finish_reason=reason).inc()
+
+    @property
+    def transfer_params_json(self) -> dict[str, Any] | None:
+        return None if self.kv_transfer_params is None else self.kv_transfer_params.to_json()
 
     def usage(self) -> dict[str, Any]:
         prompt = self.prepared.num_prompt_tokens

@@ -4,10 +4,16 @@ It owns the model, the KV cache memory, one block table per KV cache group and a
 of every scheduled request's tokens. Per step: forget finished requests, take in new
 ones and new blocks, lay out the batch (input ids, positions, per-group slot mappings),
 build metadata once per attention group, run the model, sample.
+
+A fault while computing a batch (an exception from the model, the metadata or the
+sampler) fails the requests of that batch, reported in `ModelRunnerOutput.failed`; the
+runner and the engine go on. A CUDA error is not contained: the device context is
+then unusable, and the engine stops.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +30,8 @@ from pd.request import SamplingParams
 from pd.worker.block_table import MultiGroupBlockTable
 from pd.worker.kv_allocation import KVLayout, allocate_kv_caches
 from pd.worker.sampler import make_generator, sample
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -71,17 +79,29 @@ class ModelRunner:
             self.connector.start_load_kv(scheduler_output.kv_connector_metadata)
         output = ModelRunnerOutput()
         if scheduler_output.num_scheduled_tokens:
-            batch = self._prepare_inputs(scheduler_output)
-            context = ForwardContext(self._build_metadata(batch.common), self.kv_allocation.layer_caches)
-            with torch.inference_mode(), set_forward_context(context):
-                hidden = self.model(batch.input_ids, batch.positions)
-                logits = self.model.compute_logits(hidden[batch.logits_indices])
-            output = self._sample(batch.sampling_req_ids, logits)
+            output = self._compute_contained(scheduler_output)
         output.kv_connector_output = self.connector.get_finished(scheduler_output.finished_req_ids)
         return output
 
     def shutdown(self) -> None:
         self.connector.shutdown()
+
+    def _compute_contained(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        try:
+            return self._compute(so)
+        except Exception as exc:
+            if "CUDA error" in str(exc):
+                raise
+            logger.exception("computing a batch of %d requests failed; failing them", len(so.num_scheduled_tokens))
+            return ModelRunnerOutput(failed=dict.fromkeys(so.num_scheduled_tokens, f"{type(exc).__name__}: {exc}"))
+
+    def _compute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        batch = self._prepare_inputs(so)
+        context = ForwardContext(self._build_metadata(batch.common), self.kv_allocation.layer_caches)
+        with torch.inference_mode(), set_forward_context(context):
+            hidden = self.model(batch.input_ids, batch.positions)
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return self._sample(batch.sampling_req_ids, logits)
 
     def _update_requests(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:

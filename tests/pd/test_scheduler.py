@@ -14,6 +14,7 @@ import random
 
 import pytest
 
+from connectors.params import RemotePrefillParams
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.manager import KVCacheManager
 from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
@@ -218,10 +219,15 @@ def test_mamba_prefill_chunks_end_on_block_boundaries_when_the_budget_allows() -
     prompt = list(range(10, 110))
     assert prefill_chunks(Request("r", prompt, SamplingParams(max_tokens=2)), BLOCK) == [32, 32, 36, 1]
     assert prefill_chunks(Request("r", prompt, SamplingParams(max_tokens=2)), None) == [40, 40, 20, 1]
-    remote = Request("p", prompt, SamplingParams(max_tokens=2), kv_transfer_params={"do_remote_prefill": True})
+    remote = Request("p", prompt, SamplingParams(max_tokens=2), kv_transfer_params=remote_prefill(len(prompt)))
     assert prefill_chunks(remote, BLOCK) == [40, 40, 20, 1]  # exempt
     tight = prefill_chunks(Request("r", prompt, SamplingParams(max_tokens=2)), 64)
     assert tight == [40, 24, 36, 1]  # no boundary fits the first budget: progress wins
+
+
+def remote_prefill(num_prompt_tokens: int, first_token_id: int = 0) -> RemotePrefillParams:
+    """Well-formed PD parameters (the toy connector reads none of the location fields)."""
+    return RemotePrefillParams(True, "p", "127.0.0.1", 1, "p1", [[0]], num_prompt_tokens, first_token_id, 16)
 
 
 class ToyRemoteConnector:
@@ -260,9 +266,8 @@ class ToyRemoteConnector:
         return self.output(failed_recving=dict.fromkeys(done, "toy failure")) if self.fail else self.output(finished_recving=done)
 
 
-@pytest.mark.parametrize("with_first_token", [False, True])
 @pytest.mark.parametrize("fail", [False, True])
-def test_remote_kv_parks_the_request_until_it_lands(fail: bool, with_first_token: bool) -> None:
+def test_remote_kv_parks_the_request_until_it_lands(fail: bool) -> None:
     specs = {"l0": attn()}
     kv_config = make_kv_cache_config(specs, 10**7, 512)
     kv = KVCacheManager(kv_config, True, 512)
@@ -270,9 +275,7 @@ def test_remote_kv_parks_the_request_until_it_lands(fail: bool, with_first_token
     scheduler = Scheduler(SchedulerConfig(8, 64, 512, frozenset()), kv, connector)
     runner = ToyRunner(kv, scheduler.config)
     prompt = list(range(10, 50)) + [99]
-    params = {"do_remote_prefill": True}
-    if with_first_token:  # what the prefill server sampled: D continues from it
-        params["first_token_id"] = toy_next_token(prompt)
+    params = remote_prefill(len(prompt), toy_next_token(prompt))  # P sampled the first token: D continues from it
     request = Request("d", prompt, SamplingParams(max_tokens=3), kv_transfer_params=params)
     scheduler.add_request(request)
     statuses, computed_tokens = [], []
@@ -284,9 +287,9 @@ def test_remote_kv_parks_the_request_until_it_lands(fail: bool, with_first_token
         out.kv_connector_output = connector.tick()
         scheduler.update_from_output(so, out)
     assert statuses[:2] == [RequestStatus.WAITING_FOR_REMOTE_KVS] * 2
-    # landed: the one prompt token the connector did not load is computed here (plus P's
-    # first token when given, without sampling it again); failed: the whole prompt
-    assert next(c for c in computed_tokens if c) == (41 if fail else 1 + with_first_token)
+    # landed: the one prompt token the connector did not load is computed here, plus P's
+    # first token, without sampling it again; failed: the whole prompt
+    assert next(c for c in computed_tokens if c) == (41 if fail else 2)
     assert request.output_token_ids == reference_outputs(prompt, 3)
     assert connector.finished_calls == ["d"] and kv.usage == 0.0
     assert scheduler.kv_load_failures == {"recompute": int(fail), "fail": 0}
@@ -299,7 +302,7 @@ def test_fail_policy_ends_a_request_whose_remote_kv_failed_with_an_error() -> No
     config = SchedulerConfig(8, 64, 512, frozenset(), kv_load_failure_policy="fail")
     scheduler = Scheduler(config, kv, connector)
     runner = ToyRunner(kv, scheduler.config)
-    remote = Request("d", list(range(10, 51)), SamplingParams(max_tokens=3), kv_transfer_params={"do_remote_prefill": True})
+    remote = Request("d", list(range(10, 51)), SamplingParams(max_tokens=3), kv_transfer_params=remote_prefill(41))
     local = Request("c", list(range(60, 70)), SamplingParams(max_tokens=3))
     scheduler.add_request(remote)
     scheduler.add_request(local)
@@ -321,3 +324,100 @@ def test_fail_policy_ends_a_request_whose_remote_kv_failed_with_an_error() -> No
 def test_unknown_load_failure_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="recompute, fail"):
         SchedulerConfig(8, 64, 512, kv_load_failure_policy="retry")
+
+
+class CountingRemoteConnector(ToyRemoteConnector):
+    """A toy connector that remembers every load it was asked for."""
+
+    def __init__(self, num_external: int, delay_steps: int) -> None:
+        super().__init__(num_external, delay_steps)
+        self.loads: list[str] = []
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        self.loads.append(request.request_id)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+
+def run_with_connector(scheduler: Scheduler, kv: KVCacheManager, connector, runner=None) -> list:
+    runner = runner or ToyRunner(kv, scheduler.config)
+    outputs, steps = [], 0
+    while scheduler.has_work:
+        so = scheduler.schedule()
+        out = runner.execute(so)
+        out.kv_connector_output = connector.tick()
+        outputs += scheduler.update_from_output(so, out)
+        kv.check_integrity()
+        steps += 1
+        assert steps < 2_000, "scheduler made no progress"
+    return outputs
+
+
+def test_a_preempted_remote_prefill_request_is_recomputed_here_and_never_reread() -> None:
+    """Once its KV has landed a request is local: preempting it frees its blocks, and it
+    is recomputed from its own tokens (P freed its blocks after the read)."""
+    kv_config = make_kv_cache_config({"l0": attn()}, 9 * 1024, 128)  # 8 usable blocks of 16 tokens
+    kv = KVCacheManager(kv_config, True, 128)
+    connector = CountingRemoteConnector(num_external=40, delay_steps=1)
+    scheduler = Scheduler(SchedulerConfig(8, 64, 128, frozenset()), kv, connector)
+    prompts = [list(range(10, 51)), list(range(100, 141))]
+    requests = [Request(f"d{i}", p, SamplingParams(max_tokens=40, ignore_eos=True),
+                        kv_transfer_params=remote_prefill(len(p), toy_next_token(p))) for i, p in enumerate(prompts)]
+    for request in requests:
+        scheduler.add_request(request)
+    run_with_connector(scheduler, kv, connector)
+    assert scheduler.num_preemptions >= 1
+    assert sorted(connector.loads) == ["d0", "d1"]  # one read each, none after a preemption
+    for request, prompt in zip(requests, prompts):
+        assert request.output_token_ids == reference_outputs(prompt, 40)
+    assert kv.usage == 0.0
+
+
+class FailingRunner(ToyRunner):
+    """Raises (as a model would) in any batch holding `poison`, reporting the batch failed."""
+
+    def __init__(self, kv, config, poison: int) -> None:
+        super().__init__(kv, config)
+        self.poison = poison
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        out = super().execute(so)
+        bad = [r for r in so.num_scheduled_tokens if self.poison in self.tokens[r]]
+        if bad:
+            return ModelRunnerOutput(failed=dict.fromkeys(so.num_scheduled_tokens, "ValueError: poisoned"))
+        return out
+
+
+def test_a_failed_batch_fails_its_requests_and_the_scheduler_goes_on() -> None:
+    scheduler, kv = make_scheduler({"l0": attn()}, 10**6, max_tokens_per_step=16)
+    runner = FailingRunner(kv, scheduler.config, poison=666)
+    poisoned = Request("bad", [666] + list(range(10, 40)), SamplingParams(max_tokens=4))
+    later = Request("good", list(range(50, 60)), SamplingParams(max_tokens=4))  # waits: the budget is full
+    scheduler.add_request(poisoned)
+    scheduler.add_request(later)
+    outputs = run_with_connector(scheduler, kv, ToyRemoteConnector(0, 1), runner)
+    failed, = [o for o in outputs if o.request_id == "bad"]
+    assert (failed.finish_reason, failed.error_code) == ("error", "internal_error") and "poisoned" in failed.error
+    assert poisoned.status is RequestStatus.FINISHED_ERROR
+    assert later.output_token_ids == reference_outputs(later.prompt_token_ids, 4)
+    assert kv.usage == 0.0 and not scheduler.requests
+
+
+class ExplodingConnector(ToyRemoteConnector):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if request.request_id == "bad":
+            raise KeyError("connector bug")
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+
+def test_a_fault_admitting_one_request_fails_that_request_alone() -> None:
+    kv_config = make_kv_cache_config({"l0": attn()}, 10**6, 512)
+    kv = KVCacheManager(kv_config, True, 512)
+    connector = ExplodingConnector(0, 1)
+    scheduler = Scheduler(SchedulerConfig(8, 64, 512, frozenset()), kv, connector)
+    bad, good = Request("bad", list(range(10, 30))), Request("good", list(range(30, 50)), SamplingParams(max_tokens=3))
+    scheduler.add_request(bad)
+    scheduler.add_request(good)
+    outputs = run_with_connector(scheduler, kv, connector)
+    failed, = [o for o in outputs if o.request_id == "bad"]
+    assert failed.error_code == "internal_error" and "connector bug" in failed.error
+    assert good.output_token_ids == reference_outputs(good.prompt_token_ids, 3) and kv.usage == 0.0

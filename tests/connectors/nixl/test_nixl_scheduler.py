@@ -13,6 +13,7 @@ import pytest
 
 from connectors.base import KVConnectorOutput
 from connectors.nixl.scheduler import NixlConnectorScheduler, ReqToSend
+from connectors.params import RemoteDecodeParams, RemotePrefillParams
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.manager import KVCacheManager
 from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
@@ -65,7 +66,7 @@ def run_step(scheduler: Scheduler, token: int = 7, connector_output: KVConnector
 def prefill_on_p(model: str, prompt: list[int]):
     clock = Clock()
     p, p_kv, _ = make_side(model, "P", clock)
-    p.add_request(Request("p1", prompt, SamplingParams(max_tokens=1), kv_transfer_params={"do_remote_decode": True}))
+    p.add_request(Request("p1", prompt, SamplingParams(max_tokens=1), kv_transfer_params=RemoteDecodeParams(True)))
     finished = []
     while not finished:
         _, outs = run_step(p, token=42)
@@ -79,10 +80,10 @@ def test_p_keeps_the_blocks_under_a_lease_and_hands_out_their_ids(model: str) ->
     p, p_kv, clock, out = prefill_on_p(model, prompt)
     params = out.kv_transfer_params
     assert out.finish_reason == "length" and out.new_token_ids == [42]
-    assert params["do_remote_prefill"] and params["first_token_id"] == 42
-    assert params["num_prompt_tokens"] == len(prompt) and params["remote_request_id"] == "p1"
+    assert params.do_remote_prefill and params.first_token_id == 42
+    assert params.num_prompt_tokens == len(prompt) and params.remote_request_id == "p1"
     held = p.delayed_free["p1"]
-    assert params["remote_block_ids"] == p_kv.get_block_ids("p1") and p_kv.usage > 0
+    assert params.remote_block_ids == p_kv.get_block_ids("p1") and p_kv.usage > 0
     lease = run_step(p)[0].kv_connector_metadata.reqs_to_send  # queued at finish, sent next step
     assert lease == [ReqToSend("p1", clock.now + 30)]
     run_step(p, connector_output=KVConnectorOutput(finished_sending={"p1"}))
@@ -90,8 +91,8 @@ def test_p_keeps_the_blocks_under_a_lease_and_hands_out_their_ids(model: str) ->
     p_kv.check_integrity()
 
 
-def remote_request(req_id: str, prompt: list[int], params: dict) -> Request:
-    return Request(req_id, prompt, SamplingParams(max_tokens=4), kv_transfer_params=dict(params))
+def remote_request(req_id: str, prompt: list[int], params: RemotePrefillParams) -> Request:
+    return Request(req_id, prompt, SamplingParams(max_tokens=4), kv_transfer_params=params)
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -103,7 +104,7 @@ def test_d_reads_exactly_the_positions_it_lacks(model: str) -> None:
     so, _ = run_step(d)
     (recv,) = so.kv_connector_metadata.reqs_to_recv
     assert d.requests["d1"].status is RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert recv.remote.request_id == "p1" and recv.remote_block_ids == out.kv_transfer_params["remote_block_ids"]
+    assert recv.remote.request_id == "p1" and recv.remote_block_ids == out.kv_transfer_params.remote_block_ids
     local = d_kv.get_block_ids("d1")
     for group, spec in enumerate(d_kv.config.groups):
         reads = [i for i, b in enumerate(recv.local_block_ids[group]) if b]
@@ -169,6 +170,38 @@ def test_an_aborted_p_request_keeps_nothing() -> None:
     clock = Clock()
     p, p_kv, _ = make_side("full", "P", clock)
     p.add_request(Request("p1", list(range(100, 140)), SamplingParams(max_tokens=1),
-                          kv_transfer_params={"do_remote_decode": True}))
+                          kv_transfer_params=RemoteDecodeParams(True)))
     (out,) = p.abort_requests(["p1"])
     assert out.kv_transfer_params is None and not p.delayed_free and p_kv.usage == 0.0
+
+
+def test_p_refuses_prefills_for_decode_servers_past_its_held_share_and_a_release_frees_them() -> None:
+    from pd.errors import HeldBlocksLimitError
+
+    specs = {"l0": attn(), "l1": attn()}
+    config = make_kv_cache_config(specs, 10**8, 1024)
+    kv = KVCacheManager(config, True, 1024)
+    connector = NixlConnectorScheduler("P", "127.0.0.1", 5555, [BLOCK], lease_seconds=30, clock=Clock())
+    limit = 0.01
+    p = Scheduler(SchedulerConfig(8, 4096, 1024, frozenset(), kv_max_held_fraction=limit), kv, connector)
+    prompts = [list(range(100 + 200 * i, 100 + 200 * i + 8 * BLOCK)) for i in range(40)]
+    held = 0
+    for i, prompt in enumerate(prompts):
+        try:
+            p.add_request(Request(f"p{i}", prompt, SamplingParams(max_tokens=1),
+                                  kv_transfer_params=RemoteDecodeParams(True)))
+        except HeldBlocksLimitError as exc:
+            assert "retry later" in str(exc)
+            break
+        while f"p{i}" in p.requests:
+            run_step(p)
+        held += 1
+    else:
+        pytest.fail("the held-blocks limit never refused a prefill")
+    assert p.num_held_blocks >= limit * kv.num_usable_blocks > (held - 1) * 8
+    p.add_request(Request("local", list(range(5, 40)), SamplingParams(max_tokens=1)))  # its own requests go on
+    assert p.release_held(["p0", "nope"]) == ["p0"]
+    so, _ = run_step(p)
+    assert so.kv_connector_metadata.reqs_to_release == ["p0"]
+    run_step(p, connector_output=KVConnectorOutput(finished_sending={"p0"}))  # what the worker then reports
+    assert "p0" not in p.delayed_free and p.num_held_blocks == (held - 1) * 8

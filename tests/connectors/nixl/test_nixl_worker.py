@@ -110,6 +110,16 @@ def test_a_reject_frees_at_once_and_a_lease_expiry_frees_later(pair) -> None:
     assert p.get_finished(set()).finished_sending == {"p2"} and p.stats.leases_expired == 1
 
 
+def test_a_release_frees_at_once_and_only_what_is_held(pair) -> None:
+    p, _, _, _ = pair
+    p.start_load_kv(NixlConnectorMetadata(reqs_to_send=[ReqToSend("p1", p.config.clock() + 60),
+                                                        ReqToSend("p2", p.config.clock() + 60)]))
+    p.start_load_kv(NixlConnectorMetadata(reqs_to_release=["p1", "unknown"]))
+    assert p.get_finished(set()).finished_sending == {"p1"}
+    assert p.num_requests_held == 1 and p.stats.released == 1
+    assert p.get_finished(set()).finished_sending == set()  # reported once
+
+
 def test_a_read_ending_after_the_lease_is_a_failure(pair) -> None:
     p, _, d, _ = pair
     d.start_load_kv(NixlConnectorMetadata(reqs_to_recv=[recv(p, [[1], [2]], [[3], [4]], lease=time.time() - 1)]))

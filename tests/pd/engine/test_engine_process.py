@@ -257,3 +257,27 @@ def test_shutdown_stops_the_process(config, prompts):
         engine.shutdown()  # idempotent
         with pytest.raises(EngineDeadError):
             run(collect(engine.generate(request("after-shutdown", prompts[0]))))
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_not_computed(engine, prompts, reference):
+    """Before they were checked here, such a request reached the model and killed the core."""
+    from connectors.params import RemotePrefillParams
+    from pd.engine.client import RequestRefusedError
+
+    vocab = engine.info.vocab_size
+    first_out_of_vocab = RemotePrefillParams(True, "p", "127.0.0.1", 1, "p1", [[1]], len(prompts[0]), vocab, 16)
+    bad = {"prompt": EngineRequest(request_id="a", prompt_token_ids=prompts[0] + [vocab + 5]),
+           "stop_token_ids": EngineRequest(request_id="b", prompt_token_ids=prompts[0], stop_token_ids=[vocab]),
+           "first_token_id": EngineRequest(request_id="c", prompt_token_ids=prompts[0], remote_prefill=first_out_of_vocab)}
+    pid = engine.pid
+
+    async def main():
+        for what, req in bad.items():
+            with pytest.raises(RequestRefusedError, match=what) as info:
+                await collect(engine.generate(req))
+            assert info.value.code == "invalid_request"
+        tokens, _ = await collect(engine.generate(request("after", prompts[1])))
+        assert tokens == reference[1]
+
+    run(main())
+    assert engine.is_alive and engine.pid == pid and engine.stats.kv_usage == 0.0

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from connectors.params import RemotePrefillParams
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.manager import KVCacheManager
 from pd.kv_cache.spec import (
@@ -30,6 +31,9 @@ from pd.kv_cache.spec import (
 from pd.request import Request
 
 BLOCK = 16
+
+# A remote-prefill request's parameters; the manager reads only that they are there.
+REMOTE = RemotePrefillParams(True, "p", "127.0.0.1", 1, "p1", [[0]], 1, 0, 16)
 
 
 def attn(window: int | None = None) -> FullAttentionSpec:
@@ -193,7 +197,7 @@ def test_remote_prefill_skips_mamba_only_for_that_request() -> None:
     manager.check_integrity()
     local = Request("local", prefix + [5, 6])
     assert manager.get_computed_blocks(local)[1] == 0
-    remote = Request("remote", prefix + [5, 6], kv_transfer_params={"do_remote_prefill": True})
+    remote = Request("remote", prefix + [5, 6], kv_transfer_params=REMOTE)
     blocks, hit = manager.get_computed_blocks(remote)
     assert hit == 64
     for g in mamba_groups:
@@ -215,7 +219,7 @@ def test_remote_prefill_keeps_the_full_attention_hit_and_loads_only_the_rest() -
         manager.pool.cached.pop(key).block_hash = None
     prompt = prefix + list(range(500, 536))  # 100 tokens: 7 blocks, 4 of them hits
     assert manager.get_computed_blocks(Request("local", prompt))[1] == 0  # collapsed
-    request = Request("r", prompt, kv_transfer_params={"do_remote_prefill": True})
+    request = Request("r", prompt, kv_transfer_params=REMOTE)
     blocks, hit = manager.get_computed_blocks(request)
     assert hit == 64
     assert manager.allocate_slots(request, 0, hit, blocks, num_external_computed_tokens=100 - hit) is not None
@@ -236,7 +240,7 @@ def test_remote_prefill_allocation_leaves_out_of_reach_positions_null() -> None:
     # Mamba needs only the block for the final state, the window only its last blocks.
     manager = make_manager("hybrid3", 200)
     prompt = list(range(100))
-    request = Request("r", prompt, kv_transfer_params={"do_remote_prefill": True})
+    request = Request("r", prompt, kv_transfer_params=REMOTE)
     blocks, hit = manager.get_computed_blocks(request)
     assert hit == 0
     new = manager.allocate_slots(request, 0, 0, blocks, num_external_computed_tokens=100)

@@ -11,14 +11,13 @@ import time
 import httpx
 import pytest
 
+from malformed import BAD_REQUESTS, MAX_MODEL_LEN
 from server_harness import running_server
 
 pytestmark = pytest.mark.slow
 
 API_KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-MAX_MODEL_LEN = 4096
-VOCAB = 4096
 # max_tokens of a request interrupted midway: it would run for tens of seconds, so its
 # blocks are freed within the tests' few seconds only if it was aborted.
 LONG = 3000
@@ -29,6 +28,7 @@ def server(tiny_models, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve-errors") / "server.log"
     with running_server(tiny_models["qwen3"], log, "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN),
                         "--kv-cache-memory", str(32 << 20)) as server:
+        server.first_engine_pid = server.health().json()["engine_pid"]
         yield server
 
 
@@ -38,76 +38,18 @@ def http(server):
         yield client
 
 
-def completion(**fields):
-    return ("/v1/completions", {"model": "qwen3", **fields})
-
-
-def chat(**fields):
-    return ("/v1/chat/completions", {"model": "qwen3", **fields})
-
-
-USER = [{"role": "user", "content": "hi"}]
-
-BAD_REQUESTS = {
-    "malformed json": ("/v1/completions", b'{"prompt": "x",'),
-    "body not an object": ("/v1/completions", b"[1, 2, 3]"),
-    "empty body": ("/v1/completions", b""),
-    "prompt missing": completion(max_tokens=4),
-    "prompt empty string": completion(prompt=""),
-    "prompt empty list": completion(prompt=[]),
-    "prompt wrong type": completion(prompt=5),
-    "prompt mixed list": completion(prompt=["a", 1]),
-    "two prompts": completion(prompt=["a", "b"]),
-    "two token prompts": completion(prompt=[[1, 2], [3, 4]]),
-    "prompt too long": completion(prompt=[11] * MAX_MODEL_LEN),
-    "prompt plus max_tokens too long": completion(prompt=[11] * 100, max_tokens=MAX_MODEL_LEN - 99),
-    "max_tokens zero": completion(prompt="x", max_tokens=0),
-    "max_tokens negative": completion(prompt="x", max_tokens=-3),
-    "max_tokens string": completion(prompt="x", max_tokens="4"),
-    "temperature negative": completion(prompt="x", temperature=-0.1),
-    "temperature above 2": completion(prompt="x", temperature=2.5),
-    "top_p zero": completion(prompt="x", top_p=0.0),
-    "top_p above 1": completion(prompt="x", top_p=1.5),
-    "top_k below -1": completion(prompt="x", top_k=-2),
-    "unknown model": completion(prompt="x", model="gpt-5"),
-    "n > 1": completion(prompt="x", n=2),
-    "logprobs": completion(prompt="x", logprobs=2),
-    "echo": completion(prompt="x", echo=True),
-    "best_of": completion(prompt="x", best_of=2),
-    "suffix": completion(prompt="x", suffix="end"),
-    "min_tokens": completion(prompt="x", min_tokens=3),
-    "token id above vocab": completion(prompt=[5, VOCAB + 10]),
-    "negative token id": completion(prompt=[5, -1]),
-    "stop token id above vocab": completion(prompt="x", stop_token_ids=[VOCAB]),
-    "empty stop string": completion(prompt="x", stop=["ok", ""]),
-    "stop wrong type": completion(prompt="x", stop=7),
-    "kv_transfer_params not a dict": completion(prompt="x", kv_transfer_params=[1]),
-    "stream_options wrong type": completion(prompt="x", stream=True, stream_options={"include_usage": "yes"}),
-    "messages missing": chat(max_tokens=4),
-    "messages empty": chat(messages=[]),
-    "messages not a list": chat(messages="hi"),
-    "unknown role": chat(messages=[{"role": "wizard", "content": "hi"}]),
-    "content wrong type": chat(messages=[{"role": "user", "content": 5}]),
-    "content image part": chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-    "content missing": chat(messages=[{"role": "user"}]),
-    "max_completion_tokens zero": chat(messages=USER, max_completion_tokens=0),
-    "chat logprobs": chat(messages=USER, logprobs=True),
-    "chat unknown model": chat(messages=USER, model="other"),
-    "unknown route": ("/v1/embeddings", {"input": "x"}),
-}
-
-
 @pytest.mark.parametrize("name", list(BAD_REQUESTS))
 def test_bad_request_is_a_4xx_openai_error_and_the_server_stays_healthy(server, http, name) -> None:
-    path, body = BAD_REQUESTS[name]
+    path, body, headers = BAD_REQUESTS[name]
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
-    response = http.post(path, headers={"Content-Type": "application/json"}, **kwargs)
+    response = http.post(path, headers={"Content-Type": "application/json"} | headers, **kwargs)
     assert 400 <= response.status_code < 500, (response.status_code, response.text)
     error = response.json()["error"]
     assert set(error) >= {"message", "type", "param", "code"} and error["message"], error
-    if "model" in name:
+    if "unknown model" in name:
         assert (response.status_code, error["code"]) == (404, "model_not_found")
-    assert server.health().status_code == 200
+    health = server.health()
+    assert health.status_code == 200 and health.json()["engine_pid"] == server.first_engine_pid
 
 
 def test_good_requests_still_work_after_the_bad_ones(http) -> None:

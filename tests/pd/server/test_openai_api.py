@@ -183,7 +183,7 @@ def test_default_max_tokens_is_the_remaining_context(server, arch) -> None:
 
 
 def test_request_id_header_and_kv_transfer_params_round_trip(server, arch) -> None:
-    body = {"model": arch, "prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": {"note": "ignored by null"}}
+    body = {"model": arch, "prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": {"do_remote_decode": False}}
     response = httpx.post(f"{server.url}/v1/completions", json=body, headers={"X-Request-Id": f"req-{arch}-1"},
                           timeout=60)
     assert response.status_code == 200, response.text

@@ -1,0 +1,114 @@
+"""The PD parameters (`kv_transfer_params`) as types, decoded and checked once where
+they enter a server.
+
+Three messages cross HTTP (DESIGN.md, "PD protocol"):
+
+- proxy -> P: `{"do_remote_decode": true}` (`RemoteDecodeParams`): prefill, sample the
+  first token, keep the blocks for a decode server.
+- P -> proxy -> D: `RemotePrefillParams`, where P keeps the prompt's KV blocks and the
+  first token P sampled. D reads those blocks instead of computing the prompt.
+- no PD: absent, null, `{}`, or both flags false.
+
+Every field is typed and bounded (ports 1-65535, ids and counts within int32, strings of
+bounded length, a finite lease), unknown fields are refused, and a malformed set raises
+`TransferParamsError` naming the field, which the server answers with a 400. What can
+only be checked against the serving model (the first token inside the vocabulary) is
+checked by the server; what depends on the request's prompt (prompt length, block-list
+shape) by the connector, which then rejects the load and tells P to free its blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+INT32 = 2**31
+BlockId = Annotated[int, msgspec.Meta(ge=0, lt=INT32)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=INT32)]
+Count = Annotated[int, msgspec.Meta(ge=1, lt=INT32)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Host = Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
+WallClock = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]  # seconds since the epoch; finite
+MAX_GROUPS = 256
+BlockIds = Annotated[list[Annotated[list[BlockId], msgspec.Meta(max_length=INT32)]],
+                     msgspec.Meta(min_length=1, max_length=MAX_GROUPS)]
+
+
+class TransferParamsError(ValueError):
+    """`kv_transfer_params` that are not a valid PD parameter set; `field` names the
+    offending field (dotted, under `kv_transfer_params`)."""
+
+    def __init__(self, message: str, field: str = "kv_transfer_params") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class RemoteDecodeParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """proxy -> P: prefill this request and keep its blocks for a decode server."""
+
+    do_remote_decode: Literal[True]
+
+
+class RemotePrefillParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """P -> D: the request's KV blocks are held on P (engine `remote_engine_id`, side
+    channel `remote_host:remote_port`) under P's request id, positional per KV cache
+    group (0: P holds no block there); P sampled `first_token_id`."""
+
+    do_remote_prefill: Literal[True]
+    remote_engine_id: Name
+    remote_host: Host
+    remote_port: Port
+    remote_request_id: Name
+    remote_block_ids: BlockIds
+    num_prompt_tokens: Count
+    first_token_id: TokenId
+    block_size: Count
+    tp_size: Literal[1] = 1
+    lease_expires_at: WallClock | None = None  # a read ending later is a failure
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object a response carries."""
+        return msgspec.to_builtins(self)
+
+
+class _NoPD(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    do_remote_decode: Literal[False] = False
+    do_remote_prefill: Literal[False] = False
+
+
+TransferParams = RemoteDecodeParams | RemotePrefillParams
+
+
+def parse_transfer_params(raw: Any) -> TransferParams | None:
+    """The typed parameters of a request body's `kv_transfer_params` (None: no PD);
+    TransferParamsError naming the first bad field."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise TransferParamsError("kv_transfer_params must be an object")
+    if raw.get("do_remote_prefill") is True:
+        kind: type = RemotePrefillParams
+    elif raw.get("do_remote_decode") is True:
+        kind = RemoteDecodeParams
+    else:
+        kind = _NoPD
+    try:
+        params = msgspec.convert(raw, kind, strict=True)
+    except msgspec.ValidationError as exc:
+        raise _named(exc) from None
+    return None if isinstance(params, _NoPD) else params
+
+
+def _named(exc: msgspec.ValidationError) -> TransferParamsError:
+    """msgspec says "... - at `$.remote_port`", "... unknown field `x`" or "... missing
+    required field `x`"; name the field."""
+    message = str(exc)
+    path = ""
+    if "at `$" in message:
+        path = message.rpartition("at `$")[2].rstrip("`").split("[")[0]
+    elif message.endswith("`") and " field `" in message:
+        path = "." + message.rpartition(" field `")[2].rstrip("`")
+    field = "kv_transfer_params" + path
+    return TransferParamsError(f"{field}: {message.partition(' - at ')[0]}", field)

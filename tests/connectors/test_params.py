@@ -1,0 +1,81 @@
+"""The typed PD parameters: what parses, and that every malformed set is refused with
+an error naming its field (the server turns it into a 400)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from connectors.params import RemoteDecodeParams, RemotePrefillParams, TransferParamsError, parse_transfer_params
+
+GOOD = {"do_remote_prefill": True, "remote_engine_id": "pd-abc", "remote_host": "127.0.0.1", "remote_port": 5555,
+        "remote_request_id": "cmpl-1-xyz", "remote_block_ids": [[1, 2, 3], [0, 0, 4]], "num_prompt_tokens": 40,
+        "first_token_id": 7, "block_size": 16, "tp_size": 1, "lease_expires_at": 1.8e9}
+
+
+def test_a_remote_prefill_set_round_trips_through_json() -> None:
+    params = parse_transfer_params(GOOD)
+    assert isinstance(params, RemotePrefillParams)
+    assert params.remote_block_ids == [[1, 2, 3], [0, 0, 4]] and params.first_token_id == 7
+    assert params.to_json() == GOOD
+    assert parse_transfer_params(params.to_json()) == params
+
+
+@pytest.mark.parametrize("raw", [None, {}, {"do_remote_decode": False}, {"do_remote_prefill": False}])
+def test_no_pd(raw) -> None:
+    assert parse_transfer_params(raw) is None
+
+
+def test_remote_decode() -> None:
+    assert parse_transfer_params({"do_remote_decode": True}) == RemoteDecodeParams(True)
+
+
+def without(key: str) -> dict:
+    return {k: v for k, v in GOOD.items() if k != key}
+
+
+BAD = {
+    "first_token_id missing": (without("first_token_id"), "first_token_id"),
+    "first_token_id string": (GOOD | {"first_token_id": "7"}, "first_token_id"),
+    "first_token_id negative": (GOOD | {"first_token_id": -7}, "first_token_id"),
+    "first_token_id float": (GOOD | {"first_token_id": 7.0}, "first_token_id"),
+    "first_token_id huge": (GOOD | {"first_token_id": 2**70}, "first_token_id"),
+    "remote_port string": (GOOD | {"remote_port": "abc"}, "remote_port"),
+    "remote_port null": (GOOD | {"remote_port": None}, "remote_port"),
+    "remote_port zero": (GOOD | {"remote_port": 0}, "remote_port"),
+    "remote_port too big": (GOOD | {"remote_port": 70000}, "remote_port"),
+    "remote_port bool": (GOOD | {"remote_port": True}, "remote_port"),
+    "num_prompt_tokens past int64": (GOOD | {"num_prompt_tokens": 2**65}, "num_prompt_tokens"),
+    "block id negative": (GOOD | {"remote_block_ids": [[1, -1, 3], [0, 0, 4]]}, "remote_block_ids"),
+    "block id past int64": (GOOD | {"remote_block_ids": [[1, 2**64, 3], [0, 0, 4]]}, "remote_block_ids"),
+    "block ids flat": (GOOD | {"remote_block_ids": [1, 2, 3]}, "remote_block_ids"),
+    "block ids empty": (GOOD | {"remote_block_ids": []}, "remote_block_ids"),
+    "block ids not a list": (GOOD | {"remote_block_ids": "1,2"}, "remote_block_ids"),
+    "block_size zero": (GOOD | {"block_size": 0}, "block_size"),
+    "tp_size 2": (GOOD | {"tp_size": 2}, "tp_size"),
+    "engine id empty": (GOOD | {"remote_engine_id": ""}, "remote_engine_id"),
+    "host too long": (GOOD | {"remote_host": "h" * 300}, "remote_host"),
+    "lease NaN": (GOOD | {"lease_expires_at": math.nan}, "lease_expires_at"),
+    "lease infinite": (GOOD | {"lease_expires_at": math.inf}, "lease_expires_at"),
+    "unknown field": (GOOD | {"evil": 1}, "evil"),
+    "both flags": (GOOD | {"do_remote_decode": True}, "do_remote_decode"),
+    "decode with extras": ({"do_remote_decode": True, "remote_port": 1}, "remote_port"),
+    "flags not booleans": ({"do_remote_decode": "yes"}, "do_remote_decode"),
+    "no flag but fields": ({"remote_port": 1}, "remote_port"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_a_malformed_set_is_refused_naming_the_field(name: str) -> None:
+    raw, field = BAD[name]
+    with pytest.raises(TransferParamsError) as info:
+        parse_transfer_params(raw)
+    assert info.value.field == f"kv_transfer_params.{field}", str(info.value)
+    assert field in str(info.value)
+
+
+@pytest.mark.parametrize("raw", [[1], "x", 5, True])
+def test_params_that_are_not_an_object_are_refused(raw) -> None:
+    with pytest.raises(TransferParamsError, match="must be an object"):
+        parse_transfer_params(raw)

@@ -1,0 +1,131 @@
+"""Malformed requests, one per kind, shared by the server's and the proxy's fault tests:
+each must get a 4xx with an OpenAI error object, and leave the server serving.
+
+`BAD_REQUESTS[name] = (path, body, headers)`; a body is JSON (a dict or list) or raw
+bytes. Sizes assume a server started with `--max-model-len MAX_MODEL_LEN` and the tiny
+models' vocabulary of VOCAB ids.
+"""
+
+from __future__ import annotations
+
+MAX_MODEL_LEN = 4096
+VOCAB = 4096
+MODEL = "qwen3"
+USER = [{"role": "user", "content": "hi"}]
+
+
+def completion(**fields):
+    return ("/v1/completions", {"model": MODEL, **fields}, {})
+
+
+def chat(**fields):
+    return ("/v1/chat/completions", {"model": MODEL, **fields}, {})
+
+
+def raw(body: bytes, path: str = "/v1/completions"):
+    return (path, body, {})
+
+
+def with_header(request, **headers):
+    return (request[0], request[1], headers)
+
+
+DEEP = b'{"prompt": "x", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+
+BAD_REQUESTS = {
+    # the body as a whole
+    "malformed json": raw(b'{"prompt": "x",'),
+    "body not an object": raw(b"[1, 2, 3]"),
+    "empty body": raw(b""),
+    "NaN literal": raw(b'{"prompt": "x", "temperature": NaN}'),
+    "Infinity literal": raw(b'{"prompt": "x", "top_p": Infinity}'),
+    "-Infinity literal": raw(b'{"prompt": "x", "temperature": -Infinity}'),
+    "number overflowing to inf": raw(b'{"prompt": "x", "temperature": 1e309}'),
+    "lone surrogate in a string": raw(b'{"prompt": "x\\ud800y"}'),
+    "lone surrogate in a key": raw(b'{"prompt": "x", "\\udfff": 1}'),
+    "invalid utf-8": raw(b'{"prompt": "\xff\xfe"}'),
+    "nesting 5000 deep": raw(DEEP),
+    "body over the size limit": raw(b'{"prompt": "' + b"x" * (5 << 20) + b'"}'),
+    # the prompt
+    "prompt missing": completion(max_tokens=4),
+    "prompt empty string": completion(prompt=""),
+    "prompt empty list": completion(prompt=[]),
+    "prompt wrong type": completion(prompt=5),
+    "prompt mixed list": completion(prompt=["a", 1]),
+    "prompt float token ids": completion(prompt=[1.5, 2.0]),
+    "two prompts": completion(prompt=["a", "b"]),
+    "two token prompts": completion(prompt=[[1, 2], [3, 4]]),
+    "prompt too long": completion(prompt=[11] * MAX_MODEL_LEN),
+    "prompt too many characters": completion(prompt="x" * ((4 << 20) // 2)),
+    "prompt plus max_tokens too long": completion(prompt=[11] * 100, max_tokens=MAX_MODEL_LEN - 99),
+    "token id above vocab": completion(prompt=[5, VOCAB + 10]),
+    "token id past 2**64": completion(prompt=[5, 2**70]),
+    "negative token id": completion(prompt=[5, -1]),
+    # sampling and stopping
+    "max_tokens zero": completion(prompt="x", max_tokens=0),
+    "max_tokens negative": completion(prompt="x", max_tokens=-3),
+    "max_tokens string": completion(prompt="x", max_tokens="4"),
+    "max_tokens past 2**64": completion(prompt="x", max_tokens=2**70),
+    "temperature negative": completion(prompt="x", temperature=-0.1),
+    "temperature above 2": completion(prompt="x", temperature=2.5),
+    "temperature string": completion(prompt="x", temperature="hot"),
+    "top_p zero": completion(prompt="x", top_p=0.0),
+    "top_p above 1": completion(prompt="x", top_p=1.5),
+    "top_k below -1": completion(prompt="x", top_k=-2),
+    "seed past int64": completion(prompt="x", seed=2**64),
+    "stop token id above vocab": completion(prompt="x", stop_token_ids=[VOCAB]),
+    "stop token ids not a list": completion(prompt="x", stop_token_ids=5),
+    "empty stop string": completion(prompt="x", stop=["ok", ""]),
+    "stop wrong type": completion(prompt="x", stop=7),
+    "stop list of numbers": completion(prompt="x", stop=[1, 2]),
+    "ignore_eos string": completion(prompt="x", ignore_eos="yes"),
+    "stream string": completion(prompt="x", stream="yes"),
+    "stream_options wrong type": completion(prompt="x", stream=True, stream_options={"include_usage": "yes"}),
+    "stream_options not an object": completion(prompt="x", stream=True, stream_options=5),
+    "return_token_ids string": completion(prompt="x", return_token_ids="yes"),
+    "cache_salt empty": completion(prompt="x", cache_salt=""),
+    "cache_salt number": completion(prompt="x", cache_salt=5),
+    # OpenAI fields this server refuses by name
+    "unknown model": completion(prompt="x", model="gpt-5"),
+    "model not a string": completion(prompt="x", model=5),
+    "n > 1": completion(prompt="x", n=2),
+    "logprobs": completion(prompt="x", logprobs=2),
+    "echo": completion(prompt="x", echo=True),
+    "best_of": completion(prompt="x", best_of=2),
+    "suffix": completion(prompt="x", suffix="end"),
+    "min_tokens": completion(prompt="x", min_tokens=3),
+    "presence_penalty": completion(prompt="x", presence_penalty=0.5),
+    "frequency_penalty": completion(prompt="x", frequency_penalty=0.5),
+    "logit_bias": completion(prompt="x", logit_bias={"5": 10}),
+    # PD parameters
+    "kv_transfer_params not a dict": completion(prompt="x", kv_transfer_params=[1]),
+    "kv_transfer_params unknown field": completion(prompt="x", kv_transfer_params={"note": 1}),
+    "kv_transfer_params remote prefill incomplete": completion(prompt="x", kv_transfer_params={"do_remote_prefill": True}),
+    "kv_transfer_params port not a number": completion(prompt="x", kv_transfer_params={
+        "do_remote_prefill": True, "remote_engine_id": "e", "remote_host": "127.0.0.1", "remote_port": "abc",
+        "remote_request_id": "r", "remote_block_ids": [[1]], "num_prompt_tokens": 1, "first_token_id": 5,
+        "block_size": 16}),
+    # chat
+    "messages missing": chat(max_tokens=4),
+    "messages empty": chat(messages=[]),
+    "messages not a list": chat(messages="hi"),
+    "message not an object": chat(messages=["hi"]),
+    "role missing": chat(messages=[{"content": "hi"}]),
+    "unknown role": chat(messages=[{"role": "wizard", "content": "hi"}]),
+    "content wrong type": chat(messages=[{"role": "user", "content": 5}]),
+    "content null": chat(messages=[{"role": "user", "content": None}]),
+    "content image part": chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+    "content missing": chat(messages=[{"role": "user"}]),
+    "content too many characters": chat(messages=[{"role": "user", "content": "x" * ((4 << 20) // 2)}]),
+    "max_completion_tokens zero": chat(messages=USER, max_completion_tokens=0),
+    "chat logprobs": chat(messages=USER, logprobs=True),
+    "chat top_logprobs": chat(messages=USER, top_logprobs=2),
+    "chat tools": chat(messages=USER, tools=[{"type": "function", "function": {"name": "f"}}]),
+    "chat response_format json": chat(messages=USER, response_format={"type": "json_object"}),
+    "chat unknown model": chat(messages=USER, model="other"),
+    "chat_template_kwargs messages": chat(messages=USER, chat_template_kwargs={"messages": 1}),
+    "chat_template_kwargs not an object": chat(messages=USER, chat_template_kwargs=[1]),
+    # headers and routes
+    "X-Request-Id too long": with_header(completion(prompt="x"), **{"X-Request-Id": "r" * 300}),
+    "unknown route": ("/v1/embeddings", {"input": "x"}, {}),
+}

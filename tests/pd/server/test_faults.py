@@ -1,0 +1,208 @@
+"""Faults from outside, against real `pd serve` processes (qwen3 and the bamba hybrid):
+each test does the bad thing and then asserts the engine is the same process, still
+serving, with its KV back to 0.
+
+- Malformed PD parameters sent to a decode server (they used to kill its engine core).
+- Bodies that cost work or memory: over the size limit, too many characters to fit.
+- A prefill server's held blocks: capped, refused past the cap with 503 + Retry-After,
+  released at once on request; a body a decode server would refuse is refused by P
+  before it prefills.
+- A dead engine: /health and /metrics say so, with no stale figures.
+- One `--role both` server as P and D of the same request id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from server_harness import running_server
+
+pytestmark = pytest.mark.slow
+PROMPT = "A lighthouse keeper wrote down every ship that passed the rocks. " * 3
+BODY = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture
+def start(tiny_models, tmp_path):
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    with contextlib.ExitStack() as stack:
+        yield lambda name, arch, *args: stack.enter_context(running_server(
+            tiny_models[arch], tmp_path / f"{name}.log", "--max-model-len", str(MAX_MODEL_LEN), *args))
+
+
+def engine_pid(server) -> int:
+    health = server.health()
+    assert health.status_code == 200, health.text
+    return health.json()["engine_pid"]
+
+
+def post(server, body: dict, path: str = "/v1/completions", **kwargs) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60, **kwargs)
+
+
+def assert_serving(server, pid: int) -> None:
+    """The same engine process, answering a good request, its KV back to 0."""
+    assert engine_pid(server) == pid
+    response = post(server, BODY)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == BODY["max_tokens"]
+    assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+
+
+def prefill(p, body: dict = BODY) -> dict:
+    response = post(p, body | {"kv_transfer_params": {"do_remote_decode": True}})
+    assert response.status_code == 200, response.text
+    return response.json()["kv_transfer_params"]
+
+
+def without(params: dict, key: str) -> dict:
+    return {k: v for k, v in params.items() if k != key}
+
+
+# name -> (how to spoil P's parameters, the field the 400 names)
+BAD_PARAMS = {
+    "first_token_id missing": (lambda p: without(p, "first_token_id"), "first_token_id"),
+    "first_token_id outside the vocabulary": (lambda p: p | {"first_token_id": 10**6}, "first_token_id"),
+    "first_token_id a string": (lambda p: p | {"first_token_id": "5"}, "first_token_id"),
+    "first_token_id negative": (lambda p: p | {"first_token_id": -7}, "first_token_id"),
+    "remote_port not a number": (lambda p: p | {"remote_port": "abc"}, "remote_port"),
+    "remote_port null": (lambda p: p | {"remote_port": None}, "remote_port"),
+    "remote_port out of range": (lambda p: p | {"remote_port": 65536}, "remote_port"),
+    "an integer past 2**64": (lambda p: p | {"num_prompt_tokens": 2**70}, "num_prompt_tokens"),
+    "a block id past 2**64": (lambda p: p | {"remote_block_ids": [[2**65] * len(ids) for ids in p["remote_block_ids"]]},
+                              "remote_block_ids"),
+    "block ids not lists": (lambda p: p | {"remote_block_ids": 5}, "remote_block_ids"),
+    "lease not a number": (lambda p: p | {"lease_expires_at": "soon"}, "lease_expires_at"),
+    "an unknown field": (lambda p: p | {"extra": 1}, "extra"),
+}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "bamba"])
+def test_malformed_pd_parameters_get_a_400_naming_the_field_and_the_decode_engine_lives(start, arch) -> None:
+    p, d = start("p", arch, "--role", "prefill"), start("d", arch, "--role", "decode")
+    pid = engine_pid(d)
+    for name, (spoil, field) in BAD_PARAMS.items():
+        for stream in (False, True):
+            response = post(d, BODY | {"stream": stream, "kv_transfer_params": spoil(prefill(p))})
+            assert response.status_code == 400, (name, response.text)
+            error = response.json()["error"]
+            assert error["param"] == f"kv_transfer_params.{field}" and field in error["message"], (name, error)
+            assert engine_pid(d) == pid, name
+    assert_serving(d, pid)
+    # P frees the blocks of the parameters nobody read when their leases end; nothing else leaked
+    assert p.metrics()["pd_kv_requests_held"] == 2 * len(BAD_PARAMS)
+
+
+def test_a_chat_template_kwarg_that_collides_is_a_400_and_huge_integers_are_refused_or_clamped(start) -> None:
+    server = start("c", "qwen3")
+    pid = engine_pid(server)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for kwargs in ({"messages": 1}, {"add_generation_prompt": "x"}):
+        response = post(server, chat | {"chat_template_kwargs": kwargs}, "/v1/chat/completions")
+        assert response.status_code == 400 and "chat_template_kwargs" in response.json()["error"]["message"]
+    assert post(server, BODY | {"top_k": 2**70}).status_code == 200  # past the vocabulary: no limit
+    for field in ("max_tokens", "seed", "stop_token_ids"):
+        value = [2**70] if field == "stop_token_ids" else 2**70
+        response = post(server, BODY | {field: value})
+        assert response.status_code == 400, (field, response.text)
+    assert_serving(server, pid)
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        kb = next(line for line in status if line.startswith("VmRSS:")).split()[1]
+    return int(kb) * 1024
+
+
+def test_oversized_bodies_are_refused_before_they_cost_cpu_or_memory(start) -> None:
+    server = start("c", "qwen3", "--max-request-bytes", str(3 << 20))
+    pid = engine_pid(server)
+    post(server, BODY)  # warm: first-request allocations are not a leak
+    baseline = rss_bytes(server.process.pid)
+    big = "lorem ipsum " * ((20 << 20) // 12)  # 20 MB
+    response = post(server, {"prompt": big, "max_tokens": 1})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    chunked = httpx.post(f"{server.url}/v1/completions", content=iter([b'{"prompt": "', b"x" * (4 << 20), b'"}']),
+                         headers={"Content-Type": "application/json"}, timeout=60)  # no Content-Length
+    assert chunked.status_code == 413
+    for _ in range(3):  # just under the body limit, far past what the context can hold
+        response = post(server, {"prompt": "lorem ipsum " * ((3 << 20) // 13), "max_tokens": 1})
+        assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+        chat = post(server, {"messages": [{"role": "user", "content": "x" * ((3 << 20) // 2)}]}, "/v1/chat/completions")
+        assert chat.status_code == 400 and chat.json()["error"]["code"] == "context_length_exceeded"
+    assert rss_bytes(server.process.pid) < baseline + (64 << 20)
+    assert_serving(server, pid)
+
+
+def test_p_caps_the_blocks_it_holds_for_decode_servers_and_releases_them_on_request(start) -> None:
+    p = start("p", "bamba", "--role", "prefill", "--kv-cache-memory", str(48 << 20), "--kv-max-held-fraction", "0.3")
+    pid = engine_pid(p)
+    params = []
+    for i in range(100):
+        response = post(p, BODY | {"prompt": f"{i} {PROMPT}", "kv_transfer_params": {"do_remote_decode": True}})
+        if response.status_code == 503:
+            break
+        assert response.status_code == 200, response.text
+        params.append(response.json()["kv_transfer_params"])
+    else:
+        pytest.fail("P never refused a prefill past its held share")
+    assert response.json()["error"]["code"] == "kv_held_limit" and response.headers["retry-after"] == "1"
+    assert len(params) >= 2 and p.metrics()["pd_kv_requests_held"] == len(params)
+    assert post(p, BODY).status_code == 200  # its own requests are still served
+    for held in params:
+        release = post(p, {"remote_request_id": held["remote_request_id"]}, "/v1/kv/release")
+        assert release.status_code == 200 and release.json() == {"released": True}
+    assert post(p, {"remote_request_id": params[0]["remote_request_id"]}, "/v1/kv/release").json() == {"released": False}
+    assert post(p, {"remote_request_id": 5}, "/v1/kv/release").status_code == 400
+    assert p.wait_for_metric("pd_kv_requests_held", lambda v: v == 0) == 0
+    assert p.metrics()["pd_kv_transfer_released_total"] == len(params)
+    again = prefill(p)  # accepted again
+    assert post(p, {"remote_request_id": again["remote_request_id"]}, "/v1/kv/release").json() == {"released": True}
+    assert_serving(p, pid)
+
+
+@pytest.mark.parametrize("refused", [{"max_tokens": MAX_MODEL_LEN}, {"min_tokens": 3}, {"max_tokens": -1},
+                                     {"stream_options": {"include_usage": "yes"}}, {"n": 2}])
+def test_p_refuses_what_d_would_refuse_before_it_prefills(start, refused) -> None:
+    p = start("p", "qwen3", "--role", "prefill")
+    response = post(p, BODY | refused | {"kv_transfer_params": {"do_remote_decode": True}})
+    assert response.status_code == 400, response.text
+    assert p.metrics()["pd_kv_requests_held"] == 0 and p.metrics()["pd_kv_cache_usage"] == 0
+
+
+def test_a_dead_engine_shows_in_health_and_metrics_without_stale_figures(start) -> None:
+    server = start("c", "qwen3")
+    assert server.metrics()["pd_engine_alive"] == 1 and "pd_num_requests_running" in server.metrics()
+    os.kill(engine_pid(server), signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while server.health().status_code == 200:
+        assert time.monotonic() < deadline, "the server never noticed its engine died"
+        time.sleep(0.05)
+    assert server.health().json()["status"] == "engine dead"
+    metrics = server.metrics()
+    assert metrics["pd_engine_alive"] == 0
+    assert not any(k.startswith(("pd_num_requests", "pd_kv_cache_usage", "pd_prefix_cache")) for k in metrics)
+    response = post(server, BODY)
+    assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
+
+
+def test_one_both_server_is_p_and_d_of_the_same_request_id(start) -> None:
+    server = start("pd", "qwen3", "--kv-connector", "nixl")
+    pid = engine_pid(server)
+    reference = post(server, BODY).json()["choices"][0]["text"]
+    headers = {"X-Request-Id": "shared-id"}
+    params = post(server, BODY | {"kv_transfer_params": {"do_remote_decode": True}}, headers=headers).json()
+    response = post(server, BODY | {"kv_transfer_params": params["kv_transfer_params"]}, headers=headers)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == reference and response.json()["id"] == "shared-id"
+    # its own blocks: released, then hit in its prefix cache rather than read over NIXL
+    assert server.wait_for_metric("pd_kv_requests_held", lambda v: v == 0) == 0
+    assert server.metrics()["pd_kv_transfer_released_total"] == 1
+    assert_serving(server, pid)
