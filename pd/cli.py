@@ -134,7 +134,8 @@ COMMANDS: dict[str, Command] = {
                         _add_generate_flags, _run_generate),
     "serve": Command("serve a model over an OpenAI-compatible HTTP API (engine core in its own process)",
                      _add_serve_flags, _run_serve),
-    "proxy": Command("front prefill and decode servers: P with max_tokens=1, then D with P's kv_transfer_params",
+    "proxy": Command("front prefill and decode servers: P prefills and keeps the KV, then D decodes with P's "
+                     "kv_transfer_params",
                      _add_proxy_flags, _run_proxy),
     "bench": Command("benchmarks: `pd bench serve` load-tests a server (TTFT, TPOT, ITL, throughput); "
                      "`pd bench compare` runs it against several deployments",

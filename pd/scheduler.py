@@ -14,6 +14,14 @@ With Mamba groups, prefill chunks end on block boundaries when the budget allows
 chunk's last state is a boundary state (a request whose prompt KV comes from a remote
 prefill is exempt). Correctness does not depend on it: the runner writes every boundary
 state a chunk crosses.
+
+A request whose remote KV has landed is a local request from then on: a preemption
+recomputes it here and never reads P again (P freed its blocks after the read). Faults
+belong to requests: an exception admitting one request, or a batch the runner reports
+failed, ends those requests with finish_reason "error" (`pd.errors.ERROR_INTERNAL`) and
+frees their blocks, and the others go on. A prefill server refuses new prefills for
+decode servers while the blocks it keeps for them reach `kv_max_held_fraction` of its
+pool (`HeldBlocksLimitError`), so unread requests cannot starve its own queue.
 """
 
 from __future__ import annotations
@@ -25,8 +33,8 @@ from dataclasses import dataclass
 from connectors.base import KVConnectorOutput, KVConnectorScheduler, NullConnectorScheduler
 from connectors.params import RemotePrefillParams
 from pd.config import KV_LOAD_FAILURE_POLICIES
-from pd.kv_cache.manager import KVCacheManager
 from pd.errors import ERROR_INTERNAL, ERROR_KV_LOAD_FAILED, HeldBlocksLimitError
+from pd.kv_cache.manager import KVCacheManager
 from pd.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput, SchedulerOutput
 from pd.request import Request, RequestStatus
 
@@ -327,10 +335,10 @@ class Scheduler:
     def _continue_from_first_token(self, request: Request) -> list[RequestOutput]:
         """A remote prefill sampled the first token: it becomes this request's first
         output (nothing is recomputed), and may already finish it."""
-        params = request.remote_prefill
-        if params is None or request.output_token_ids:
+        remote = request.remote_prefill
+        if remote is None or request.output_token_ids:
             return []
-        first = params.first_token_id
+        first = remote.first_token_id
         request.append_output_token_ids(first)
         status = self._stop_status(request, first)
         params = None

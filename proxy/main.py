@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from proxy.body import MAX_REQUEST_BYTES
+from proxy.config import ProxyConfig
 from proxy.instances import POLICIES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -21,8 +23,15 @@ def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
                         help="how a prefill and a decode server are picked per request: in turn, fewest "
                              "outstanding requests, or by prompt prefix (shared prefixes stay on one P and one D, "
                              "falling back to load when saturated) (default round_robin)")
-    parser.add_argument("--api-key", default=None,
-                        help="sent to the servers as 'Authorization: Bearer KEY' (default: the client's own header)")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="clients must send 'Authorization: Bearer KEY' on every route but /health (else 401); "
+                             "also what is sent to the servers unless --server-api-key is given (default: no check)")
+    parser.add_argument("--server-api-key", default=None, metavar="KEY",
+                        help="sent to the prefill and decode servers as 'Authorization: Bearer KEY' (default: "
+                             "--api-key; with neither, the client's own Authorization header is passed on)")
+    parser.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, metavar="N",
+                        help="largest request body accepted, in bytes; a larger one is refused with 413 (checked "
+                             f"against Content-Length, and while reading a chunked body) (default {MAX_REQUEST_BYTES})")
     parser.add_argument("--probe-interval", type=float, default=5.0,
                         help="seconds between /health probes of every server; an unhealthy one returns when it "
                              "answers (default 5)")
@@ -31,16 +40,26 @@ def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")
 
 
+def proxy_config(args: argparse.Namespace) -> ProxyConfig:
+    """The config the flags describe; SystemExit naming the problem if they are invalid."""
+    try:
+        return ProxyConfig(tuple(args.prefill), tuple(args.decode), args.policy, api_key=args.api_key,
+                           server_api_key=args.server_api_key, probe_interval_s=args.probe_interval,
+                           timeout_s=args.timeout, max_request_bytes=args.max_request_bytes)
+    except ValueError as exc:
+        raise SystemExit(f"pd proxy: {exc}") from None
+
+
 def run_proxy(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from proxy.app import build_proxy_app
+    from proxy.app import SERVER_KEEPALIVE_S, build_proxy_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.probe_interval <= 0 or args.timeout <= 0:
-        raise SystemExit("pd proxy: --probe-interval and --timeout must be positive")
-    app = build_proxy_app(args.prefill, args.decode, args.policy, args.api_key, args.probe_interval, args.timeout)
+    config = proxy_config(args)
+    app = build_proxy_app(config)
     print(f"pd proxy: {len(args.prefill)} prefill, {len(args.decode)} decode ({args.policy}) "
           f"at http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_keep_alive=SERVER_KEEPALIVE_S)
     return 0

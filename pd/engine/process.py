@@ -55,7 +55,7 @@ LINGER_MS = 2000  # how long closing the output socket may wait to deliver what 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
     """The process entry point; returns (exit code 0) once stopped, exits 1 if the core
-    could not be built."""
+    could not be built or failed in a way no single request explains."""
     stop = _StopFlag()
     context = zmq.Context()
     inbox, outbox = _connect(context, input_address, output_address)

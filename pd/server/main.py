@@ -18,6 +18,10 @@ from typing import Any, NoReturn
 from pd.config import ROLES, EngineConfig, add_engine_flags
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+# Idle seconds before the server closes a kept-alive connection: longer than clients keep
+# them in their pools (httpx and the openai client: 5 s; the proxy: 2 s), so a client
+# never sends on a connection the server is closing at that moment.
+KEEPALIVE_S = 30
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -89,7 +93,7 @@ async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, a
     app = build_app(client, tokenizer, name, api_key=args.api_key, chat_template=template,
                     role=config.role, max_request_bytes=args.max_request_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=5, timeout_keep_alive=KEEPALIVE_S))
     announce = asyncio.create_task(_announce(server, f"http://{args.host}:{args.port}", name, config.role))
     try:
         await server.serve()

@@ -1,4 +1,4 @@
-"""Picking instances: the three policies, exclusion and health, and what P is sent."""
+"""Picking instances: the three policies, exclusion and health, and the prefix key."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from proxy.app import prefill_body, prefix_key
+from proxy.forward import prefix_key
 from proxy.instances import SATURATION_SLACK, InstancePool, NoInstanceError
 
 URLS = [f"http://127.0.0.1:{8100 + i}" for i in range(4)]
@@ -70,10 +70,3 @@ def test_prefix_key_reads_text_token_ids_and_chat() -> None:
     chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}
     assert prefix_key(chat).startswith("system:Be brief.\nuser:Hi")
     assert prefix_key({}) == ""
-
-
-def test_the_prefill_request_asks_for_one_unstreamed_token_and_kept_blocks() -> None:
-    body = {"prompt": "p", "max_tokens": 50, "max_completion_tokens": 50, "stream": True,
-            "stream_options": {"include_usage": True}, "min_tokens": 3, "temperature": 0}
-    assert prefill_body(body) == {"prompt": "p", "max_tokens": 1, "stream": False, "temperature": 0,
-                                  "kv_transfer_params": {"do_remote_decode": True}}

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from malformed import BAD_REQUESTS
 from server_harness import free_port, running_proxy, running_server, stop_process
 
 pytestmark = pytest.mark.slow
@@ -86,6 +87,32 @@ def test_a_bad_request_gets_the_servers_4xx_and_the_proxy_keeps_serving(deployme
     assert all(i["healthy"] for i in proxy.health().json()["prefill"])
     assert httpx.post(f"{proxy.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
                       timeout=60).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def engine_pids(deployment) -> dict[str, int]:
+    return {name: deployment[name].health().json()["engine_pid"] for name in ("p1", "p2", "d")}
+
+
+# The proxy sets kv_transfer_params itself (P's request and D's): a client's are replaced.
+THROUGH_THE_PROXY = [name for name in BAD_REQUESTS if not name.startswith("kv_transfer_params")]
+
+
+@pytest.mark.parametrize("name", THROUGH_THE_PROXY)
+def test_every_malformed_request_through_the_proxy_is_a_4xx_and_nothing_is_held(deployment, engine_pids,
+                                                                               name) -> None:
+    path, body, headers = BAD_REQUESTS[name]
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    response = httpx.post(f"{deployment['proxy'].url}{path}", headers={"Content-Type": "application/json"} | headers,
+                          timeout=60, **kwargs)
+    assert 400 <= response.status_code < 500, (response.status_code, response.text)
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"} and error["message"], error
+    health = deployment["proxy"].health().json()
+    assert all(i["healthy"] for i in health["prefill"] + health["decode"]), health
+    for server in ("p1", "p2", "d"):
+        assert deployment[server].health().json()["engine_pid"] == engine_pids[server]
+        assert deployment[server].metrics().get("pd_kv_requests_held", 0) == 0, server
 
 
 def test_a_client_that_disconnects_frees_the_decode_servers_blocks(deployment) -> None:

@@ -1,0 +1,169 @@
+"""One client request through the proxy (DESIGN.md, "PD protocol").
+
+1. Read the body (at most `max_request_bytes`: 413) and parse it strictly (400).
+2. Pick the decode server first: with none healthy the answer is 503 and nothing is sent
+   to a prefill server, which would otherwise keep blocks that nobody reads.
+3. Prefill: the body goes to a P with `stream=false` and
+   `kv_transfer_params={"do_remote_decode": true}` (`prefill_body`); P answers with the
+   `kv_transfer_params` under which it keeps the prompt's blocks.
+4. Decode: the original body plus those parameters goes to D, whose answer (streamed or
+   not) is passed back unchanged. Both get the same `X-Request-Id`.
+
+Once P holds blocks for the request, a D that refuses it (4xx), fails (5xx), cannot be
+reached at all, or a client that disconnects before D's response is opened, makes the
+proxy ask P to release them (`Upstream.release`). A client that disconnects closes
+the request being waited on (P's or D's), which aborts it on that server; mid-stream, it
+closes D's stream, which aborts the request on D and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
+
+from proxy.body import parse_body, read_body
+from proxy.errors import error_body, error_response
+from proxy.instances import Instance, NoInstanceError
+from proxy.upstream import Call, Opened, Prefilled, Upstream
+
+logger = logging.getLogger(__name__)
+
+PREFIX_KEY_CHARS = 256  # of prompt text: about the first 4 blocks of 16 tokens
+PREFIX_KEY_TOKENS = 64  # of a token-id prompt
+DISCONNECT_POLL_S = 0.1
+CLIENT_CLOSED = 499  # nginx's status for "the client closed the request"; nobody reads it
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected while the proxy waited; `result` is what the awaited
+    call returned if it finished all the same (None if it was cancelled or failed)."""
+
+    def __init__(self, result: Any = None) -> None:
+        super().__init__("the client disconnected")
+        self.result = result
+
+
+def prefix_key(body: dict[str, Any]) -> str:
+    """What requests sharing a prompt prefix have in common: the first characters of the
+    prompt (or of the chat messages' contents), or the first token ids."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list):
+        return json.dumps(prompt[:PREFIX_KEY_TOKENS])
+    if isinstance(prompt, str):
+        return prompt[:PREFIX_KEY_CHARS]
+    messages = body.get("messages")
+    text = ""
+    for message in messages if isinstance(messages, list) else []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            content = "".join(part.get("text", "") for part in content
+                              if isinstance(part, dict) and isinstance(part.get("text", ""), str))
+        text += f"{message.get('role', '') if isinstance(message, dict) else ''}:{content or ''}\n"
+        if len(text) >= PREFIX_KEY_CHARS:
+            break
+    return text[:PREFIX_KEY_CHARS]
+
+
+async def forward(upstream: Upstream, request: Request, endpoint: str) -> Response:
+    """The client's answer; raises BodyError for a body the proxy refuses itself."""
+    config = upstream.config
+    try:
+        body = parse_body(await read_body(request, config.max_request_bytes), config.max_depth)
+    except ClientDisconnect:
+        return Response(status_code=CLIENT_CLOSED)
+    request_id = request.headers.get("x-request-id") or f"pdx-{uuid.uuid4().hex}"
+    call = Call(endpoint, body, upstream.headers(request, request_id), prefix_key(body), request_id)
+    try:
+        decode = upstream.decode.pick(call.key)
+    except NoInstanceError as exc:
+        return error_response(f"{exc}: the request is not sent to a prefill server", 503, "service_unavailable")
+    try:
+        prefilled = await until_disconnected(request, upstream.prefill_once(call))
+    except ClientGone as gone:
+        if isinstance(gone.result, Prefilled):
+            await upstream.release(gone.result, call.headers)
+        return Response(status_code=CLIENT_CLOSED)
+    if not isinstance(prefilled, Prefilled):
+        return prefilled
+    return await _decode(upstream, request, call, prefilled, decode)
+
+
+async def _decode(upstream: Upstream, request: Request, call: Call, prefilled: Prefilled,
+                  decode: Instance) -> Response:
+    """D's answer for the client; P's blocks released whenever no D will read them."""
+    try:
+        opened = await until_disconnected(request, upstream.open_decode(call, decode, prefilled.params))
+    except ClientGone as gone:
+        if isinstance(gone.result, Opened):
+            await gone.result.close()  # aborts the request on D
+        await upstream.release(prefilled, call.headers)
+        return Response(status_code=CLIENT_CLOSED)
+    if not isinstance(opened, Opened):
+        await upstream.release(prefilled, call.headers)
+        return opened
+    headers = {"X-Request-Id": call.request_id}
+    if call.stream:
+        return StreamingResponse(_relay(upstream, opened), media_type="text/event-stream",
+                                 headers=headers | {"Cache-Control": "no-cache"})
+    try:
+        content = await until_disconnected(request, opened.response.aread())
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    except httpx.HTTPError as exc:
+        if isinstance(exc, httpx.TransportError):
+            upstream.failed(opened.instance, f"{type(exc).__name__}: {exc}")
+        return error_response(f"the decode server {opened.instance.url} failed: {exc}", 502)
+    finally:
+        await opened.close()
+    return Response(content, opened.response.status_code, media_type="application/json", headers=headers)
+
+
+async def _relay(upstream: Upstream, opened: Opened) -> AsyncIterator[bytes]:
+    """D's stream, byte for byte; closing it (the client left) closes D's request."""
+    try:
+        async for chunk in opened.response.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as exc:  # D failed midway: end the stream with an error event
+        if isinstance(exc, httpx.TransportError):
+            upstream.failed(opened.instance, f"{type(exc).__name__}: {exc}")
+        message = error_body(f"the decode server failed mid-stream: {exc}", "bad_gateway")
+        yield f"data: {json.dumps(message)}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        await opened.close()
+
+
+async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """What `awaitable` returns; ClientGone (the awaited call cancelled) as soon as the
+    client is seen to have disconnected."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone(await _cancel(task))
+    finally:
+        if not task.done():
+            await _cancel(task)
+
+
+async def _cancel(task: asyncio.Future[T]) -> T | None:
+    """Cancel `task` and wait for it; what it returned if it finished first."""
+    task.cancel()
+    await asyncio.wait({task})
+    if task.cancelled() or task.exception() is not None:
+        return None
+    return task.result()
