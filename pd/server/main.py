@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 from typing import Any, NoReturn
 
@@ -64,11 +65,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from pd.engine.client import EngineClient, EngineStartupError
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    listener = _listen(args.host, args.port)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     client = None
     try:
         client = EngineClient.start(config)
-        asyncio.run(_serve(client, tokenizer, name, config, args))
+        asyncio.run(_serve(client, tokenizer, name, config, args, listener))
     except EngineStartupError as e:
         print(f"pd serve: {e}", file=sys.stderr)
         return 1
@@ -80,10 +82,23 @@ def run_serve(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             client.shutdown()
+        listener.close()
     return 0
 
 
-async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, args: argparse.Namespace) -> None:
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the engine starts (which takes seconds):
+    the port is this server's from the moment it was chosen, not taken meanwhile by
+    another process's free-port pick, and a port in use fails at once."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as e:
+        raise SystemExit(f"pd serve: cannot listen on {host}:{port}: {e}") from None
+
+
+async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, args: argparse.Namespace,
+                 listener: socket.socket) -> None:
     import uvicorn
 
     from pd.server.app import build_app
@@ -96,7 +111,7 @@ async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, a
                                            timeout_graceful_shutdown=5, timeout_keep_alive=KEEPALIVE_S))
     announce = asyncio.create_task(_announce(server, f"http://{args.host}:{args.port}", name, config.role))
     try:
-        await server.serve()
+        await server.serve(sockets=[listener])
     finally:
         announce.cancel()
 

@@ -90,3 +90,18 @@ def test_bad_flags_are_refused_before_anything_starts(tmp_path) -> None:
     assert exc.value.code == 2
     with pytest.raises(SystemExit, match="no tokenizer.json"):
         main(["serve", "--model", str(tmp_path)])
+
+
+def test_a_port_in_use_fails_before_any_engine_starts(tiny_models, tmp_path) -> None:
+    """The port is bound first: a taken one is refused at once, with no engine spawned
+    (the listening socket is held from then on, so no other process's free-port pick
+    can take it while the engine loads)."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = subprocess.run([str(Path(sys.executable).parent / "pd"), "serve", "--model", str(tiny_models["qwen3"]),
+                               "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "engine" not in done.stderr.lower()
