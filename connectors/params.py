@@ -31,6 +31,7 @@ Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Host = Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
 WallClock = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]  # seconds since the epoch; finite
+HexDigest = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]  # sha256
 MAX_GROUPS = 256
 BlockIds = Annotated[list[Annotated[list[BlockId], msgspec.Meta(max_length=INT32)]],
                      msgspec.Meta(min_length=1, max_length=MAX_GROUPS)]
@@ -54,7 +55,8 @@ class RemoteDecodeParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True
 class RemotePrefillParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """P -> D: the request's KV blocks are held on P (engine `remote_engine_id`, side
     channel `remote_host:remote_port`) under P's request id, positional per KV cache
-    group (0: P holds no block there); P sampled `first_token_id`."""
+    group (0: P holds no block there); P sampled `first_token_id`. With a deployment
+    secret P signs them (`signature`), and D acts only on signed ones; see signing.py."""
 
     do_remote_prefill: Literal[True]
     remote_engine_id: Name
@@ -67,6 +69,8 @@ class RemotePrefillParams(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     block_size: Count
     tp_size: Literal[1] = 1
     lease_expires_at: WallClock | None = None  # a read ending later is a failure
+    prompt_digest: HexDigest | None = None  # of the prompt P prefilled (connectors/signing.py)
+    signature: HexDigest | None = None  # HMAC over every other field, with the deployment's secret
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object a response carries."""

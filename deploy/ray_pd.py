@@ -35,6 +35,7 @@ import contextlib
 import ctypes
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -49,6 +50,7 @@ from typing import Any, NoReturn
 import httpx
 import ray
 
+from connectors.signing import SECRET_ENV
 from pd.models.config import SUPPORTED_DTYPES
 from proxy.instances import POLICIES
 
@@ -175,9 +177,11 @@ class PDServer:
     No method blocks for long, so `stop` is served promptly even while the server starts.
     """
 
-    def __init__(self, role: str, index: int, model: str, serve_args: list[str], log_dir: str) -> None:
+    def __init__(self, role: str, index: int, model: str, serve_args: list[str], log_dir: str,
+                 transfer_secret: str) -> None:
         self.role, self.index, self.model = role, index, model
         self.serve_args, self.log_dir = serve_args, Path(log_dir)
+        self.transfer_secret = transfer_secret  # the deployment's: P signs kv_transfer_params, D checks them
         self.process: subprocess.Popen | None = None
         self.url, self.log_path = "", self.log_dir / f"{role}-{index}.log"
         atexit.register(self.stop)
@@ -189,7 +193,7 @@ class PDServer:
         self.url = f"http://{host}:{port}"
         cmd = [sys.executable, "-m", "pd.cli", "serve", "--model", self.model, "--role", self.role,
                "--host", host, "--port", str(port), "--kv-host", host, *self.serve_args]
-        env = dict(os.environ)
+        env = dict(os.environ) | {SECRET_ENV: self.transfer_secret}  # in the environment: not in `ps`
         env.setdefault("NIXL_LOG_LEVEL", "WARN")
         self.process = start_logged(cmd, self.log_path, env, die_with_parent=True)
         return {"role": self.role, "url": self.url, "node_ip": host, "port": port,
@@ -352,9 +356,10 @@ def launch_servers(args: argparse.Namespace, log_dir: Path, deployment: Deployme
     """One actor per server, each asked to start its server (placement may wait for resources)."""
     server_cls = ray.remote(PDServer).options(**actor_resources(args))
     model, flags = str(args.model.resolve()), serve_flags(args)
+    secret = os.environ.get(SECRET_ENV) or secrets.token_hex(32)  # one per deployment
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for index in range(count):
-            actor = server_cls.remote(role, index, model, flags, str(log_dir))
+            actor = server_cls.remote(role, index, model, flags, str(log_dir), secret)
             deployment.starts[actor] = actor.start.remote()
 
 

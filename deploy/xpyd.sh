@@ -75,6 +75,9 @@ if [ -z "$MODEL" ]; then
     [ -f "$MODEL/config.json" ] || "$PD" make-model --arch bamba --out "$MODEL" > /dev/null
 fi
 export NIXL_LOG_LEVEL="${NIXL_LOG_LEVEL:-WARN}"
+# One secret per deployment: P signs the kv_transfer_params it returns, D acts only on
+# signed ones. In the environment, not on the command line (`ps` would show it).
+export PD_KV_TRANSFER_SECRET="${PD_KV_TRANSFER_SECRET:-$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')}"
 
 on_exit() { [ "$DETACH" = 1 ] || stop_all; }
 trap on_exit EXIT

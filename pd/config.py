@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+import ipaddress
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from connectors.signing import DEFAULT_ALLOWED_PEERS, SECRET_ENV, secret_from_env
 from pd.models.config import SUPPORTED_DTYPES
 
 KV_LAYOUTS = ("canonical", "per-layer")
@@ -44,6 +46,8 @@ class EngineConfig:
     skip_mamba_align: bool = True
     kv_load_failure_policy: str = "recompute"
     kv_max_held_fraction: float = 0.5  # P: share of blocks kept for unread requests before refusing more
+    kv_transfer_secret: str | None = field(default=None, repr=False)  # signs / verifies kv_transfer_params
+    kv_allowed_peers: tuple[str, ...] = DEFAULT_ALLOWED_PEERS  # without a secret: the P hosts D trusts
     num_threads: int | None = None  # torch intra-op threads; None: torch's default (all cores)
 
     def __post_init__(self) -> None:
@@ -66,6 +70,14 @@ class EngineConfig:
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_load_failure_policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}, "
                              f"got {self.kv_load_failure_policy!r}")
+        object.__setattr__(self, "kv_allowed_peers", tuple(self.kv_allowed_peers))
+        if self.kv_transfer_secret is None:
+            object.__setattr__(self, "kv_transfer_secret", secret_from_env())
+        for peer in self.kv_allowed_peers:
+            try:
+                ipaddress.ip_network(peer, strict=False)
+            except ValueError:
+                raise ValueError(f"kv_allowed_peers: {peer!r} is not an IP address or network") from None
         if not 0.0 < self.kv_max_held_fraction <= 1.0:
             raise ValueError(f"kv_max_held_fraction must be in (0, 1], got {self.kv_max_held_fraction}")
         if self.kv_layout not in KV_LAYOUTS:
@@ -113,5 +125,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-skip-mamba-align", dest="skip_mamba_align", action="store_false", help="on a decode server, keep Mamba and sliding-window groups in the prefix-cache hit search for remote-prefill requests (A/B comparison: their misses collapse the full-attention hit, so D reads more)")
     parser.add_argument("--kv-load-failure-policy", choices=KV_LOAD_FAILURE_POLICIES, default="recompute", help="when a decode server cannot load a request's KV from the prefill server (P gone, read failed, incompatible pair): recompute the prompt here, or fail the request with an error (default recompute)")
     parser.add_argument("--kv-max-held-fraction", type=float, default=0.5, help="on a prefill server, the most of its KV cache (0..1] kept for decode servers that have not read it yet; past it, new prefills for decode servers are refused with 503 and Retry-After so the server's own queue is not starved (default 0.5)")
+    parser.add_argument("--kv-transfer-secret", default=None, help=f"secret shared by a deployment's prefill and decode servers: P signs the kv_transfer_params it returns, D acts only on signed, unexpired, unreplayed ones issued for the same prompt (403 otherwise); prefer the {SECRET_ENV} environment variable, which other users cannot read from the process list (default: that variable, else none)")
+    parser.add_argument("--kv-allowed-peers", nargs="+", default=None, metavar="NETWORK", help="without a secret, the prefill servers (IP addresses or networks) a decode server reads KV from; parameters naming another host get 403 and no connection (default: loopback, " + " ".join(DEFAULT_ALLOWED_PEERS) + ")")
     parser.add_argument("--num-threads", type=int, default=None, help="CPU threads the engine's torch ops use (default: torch's, one per core); when P and D share a machine, split its cores between them: oversubscribed threads spin and slow both")
     parser.add_argument("--seed", type=int, default=0, help="seed for requests that sample without their own seed (default 0)")

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from connectors.base import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler
 from connectors.params import RemotePrefillParams
+from connectors.signing import prompt_digest, sign
 from pd.kv_cache.spec import cdiv
 from pd.request import Request, RequestStatus
 
@@ -88,7 +89,7 @@ class KVTransferParamsError(ValueError):
 class NixlConnectorScheduler(KVConnectorScheduler):
     def __init__(self, engine_id: str, host: str, side_channel_port: int, block_sizes: list[int],
                  lease_seconds: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time, secret: str | None = None) -> None:
         if len(set(block_sizes)) != 1:
             raise ValueError(f"the NIXL connector needs one block size across KV cache groups, got {block_sizes}")
         self.engine_id = engine_id
@@ -98,6 +99,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.lease_seconds = lease_seconds
         self.clock = clock
         self.wall_clock = wall_clock
+        self.secret = secret  # signs the parameters P hands out (connectors/signing.py)
         self._meta = NixlConnectorMetadata()
         self.num_rejected = 0
 
@@ -138,12 +140,14 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         if not request.do_remote_decode or not finished_well or not request.output_token_ids:
             return False, None
         self._meta.reqs_to_send.append(ReqToSend(request.request_id, self.clock() + self.lease_seconds))
-        return True, RemotePrefillParams(
+        params = RemotePrefillParams(
             do_remote_prefill=True, remote_engine_id=self.engine_id, remote_host=self.host,
             remote_port=self.side_channel_port, remote_request_id=request.request_id,
             remote_block_ids=block_ids, num_prompt_tokens=request.num_prompt_tokens,
             first_token_id=request.output_token_ids[0], block_size=self.block_sizes[0],
-            lease_expires_at=self.wall_clock() + self.lease_seconds)
+            lease_expires_at=self.wall_clock() + self.lease_seconds,
+            prompt_digest=prompt_digest(request.prompt_token_ids))
+        return True, sign(params, self.secret) if self.secret else params
 
     def release(self, request_id: str) -> None:
         self._meta.reqs_to_release.append(request_id)

@@ -4,9 +4,10 @@ It owns one NIXL agent (progress thread off; transfers progress when `get_finish
 polls, once per engine step) with the whole KV cache registered once, and the side
 channel on which peers fetch this engine's agent metadata and layout.
 
-- D: for each request to receive, handshake with P once per peer (side channel), then
-  post one READ of all its runs, carrying a read-done notification that NIXL delivers
-  to P after the data moved. A read that fails, or ends after P's lease, is reported
+- D: for each request to receive, handshake with P once per peer (side channel, on a
+  background thread: `peers.py`; the request waits, the step goes on), then post one
+  READ of all its runs, carrying a read-done notification that NIXL delivers to P
+  after the data moved. A read that fails, or ends after P's lease, is reported
   in `failed_recving` (the scheduler then recomputes or fails the request).
 - P: blocks kept for a reader are released (`finished_sending`) on its read-done
   notification, on its reject, on a release from the scheduler half, or when the
@@ -22,9 +23,10 @@ from dataclasses import dataclass
 
 from connectors.base import KVConnectorOutput, KVConnectorWorker
 from connectors.canonical import CanonicalKVCaches
-from connectors.nixl.handshake import SideChannelServer, fetch_remote_layout
+from connectors.nixl.handshake import SideChannelServer
 from connectors.nixl.messages import (HandshakeError, HandshakeRequest, HandshakeResponse, NotifDecodeError,
                                       ReadDone, Reject, decode_notif, encode_notif)
+from connectors.nixl.peers import PeerHandshakes
 from connectors.nixl.scheduler import NixlConnectorMetadata, RemotePrefill, ReqToRecv
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,7 @@ class NixlWorkerConfig:
     side_channel_port: int
     compat_hash: str
     handshake_timeout_s: float = 5.0
+    handshake_backoff_s: float = 10.0  # a peer whose handshake failed is not tried again sooner
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
 
@@ -74,6 +77,10 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.transport = None
         self.side_channel = None
         self.peers: set[str] = set()
+        self.handshakes = PeerHandshakes(HandshakeRequest(config.engine_id, config.compat_hash),
+                                         config.handshake_timeout_s, config.handshake_backoff_s, config.clock)
+        # engine id -> what waits for its handshake: (do it, fail it with why)
+        self.waiting_for_peer: dict[str, list[tuple[Callable[[], None], Callable[[str], None]]]] = {}
         self.loading: dict[str, _Loading] = {}
         self.failed: dict[str, str] = {}  # failed before a read could be posted -> why
         self.leases: dict[str, float] = {}  # P: request id -> monotonic deadline
@@ -99,14 +106,30 @@ class NixlConnectorWorker(KVConnectorWorker):
                                   f"(model, dtype, block size, layout or KV cache groups differ)")
         return HandshakeResponse(self.transport.agent_metadata(), self.transport.local_layout(self.config.compat_hash))
 
-    def _ensure_peer(self, remote: RemotePrefill) -> None:
+    def _when_peer_ready(self, remote: RemotePrefill, action: Callable[[], None],
+                         fail: Callable[[str], None]) -> None:
+        """Run `action` once this engine knows the peer (now, or after its handshake);
+        `fail(why)` instead if the handshake fails or failed a moment ago."""
         if remote.engine_id in self.peers:
-            return
-        response = fetch_remote_layout(remote.host, remote.port,
-                                       HandshakeRequest(self.config.engine_id, self.config.compat_hash),
-                                       self.config.handshake_timeout_s)
-        self.transport.add_peer(response)
-        self.peers.add(remote.engine_id)
+            action()
+        elif (why := self.handshakes.failed_recently(remote.engine_id)) is not None:
+            fail(why)
+        else:
+            self.handshakes.start(remote.engine_id, remote.host, remote.port)
+            self.waiting_for_peer.setdefault(remote.engine_id, []).append((action, fail))
+
+    def _finish_handshakes(self) -> None:
+        """Load the agents of peers whose handshake ended; run or fail what waited."""
+        for engine_id, outcome in self.handshakes.completed():
+            if isinstance(outcome, HandshakeResponse):
+                try:
+                    self.transport.add_peer(outcome)
+                    self.peers.add(engine_id)
+                except Exception as exc:
+                    outcome = exc
+                    self.handshakes.mark_failed(engine_id, str(exc))
+            for action, fail in self.waiting_for_peer.pop(engine_id, []):
+                action() if engine_id in self.peers else fail(str(outcome))
 
     # --- every step ---------------------------------------------------------------
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
@@ -122,26 +145,37 @@ class NixlConnectorWorker(KVConnectorWorker):
             self._reject(remote, reason)
 
     def _start_read(self, recv: ReqToRecv) -> None:
+        self._when_peer_ready(recv.remote, lambda: self._post_read(recv), lambda why: self._fail_read(recv, why))
+
+    def _post_read(self, recv: ReqToRecv) -> None:
         try:
-            self._ensure_peer(recv.remote)
             handle = self.transport.start_read(recv.remote.engine_id, recv.local_block_ids, recv.remote_block_ids,
                                                encode_notif(ReadDone(recv.remote.request_id)))
-        except Exception as exc:  # any transport or handshake failure fails this request only
-            logger.warning("KV read for %s from %s failed to start: %s", recv.request_id, recv.remote.engine_id, exc)
-            self.failed[recv.request_id] = f"the read from {recv.remote.host}:{recv.remote.port} could not start: {exc}"
-            self.stats.failures += 1
+        except Exception as exc:  # any transport failure fails this request only
+            self._fail_read(recv, str(exc))
             return
         self.loading[recv.request_id] = _Loading(recv, handle, self.config.clock(),
                                                  handle.num_bytes, handle.num_descriptors)
 
+    def _fail_read(self, recv: ReqToRecv, why: str) -> None:
+        logger.warning("KV read for %s from %s failed to start: %s", recv.request_id, recv.remote.engine_id, why)
+        self.failed[recv.request_id] = f"the read from {recv.remote.host}:{recv.remote.port} could not start: {why}"
+        self.stats.failures += 1
+
     def _reject(self, remote: RemotePrefill, reason: str) -> None:
-        try:
-            self._ensure_peer(remote)
-            self.transport.send_notif(remote.engine_id, encode_notif(Reject(remote.request_id, reason)))
-        except Exception as exc:  # P unreachable: its lease frees the blocks
-            logger.info("could not reject %s to %s: %s", remote.request_id, remote.engine_id, exc)
+        def send() -> None:
+            try:
+                self.transport.send_notif(remote.engine_id, encode_notif(Reject(remote.request_id, reason)))
+            except Exception as exc:
+                unreachable(str(exc))
+
+        def unreachable(why: str) -> None:  # its lease frees the blocks
+            logger.info("could not reject %s to %s: %s", remote.request_id, remote.engine_id, why)
+
+        self._when_peer_ready(remote, send, unreachable)
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        self._finish_handshakes()
         output = KVConnectorOutput(finished_sending=self.released, failed_recving=self.failed)
         self.failed, self.released = {}, set()
         self._poll_reads(output)
@@ -195,6 +229,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         return len(self.leases)
 
     def shutdown(self) -> None:
+        self.handshakes.close()
         if self.side_channel is not None:
             self.side_channel.close()
         if self.transport is not None:

@@ -91,7 +91,8 @@ class EngineCore:
 
         block_sizes = [g.spec.block_size for g in self.kv_cache_config.groups]
         return NixlConnectorScheduler(self.engine_id, self.config.kv_host, worker.side_channel_port,
-                                      block_sizes, self.config.kv_lease_seconds)
+                                      block_sizes, self.config.kv_lease_seconds,
+                                      secret=self.config.kv_transfer_secret)
 
     def compat_hash(self) -> str:
         """Equal for two engines whose KV blocks mean the same thing byte for byte."""

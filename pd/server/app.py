@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from connectors.signing import TransferParamsGuard
 from pd.engine.client import EngineDeadError, RequestFailedError, RequestRefusedError
 from pd.errors import ERROR_INTERNAL, ERROR_INVALID, ERROR_KV_HELD_LIMIT, ERROR_KV_LOAD_FAILED
 from pd.server.chat import ChatTemplate
@@ -38,12 +39,15 @@ DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its cli
 
 def build_app(client: Any, tokenizer: Any, served_model_name: str, api_key: str | None = None,
               chat_template: ChatTemplate | None = None, role: str = "both",
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              transfer_guard: TransferParamsGuard | None = None) -> FastAPI:
     """The app serving `client`'s engine as `served_model_name`. `chat_template` defaults
     to the one in the tokenizer's config; `role` is reported by /health; a request body
-    over `max_request_bytes` is refused (413) before it is read whole."""
+    over `max_request_bytes` is refused (413) before it is read whole; `transfer_guard`
+    decides which remote-prefill parameters are acted on (default: unsigned ones naming a
+    loopback peer)."""
     template = chat_template or ChatTemplate.from_config(tokenizer.config)
-    server = Server(client, tokenizer, served_model_name, template, role)
+    server = Server(client, tokenizer, served_model_name, template, role, transfer_guard)
     metrics = ServerMetrics(lambda: client.stats, lambda: client.is_alive)
 
     @contextlib.asynccontextmanager

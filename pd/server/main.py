@@ -101,12 +101,14 @@ async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, a
                  listener: socket.socket) -> None:
     import uvicorn
 
+    from connectors.signing import TransferParamsGuard
     from pd.server.app import build_app
     from pd.server.chat import ChatTemplate
 
     template = ChatTemplate.from_model_dir(config.model, tokenizer.config)
     app = build_app(client, tokenizer, name, api_key=args.api_key, chat_template=template,
-                    role=config.role, max_request_bytes=args.max_request_bytes)
+                    role=config.role, max_request_bytes=args.max_request_bytes,
+                    transfer_guard=TransferParamsGuard(config.kv_transfer_secret, config.kv_allowed_peers))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5, timeout_keep_alive=KEEPALIVE_S))
     announce = asyncio.create_task(_announce(server, f"http://{args.host}:{args.port}", name, config.role))

@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 
 from connectors.params import RemoteDecodeParams, RemotePrefillParams, TransferParamsError, parse_transfer_params
+from connectors.signing import TransferParamsGuard, TransferParamsRefused
 from pd.engine.messages import EngineRequest
 from pd.request import SamplingParams
 from pd.server.chat import ChatTemplate, ChatTemplateError
@@ -56,9 +57,10 @@ class Server:
     """The model-facing half of the app: one tokenizer, one engine, one model name."""
 
     def __init__(self, client: Any, tokenizer: Any, served_model_name: str, chat_template: ChatTemplate,
-                 role: str = "both") -> None:
+                 role: str = "both", transfer_guard: TransferParamsGuard | None = None) -> None:
         self.client = client
         self.role = role
+        self.transfer_guard = transfer_guard or TransferParamsGuard(None)
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.chat_template = chat_template
@@ -163,7 +165,7 @@ class Server:
         stop = body.stop_strings
         if any(not s for s in stop):
             raise RequestError("stop strings must be non-empty", param="stop")
-        transfer = self._transfer_params(body.kv_transfer_params)
+        transfer = self._transfer_params(body.kv_transfer_params, prompt_ids)
         release_first = None
         if isinstance(transfer, RemotePrefillParams) and transfer.remote_engine_id == self.client.info.engine_id:
             # Prefilled here: served from this server's own prefix cache (its blocks, once released).
@@ -176,8 +178,10 @@ class Server:
         return Prepared(request_id, engine_request, stop, stream, body.include_usage, body.return_token_ids,
                         release_first)
 
-    def _transfer_params(self, raw: Any) -> RemoteDecodeParams | RemotePrefillParams | None:
-        """The typed PD parameters; RequestError naming the field that is malformed."""
+    def _transfer_params(self, raw: Any, prompt_ids: list[int]) -> RemoteDecodeParams | RemotePrefillParams | None:
+        """The typed PD parameters; RequestError naming the field that is malformed (400),
+        or saying why this server will not act on them (403: unsigned, forged, expired,
+        replayed, issued for another prompt, or naming a peer it does not trust)."""
         try:
             transfer = parse_transfer_params(raw)
         except TransferParamsError as e:
@@ -185,6 +189,12 @@ class Server:
         if isinstance(transfer, RemotePrefillParams) and not 0 <= transfer.first_token_id < self.vocab_size:
             raise RequestError(f"kv_transfer_params.first_token_id {transfer.first_token_id} is outside the "
                                f"vocabulary [0, {self.vocab_size})", param="kv_transfer_params.first_token_id")
+        if isinstance(transfer, RemotePrefillParams):
+            try:
+                self.transfer_guard.check(transfer, prompt_ids)
+            except TransferParamsRefused as e:
+                raise RequestError(str(e), param="kv_transfer_params", code="kv_transfer_params_refused",
+                                   status=403, type="permission_error") from None
         return transfer
 
     def _sampling_params(self, body: SamplingFields, num_prompt_tokens: int) -> SamplingParams:

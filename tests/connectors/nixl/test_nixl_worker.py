@@ -133,9 +133,13 @@ def test_an_incompatible_peer_or_unreachable_p_fails_the_request_only(pair) -> N
     other, _ = make_worker("D2", compat="other-model")
     try:
         other.start_load_kv(NixlConnectorMetadata(reqs_to_recv=[recv(p, [[1], [2]], [[3], [4]])]))
-        assert other.get_finished(set()).failed_recving.keys() == {"d1"}
+        Poller(other).until(lambda x: x.failed["D2"] == {"d1"})  # the handshake ran off the step
         gone = ReqToRecv("d2", RemotePrefill("P9", "127.0.0.1", 1, "p9"), [[1], [2]], [[3], [4]])
         other.start_load_kv(NixlConnectorMetadata(reqs_to_recv=[gone]))
-        assert other.get_finished(set()).failed_recving.keys() == {"d2"}
+        Poller(other).until(lambda x: x.failed["D2"] == {"d2"})
+        # a peer that just failed is not tried again: the next request naming it fails at once
+        again = ReqToRecv("d3", RemotePrefill("P9", "127.0.0.1", 1, "p9"), [[1], [2]], [[3], [4]])
+        other.start_load_kv(NixlConnectorMetadata(reqs_to_recv=[again]))
+        assert other.get_finished(set()).failed_recving.keys() == {"d3"} and other.handshakes.num_pending == 0
     finally:
         other.shutdown()

@@ -1,0 +1,72 @@
+"""Side-channel handshakes with prefill servers, off the engine step.
+
+A handshake is a network round trip that may take up to its timeout (a peer that
+accepts TCP and never answers), so it runs on a small thread pool; the engine thread
+only starts them and collects what finished, once per step. Handshakes with different
+peers proceed in parallel; one peer gets one handshake at a time, however many requests
+wait for it. A peer whose handshake failed is remembered for `backoff_s`: requests naming
+it meanwhile fail at once instead of each trying again.
+
+Only the side-channel exchange runs on the pool: loading the peer's NIXL agent (which
+touches the engine's agent) is left to the caller, on the engine thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from connectors.nixl.handshake import fetch_remote_layout
+from connectors.nixl.messages import HandshakeRequest, HandshakeResponse
+
+MAX_PARALLEL_HANDSHAKES = 4
+
+
+class PeerHandshakes:
+    def __init__(self, request: HandshakeRequest, timeout_s: float, backoff_s: float,
+                 clock: Callable[[], float] = time.monotonic,
+                 fetch: Callable[..., HandshakeResponse] = fetch_remote_layout) -> None:
+        self.request = request
+        self.timeout_s = timeout_s
+        self.backoff_s = backoff_s
+        self.clock = clock
+        self.fetch = fetch
+        self._pool = ThreadPoolExecutor(MAX_PARALLEL_HANDSHAKES, thread_name_prefix="pd-handshake")
+        self._pending: dict[str, Future[HandshakeResponse]] = {}  # engine id -> its handshake
+        self._failed: dict[str, tuple[float, str]] = {}  # engine id -> (retry no sooner than, why)
+
+    def start(self, engine_id: str, host: str, port: int) -> None:
+        """Start a handshake with the peer unless one is under way."""
+        if engine_id not in self._pending:
+            self._pending[engine_id] = self._pool.submit(self.fetch, host, port, self.request, self.timeout_s)
+
+    def failed_recently(self, engine_id: str) -> str | None:
+        """Why the last handshake with this peer failed, while its back-off lasts."""
+        failed = self._failed.get(engine_id)
+        if failed is None or self.clock() >= failed[0]:
+            return None
+        return failed[1]
+
+    def mark_failed(self, engine_id: str, why: str) -> None:
+        self._failed[engine_id] = (self.clock() + self.backoff_s, why)
+
+    def completed(self) -> list[tuple[str, HandshakeResponse | Exception]]:
+        """The handshakes that ended since the last call: the peer's response, or the
+        exception it failed with (then remembered for the back-off)."""
+        done = [(engine_id, future) for engine_id, future in self._pending.items() if future.done()]
+        outcomes: list[tuple[str, HandshakeResponse | Exception]] = []
+        for engine_id, future in done:
+            del self._pending[engine_id]
+            error = future.exception()
+            if error is not None:
+                self.mark_failed(engine_id, str(error))
+            outcomes.append((engine_id, error if error is not None else future.result()))
+        return outcomes
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
