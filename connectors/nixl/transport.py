@@ -28,7 +28,9 @@ Not thread-safe: one thread (the engine's) uses a transport.
 from __future__ import annotations
 
 import importlib
+import ipaddress
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -364,3 +366,16 @@ def _load_nixl() -> tuple[Any, tuple[type[Exception], ...]]:
                        if k.startswith("nixl") and k.endswith("Error") and isinstance(v, type))
         return api, errors
     raise ImportError("NIXL is not installed (pip install nixl-cu12)")
+
+
+def confine_ucx_to(host: str) -> None:
+    """UCX's TCP transport listens on every network interface unless told otherwise. For
+    a loopback `--kv-host` (one machine), keep it on loopback: `UCX_NET_DEVICES=lo`, set
+    before the first agent starts UCX. An operator's own UCX_NET_DEVICES wins, and other
+    hosts keep UCX's choice: narrowing it there could exclude the RDMA devices."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if loopback:
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")

@@ -89,8 +89,9 @@ class NixlConnectorWorker(KVConnectorWorker):
 
     # --- set-up -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: CanonicalKVCaches) -> None:
-        from connectors.nixl.transport import NixlTransport  # imports nixl: only when used
+        from connectors.nixl.transport import NixlTransport, confine_ucx_to  # imports nixl: only when used
 
+        confine_ucx_to(self.config.host)
         self.transport = NixlTransport(self.config.engine_id, kv_caches)
         self.side_channel = SideChannelServer(self.config.host, self.config.side_channel_port, self._respond)
 
