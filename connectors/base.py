@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -74,6 +75,10 @@ class KVConnectorScheduler(ABC):
         """Called exactly once per finished request, before its blocks are freed. Returns
         (delay_free, kv_transfer_params for the response)."""
 
+    def requests_waiting(self, requests: Iterable[Request]) -> None:
+        """Called once per step with the requests waiting for admission (in order); a
+        connector may act for those whose KV it is to load (keep a remote copy alive)."""
+
     def release(self, request_id: str) -> None:
         """A finished request whose blocks are kept (`delay_free`) will not be read: have
         the worker half report it in `finished_sending` so they are freed now. Called
@@ -97,6 +102,12 @@ class KVConnectorWorker(ABC):
     @abstractmethod
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         """Progress transfers; report what completed since the last call."""
+
+    @property
+    def wants_polling(self) -> bool:
+        """True while transfers may be under way that move only when this engine calls
+        `get_finished` (no progress thread): the engine then steps even with no request."""
+        return False
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()

@@ -155,6 +155,7 @@ class Scheduler:
             budget -= num_new
         if not preempted:
             self._admit_waiting(out, budget)
+        self.connector.requests_waiting(self.waiting)
         out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 

@@ -7,7 +7,8 @@ unpickled: a decoder accepts exactly these types, and any other bytes raise a
 - Side channel (ZMQ, see `handshake.py`): D sends a `HandshakeRequest`; P answers with a
   `HandshakeResponse` (its NIXL agent metadata and KV layout) or a `HandshakeError`.
 - Notifications (bytes carried by NIXL, see `transport.py`): `ReadDone` rides on D's READ
-  and reaches P after the data moved; `Reject` tells P that D will not read.
+  and reaches P after the data moved; `Reject` tells P that D will not read; `KeepAlive`
+  tells P that D still will (the request waits in D's queue): P extends the lease.
 """
 
 from __future__ import annotations
@@ -136,7 +137,14 @@ class Reject(msgspec.Struct, frozen=True, tag="reject"):
     reason: str
 
 
-Notif = Union[ReadDone, Reject]
+class KeepAlive(msgspec.Struct, frozen=True, tag="keep_alive"):
+    """D still means to read P's blocks for `request_id` (P's id), which wait in D's
+    queue: P extends their lease by its full length from now."""
+
+    request_id: str
+
+
+Notif = Union[ReadDone, Reject, KeepAlive]
 _notif_decoder = msgspec.msgpack.Decoder(Notif)
 
 
@@ -145,7 +153,7 @@ def encode_notif(notif: Notif) -> bytes:
 
 
 def decode_notif(data: bytes) -> Notif:
-    """Raises NotifDecodeError unless `data` is a ReadDone or a Reject."""
+    """Raises NotifDecodeError unless `data` is a ReadDone, a Reject or a KeepAlive."""
     return _decode(_notif_decoder, data, NotifDecodeError)
 
 

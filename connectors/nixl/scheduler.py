@@ -11,7 +11,10 @@ Per request, from its `kv_transfer_params` (DESIGN.md, "PD protocol"):
   them when D's read-done notification arrives, when D rejects, when they are
   released (`release`: the proxy saw D fail or refuse the request), or when the lease
   expires. A read NIXL cannot stop, so D treats a read that ends after the lease as
-  failed: it never decodes on blocks P may have reused.
+  failed: it never decodes on blocks P may have reused. While the request waits in D's
+  queue, D keeps the lease alive (`requests_waiting`: a KeepAlive at half of what it
+  knows of the lease), so a long queue does not lose KV that will still be read, and a D
+  that is gone lets the lease run out.
 - **D** (`do_remote_prefill`): everything past D's own prefix hit arrives from P
   (`get_num_new_matched_tokens` -> (prompt - hit, async)). The hit is the full
   attention hit: Mamba and sliding-window groups are left out of the reduction for
@@ -28,8 +31,9 @@ failure policy decides whether the request is computed here or fails.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from connectors.base import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler
@@ -37,6 +41,9 @@ from connectors.params import RemotePrefillParams
 from connectors.signing import prompt_digest, sign
 from pd.kv_cache.spec import cdiv
 from pd.request import Request, RequestStatus
+
+
+KEEP_ALIVE_MARGIN = 0.1  # of a lease: how much earlier than P's lease D counts its own view to end
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,7 @@ class NixlConnectorMetadata(KVConnectorMetadata):
     reqs_to_send: list[ReqToSend] = field(default_factory=list)
     reqs_to_reject: list[tuple[RemotePrefill, str]] = field(default_factory=list)  # (where, why)
     reqs_to_release: list[str] = field(default_factory=list)  # P: kept blocks to free now
+    reqs_to_keep_alive: list[RemotePrefill] = field(default_factory=list)  # D: still waiting to read these
 
 
 class KVTransferParamsError(ValueError):
@@ -102,6 +110,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.secret = secret  # signs the parameters P hands out (connectors/signing.py)
         self._meta = NixlConnectorMetadata()
         self.num_rejected = 0
+        self._lease_end: dict[str, float] = {}  # D: waiting request -> wall-clock end of P's lease, as known here
 
     # --- D side -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -117,11 +126,30 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
     def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
         params = request.remote_prefill
+        lease_end = self._lease_end.pop(request.request_id, None)
         if params is None or not request.do_remote_prefill or num_external_tokens == 0:
             return
-        self._meta.reqs_to_recv.append(ReqToRecv(request.request_id, RemotePrefill.of(params),
-                                                 blocks.get_unfilled_block_ids(),
+        remote = RemotePrefill.of(params)
+        if lease_end is not None:  # kept alive while it waited
+            remote = dataclasses.replace(remote, lease_expires_at=lease_end)
+        self._meta.reqs_to_recv.append(ReqToRecv(request.request_id, remote, blocks.get_unfilled_block_ids(),
                                                  [list(ids) for ids in params.remote_block_ids]))
+
+    def requests_waiting(self, requests: Iterable[Request]) -> None:
+        """Keep P's lease alive for remote-prefill requests that wait in this queue: once
+        half of what is known of the lease has passed, a KeepAlive asks P to extend it by
+        its full length from when P gets it. What is known here is counted from when the
+        KeepAlive was sent, less KEEP_ALIVE_MARGIN: P's extended lease ends later still."""
+        now = self.wall_clock()
+        for request in requests:
+            params = request.remote_prefill
+            if params is None or params.lease_seconds is None or params.lease_expires_at is None \
+                    or not request.do_remote_prefill:
+                continue
+            end = self._lease_end.setdefault(request.request_id, params.lease_expires_at)
+            if now >= end - params.lease_seconds / 2:
+                self._meta.reqs_to_keep_alive.append(RemotePrefill.of(params))
+                self._lease_end[request.request_id] = now + params.lease_seconds * (1 - KEEP_ALIVE_MARGIN)
 
     def _reject_invalid(self, request: Request, params: RemotePrefillParams, reason: str) -> None:
         """Compute the request here; tell P to free its blocks."""
@@ -133,6 +161,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
     def request_finished(self, request: Request, block_ids: list[list[int]]) -> tuple[bool, RemotePrefillParams | None]:
         never_loaded = request.num_computed_tokens == 0
         aborted = request.status is RequestStatus.FINISHED_ABORTED
+        self._lease_end.pop(request.request_id, None)
         if request.do_remote_prefill and aborted and never_loaded:
             self._meta.reqs_to_reject.append((RemotePrefill.of(request.remote_prefill), "aborted on the decode server"))
             return False, None
@@ -145,7 +174,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             remote_port=self.side_channel_port, remote_request_id=request.request_id,
             remote_block_ids=block_ids, num_prompt_tokens=request.num_prompt_tokens,
             first_token_id=request.output_token_ids[0], block_size=self.block_sizes[0],
-            lease_expires_at=self.wall_clock() + self.lease_seconds,
+            lease_expires_at=self.wall_clock() + self.lease_seconds, lease_seconds=self.lease_seconds,
             prompt_digest=prompt_digest(request.prompt_token_ids))
         return True, sign(params, self.secret) if self.secret else params
 

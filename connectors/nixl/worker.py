@@ -11,7 +11,8 @@ channel on which peers fetch this engine's agent metadata and layout.
   in `failed_recving` (the scheduler then recomputes or fails the request).
 - P: blocks kept for a reader are released (`finished_sending`) on its read-done
   notification, on its reject, on a release from the scheduler half, or when the
-  lease expires.
+  lease expires; a KeepAlive from D (the request waits in D's queue) extends the lease
+  to its full length from the KeepAlive's arrival.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from dataclasses import dataclass
 from connectors.base import KVConnectorOutput, KVConnectorWorker
 from connectors.canonical import CanonicalKVCaches
 from connectors.nixl.handshake import SideChannelServer
-from connectors.nixl.messages import (HandshakeError, HandshakeRequest, HandshakeResponse, NotifDecodeError,
-                                      ReadDone, Reject, decode_notif, encode_notif)
+from connectors.nixl.messages import (HandshakeError, HandshakeRequest, HandshakeResponse, KeepAlive,
+                                      NotifDecodeError, ReadDone, Reject, decode_notif, encode_notif)
 from connectors.nixl.peers import PeerHandshakes
 from connectors.nixl.scheduler import NixlConnectorMetadata, RemotePrefill, ReqToRecv
 
 logger = logging.getLogger(__name__)
+
+LATE_READ_GRACE_S = 10.0  # P polls this long after a lease expired, so a read already posted ends
 
 
 @dataclass
@@ -44,6 +47,7 @@ class TransferStats:
     leases_expired: int = 0
     rejects_received: int = 0
     released: int = 0
+    keep_alives_received: int = 0
 
     @property
     def descriptors_per_read(self) -> float:
@@ -67,6 +71,7 @@ class NixlWorkerConfig:
     compat_hash: str
     handshake_timeout_s: float = 5.0
     handshake_backoff_s: float = 10.0  # a peer whose handshake failed is not tried again sooner
+    lease_seconds: float = 60.0  # P: what a KeepAlive extends a lease to, from its arrival
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
 
@@ -85,6 +90,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.failed: dict[str, str] = {}  # failed before a read could be posted -> why
         self.leases: dict[str, float] = {}  # P: request id -> monotonic deadline
         self.released: set[str] = set()  # P: leases ended by a release, reported next poll
+        self._poll_until = 0.0  # P: keep progressing transfers until then (a late read of an expired lease)
         self.stats = TransferStats()
 
     # --- set-up -------------------------------------------------------------------
@@ -144,6 +150,8 @@ class NixlConnectorWorker(KVConnectorWorker):
             self._start_read(recv)
         for remote, reason in metadata.reqs_to_reject:
             self._reject(remote, reason)
+        for remote in metadata.reqs_to_keep_alive:
+            self._notify(remote, KeepAlive(remote.request_id))
 
     def _start_read(self, recv: ReqToRecv) -> None:
         self._when_peer_ready(recv.remote, lambda: self._post_read(recv), lambda why: self._fail_read(recv, why))
@@ -164,14 +172,19 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.stats.failures += 1
 
     def _reject(self, remote: RemotePrefill, reason: str) -> None:
+        self._notify(remote, Reject(remote.request_id, reason))
+
+    def _notify(self, remote: RemotePrefill, notif: Reject | KeepAlive) -> None:
+        """Send P a notification once it is a known peer; if it cannot be reached, its
+        lease decides (for a Reject: the blocks are freed at its end)."""
         def send() -> None:
             try:
-                self.transport.send_notif(remote.engine_id, encode_notif(Reject(remote.request_id, reason)))
+                self.transport.send_notif(remote.engine_id, encode_notif(notif))
             except Exception as exc:
                 unreachable(str(exc))
 
-        def unreachable(why: str) -> None:  # its lease frees the blocks
-            logger.info("could not reject %s to %s: %s", remote.request_id, remote.engine_id, why)
+        def unreachable(why: str) -> None:
+            logger.info("could not send %s to %s: %s", notif, remote.engine_id, why)
 
         self._when_peer_ready(remote, send, unreachable)
 
@@ -211,19 +224,34 @@ class NixlConnectorWorker(KVConnectorWorker):
                 except NotifDecodeError as exc:
                     logger.warning("ignoring a malformed notification from %s: %s", peer, exc)
                     continue
-                if notif.request_id in self.leases and isinstance(notif, (ReadDone, Reject)):
-                    del self.leases[notif.request_id]
-                    output.finished_sending.add(notif.request_id)
-                    self.stats.rejects_received += isinstance(notif, Reject)
+                if notif.request_id not in self.leases:
+                    continue
+                if isinstance(notif, KeepAlive):
+                    deadline = self.config.clock() + self.config.lease_seconds
+                    self.leases[notif.request_id] = max(self.leases[notif.request_id], deadline)
+                    self.stats.keep_alives_received += 1
+                    continue
+                del self.leases[notif.request_id]
+                output.finished_sending.add(notif.request_id)
+                self.stats.rejects_received += isinstance(notif, Reject)
 
     def _expire_leases(self, output: KVConnectorOutput) -> None:
         now = self.config.clock()
         for req_id, deadline in list(self.leases.items()):
             if now >= deadline:
                 logger.warning("lease of %s expired before a decode server read it: freeing its blocks", req_id)
+                self._poll_until = now + LATE_READ_GRACE_S
                 del self.leases[req_id]
                 output.finished_sending.add(req_id)
                 self.stats.leases_expired += 1
+
+    @property
+    def wants_polling(self) -> bool:
+        """Reads, handshakes and leases in progress, and for a while after a lease expired:
+        a decode server may still be reading, and without a progress thread its read
+        moves only while both sides poll (it then ends, as a failure, on D)."""
+        busy = self.leases or self.loading or self.handshakes.num_pending or self.waiting_for_peer
+        return bool(busy) or self.config.clock() < self._poll_until
 
     @property
     def num_requests_held(self) -> int:

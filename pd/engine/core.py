@@ -82,7 +82,8 @@ class EngineCore:
         from connectors.nixl.worker import NixlConnectorWorker, NixlWorkerConfig
 
         return NixlConnectorWorker(NixlWorkerConfig(self.engine_id, self.config.kv_host,
-                                                    self.config.kv_side_channel_port, self.compat_hash()))
+                                                    self.config.kv_side_channel_port, self.compat_hash(),
+                                                    lease_seconds=self.config.kv_lease_seconds))
 
     def _scheduler_connector(self, worker: KVConnectorWorker) -> KVConnectorScheduler:
         if self.config.kv_connector == "none":
@@ -142,7 +143,9 @@ class EngineCore:
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        """Requests to step, blocks kept for the connector, or transfers that progress
+        only when polled (a step with no request only polls them)."""
+        return self.scheduler.has_work or self.runner.connector.wants_polling
 
     def has_compute_work(self) -> bool:
         return self.scheduler.has_compute_work

@@ -79,6 +79,7 @@ KV_TRANSFER_COUNTERS = {
     "leases_expired": ("leases_expired", "Requests whose KV blocks a prefill server freed unread after the lease."),
     "rejects": ("rejects_received", "Requests a decode server rejected (their blocks freed at once)."),
     "released": ("released", "Requests whose kept blocks were released because their decode request failed."),
+    "keep_alives": ("keep_alives_received", "Lease extensions asked by decode servers whose queue holds the request."),
 }
 
 

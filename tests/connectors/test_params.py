@@ -18,7 +18,7 @@ def test_a_remote_prefill_set_round_trips_through_json() -> None:
     params = parse_transfer_params(GOOD)
     assert isinstance(params, RemotePrefillParams)
     assert params.remote_block_ids == [[1, 2, 3], [0, 0, 4]] and params.first_token_id == 7
-    assert params.to_json() == GOOD | {"prompt_digest": None, "signature": None}
+    assert params.to_json() == GOOD | {"lease_seconds": None, "prompt_digest": None, "signature": None}
     assert parse_transfer_params(params.to_json()) == params
 
 

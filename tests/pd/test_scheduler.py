@@ -253,6 +253,9 @@ class ToyRemoteConnector:
     def build_connector_meta(self, scheduler_output):
         return self.meta()
 
+    def requests_waiting(self, requests):
+        pass
+
     def request_finished(self, request, block_ids):
         self.finished_calls.append(request.request_id)
         return False, None

@@ -205,3 +205,28 @@ def test_p_refuses_prefills_for_decode_servers_past_its_held_share_and_a_release
     assert so.kv_connector_metadata.reqs_to_release == ["p0"]
     run_step(p, connector_output=KVConnectorOutput(finished_sending={"p0"}))  # what the worker then reports
     assert "p0" not in p.delayed_free and p.num_held_blocks == (held - 1) * 8
+
+
+def test_d_keeps_p_s_lease_alive_while_the_request_waits_and_reads_under_the_extended_lease() -> None:
+    prompt = list(range(100, 140))
+    _, _, _, out = prefill_on_p("full", prompt)
+    params = out.kv_transfer_params
+    assert params.lease_seconds == 30
+    wall = Clock()
+    wall.now = params.lease_expires_at - 30  # when P issued them
+    d, d_kv, connector = make_side("full", "D", Clock())
+    connector.wall_clock = wall
+    request = remote_request("d1", prompt, params)
+    connector.requests_waiting([request])
+    assert connector.build_connector_meta(None).reqs_to_keep_alive == []  # most of the lease is left
+    wall.now += 16  # past half of it
+    connector.requests_waiting([request])
+    (kept,) = connector.build_connector_meta(None).reqs_to_keep_alive
+    assert kept.request_id == "p1" and kept.port == params.remote_port
+    connector.requests_waiting([request])  # sent once per half lease, not every step
+    assert connector.build_connector_meta(None).reqs_to_keep_alive == []
+    d.add_request(request)
+    so, _ = run_step(d)
+    (recv,) = so.kv_connector_metadata.reqs_to_recv
+    assert recv.remote.lease_expires_at == pytest.approx(wall.now + 30 * 0.9)  # what the KeepAlive bought
+    assert recv.remote.lease_expires_at > params.lease_expires_at

@@ -120,6 +120,19 @@ def test_a_release_frees_at_once_and_only_what_is_held(pair) -> None:
     assert p.get_finished(set()).finished_sending == set()  # reported once
 
 
+def test_a_keep_alive_extends_the_lease_from_its_arrival(pair) -> None:
+    p, _, d, _ = pair
+    p.start_load_kv(NixlConnectorMetadata(reqs_to_send=[ReqToSend("p1", p.config.clock() + 60)]))
+    p.config.clock.now += 30  # half the lease has passed when the KeepAlive arrives
+    d.start_load_kv(NixlConnectorMetadata(reqs_to_keep_alive=[RemotePrefill("P", "127.0.0.1", p.side_channel_port,
+                                                                            "p1")]))
+    Poller(p, d).until(lambda x: p.stats.keep_alives_received == 1)
+    p.config.clock.now += 31  # past the first lease: the KeepAlive moved its end to arrival + 60
+    assert p.get_finished(set()).finished_sending == set() and p.num_requests_held == 1
+    p.config.clock.now += 30
+    assert p.get_finished(set()).finished_sending == {"p1"} and p.stats.leases_expired == 1
+
+
 def test_a_read_ending_after_the_lease_is_a_failure(pair) -> None:
     p, _, d, _ = pair
     d.start_load_kv(NixlConnectorMetadata(reqs_to_recv=[recv(p, [[1], [2]], [[3], [4]], lease=time.time() - 1)]))

@@ -88,3 +88,47 @@ def test_a_request_d_cannot_load_is_computed_there_and_p_frees_at_once(start) ->
     assert out["choices"][0]["text"] == complete(c, other)["choices"][0]["text"]
     assert p.wait_for_metric("pd_kv_requests_held", lambda v: v == 0, timeout=5) == 0  # lease is 60 s
     assert p.metrics()["pd_kv_transfer_rejects_total"] == 1
+
+
+def test_a_request_waiting_in_d_s_queue_past_the_lease_still_reads_p_s_kv(start) -> None:
+    """D keeps P's lease alive while the request waits (its one batch slot is taken), so
+    the request is served with P's KV, not recomputed, however long the queue."""
+    import threading
+
+    p = start("p", "--role", "prefill", "--kv-lease-seconds", "2")
+    d = start("d", "--role", "decode", "--max-num-seqs", "1")
+    params = prefill(p)
+    result = {}
+    sender = threading.Thread(target=lambda: result.update(
+        response=httpx.post(f"{d.url}/v1/completions", json=BODY | {"kv_transfer_params": params}, timeout=120)))
+    hog = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{d.url}/v1/completions", json=hog, timeout=60) as stream:
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # the slot is taken
+        sender.start()
+        queued_since = time.monotonic()
+        while time.monotonic() - queued_since < 5.0:  # more than twice the lease
+            next(lines)
+    sender.join(120)  # the hog is aborted: the waiting request is admitted now
+    assert result["response"].status_code == 200, result["response"].text
+    assert p.metrics()["pd_kv_transfer_keep_alives_total"] >= 2
+    assert p.metrics()["pd_kv_transfer_leases_expired_total"] == 0
+    d_metrics = d.metrics()
+    assert d_metrics["pd_kv_transfer_reads_total"] == 1 and d_metrics["pd_kv_transfer_failures_total"] == 0
+    assert d_metrics['pd_kv_load_failures_total{policy="recompute"}'] == 0
+    assert result["response"].json()["choices"][0]["text"] == complete(d, BODY)["choices"][0]["text"]
+    assert p.wait_for_metric("pd_kv_requests_held", lambda v: v == 0) == 0
+
+
+def test_a_read_of_an_expired_lease_ends_as_a_failure_and_d_recomputes(start) -> None:
+    """P freed the blocks and went idle; it still progresses transfers for a while, so
+    D's late read ends (as a failure: after the lease) instead of hanging the request."""
+    p, d = start("p", "--role", "prefill", "--kv-lease-seconds", "1"), start("d", "--role", "decode")
+    params = prefill(p)
+    assert p.wait_for_metric("pd_kv_transfer_leases_expired_total", lambda v: v == 1, timeout=10) == 1
+    out = complete(d, BODY | {"kv_transfer_params": params})
+    assert out["choices"][0]["text"] == complete(d, BODY)["choices"][0]["text"]
+    metrics = d.metrics()
+    assert metrics["pd_kv_transfer_failures_total"] == 1 and metrics["pd_kv_transfer_reads_total"] == 0
+    assert metrics['pd_kv_load_failures_total{policy="recompute"}'] == 1
+    assert d.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
