@@ -83,6 +83,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.kv_load_failures = {"recompute": 0, "fail": 0}  # by what was done about them
         self._failed_outputs: list[RequestOutput] = []  # failed between updates; sent with the next one
+        self.prompt_tokens_by_source = {"computed": 0, "local_cache": 0, "remote": 0}  # at first run
+        self._sources_counted: set[str] = set()  # requests whose prompt tokens are counted above
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests or request.request_id in self.delayed_free:
@@ -205,8 +207,25 @@ class Scheduler:
         if num_external:
             self.connector.update_state_after_alloc(request, self.kv.get_blocks(request.request_id), num_external)
         self.waiting.popleft()
+        self._count_prompt_sources(request, num_hit, num_external)
         self._start_running(request, computed, num_hit, num_new, out)
         return num_new
+
+    def _count_prompt_sources(self, request: Request, num_hit: int, num_external: int) -> None:
+        """Where the prompt's tokens come from, once per request, when it first runs: the
+        local prefix cache, a remote prefill (whose landing left it computed this far),
+        or computation here."""
+        if request.request_id in self._sources_counted:
+            return
+        self._sources_counted.add(request.request_id)
+        if request.status is RequestStatus.WAITING and request.num_computed_tokens:  # its remote KV landed
+            num_hit, num_external = request.num_cached_tokens, request.num_computed_tokens - request.num_cached_tokens
+        prompt = request.num_prompt_tokens
+        num_external = min(num_external, prompt - num_hit)
+        sources = self.prompt_tokens_by_source
+        sources["local_cache"] += num_hit
+        sources["remote"] += num_external
+        sources["computed"] += prompt - num_hit - num_external
 
     def _park_for_remote_kv(self, request: Request, hit_blocks, num_hit: int, num_external: int) -> bool:
         """Allocate blocks for the external tokens and wait for the connector to fill them."""
@@ -381,6 +400,7 @@ class Scheduler:
             self.running.remove(request)
             self.finished_req_ids.add(request.request_id)
         self.sent_blocks.pop(request.request_id, None)
+        self._sources_counted.discard(request.request_id)
         del self.requests[request.request_id]
         delay_free, params = self._connector_finished(request)
         if was_loading:  # the connector may still be writing its blocks

@@ -39,7 +39,12 @@ class PeerHandshakes:
     def start(self, engine_id: str, host: str, port: int) -> None:
         """Start a handshake with the peer unless one is under way."""
         if engine_id not in self._pending:
-            self._pending[engine_id] = self._pool.submit(self.fetch, host, port, self.request, self.timeout_s)
+            self._pending[engine_id] = self._pool.submit(self._timed_fetch, host, port)
+
+    def _timed_fetch(self, host: str, port: int) -> tuple[HandshakeResponse, float]:
+        started = time.monotonic()
+        response = self.fetch(host, port, self.request, self.timeout_s)
+        return response, time.monotonic() - started
 
     def failed_recently(self, engine_id: str) -> str | None:
         """Why the last handshake with this peer failed, while its back-off lasts."""
@@ -51,17 +56,19 @@ class PeerHandshakes:
     def mark_failed(self, engine_id: str, why: str) -> None:
         self._failed[engine_id] = (self.clock() + self.backoff_s, why)
 
-    def completed(self) -> list[tuple[str, HandshakeResponse | Exception]]:
-        """The handshakes that ended since the last call: the peer's response, or the
-        exception it failed with (then remembered for the back-off)."""
+    def completed(self) -> list[tuple[str, HandshakeResponse | Exception, float]]:
+        """The handshakes that ended since the last call: (peer, its response or the
+        exception it failed with (then remembered for the back-off), seconds it took)."""
         done = [(engine_id, future) for engine_id, future in self._pending.items() if future.done()]
-        outcomes: list[tuple[str, HandshakeResponse | Exception]] = []
+        outcomes: list[tuple[str, HandshakeResponse | Exception, float]] = []
         for engine_id, future in done:
             del self._pending[engine_id]
             error = future.exception()
             if error is not None:
                 self.mark_failed(engine_id, str(error))
-            outcomes.append((engine_id, error if error is not None else future.result()))
+                outcomes.append((engine_id, error, 0.0))
+            else:
+                outcomes.append((engine_id, *future.result()))
         return outcomes
 
     @property

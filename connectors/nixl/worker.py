@@ -29,29 +29,11 @@ from connectors.nixl.messages import (HandshakeError, HandshakeRequest, Handshak
                                       NotifDecodeError, ReadDone, Reject, decode_notif, encode_notif)
 from connectors.nixl.peers import PeerHandshakes
 from connectors.nixl.scheduler import NixlConnectorMetadata, RemotePrefill, ReqToRecv
+from connectors.nixl.stats import TransferStats
 
 logger = logging.getLogger(__name__)
 
 LATE_READ_GRACE_S = 10.0  # P polls this long after a lease expired, so a read already posted ends
-
-
-@dataclass
-class TransferStats:
-    """Cumulative figures for metrics."""
-
-    reads: int = 0
-    read_bytes: int = 0
-    read_seconds: float = 0.0
-    read_descriptors: int = 0
-    failures: int = 0
-    leases_expired: int = 0
-    rejects_received: int = 0
-    released: int = 0
-    keep_alives_received: int = 0
-
-    @property
-    def descriptors_per_read(self) -> float:
-        return self.read_descriptors / self.reads if self.reads else 0.0
 
 
 @dataclass
@@ -127,7 +109,7 @@ class NixlConnectorWorker(KVConnectorWorker):
 
     def _finish_handshakes(self) -> None:
         """Load the agents of peers whose handshake ended; run or fail what waited."""
-        for engine_id, outcome in self.handshakes.completed():
+        for engine_id, outcome, seconds in self.handshakes.completed():
             if isinstance(outcome, HandshakeResponse):
                 try:
                     self.transport.add_peer(outcome)
@@ -135,6 +117,11 @@ class NixlConnectorWorker(KVConnectorWorker):
                 except Exception as exc:
                     outcome = exc
                     self.handshakes.mark_failed(engine_id, str(exc))
+            if engine_id in self.peers:
+                self.stats.handshakes += 1
+                self.stats.handshake_time.observe(seconds)
+            else:
+                self.stats.handshake_failures += 1
             for action, fail in self.waiting_for_peer.pop(engine_id, []):
                 action() if engine_id in self.peers else fail(str(outcome))
 
@@ -157,12 +144,14 @@ class NixlConnectorWorker(KVConnectorWorker):
         self._when_peer_ready(recv.remote, lambda: self._post_read(recv), lambda why: self._fail_read(recv, why))
 
     def _post_read(self, recv: ReqToRecv) -> None:
+        posting = self.config.clock()
         try:
             handle = self.transport.start_read(recv.remote.engine_id, recv.local_block_ids, recv.remote_block_ids,
                                                encode_notif(ReadDone(recv.remote.request_id)))
         except Exception as exc:  # any transport failure fails this request only
             self._fail_read(recv, str(exc))
             return
+        self.stats.post_time.observe(self.config.clock() - posting)
         self.loading[recv.request_id] = _Loading(recv, handle, self.config.clock(),
                                                  handle.num_bytes, handle.num_descriptors)
 
@@ -185,6 +174,7 @@ class NixlConnectorWorker(KVConnectorWorker):
 
         def unreachable(why: str) -> None:
             logger.info("could not send %s to %s: %s", notif, remote.engine_id, why)
+            self.stats.failed_notifications += 1
 
         self._when_peer_ready(remote, send, unreachable)
 
@@ -206,10 +196,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             lease = loading.request.remote.lease_expires_at
             if state == "DONE" and (lease is None or self.config.wall_clock() < lease):
                 output.finished_recving.add(req_id)
-                self.stats.reads += 1
-                self.stats.read_bytes += loading.num_bytes
-                self.stats.read_descriptors += loading.num_descriptors
-                self.stats.read_seconds += self.config.clock() - loading.started
+                self.stats.read_done(self.config.clock() - loading.started, loading.num_bytes, loading.num_descriptors)
             else:
                 why = "failed in transfer" if state != "DONE" else "ended after the prefill server's lease"
                 logger.warning("KV read for %s from %s %s", req_id, loading.request.remote.engine_id, why)

@@ -7,7 +7,6 @@ process behind ZMQ for `pd serve` (see `process.py`).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -43,6 +42,9 @@ class EngineStats:
     group_hits: list[int] = field(default_factory=list)
     kv_transfer: dict[str, float] = field(default_factory=dict)  # the connector's counters, if any
     kv_load_failures: dict[str, int] = field(default_factory=dict)  # by policy action: recompute / fail
+    # the connector's histograms: name -> (bucket upper bounds, count per bucket and above, sum)
+    kv_transfer_histograms: dict[str, tuple[list[float], list[int], float]] = field(default_factory=dict)
+    prompt_tokens_by_source: dict[str, int] = field(default_factory=dict)  # computed / local_cache / remote
 
 
 def group_names(config: KVCacheConfig) -> list[str]:
@@ -158,14 +160,22 @@ class EngineCore:
             prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
             group_names=group_names(self.kv_cache_config),
             group_queries=list(prefix.group_queries), group_hits=list(prefix.group_hits),
-            kv_transfer=self._transfer_stats(), kv_load_failures=dict(self.scheduler.kv_load_failures))
+            kv_transfer=self._transfer_counters(), kv_load_failures=dict(self.scheduler.kv_load_failures),
+            kv_transfer_histograms=self._transfer_histograms(),
+            prompt_tokens_by_source=dict(self.scheduler.prompt_tokens_by_source))
 
-    def _transfer_stats(self) -> dict[str, float]:
+    def _transfer_counters(self) -> dict[str, float]:
         connector = self.runner.connector
         stats = getattr(connector, "stats", None)
         if stats is None:
             return {}
-        return dataclasses.asdict(stats) | {"requests_held": float(connector.num_requests_held)}
+        return stats.counters() | {"requests_held": float(connector.num_requests_held)}
+
+    def _transfer_histograms(self) -> dict[str, tuple[list[float], list[int], float]]:
+        stats = getattr(self.runner.connector, "stats", None)
+        if stats is None:
+            return {}
+        return {name: (list(h.buckets), list(h.counts), h.total) for name, h in stats.histograms().items()}
 
     def _keep_logits(self, logits: dict[str, torch.Tensor] | None) -> None:
         for req_id, row in (logits or {}).items():

@@ -183,7 +183,9 @@ class EngineStatsMsg(msgspec.Struct, kw_only=True):
     group_queries: list[int] = []
     group_hits: list[int] = []
     kv_transfer: dict[str, float] = {}
+    kv_transfer_histograms: dict[str, HistogramMsg] = {}
     kv_load_failures: dict[str, int] = {}
+    prompt_tokens_by_source: dict[str, int] = {}
 
     @classmethod
     def from_stats(cls, stats: EngineStats) -> EngineStatsMsg:
@@ -192,15 +194,20 @@ class EngineStatsMsg(msgspec.Struct, kw_only=True):
                    prefix_cache_queries=stats.prefix_cache_queries,
                    prefix_cache_hits=stats.prefix_cache_hits, group_names=list(stats.group_names),
                    group_queries=list(stats.group_queries), group_hits=list(stats.group_hits),
-                   kv_transfer=dict(stats.kv_transfer), kv_load_failures=dict(stats.kv_load_failures))
+                   kv_transfer=dict(stats.kv_transfer),
+                   kv_transfer_histograms={name: HistogramMsg(list(buckets), list(counts), total)
+                                           for name, (buckets, counts, total) in stats.kv_transfer_histograms.items()},
+                   kv_load_failures=dict(stats.kv_load_failures),
+                   prompt_tokens_by_source=dict(stats.prompt_tokens_by_source))
 
-    def to_stats(self) -> EngineStats:
-        from pd.engine.core import EngineStats
 
-        return EngineStats(self.num_running, self.num_waiting, self.kv_usage, self.num_preemptions,
-                           self.prefix_cache_queries, self.prefix_cache_hits, list(self.group_names),
-                           list(self.group_queries), list(self.group_hits), dict(self.kv_transfer),
-                           dict(self.kv_load_failures))
+class HistogramMsg(msgspec.Struct):
+    """A histogram: `counts[i]` observations <= `buckets[i]` (not cumulative), the last
+    count above every bucket, and the sum of all observations."""
+
+    buckets: list[float]
+    counts: list[int]
+    total: float
 
 
 class Ready(msgspec.Struct, tag=True):

@@ -8,11 +8,12 @@ client's latest stats at scrape time by a custom collector; request-side values
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -64,8 +65,10 @@ class EngineStatsCollector(Collector):
             for family in (running, waiting, usage, preemptions, queries, hits):
                 family.add_metric([], 0)
         yield from (running, waiting, usage, preemptions, queries, hits)
+        yield prompt_source_metric(stats.prompt_tokens_by_source if stats is not None else {})
         if stats is not None and stats.kv_transfer:  # a connector is configured
             yield from kv_transfer_metrics(stats.kv_transfer)
+            yield from kv_transfer_histograms(stats.kv_transfer_histograms)
             yield from kv_load_failure_metrics(stats.kv_load_failures)
 
 
@@ -80,6 +83,9 @@ KV_TRANSFER_COUNTERS = {
     "rejects": ("rejects_received", "Requests a decode server rejected (their blocks freed at once)."),
     "released": ("released", "Requests whose kept blocks were released because their decode request failed."),
     "keep_alives": ("keep_alives_received", "Lease extensions asked by decode servers whose queue holds the request."),
+    "failed_notifications": ("failed_notifications", "Notifications (reject, keep-alive) that could not reach a prefill server."),
+    "handshakes": ("handshakes", "Side-channel handshakes with prefill servers that succeeded."),
+    "handshake_failures": ("handshake_failures", "Side-channel handshakes with prefill servers that failed."),
 }
 
 
@@ -92,6 +98,37 @@ def kv_transfer_metrics(values: dict[str, float]) -> Iterator[Metric]:
     held = GaugeMetricFamily("pd_kv_requests_held", "Requests whose KV blocks a prefill server keeps for a reader.")
     held.add_metric([], values.get("requests_held", 0.0))
     yield held
+
+
+# histogram name in the connector's stats -> (metric name, help)
+KV_TRANSFER_HISTOGRAMS = {
+    "xfer_time": ("pd_kv_transfer_xfer_time_seconds", "Seconds a KV read took, from post to completion."),
+    "post_time": ("pd_kv_transfer_post_time_seconds", "Seconds posting a KV read took."),
+    "bytes_per_read": ("pd_kv_transfer_bytes_per_read", "Bytes moved by one KV read."),
+    "descriptors_per_read": ("pd_kv_transfer_descriptors_per_read", "Transfer descriptors of one KV read."),
+    "handshake_time": ("pd_kv_transfer_handshake_time_seconds", "Seconds a side-channel handshake took."),
+}
+
+
+def kv_transfer_histograms(histograms: dict[str, Any]) -> Iterator[Metric]:
+    for key, (name, help_text) in KV_TRANSFER_HISTOGRAMS.items():
+        family = HistogramMetricFamily(name, help_text)
+        h = histograms.get(key)
+        if h is not None:
+            cumulative = list(itertools.accumulate(h.counts))
+            buckets = [(repr(float(le)), float(c)) for le, c in zip(h.buckets, cumulative)]
+            family.add_metric([], buckets + [("+Inf", float(cumulative[-1]))], sum_value=h.total)
+        yield family
+
+
+def prompt_source_metric(values: dict[str, int]) -> Metric:
+    """pd_prompt_tokens_by_source_total{source}: prompt tokens of requests that ran, by
+    where their KV came from (computed here, the local prefix cache, a remote prefill)."""
+    family = CounterMetricFamily("pd_prompt_tokens_by_source", "Prompt tokens of requests that ran, by where "
+                                 "their KV came from: computed, local_cache or remote.", labels=["source"])
+    for source in ("computed", "local_cache", "remote"):
+        family.add_metric([source], values.get(source, 0))
+    return family
 
 
 def kv_load_failure_metrics(values: dict[str, int]) -> Iterator[Metric]:

@@ -53,7 +53,7 @@ def test_handshakes_run_in_parallel_once_per_peer_and_failures_back_off() -> Non
         assert sorted(gate.calls) == [1, 666]  # both under way together: neither waits for the other
         assert handshakes.completed() == [] and handshakes.num_pending == 2  # nothing blocks the caller
         gate.open.set()
-        outcomes = dict(wait_completed(handshakes, 2))
+        outcomes = {engine_id: outcome for engine_id, outcome, _ in wait_completed(handshakes, 2)}
         assert outcomes["P1"] == "layout of 1" and isinstance(outcomes["P9"], RuntimeError)
         assert handshakes.failed_recently("P9") == "no handshake reply" and handshakes.failed_recently("P1") is None
         clock.now += 10.0
