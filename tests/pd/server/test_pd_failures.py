@@ -3,26 +3,16 @@ runs out, and a decode request D cannot serve from P's blocks (a reject)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 
 import httpx
 import pytest
 
-from server_harness import running_server, stop_process
+from server_harness import stop_process
 
 pytestmark = pytest.mark.slow
 BODY = {"prompt": "An old lighthouse keeper kept a log of every ship that passed. " * 4,
         "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture
-def start(tiny_models, tmp_path):
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    with contextlib.ExitStack() as stack:
-        yield lambda name, *args: stack.enter_context(
-            running_server(tiny_models["qwen3"], tmp_path / f"{name}.log", *args))
 
 
 def complete(server, body: dict) -> dict:

@@ -6,15 +6,12 @@ Without a secret, D reads only from its allowed peers."""
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import threading
 import time
 
 import httpx
 import pytest
-
-from server_harness import running_server
 
 pytestmark = pytest.mark.slow
 SECRET = "test-deployment-secret"
@@ -51,14 +48,6 @@ def recorder():
     recorder = ConnectionRecorder()
     yield recorder
     recorder.close()
-
-
-@pytest.fixture
-def start(tiny_models, tmp_path):
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    with contextlib.ExitStack() as stack:
-        yield lambda name, *args: stack.enter_context(
-            running_server(tiny_models["qwen3"], tmp_path / f"{name}.log", *args))
 
 
 def post(server, body: dict) -> httpx.Response:
