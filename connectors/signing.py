@@ -23,6 +23,7 @@ import hmac
 import ipaddress
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -70,6 +71,7 @@ class TransferParamsGuard:
         self.allowed = [ipaddress.ip_network(p, strict=False) for p in allowed_peers]
         self.wall_clock = wall_clock
         self._seen: dict[str, float] = {}  # signature -> lease end
+        self._seen_order: deque[tuple[float, str]] = deque()  # (lease end, signature), oldest first
 
     def check(self, params: RemotePrefillParams, prompt_token_ids: Sequence[int]) -> None:
         """Raises TransferParamsRefused saying why these parameters are not acted on."""
@@ -85,10 +87,19 @@ class TransferParamsGuard:
             raise TransferParamsRefused("kv_transfer_params have expired (the prefill server's lease ended)")
         if params.prompt_digest != prompt_digest(prompt_token_ids):
             raise TransferParamsRefused("kv_transfer_params were issued for another prompt")
-        self._seen = {s: end for s, end in self._seen.items() if end > now}
+        self._forget_expired(now)
         if params.signature in self._seen:
             raise TransferParamsRefused("kv_transfer_params were used already (a replay)")
         self._seen[params.signature] = params.lease_expires_at
+        self._seen_order.append((params.lease_expires_at, params.signature))
+
+    def _forget_expired(self, now: float) -> None:
+        """Drop signatures whose lease ended (they are refused as expired anyway); leases
+        are issued with one length, so the oldest entries end first."""
+        while self._seen_order and self._seen_order[0][0] <= now:
+            _, signature = self._seen_order.popleft()
+            if self._seen.get(signature, now + 1) <= now:
+                del self._seen[signature]
 
     def _check_peer(self, host: str) -> None:
         try:

@@ -65,3 +65,14 @@ def test_without_a_secret_only_allowed_peers_are_trusted() -> None:
 def test_the_digest_depends_on_every_token() -> None:
     assert prompt_digest(PROMPT) == prompt_digest(list(PROMPT))
     assert prompt_digest(PROMPT) != prompt_digest(PROMPT[1:]) != prompt_digest(PROMPT[:-1] + [PROMPT[-1] + 1])
+
+
+def test_used_signatures_are_forgotten_once_their_lease_ended() -> None:
+    clock = [NOW]
+    check = TransferParamsGuard(SECRET, wall_clock=lambda: clock[0])
+    for i in range(5):
+        check.check(sign(params(remote_request_id=f"cmpl-{i}", lease_expires_at=NOW + 10 + i), SECRET), PROMPT)
+    assert len(check._seen) == 5
+    clock[0] = NOW + 12.5  # three of the five leases have ended
+    check.check(sign(params(remote_request_id="cmpl-new", lease_expires_at=NOW + 100), SECRET), PROMPT)
+    assert len(check._seen) == 3  # two left from before, and the new one
