@@ -49,6 +49,7 @@ from pd.engine.messages import (
     output_decoder,
 )
 from pd.engine.process import run_engine_core
+from pd.errors import ERROR_INVALID
 
 logger = logging.getLogger(__name__)
 
@@ -186,9 +187,10 @@ class EngineClient:
     # ---- requests -----------------------------------------------------------------
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutputMsg]:
-        """Add the request and yield its outputs until the finished one. ValueError if
-        the core refuses it (or its id is in flight here), RequestFailedError if it fails
-        after admission, EngineDeadError if the engine dies. Stopping early (aclose, cancellation) aborts the request in the core."""
+        """Add the request and yield its outputs until the finished one.
+        RequestRefusedError (a ValueError) if the core refuses it or its id is in flight
+        here, RequestFailedError if it fails after admission, EngineDeadError if the
+        engine dies. Stopping early (aclose, cancellation) aborts the request in the core."""
         queue = self._register(request.request_id)
         finished = False
         try:
@@ -238,7 +240,7 @@ class EngineClient:
         if self._closed or not self.is_alive:
             raise EngineDeadError(self.dead_error)
         if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in flight")
+            raise RequestRefusedError(f"request id {request_id!r} is already in flight", ERROR_INVALID)
         queue: asyncio.Queue[RequestOutputMsg | _Dead] = asyncio.Queue()
         self._queues[request_id] = queue
         return queue
