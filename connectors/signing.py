@@ -23,7 +23,6 @@ import hmac
 import ipaddress
 import os
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -33,6 +32,33 @@ from connectors.params import RemotePrefillParams
 SECRET_ENV = "PD_KV_TRANSFER_SECRET"
 DEFAULT_ALLOWED_PEERS = ("127.0.0.0/8", "::1/128")
 _encoder = msgspec.msgpack.Encoder()
+
+
+class UntilExpiry:
+    """Keys remembered until a wall-clock end (a lease's). Expired keys are dropped
+    oldest first as keys are added: leases share one length, so ends come in about the
+    order keys do, and no call walks every key."""
+
+    def __init__(self) -> None:
+        self._ends: dict[str, float] = {}  # in insertion order
+
+    def add(self, key: str, end: float, now: float) -> None:
+        while self._ends:
+            oldest, oldest_end = next(iter(self._ends.items()))
+            if oldest_end > now:
+                break
+            del self._ends[oldest]
+        self._ends[key] = end
+
+    def holds(self, key: str, now: float) -> bool:
+        return self._ends.get(key, now) > now
+
+    def pop(self, key: str, now: float) -> bool:
+        """Forget `key`; whether it was held (and not expired)."""
+        return self._ends.pop(key, now) > now
+
+    def __len__(self) -> int:
+        return len(self._ends)
 
 
 class TransferParamsRefused(ValueError):
@@ -70,8 +96,7 @@ class TransferParamsGuard:
         self.secret = secret
         self.allowed = [ipaddress.ip_network(p, strict=False) for p in allowed_peers]
         self.wall_clock = wall_clock
-        self._seen: dict[str, float] = {}  # signature -> lease end
-        self._seen_order: deque[tuple[float, str]] = deque()  # (lease end, signature), oldest first
+        self._seen = UntilExpiry()  # signatures used, until their lease ends
 
     def check(self, params: RemotePrefillParams, prompt_token_ids: Sequence[int]) -> None:
         """Raises TransferParamsRefused saying why these parameters are not acted on."""
@@ -87,19 +112,9 @@ class TransferParamsGuard:
             raise TransferParamsRefused("kv_transfer_params have expired (the prefill server's lease ended)")
         if params.prompt_digest != prompt_digest(prompt_token_ids):
             raise TransferParamsRefused("kv_transfer_params were issued for another prompt")
-        self._forget_expired(now)
-        if params.signature in self._seen:
+        if self._seen.holds(params.signature, now):
             raise TransferParamsRefused("kv_transfer_params were used already (a replay)")
-        self._seen[params.signature] = params.lease_expires_at
-        self._seen_order.append((params.lease_expires_at, params.signature))
-
-    def _forget_expired(self, now: float) -> None:
-        """Drop signatures whose lease ended (they are refused as expired anyway); leases
-        are issued with one length, so the oldest entries end first."""
-        while self._seen_order and self._seen_order[0][0] <= now:
-            _, signature = self._seen_order.popleft()
-            if self._seen.get(signature, now + 1) <= now:
-                del self._seen[signature]
+        self._seen.add(params.signature, params.lease_expires_at, now)
 
     def _check_peer(self, host: str) -> None:
         try:

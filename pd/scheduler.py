@@ -15,13 +15,10 @@ chunk's last state is a boundary state (a request whose prompt KV comes from a r
 prefill is exempt). Correctness does not depend on it: the runner writes every boundary
 state a chunk crosses.
 
-A request whose remote KV has landed is a local request from then on: a preemption
-recomputes it here and never reads P again (P freed its blocks after the read). Faults
-belong to requests: an exception admitting one request, or a batch the runner reports
-failed, ends those requests with finish_reason "error" (`pd.errors.ERROR_INTERNAL`) and
-frees their blocks, and the others go on. A prefill server refuses new prefills for
-decode servers while the blocks it keeps for them reach `kv_max_held_fraction` of its
-pool (`HeldBlocksLimitError`), so unread requests cannot starve its own queue.
+Once its remote KV has landed a request is local: a preemption recomputes it here and
+never reads P again. An exception admitting a request, or a batch the runner reports
+failed, ends those requests with an error and frees their blocks; the others go on. P
+refuses prefills for decode servers past `kv_max_held_fraction` of its pool held for them.
 """
 
 from __future__ import annotations
@@ -36,6 +33,7 @@ from pd.config import KV_LOAD_FAILURE_POLICIES
 from pd.errors import ERROR_INTERNAL, ERROR_KV_LOAD_FAILED, HeldBlocksLimitError
 from pd.kv_cache.manager import KVCacheManager
 from pd.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput, SchedulerOutput
+from pd.prompt_sources import PromptSources
 from pd.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -83,8 +81,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.kv_load_failures = {"recompute": 0, "fail": 0}  # by what was done about them
         self._failed_outputs: list[RequestOutput] = []  # failed between updates; sent with the next one
-        self.prompt_tokens_by_source = {"computed": 0, "local_cache": 0, "remote": 0}  # at first run
-        self._sources_counted: set[str] = set()  # requests whose prompt tokens are counted above
+        self.prompt_sources = PromptSources()
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests or request.request_id in self.delayed_free:
@@ -93,15 +90,12 @@ class Scheduler:
             raise ValueError(f"prompt of {request.num_tokens} tokens leaves no room under "
                              f"max_model_len={self.config.max_model_len}")
         if request.do_remote_decode:
-            self._check_held_limit()
+            held, usable = self.num_held_blocks, self.kv.num_usable_blocks
+            if held >= self.config.kv_max_held_fraction * usable:
+                raise HeldBlocksLimitError(f"this prefill server keeps {held} of its {usable} KV blocks for "
+                                           "decode servers that have not read them yet; retry later")
         self.requests[request.request_id] = request
         self.waiting.append(request)
-
-    def _check_held_limit(self) -> None:
-        held, usable = self.num_held_blocks, self.kv.num_usable_blocks
-        if held >= self.config.kv_max_held_fraction * usable:
-            raise HeldBlocksLimitError(f"this prefill server keeps {held} of its {usable} KV blocks for decode "
-                                       "servers that have not read them yet; retry later")
 
     @property
     def num_held_blocks(self) -> int:
@@ -207,25 +201,9 @@ class Scheduler:
         if num_external:
             self.connector.update_state_after_alloc(request, self.kv.get_blocks(request.request_id), num_external)
         self.waiting.popleft()
-        self._count_prompt_sources(request, num_hit, num_external)
+        self.prompt_sources.count(request, num_hit, num_external)
         self._start_running(request, computed, num_hit, num_new, out)
         return num_new
-
-    def _count_prompt_sources(self, request: Request, num_hit: int, num_external: int) -> None:
-        """Where the prompt's tokens come from, once per request, when it first runs: the
-        local prefix cache, a remote prefill (whose landing left it computed this far),
-        or computation here."""
-        if request.request_id in self._sources_counted:
-            return
-        self._sources_counted.add(request.request_id)
-        if request.status is RequestStatus.WAITING and request.num_computed_tokens:  # its remote KV landed
-            num_hit, num_external = request.num_cached_tokens, request.num_computed_tokens - request.num_cached_tokens
-        prompt = request.num_prompt_tokens
-        num_external = min(num_external, prompt - num_hit)
-        sources = self.prompt_tokens_by_source
-        sources["local_cache"] += num_hit
-        sources["remote"] += num_external
-        sources["computed"] += prompt - num_hit - num_external
 
     def _park_for_remote_kv(self, request: Request, hit_blocks, num_hit: int, num_external: int) -> bool:
         """Allocate blocks for the external tokens and wait for the connector to fill them."""
@@ -400,7 +378,7 @@ class Scheduler:
             self.running.remove(request)
             self.finished_req_ids.add(request.request_id)
         self.sent_blocks.pop(request.request_id, None)
-        self._sources_counted.discard(request.request_id)
+        self.prompt_sources.forget(request.request_id)
         del self.requests[request.request_id]
         delay_free, params = self._connector_finished(request)
         if was_loading:  # the connector may still be writing its blocks

@@ -162,7 +162,7 @@ class EngineCore:
             group_queries=list(prefix.group_queries), group_hits=list(prefix.group_hits),
             kv_transfer=self._transfer_counters(), kv_load_failures=dict(self.scheduler.kv_load_failures),
             kv_transfer_histograms=self._transfer_histograms(),
-            prompt_tokens_by_source=dict(self.scheduler.prompt_tokens_by_source))
+            prompt_tokens_by_source=dict(self.scheduler.prompt_sources.counts))
 
     def _transfer_counters(self) -> dict[str, float]:
         connector = self.runner.connector

@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 
 from connectors.params import RemoteDecodeParams, RemotePrefillParams, TransferParamsError, parse_transfer_params
-from connectors.signing import TransferParamsGuard, TransferParamsRefused
+from connectors.signing import TransferParamsGuard, TransferParamsRefused, UntilExpiry
 from pd.engine.messages import EngineRequest
 from pd.request import SamplingParams
 from pd.server.chat import ChatTemplate, ChatTemplateError
@@ -65,18 +65,17 @@ class Server:
         self.served_model_name = served_model_name
         self.chat_template = chat_template
         self.in_flight: set[str] = set()
-        self.held: dict[str, float] = {}  # engine request id -> lease end (wall clock), of params answered
+        self.held = UntilExpiry()  # engine request ids of params answered, until their lease ends
 
     def note_held(self, params: RemotePrefillParams) -> None:
         """This server answered `params`: its engine keeps their blocks until the lease ends."""
         now = time.time()
-        self.held = {r: end for r, end in self.held.items() if end > now}
-        self.held[params.remote_request_id] = params.lease_expires_at or now
+        self.held.add(params.remote_request_id, params.lease_expires_at or now, now)
 
     async def release_held(self, remote_request_id: str) -> bool:
         """Have the engine free now the blocks kept for `remote_request_id`; False if this
         server holds none for it (never answered, already read, or the lease ended)."""
-        if self.held.pop(remote_request_id, 0.0) <= time.time():
+        if not self.held.pop(remote_request_id, time.time()):
             return False
         await self.client.release_held([remote_request_id])
         return True

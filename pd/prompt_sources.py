@@ -1,0 +1,29 @@
+"""Where each request's prompt tokens came from: computed here, the local prefix cache,
+or a remote prefill; counted once per request, when it first runs."""
+
+from __future__ import annotations
+
+from pd.request import Request, RequestStatus
+
+
+class PromptSources:
+    def __init__(self) -> None:
+        self.counts = {"computed": 0, "local_cache": 0, "remote": 0}
+        self._counted: set[str] = set()  # requests counted, until they finish
+
+    def count(self, request: Request, num_hit: int, num_external: int) -> None:
+        """At admission: `num_hit` tokens from the local prefix cache, `num_external`
+        from outside; a request whose remote KV landed brings what it was parked with."""
+        if request.request_id in self._counted:
+            return
+        self._counted.add(request.request_id)
+        if request.status is RequestStatus.WAITING and request.num_computed_tokens:  # its remote KV landed
+            num_hit, num_external = request.num_cached_tokens, request.num_computed_tokens - request.num_cached_tokens
+        prompt = request.num_prompt_tokens
+        num_external = min(num_external, prompt - num_hit)
+        self.counts["local_cache"] += num_hit
+        self.counts["remote"] += num_external
+        self.counts["computed"] += prompt - num_hit - num_external
+
+    def forget(self, request_id: str) -> None:
+        self._counted.discard(request_id)
