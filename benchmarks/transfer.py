@@ -1,27 +1,37 @@
-"""NIXL READ bandwidth for one request's KV blocks, beside a plain torch copy of the same bytes.
+"""KV transfer speed between two processes on this host: NIXL READ against the physical
+limits, a single CMA copy (`process_vm_readv`) and an in-process copy.
 
-For each tiny architecture, builds the KV cache config the engine would build
-(`model.kv_cache_specs(16)` -> `make_kv_cache_config`) in both layouts. A spawned P process
-owns a KV cache filled with a pattern, serves the side channel and polls NIXL every
-`--peer-poll-ms` (as an engine step would); this process is D. One "request" is N blocks
-per KV cache group, allocated on each side as 2-4 runs at random places, so the paired
-lists split into a few more runs. Timed per repeat, medians reported:
+**Block sweep** (always): for each block size (4 KiB-4 MiB), one READ of `--read-mib`
+of blocks scattered in both KV caches (every other block, in reverse order on D, so each
+block is its own descriptor: no run merges), timed three ways, medians reported (NIXL
+and CMA interleaved, each first in every other round; NIXL / CMA is the median of the
+rounds' ratios):
 
-- NIXL: `start_read` (descriptors built per transfer) + `poll` until DONE, the READ
-  carrying a ReadDone notification as the connector sends it. DONE waits until the
-  notification reached P's agent, so P's poll interval is part of this figure;
-- NIXL no notif: the same READ without a notification (data movement alone);
-- torch gather: `dst.index_copy_(0, local, src.index_select(0, remote))` per tensor and
-  group over the same paired blocks, inside one process (two passes over the bytes; rows
-  viewed as int64 where they allow, as torch's int8 index_copy_ is ~5x slower);
-- torch run copy: `dst[l:l+n].copy_(src[r:r+n])` per run (one pass; a memcpy bound).
+- NIXL READ: `NixlTransport.start_read` + `poll` until DONE, no notification (the data
+  movement; UCX reads with one CMA copy per descriptor on one host);
+- CMA: `process_vm_readv` of the same block pairs, as few calls as IOV_MAX allows: the
+  copy UCX's cma transport makes, with no per-descriptor overhead;
+- memcpy: `dst[l].copy_(src[r])` per block inside one process (no kernel in between;
+  Python-bound for small blocks).
 
+Then NIXL + notif: the same READ carrying a read-done notification, as the connector
+sends it; DONE waits until P's agent took the notification, so P's poll interval
+(`--peer-poll-ms`, its engine step) is part of that figure.
+
+**Per architecture** (`--arch ...`): one request of `--num-blocks` blocks per KV cache
+group of the engine's real KV cache config (`model.kv_cache_specs(16)` ->
+`make_kv_cache_config`), canonical and per-layer layouts, blocks as 2-4 runs at random
+places; NIXL with and without the notification beside an in-process torch gather
+(`index_copy_`, two passes) and run copy (`copy_` per run).
+
+    python -m benchmarks.transfer                      # the block sweep
     python -m benchmarks.transfer --arch qwen3 gemma3 bamba granitehybrid --num-blocks 256
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -41,7 +51,7 @@ import torch
 
 from connectors.nixl.handshake import SideChannelServer, fetch_remote_layout
 from connectors.nixl.messages import HandshakeRequest, HandshakeResponse, ReadDone, compat_hash, encode_notif
-from connectors.nixl.transport import NixlTransport, TransferHandle, paired_runs
+from connectors.nixl.transport import NixlTransport, TransferHandle, configure_ucx, paired_runs
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.spec import KVCacheConfig
 from pd.models.config import ModelConfig
@@ -214,6 +224,136 @@ def timed(fn, repeats: int) -> list[float]:
     return times
 
 
+IOV_MAX = 1024  # iovecs per process_vm_readv call (Linux UIO_MAXIOV)
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
+
+
+def cma_read(pid: int, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]]) -> int:
+    """Copy (address, length) ranges of process `pid` into ours with process_vm_readv,
+    IOV_MAX ranges per call; returns the bytes copied."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.process_vm_readv.restype = ctypes.c_ssize_t
+    copied = 0
+    for i in range(0, len(local), IOV_MAX):
+        ours, theirs = local[i:i + IOV_MAX], remote[i:i + IOV_MAX]
+        lv = (_IoVec * len(ours))(*[_IoVec(a, n) for a, n in ours])
+        rv = (_IoVec * len(theirs))(*[_IoVec(a, n) for a, n in theirs])
+        got = libc.process_vm_readv(pid, lv, len(ours), rv, len(theirs), 0)
+        if got < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"process_vm_readv: {os.strerror(err)}")
+        copied += got
+    return copied
+
+
+def block_caches(tensor: torch.Tensor):
+    """One KV cache group whose block is one whole row of `tensor`."""
+    from connectors.canonical import CanonicalKVCaches, KVCacheBlockDataRef, KVCacheBlockTensor
+
+    return CanonicalKVCaches([KVCacheBlockTensor(tensor)], [[KVCacheBlockDataRef(0, tensor.shape[1])]])
+
+
+def serve_block_peer(conn, engine_id: str, num_blocks: int, block_bytes: int, poll_s: float) -> None:
+    """P for the sweep: a (num_blocks, block_bytes) buffer of random bytes, the side
+    channel, NIXL polled every `poll_s`; sends (port, pid, buffer address)."""
+    buffer = torch.randint(-128, 128, (num_blocks, block_bytes), dtype=torch.int8,
+                           generator=torch.Generator().manual_seed(P_SEED))
+    transport = NixlTransport(engine_id, block_caches(buffer))
+    server = SideChannelServer("127.0.0.1", 0, lambda request: HandshakeResponse(
+        transport.agent_metadata(), transport.local_layout("sweep")))
+    try:
+        conn.send((server.port, os.getpid(), buffer.data_ptr()))
+        while not conn.poll(poll_s):
+            transport.get_notifs()
+    finally:
+        server.close()
+        transport.close()
+
+
+def bench_block_size(block_bytes: int, args: argparse.Namespace) -> dict:
+    count = max(4, (args.read_mib << 20) // block_bytes)  # blocks in the read
+    num_blocks = 2 * count + 1  # every other block, from 1 (0 is the null block)
+    remote_ids = [1 + 2 * i for i in range(count)]
+    local_ids = remote_ids[::-1]
+    peer_id, d_id = f"P-sweep-{block_bytes}", f"D-sweep-{block_bytes}"
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=serve_block_peer, args=(child, peer_id, num_blocks, block_bytes,
+                                                         args.peer_poll_ms / 1000), daemon=True)
+    process.start()
+    peer = Peer(process, parent, 0)
+    d = None
+    try:
+        if not parent.poll(120):
+            raise RuntimeError(f"peer {peer_id} did not start")
+        port, pid, remote_base = parent.recv()
+        dst = torch.zeros((num_blocks, block_bytes), dtype=torch.int8)
+        dst.fill_(1)  # touch every page: no first-touch faults are timed
+        d = NixlTransport(d_id, block_caches(dst))
+        d.add_peer(fetch_remote_layout("127.0.0.1", port, HandshakeRequest(d_id, "sweep"), 10.0))
+        source = torch.randint(-128, 128, (num_blocks, block_bytes), dtype=torch.int8,
+                               generator=torch.Generator().manual_seed(P_SEED))  # P's bytes
+        local = [(dst.data_ptr() + b * block_bytes, block_bytes) for b in local_ids]
+        remote = [(remote_base + b * block_bytes, block_bytes) for b in remote_ids]
+        copy_dst = torch.zeros_like(dst)
+        copy_dst.fill_(1)
+
+        def nixl() -> None:
+            timed_read(d, peer_id, [local_ids], [remote_ids], b"")
+
+        def cma() -> None:
+            if cma_read(pid, local, remote) != count * block_bytes:
+                raise RuntimeError("process_vm_readv copied short")
+
+        def memcpy() -> None:
+            for l, r in zip(local_ids, remote_ids):
+                copy_dst[l].copy_(source[r])
+
+        li, ri = torch.tensor(local_ids), torch.tensor(remote_ids)
+        for fn in (nixl, cma):  # each lands P's bytes exactly where they belong
+            dst.fill_(0)
+            fn()
+            if not torch.equal(dst[li], source[ri]):
+                raise AssertionError(f"{fn.__name__} moved the wrong bytes")
+        times = {"nixl": [], "cma": []}
+        for i in range(args.repeats):  # NIXL and CMA interleaved, each first in every other round
+            for name, fn in (("nixl", nixl), ("cma", cma))[::1 if i % 2 else -1]:
+                started = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - started)
+        times["memcpy"] = timed(memcpy, args.repeats)  # apart: its writes to another buffer would
+        # be written back during whatever ran next
+        notif = encode_notif(ReadDone("bench-request"))
+        times["nixl_notif"] = timed(lambda: timed_read(d, peer_id, [local_ids], [remote_ids], notif), args.repeats)
+    finally:
+        if d is not None:
+            d.close()
+        peer.stop()
+    num_bytes = count * block_bytes
+    row = {"block_bytes": block_bytes, "blocks": count, "bytes": num_bytes, "ucx_tls": os.environ.get("UCX_TLS")}
+    for name, values in times.items():
+        row[f"{name}_gbps"] = num_bytes / statistics.median(values) / 1e9
+        row[f"{name}_median_ms"] = statistics.median(values) * 1e3
+    # each round's NIXL against the CMA copy next to it: the pairing cancels the machine's drift
+    row["nixl_over_cma"] = statistics.median(c / n for n, c in zip(times["nixl"], times["cma"]))
+    return row
+
+
+def format_sweep(rows: Sequence[dict]) -> str:
+    lines = ["| block | blocks | MiB | NIXL READ GB/s | CMA GB/s | memcpy GB/s | NIXL / CMA | NIXL + notif GB/s |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        size = r["block_bytes"]
+        label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+        lines.append(f"| {label} | {r['blocks']} | {r['bytes'] / 2**20:.0f} | {r['nixl_gbps']:.2f} "
+                     f"| {r['cma_gbps']:.2f} | {r['memcpy_gbps']:.2f} | {r['nixl_over_cma']:.2f} "
+                     f"| {r['nixl_notif_gbps']:.2f} |")
+    return "\n".join(lines)
+
+
 def bench_one(arch: str, layout: str, config: KVCacheConfig, args: argparse.Namespace) -> dict:
     my_hash = layout_hash(arch, args.dtype, layout, config)
     peer_id, d_id = f"P-{arch}-{layout}", f"D-{arch}-{layout}"
@@ -267,38 +407,53 @@ def format_table(rows: Sequence[dict]) -> str:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = p.add_argument
-    add("--arch", nargs="+", choices=sorted(ARCHS), default=["qwen3", "gemma3", "bamba", "granitehybrid"])
-    add("--num-blocks", type=int, default=256, help="blocks per KV cache group in the request")
-    add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    add("--repeats", type=int, default=10)
+    add("--block-kib", nargs="+", type=int, default=[4, 16, 64, 256, 1024, 4096],
+        help="block sizes of the sweep, in KiB (default 4 16 64 256 1024 4096)")
+    add("--read-mib", type=int, default=64, help="bytes of one READ in the sweep, in MiB (default 64)")
+    add("--arch", nargs="*", choices=sorted(ARCHS), default=[],
+        help="also time one request's read with these tiny architectures' KV cache configs (default: none)")
+    add("--num-blocks", type=int, default=256, help="blocks per KV cache group in the --arch request (default 256)")
+    add("--ucx-transports", default="auto", metavar="UCX_TLS",
+        help="UCX transports, as pd serve's --kv-ucx-transports (default auto: sm,self,tcp on one host)")
+    add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="KV dtype of the --arch configs (default float32)")
+    add("--repeats", type=int, default=10, help="timed repeats per figure; medians are reported (default 10)")
     add("--peer-poll-ms", type=float, default=1.0, help="how often P polls NIXL (its engine step)")
-    add("--output", type=Path, default=Path("results/transfer.json"))
+    add("--output", type=Path, default=Path("results/transfer.json"), help="where the JSON goes (default results/transfer.json)")
     args = p.parse_args(argv)
-    if args.num_blocks < 4 or args.repeats < 1:
-        p.error("--num-blocks must be at least 4 and --repeats at least 1")
+    if args.num_blocks < 4 or args.repeats < 1 or args.read_mib < 1 or min(args.block_kib) < 1:
+        p.error("--num-blocks must be at least 4, --repeats, --read-mib and --block-kib at least 1")
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> list[dict]:
+def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
+    configure_ucx("127.0.0.1", args.ucx_transports)  # as a one-host deployment; spawned peers inherit it
+    sweep = [bench_block_size(kib << 10, args) for kib in args.block_kib]
+    print(f"One READ of {args.read_mib} MiB of scattered blocks between two processes, UCX_TLS="
+          f"{os.environ.get('UCX_TLS')}; medians of {args.repeats} interleaved repeats; P polls every "
+          f"{args.peer_poll_ms:g} ms (the notif column).")
+    print(format_sweep(sweep))
     rows = []
     with tempfile.TemporaryDirectory() as model_root:
         for arch in args.arch:
             config = kv_config(arch, args.dtype, args.num_blocks, Path(model_root))
             rows += [bench_one(arch, layout, config, args) for layout in LAYOUTS]
-    print(f"One request of {args.num_blocks} blocks per group, {args.dtype}, P polls every "
-          f"{args.peer_poll_ms:g} ms; medians of {args.repeats} repeats.")
-    print(format_table(rows))
+    if rows:
+        print(f"\nOne request of {args.num_blocks} blocks per group, {args.dtype}, P polls every "
+              f"{args.peer_poll_ms:g} ms; medians of {args.repeats} repeats.")
+        print(format_table(rows))
     result = {
         "parameters": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "environment": {"python": sys.version, "platform": platform.platform(), "cpus": os.cpu_count(),
-                        "torch": torch.__version__, "torch_threads": torch.get_num_threads()},
+                        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                        "ucx_tls": os.environ.get("UCX_TLS"), "ucx_net_devices": os.environ.get("UCX_NET_DEVICES")},
+        "sweep": sweep,
         "rows": rows,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(f"Wrote {args.output}")
-    return rows
+    return result
 
 
 if __name__ == "__main__":

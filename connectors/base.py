@@ -32,6 +32,17 @@ if TYPE_CHECKING:
     from pd.request import Request
 
 
+class KVLoadRefused(Exception):
+    """Raised by `get_num_new_matched_tokens`: this request's external KV cannot be loaded
+    (its parameters do not fit it). The scheduler then computes the request here or fails
+    it, per its load failure policy; the connector has already told the KV's holder."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"the KV of request {request_id} cannot be loaded: {reason}")
+        self.request_id = request_id
+        self.reason = reason
+
+
 @dataclass
 class KVConnectorMetadata:
     """What the scheduler half tells the worker half in one step (connector-specific)."""
@@ -56,7 +67,9 @@ class KVConnectorScheduler(ABC):
         """Tokens past the local prefix hit (`num_computed_tokens`) that can be loaded
         from outside, and whether they load asynchronously (the request then waits in
         WAITING_FOR_REMOTE_KVS). Called before allocation; may be called again for a
-        request whose allocation failed."""
+        request whose allocation failed. Raises KVLoadRefused for external KV that
+        exists but cannot be loaded into this request; the connector never marks the
+        request itself."""
 
     @abstractmethod
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

@@ -43,6 +43,8 @@ class EngineConfig:
     kv_host: str = "127.0.0.1"
     kv_side_channel_port: int = 0
     kv_lease_seconds: float = 60.0
+    kv_read_timeout: float = 30.0  # D: a KV read still under way after this long fails (recompute / fail)
+    kv_ucx_transports: str = "auto"  # UCX_TLS for the NIXL agent; auto: shared memory + tcp on loopback
     skip_mamba_align: bool = True
     kv_load_failure_policy: str = "recompute"
     kv_max_held_fraction: float = 0.5  # P: share of blocks kept for unread requests before refusing more
@@ -62,6 +64,11 @@ class EngineConfig:
             raise ValueError(f"kv_connector must be one of {', '.join(KV_CONNECTORS)}, got {self.kv_connector!r}")
         if self.kv_lease_seconds <= 0:
             raise ValueError(f"kv_lease_seconds must be positive, got {self.kv_lease_seconds}")
+        if self.kv_read_timeout <= 0:
+            raise ValueError(f"kv_read_timeout must be positive, got {self.kv_read_timeout}")
+        if not self.kv_ucx_transports.strip() or any(c.isspace() for c in self.kv_ucx_transports):
+            raise ValueError(f"kv_ucx_transports must be auto or a UCX_TLS list such as sm,self,tcp, "
+                             f"got {self.kv_ucx_transports!r}")
         if not 0 <= self.kv_side_channel_port < 65536:
             raise ValueError(f"kv_side_channel_port must be a TCP port (0: any free one), got {self.kv_side_channel_port}")
         if self.role != "both" and self.kv_connector == "none":
@@ -122,6 +129,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-host", default="127.0.0.1", help="address the KV side channel binds and advertises to decode servers (default 127.0.0.1)")
     parser.add_argument("--kv-side-channel-port", type=int, default=0, help="TCP port of the KV side channel (handshakes); 0 picks a free one (default 0)")
     parser.add_argument("--kv-lease-seconds", type=float, default=60.0, help="a prefill server frees KV blocks no decode server read after this long (default 60)")
+    parser.add_argument("--kv-read-timeout", type=float, default=30.0, help="on a decode server, a KV read from the prefill server still under way after this many seconds fails, and --kv-load-failure-policy decides (default 30)")
+    parser.add_argument("--kv-ucx-transports", default="auto", metavar="UCX_TLS", help="UCX transports the NIXL agent may use, as a UCX_TLS list (e.g. rc,ud,sm,self or cuda_ipc,sm,self,tcp); auto: for a loopback --kv-host sm,self,tcp (reads are one process_vm_readv copy), else UCX's own choice; a UCX_TLS environment variable wins over auto (default auto)")
     parser.add_argument("--no-skip-mamba-align", dest="skip_mamba_align", action="store_false", help="on a decode server, keep Mamba and sliding-window groups in the prefix-cache hit search for remote-prefill requests (A/B comparison: their misses collapse the full-attention hit, so D reads more)")
     parser.add_argument("--kv-load-failure-policy", choices=KV_LOAD_FAILURE_POLICIES, default="recompute", help="when a decode server cannot load a request's KV from the prefill server (P gone, read failed, incompatible pair): recompute the prompt here, or fail the request with an error (default recompute)")
     parser.add_argument("--kv-max-held-fraction", type=float, default=0.5, help="on a prefill server, the most of its KV cache (0..1] kept for decode servers that have not read it yet; past it, new prefills for decode servers are refused with 503 and Retry-After so the server's own queue is not starved (default 0.5)")

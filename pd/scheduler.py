@@ -27,7 +27,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from connectors.base import KVConnectorOutput, KVConnectorScheduler, NullConnectorScheduler
+from connectors.base import KVConnectorOutput, KVConnectorScheduler, KVLoadRefused, NullConnectorScheduler
 from connectors.params import RemotePrefillParams
 from pd.config import KV_LOAD_FAILURE_POLICIES
 from pd.errors import ERROR_INTERNAL, ERROR_KV_LOAD_FAILED, HeldBlocksLimitError
@@ -185,10 +185,15 @@ class Scheduler:
         was parked for remote KV or failed), or None when the pool cannot take it."""
         if request.num_computed_tokens == 0:  # new or preempted: look up what exists
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-            load_error = request.kv_load_error
-            num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
-            if request.kv_load_error != load_error and self._fails_on_load_error(request):
-                return 0  # the connector found its kv_transfer_params unloadable just now
+            try:
+                num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
+            except KVLoadRefused as refused:  # its remote KV cannot be loaded: a local request now
+                request.kv_load_error = refused.reason
+                if self._fails_on_load_error(request):
+                    return 0
+                # the hit above skipped Mamba / sliding-window groups for a remote prefill
+                hit_blocks, num_hit = self.kv.get_computed_blocks(request, record=False)
+                num_external, load_async = 0, False
         else:  # its remote KV has landed; its blocks are already allocated
             hit_blocks, num_hit, num_external, load_async = None, 0, 0, False
         if load_async:

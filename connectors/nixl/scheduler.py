@@ -25,8 +25,9 @@ Per request, from its `kv_transfer_params` (DESIGN.md, "PD protocol"):
 
 The parameters arrive typed and bounded (connectors/params.py). A D request whose
 parameters do not fit it (wrong prompt length, block lists of the wrong shape) is not
-loaded: P is told to free its blocks (a reject), and the scheduler's load
-failure policy decides whether the request is computed here or fails.
+loaded: P is told to free its blocks (a reject), `KVLoadRefused` says so to the
+scheduler, and its load failure policy decides whether the request is computed here
+or fails.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from connectors.base import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler
+from connectors.base import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, KVLoadRefused
 from connectors.params import RemotePrefillParams
 from connectors.signing import prompt_digest, sign
 from pd.kv_cache.spec import cdiv
@@ -120,8 +121,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         try:
             check_fits(params, request, len(self.block_sizes), self.block_sizes[0])
         except KVTransferParamsError as exc:
-            self._reject_invalid(request, params, str(exc))
-            return 0, False
+            self._meta.reqs_to_reject.append((RemotePrefill.of(params), str(exc)))  # P frees its blocks
+            self.num_rejected += 1
+            raise KVLoadRefused(request.request_id, f"its kv_transfer_params do not fit it: {exc}") from None
         return max(request.num_prompt_tokens - num_computed_tokens, 0), True
 
     def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
@@ -150,12 +152,6 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             if now >= end - params.lease_seconds / 2:
                 self._meta.reqs_to_keep_alive.append(RemotePrefill.of(params))
                 self._lease_end[request.request_id] = now + params.lease_seconds * (1 - KEEP_ALIVE_MARGIN)
-
-    def _reject_invalid(self, request: Request, params: RemotePrefillParams, reason: str) -> None:
-        """Compute the request here; tell P to free its blocks."""
-        request.kv_load_error = f"its kv_transfer_params cannot be loaded here: {reason}"
-        self._meta.reqs_to_reject.append((RemotePrefill.of(params), reason))
-        self.num_rejected += 1
 
     # --- P side -------------------------------------------------------------------
     def request_finished(self, request: Request, block_ids: list[list[int]]) -> tuple[bool, RemotePrefillParams | None]:

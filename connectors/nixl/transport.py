@@ -76,15 +76,21 @@ class _Peer:
 def paired_runs(local_ids: Sequence[int], remote_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """(local start, remote start, length) of each maximal run of positions where both ids
     go up by one, in order. Positions where either id is the null block are skipped."""
-    runs: list[tuple[int, int, int]] = []
-    for local, remote in zip(local_ids, remote_ids, strict=True):
-        if local == NULL_BLOCK_ID or remote == NULL_BLOCK_ID:
-            continue
-        if runs and runs[-1][0] + runs[-1][2] == local and runs[-1][1] + runs[-1][2] == remote:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((local, remote, 1))
-    return runs
+    return [tuple(int(x) for x in run) for run in zip(*_paired_run_arrays(local_ids, remote_ids))]
+
+
+def _paired_run_arrays(local_ids: Sequence[int], remote_ids: Sequence[int]) -> tuple[np.ndarray, ...]:
+    """`paired_runs` as three int64 arrays (local starts, remote starts, lengths), built
+    without a Python loop over the blocks: a request can hold thousands."""
+    local, remote = np.asarray(local_ids, dtype=np.int64), np.asarray(remote_ids, dtype=np.int64)
+    if local.shape != remote.shape:
+        raise ValueError(f"{local.size} local block ids for {remote.size} remote ones")
+    real = (local != NULL_BLOCK_ID) & (remote != NULL_BLOCK_ID)
+    local, remote = local[real], remote[real]
+    breaks = np.ones(local.size, dtype=bool)
+    breaks[1:] = (np.diff(local) != 1) | (np.diff(remote) != 1)
+    starts = np.flatnonzero(breaks)
+    return local[starts], remote[starts], np.diff(np.append(starts, local.size))
 
 
 class NixlTransport:
@@ -202,14 +208,14 @@ class NixlTransport:
         the peer does not raise: the handle is then in state ERR."""
         peer = self._peer(peer_engine_id)
         local, remote = self._descriptors(peer.layout, local_block_ids, remote_block_ids)
-        handle = TransferHandle(peer_engine_id, len(local), int(sum(length for _, length, _ in local)))
-        if not local:
+        handle = TransferHandle(peer_engine_id, len(local), int(local[:, 1].sum()))
+        if not len(local):
             return self._notify_only(handle, peer, notif)
         try:
             xfer = self._agent.initialize_xfer(
                 "READ",
-                self._agent.get_xfer_descs(np.array(local, dtype=np.uint64), self.device_kind),
-                self._agent.get_xfer_descs(np.array(remote, dtype=np.uint64), peer.layout.device_kind),
+                self._agent.get_xfer_descs(local, self.device_kind),
+                self._agent.get_xfer_descs(remote, peer.layout.device_kind),
                 peer.name,
                 notif,
             )
@@ -237,6 +243,21 @@ class NixlTransport:
             state = "ERR"
         self._settle(handle, state)
         return handle.state
+
+    def cancel(self, handle: TransferHandle) -> bool:
+        """Stop a READ still in progress. True once it is final (NIXL cancelled it, or it
+        had ended): nothing more lands in its local blocks. False if NIXL could not
+        cancel it now (its release failed): the blocks stay the READ's; try again later."""
+        if handle.state != "PROC":
+            return True
+        try:
+            handle._xfer.release()
+        except self._errors as exc:
+            logger.info("cancelling a READ from %r: %s", handle.peer_engine_id, exc)
+            return False
+        handle.state, handle.error, handle._xfer = "ERR", "cancelled", None
+        self._live.discard(handle)
+        return True
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         """Notifications received since the last call, by peer engine id; progresses
@@ -281,23 +302,25 @@ class NixlTransport:
 
     def _descriptors(
         self, peer: KVLayoutInfo, local_ids: list[list[int]], remote_ids: list[list[int]]
-    ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-        """(address, length, device id) lists, aligned: entry i of both is one run of one ref."""
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(address, length, device id) rows as uint64 arrays, aligned: row i of both is
+        one run of one ref."""
         if len(local_ids) != len(self._refs) or len(remote_ids) != len(self._refs):
             raise ValueError(f"block ids for {len(local_ids)} local and {len(remote_ids)} remote groups; "
                              f"the KV cache has {len(self._refs)}")
-        local: list[tuple[int, int, int]] = []
-        remote: list[tuple[int, int, int]] = []
+        local, remote = [], []
         for group_id, (lids, rids) in enumerate(zip(local_ids, remote_ids)):
             if len(lids) != len(rids):
                 raise ValueError(f"group {group_id}: {len(lids)} local block ids for {len(rids)} remote ones")
+            lids, rids = np.asarray(lids, dtype=np.int64), np.asarray(rids, dtype=np.int64)
             _check_ids(lids, self._tensors[0].num_blocks, f"group {group_id} local")
             _check_ids(rids, peer.tensors[0].num_blocks, f"group {group_id} remote")
-            runs = paired_runs(lids, rids)
+            l_starts, r_starts, lengths = _paired_run_arrays(lids, rids)
             for ours, theirs in zip(self._refs[group_id], peer.group_data_refs[group_id]):
-                local += _run_ranges(self._tensors[ours.tensor_idx], ours, [(l, n) for l, _, n in runs])
-                remote += _run_ranges(peer.tensors[theirs.tensor_idx], theirs, [(r, n) for _, r, n in runs])
-        return local, remote
+                local.append(_run_ranges(self._tensors[ours.tensor_idx], ours, l_starts, lengths))
+                remote.append(_run_ranges(peer.tensors[theirs.tensor_idx], theirs, r_starts, lengths))
+        empty = np.empty((0, 3), dtype=np.uint64)
+        return np.concatenate([empty, *local]), np.concatenate([empty, *remote])
 
     def _notify_only(self, handle: TransferHandle, peer: _Peer, notif: bytes) -> TransferHandle:
         if notif:
@@ -325,18 +348,22 @@ class NixlTransport:
             logger.info("releasing a %s transfer to %r: %s", handle.state, handle.peer_engine_id, exc)
 
 
-def _check_ids(block_ids: Sequence[int], num_blocks: int, what: str) -> None:
-    for b in block_ids:
-        if not 0 <= b < num_blocks:
-            raise ValueError(f"{what} block id {b} out of range [0, {num_blocks})")
+def _check_ids(ids: np.ndarray, num_blocks: int, what: str) -> None:
+    bad = np.flatnonzero((ids < 0) | (ids >= num_blocks))
+    if bad.size:
+        raise ValueError(f"{what} block id {ids[bad[0]]} out of range [0, {num_blocks})")
 
 
-def _run_ranges(tensor: TensorInfo, ref: DataRefInfo, runs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """One (address, length, device id) per run (start, n): rows start..start+n-1 from the
-    ref's offset in the first to the end of its page in the last (as block_ranges)."""
+def _run_ranges(tensor: TensorInfo, ref: DataRefInfo, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """One (address, length, device id) row per run (start, n): rows start..start+n-1
+    from the ref's offset in the first to the end of its page in the last (as
+    block_ranges)."""
     row = tensor.row_bytes
-    return [(tensor.base_address + start * row + ref.offset_bytes, (n - 1) * row + ref.page_size_bytes,
-             tensor.device_id) for start, n in runs]
+    ranges = np.empty((starts.size, 3), dtype=np.uint64)
+    ranges[:, 0] = tensor.base_address + starts * row + ref.offset_bytes
+    ranges[:, 1] = (lengths - 1) * row + ref.page_size_bytes
+    ranges[:, 2] = tensor.device_id
+    return ranges
 
 
 def _tensor_info(tensor: KVCacheBlockTensor) -> TensorInfo:
@@ -368,14 +395,28 @@ def _load_nixl() -> tuple[Any, tuple[type[Exception], ...]]:
     raise ImportError("NIXL is not installed (pip install nixl-cu12)")
 
 
-def confine_ucx_to(host: str) -> None:
-    """UCX's TCP transport listens on every network interface unless told otherwise. For
-    a loopback `--kv-host` (one machine), keep it on loopback: `UCX_NET_DEVICES=lo`, set
-    before the first agent starts UCX. An operator's own UCX_NET_DEVICES wins, and other
-    hosts keep UCX's choice: narrowing it there could exclude the RDMA devices."""
+ONE_HOST_UCX_TLS = "sm,self,tcp"  # shared memory (cma: one process_vm_readv per run); tcp for wire-up
+
+
+def configure_ucx(host: str, transports: str = "auto") -> None:
+    """Set UCX's environment for this process, before the first agent starts UCX.
+
+    - Transports: `transports` is a UCX_TLS list, or "auto". Auto, for a loopback
+      `host` (one machine), is ONE_HOST_UCX_TLS: a READ is then one CMA copy per run
+      (`benchmarks/transfer.py` measures it against a bare process_vm_readv); elsewhere
+      auto keeps UCX's choice (rc/ud/cuda_ipc where they exist). An operator's own
+      UCX_TLS wins over auto, not over an explicit list.
+    - Listening: UCX's TCP transport listens on every network interface unless told
+      otherwise; for a loopback `host` it stays on loopback (`UCX_NET_DEVICES=lo`, unless
+      the operator set it). Other hosts keep UCX's choice: narrowing it there could
+      exclude the RDMA devices."""
     try:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = host == "localhost"
     if loopback:
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    if transports != "auto":
+        os.environ["UCX_TLS"] = transports
+    elif loopback:
+        os.environ.setdefault("UCX_TLS", ONE_HOST_UCX_TLS)

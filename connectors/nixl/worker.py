@@ -7,8 +7,12 @@ channel on which peers fetch this engine's agent metadata and layout.
 - D: for each request to receive, handshake with P once per peer (side channel, on a
   background thread: `peers.py`; the request waits, the step goes on), then post one
   READ of all its runs, carrying a read-done notification that NIXL delivers to P
-  after the data moved. A read that fails, or ends after P's lease, is reported
-  in `failed_recving` (the scheduler then recomputes or fails the request).
+  after the data moved. A read that fails, ends after P's lease, or is still under way
+  after `read_timeout_s` (it is then cancelled, and P told to free) is reported in
+  `failed_recving` (the scheduler then recomputes or fails the request). The
+  notification rides on the READ: sent on its own after DONE it measured no faster
+  (NIXL reports a READ DONE once earlier notifications to that peer were delivered,
+  i.e. after P's next poll, either way).
 - P: blocks kept for a reader are released (`finished_sending`) on its read-done
   notification, on its reject, on a release from the scheduler half, or when the
   lease expires; a KeepAlive from D (the request waits in D's queue) extends the lease
@@ -54,6 +58,8 @@ class NixlWorkerConfig:
     handshake_timeout_s: float = 5.0
     handshake_backoff_s: float = 10.0  # a peer whose handshake failed is not tried again sooner
     lease_seconds: float = 60.0  # P: what a KeepAlive extends a lease to, from its arrival
+    read_timeout_s: float = 30.0  # D: a read still under way after this long is cancelled and fails
+    ucx_transports: str = "auto"  # UCX_TLS, or auto (transport.configure_ucx)
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
 
@@ -77,9 +83,9 @@ class NixlConnectorWorker(KVConnectorWorker):
 
     # --- set-up -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: CanonicalKVCaches) -> None:
-        from connectors.nixl.transport import NixlTransport, confine_ucx_to  # imports nixl: only when used
+        from connectors.nixl.transport import NixlTransport, configure_ucx  # imports nixl: only when used
 
-        confine_ucx_to(self.config.host)
+        configure_ucx(self.config.host, self.config.ucx_transports)
         self.transport = NixlTransport(self.config.engine_id, kv_caches)
         self.side_channel = SideChannelServer(self.config.host, self.config.side_channel_port, self._respond)
 
@@ -190,18 +196,26 @@ class NixlConnectorWorker(KVConnectorWorker):
     def _poll_reads(self, output: KVConnectorOutput) -> None:
         for req_id, loading in list(self.loading.items()):
             state = self.transport.poll(loading.handle)
+            if state == "PROC" and self.config.clock() - loading.started >= self.config.read_timeout_s:
+                if not self.transport.cancel(loading.handle):
+                    continue  # NIXL cannot stop it yet: the blocks stay this read's until it can
+                state = "TIMEOUT"
             if state == "PROC":
                 continue
             del self.loading[req_id]
-            lease = loading.request.remote.lease_expires_at
+            remote = loading.request.remote
+            lease = remote.lease_expires_at
             if state == "DONE" and (lease is None or self.config.wall_clock() < lease):
                 output.finished_recving.add(req_id)
                 self.stats.read_done(self.config.clock() - loading.started, loading.num_bytes, loading.num_descriptors)
-            else:
-                why = "failed in transfer" if state != "DONE" else "ended after the prefill server's lease"
-                logger.warning("KV read for %s from %s %s", req_id, loading.request.remote.engine_id, why)
-                output.failed_recving[req_id] = f"the read from {loading.request.remote.engine_id} {why}"
-                self.stats.failures += 1
+                continue
+            why = {"ERR": "failed in transfer", "DONE": "ended after the prefill server's lease",
+                   "TIMEOUT": f"was still under way after {self.config.read_timeout_s:g} s"}[state]
+            if state != "DONE":  # (a DONE read's notification already told P)
+                self._reject(remote, f"the read {why}")  # nothing retries it: P frees its blocks
+            logger.warning("KV read for %s from %s %s", req_id, remote.engine_id, why)
+            output.failed_recving[req_id] = f"the read from {remote.engine_id} {why}"
+            self.stats.failures += 1
 
     def _read_notifs(self, output: KVConnectorOutput) -> None:
         for peer, payloads in self.transport.get_notifs().items():

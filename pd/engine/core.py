@@ -85,7 +85,9 @@ class EngineCore:
 
         return NixlConnectorWorker(NixlWorkerConfig(self.engine_id, self.config.kv_host,
                                                     self.config.kv_side_channel_port, self.compat_hash(),
-                                                    lease_seconds=self.config.kv_lease_seconds))
+                                                    lease_seconds=self.config.kv_lease_seconds,
+                                                    read_timeout_s=self.config.kv_read_timeout,
+                                                    ucx_transports=self.config.kv_ucx_transports))
 
     def _scheduler_connector(self, worker: KVConnectorWorker) -> KVConnectorScheduler:
         if self.config.kv_connector == "none":

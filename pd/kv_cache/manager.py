@@ -108,7 +108,7 @@ class KVCacheManager:
     def empty_blocks(self) -> KVCacheBlocks:
         return KVCacheBlocks(tuple([] for _ in range(self.num_groups)))
 
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(self, request: Request, record: bool = True) -> tuple[KVCacheBlocks, int]:
         """The request's prefix-cache hit: blocks per group and its length in tokens.
 
         At least one token is always left to compute. For a request whose
@@ -116,6 +116,7 @@ class KVCacheManager:
         of a prefix (Mamba: one state; sliding window: the last window) are skipped from
         the reduction: what they need arrives from the prefill server, so the full
         attention hit is not collapsed to 0 by their misses. They get no hit blocks.
+        `record=False` repeats a search without counting it again in the stats.
         """
         if not self.enable_caching:
             return self.empty_blocks(), 0
@@ -123,7 +124,8 @@ class KVCacheManager:
         hit = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1, skip
         )
-        self._record(request.num_tokens, hit.num_tokens, hit.group_hit_tokens)
+        if record:
+            self._record(request.num_tokens, hit.num_tokens, hit.group_hit_tokens)
         return KVCacheBlocks(hit.blocks), hit.num_tokens
 
     def _record(self, num_tokens: int, hit_tokens: int, group_hits: tuple[int | None, ...]) -> None:

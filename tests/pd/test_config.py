@@ -22,6 +22,9 @@ def test_the_role_picks_the_default_connector(role: str, connector: str) -> None
     ({"kv_load_failure_policy": "retry"}, "kv_load_failure_policy must be one of recompute, fail"),
     ({"num_threads": 0}, "num_threads must be positive"),
     ({"kv_lease_seconds": 0}, "kv_lease_seconds must be positive"),
+    ({"kv_read_timeout": 0}, "kv_read_timeout must be positive"),
+    ({"kv_ucx_transports": "sm, tcp"}, "kv_ucx_transports must be auto or a UCX_TLS list"),
+    ({"kv_ucx_transports": ""}, "kv_ucx_transports must be auto or a UCX_TLS list"),
 ])
 def test_bad_settings_are_refused_with_the_reason(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

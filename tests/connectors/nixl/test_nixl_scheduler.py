@@ -150,9 +150,31 @@ def test_bad_params_are_computed_locally_and_rejected_to_p() -> None:
     d.add_request(wrong)
     so, _ = run_step(d)
     assert so.num_scheduled_tokens == {"d1": len(prompt) + 1}  # computed here
-    assert "cannot be loaded" in wrong.kv_load_error and not wrong.do_remote_prefill
+    assert "do not fit" in wrong.kv_load_error and not wrong.do_remote_prefill
     (remote, reason), = so.kv_connector_metadata.reqs_to_reject
     assert remote.request_id == "p1" and "41" in reason and connector.num_rejected == 1
+
+
+def test_refused_params_on_a_hybrid_use_the_local_hit_not_the_remote_one() -> None:
+    """A remote prefill's hit skips the Mamba groups (their state comes from P); once its
+    parameters are refused the request is computed here and must start from a hit whose
+    Mamba state exists here."""
+    shared = list(range(500, 500 + 4 * BLOCK))
+    _, _, _, out = prefill_on_p("bamba", shared + [1, 2, 3])
+    d, d_kv, _ = make_side("bamba", "D", Clock())
+    d.add_request(remote_request("d0", shared + [1, 2, 3], out.kv_transfer_params))
+    run_step(d)  # attention blocks and only the final Mamba state are read from P, then cached
+    run_step(d, connector_output=KVConnectorOutput(finished_recving={"d0"}))
+    while "d0" in d.requests:
+        run_step(d)
+    prompt = shared + list(range(7, 27))  # P's parameters were for another prompt length
+    _, remote_hit = d_kv.get_computed_blocks(remote_request("probe", prompt, out.kv_transfer_params))
+    _, local_hit = d_kv.get_computed_blocks(Request("probe", prompt, SamplingParams()))
+    assert remote_hit == 4 * BLOCK and local_hit < remote_hit
+    d.add_request(remote_request("d1", prompt, out.kv_transfer_params))
+    so, _ = run_step(d)
+    assert so.new_requests[0].num_computed_tokens == local_hit  # not the attention-only remote hit
+    assert so.num_scheduled_tokens["d1"] > 0
 
 
 def test_aborting_before_admission_rejects_to_p() -> None:

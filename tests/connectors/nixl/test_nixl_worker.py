@@ -4,7 +4,11 @@ on a reject, or when the lease expires; late and failed reads are reported as fa
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from pd.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
 from pd.worker.kv_allocation import allocate_kv_caches
 
 SPEC = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float32")  # 256-byte pages
+ROOT = Path(__file__).resolve().parents[3]
 CONFIG = KVCacheConfig(num_blocks=32, groups=(KVCacheGroup(SPEC, ("a", "b")), KVCacheGroup(SPEC, ("c", "d"))))
 
 
@@ -156,3 +161,44 @@ def test_an_incompatible_peer_or_unreachable_p_fails_the_request_only(pair) -> N
         assert other.get_finished(set()).failed_recving.keys() == {"d3"} and other.handshakes.num_pending == 0
     finally:
         other.shutdown()
+
+
+TIMEOUT_SCENARIO = """
+import time
+from tests.connectors.nixl.test_nixl_worker import Clock, Poller, make_worker, recv, torch
+from connectors.nixl.scheduler import NixlConnectorMetadata, ReqToSend
+
+p, p_buf = make_worker("P")
+clock = Clock()
+d, d_buf = make_worker("D", clock=clock)
+d.config.read_timeout_s = 5.0
+p.start_load_kv(NixlConnectorMetadata(reqs_to_send=[ReqToSend("p1", deadline=time.monotonic() + 600)]))
+d.start_load_kv(NixlConnectorMetadata(reqs_to_recv=[recv(p, [list(range(1, 31)), [0] * 30],
+                                                            [list(range(1, 31)), [0] * 30])]))
+Poller(p, d).until(lambda _: "P" in d.peers)
+d.get_finished(set())  # posts the READ; over tcp it moves only while P progresses, and P is not polled now
+assert len(d.loading) == 1, "the read should still be under way"
+clock.now += 4.0
+assert not d.get_finished(set()).failed_recving and len(d.loading) == 1
+clock.now += 1.0
+out = d.get_finished(set())
+assert set(out.failed_recving) == {"d1"} and "still under way after 5 s" in out.failed_recving["d1"], out
+assert not d.loading and d.stats.failures == 1
+poller = Poller(p, d)
+poller.until(lambda x: x.sent["P"])  # D's reject reaches P: the blocks are freed at once
+assert poller.sent["P"] == {"p1"} and p.stats.rejects_received == 1
+d.shutdown()
+p.shutdown()
+print("OK")
+"""
+
+
+def test_a_read_still_under_way_after_the_timeout_is_cancelled_and_fails() -> None:
+    """On one host a READ is one CMA copy and ends inside its post; over TCP it moves only
+    while P's agent progresses. With P not polled, D's read stays in progress: after
+    `read_timeout_s` D cancels it, reports it failed and tells P to free (in a child
+    process, as UCX_TLS is read once per process)."""
+    env = {**os.environ, "UCX_TLS": "tcp,self", "NIXL_LOG_LEVEL": "ERROR"}
+    done = subprocess.run([sys.executable, "-c", TIMEOUT_SCENARIO], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr

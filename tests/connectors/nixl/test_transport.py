@@ -33,7 +33,8 @@ from connectors.nixl.messages import (
     decode_notif,
     encode_notif,
 )
-from connectors.nixl.transport import IncompatiblePeer, NixlTransport, TransferHandle, TransportError, paired_runs
+from connectors.nixl.transport import (IncompatiblePeer, NixlTransport, TransferHandle, TransportError, configure_ucx,
+                                       paired_runs)
 from pd.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, MambaSpec, SlidingWindowSpec
 from pd.worker.kv_allocation import KVCacheAllocation, allocate_kv_caches
 
@@ -369,3 +370,19 @@ def test_device_kind_follows_the_tensors() -> None:
     finally:
         t.close()
         t.close()  # idempotent
+
+
+@pytest.mark.parametrize("host, transports, env, expected", [
+    ("127.0.0.1", "auto", {}, {"UCX_TLS": "sm,self,tcp", "UCX_NET_DEVICES": "lo"}),
+    ("localhost", "auto", {"UCX_TLS": "tcp"}, {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}),  # the operator's wins
+    ("10.1.2.3", "auto", {}, {"UCX_TLS": None, "UCX_NET_DEVICES": None}),  # UCX's own choice (rc, ud, ...)
+    ("10.1.2.3", "rc,ud,sm,self", {"UCX_TLS": "tcp"}, {"UCX_TLS": "rc,ud,sm,self", "UCX_NET_DEVICES": None}),
+    ("127.0.0.1", "auto", {"UCX_NET_DEVICES": "eth1"}, {"UCX_TLS": "sm,self,tcp", "UCX_NET_DEVICES": "eth1"}),
+])
+def test_configure_ucx_picks_transports_per_deployment(monkeypatch, host, transports, env, expected) -> None:
+    for name in ("UCX_TLS", "UCX_NET_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    configure_ucx(host, transports)
+    assert {name: os.environ.get(name) for name in expected} == expected
