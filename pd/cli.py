@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -75,9 +77,10 @@ def _run_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
         config = EngineConfig.from_args(args)
-    except ValueError as exc:
+        llm = LLM.from_config(config)
+    except (ValueError, OSError) as exc:  # bad flags, or a model that cannot be read: one line, exit 1
         raise SystemExit(f"pd generate: {exc}") from None
-    llm = LLM.from_config(config)
+    print(f"pd generate: dtype {config.dtype} ({config.dtype_reason})", file=sys.stderr)
     for prompt, out in zip(args.prompt, llm.generate(args.prompt, params)):
         print(json.dumps({"prompt": prompt, "token_ids": out.token_ids, "text": out.text,
                           "finish_reason": out.finish_reason}))
@@ -126,12 +129,35 @@ def _run_bench(args: argparse.Namespace) -> int:
     result = serve.main(args.bench_args, prog="pd bench serve")
     return 0 if result["metrics"]["completed"] else 1
 
+def _add_convert_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("gguf", type=Path, help="the .gguf file to convert")
+    parser.add_argument("output", type=Path, help="the HF folder to write (config.json, model.safetensors, "
+                                                  "tokenizer files); created if missing")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="dtype of the dequantized weights written (default float32: exact)")
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    import torch
+
+    from pd.models.gguf import GGUFModel
+
+    try:
+        out = GGUFModel(args.gguf).write_hf_folder(args.output, getattr(torch, args.dtype))
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"pd convert: {exc}") from None
+    print(f"pd convert: wrote {out} ({', '.join(sorted(p.name for p in out.iterdir()))})")
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "version": Command("print the pd-serve version", lambda parser: None, _run_version),
     "make-model": Command("write a tiny random checkpoint in a family's published HF format",
                           _add_make_model_flags, _run_make_model),
     "generate": Command("generate from prompts offline and print one JSON object per prompt",
                         _add_generate_flags, _run_generate),
+    "convert": Command("write a .gguf model out as an HF folder (dequantized weights, config, tokenizer)",
+                       _add_convert_flags, _run_convert),
     "serve": Command("serve a model over an OpenAI-compatible HTTP API (engine core in its own process)",
                      _add_serve_flags, _run_serve),
     "proxy": Command("front prefill and decode servers: P prefills and keeps the KV, then D decodes with P's "

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from connectors.signing import DEFAULT_ALLOWED_PEERS, SECRET_ENV, secret_from_env
-from pd.models.config import SUPPORTED_DTYPES
+from pd.models.config import AUTO_DTYPE, SUPPORTED_DTYPES, resolve_dtype
 
 KV_LAYOUTS = ("canonical", "per-layer")
 ROLES = ("both", "prefill", "decode")
@@ -27,7 +27,7 @@ class EngineConfig:
     request, by its `kv_transfer_params` (DESIGN.md, "PD protocol")."""
 
     model: Path
-    dtype: str = "float32"
+    dtype: str = AUTO_DTYPE  # resolved at construction: the checkpoint's own (see resolve_dtype)
     device: str | None = None
     max_model_len: int | None = None
     block_size: int = 16
@@ -51,6 +51,7 @@ class EngineConfig:
     kv_transfer_secret: str | None = field(default=None, repr=False)  # signs / verifies kv_transfer_params
     kv_allowed_peers: tuple[str, ...] = DEFAULT_ALLOWED_PEERS  # without a secret: the P hosts D trusts
     num_threads: int | None = None  # torch intra-op threads; None: torch's default (all cores)
+    dtype_reason: str = field(default="as asked", init=False, compare=False)  # how `dtype` was chosen
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", Path(self.model))
@@ -58,8 +59,12 @@ class EngineConfig:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.kv_connector is None:
             object.__setattr__(self, "kv_connector", "none" if self.role == "both" else "nixl")
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in (*SUPPORTED_DTYPES, AUTO_DTYPE):
+            raise ValueError(f"dtype must be one of auto, {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
+        if self.dtype == AUTO_DTYPE:
+            dtype, why = resolve_dtype(self.model, AUTO_DTYPE, self.torch_device)
+            object.__setattr__(self, "dtype", dtype)
+            object.__setattr__(self, "dtype_reason", why)
         if self.kv_connector not in KV_CONNECTORS:
             raise ValueError(f"kv_connector must be one of {', '.join(KV_CONNECTORS)}, got {self.kv_connector!r}")
         if self.kv_lease_seconds <= 0:
@@ -114,8 +119,8 @@ class EngineConfig:
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """The flags that fill an EngineConfig (shared by `pd generate` and `pd serve`)."""
-    parser.add_argument("--model", required=True, type=Path, help="HF-format model directory (config.json, safetensors, tokenizer.json)")
-    parser.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float32", help="weights and KV cache dtype (default float32)")
+    parser.add_argument("--model", required=True, type=Path, help="HF-format model directory (config.json, safetensors, tokenizer.json) or a .gguf file (config, tokenizer and weights read from it, dequantized at load)")
+    parser.add_argument("--dtype", choices=(AUTO_DTYPE, *SUPPORTED_DTYPES), default=AUTO_DTYPE, help="weights and KV cache dtype; auto: the checkpoint's own (torch_dtype in config.json), and for a quantized .gguf bfloat16 where the device computes in it natively, else float32 (default auto)")
     parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 (default: cuda if present, else cpu)")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest sequence (prompt + output) served; default: the model's max_position_embeddings")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (raised for Mamba hybrids so a block holds a Mamba state; default 16)")

@@ -39,7 +39,7 @@ class LLM:
 
     @classmethod
     def from_config(cls, config: EngineConfig, keep_logits: bool = False) -> "LLM":
-        return cls(**{f.name: getattr(config, f.name) for f in fields(config)}, keep_logits=keep_logits)
+        return cls(**{f.name: getattr(config, f.name) for f in fields(config) if f.init}, keep_logits=keep_logits)
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:

@@ -1,4 +1,4 @@
-"""The checkpoint's tokenizer (tokenizer.json, via the `tokenizers` library)."""
+"""The checkpoint's tokenizer (tokenizer.json, or a GGUF's vocabulary, via the `tokenizers` library)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,15 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from pd.models.gguf import GGUFModel, is_gguf
+
 
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
+        if is_gguf(model_dir):  # built from the GGUF's vocabulary
+            self._tokenizer, self.config = GGUFModel(model_dir).tokenizer()
+            return
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} has no tokenizer.json")

