@@ -175,7 +175,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 def build_parser(prog: str = "pd bench compare") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("--model", required=True, type=Path, help="model directory every configuration serves")
+    add("--model", required=True, type=Path, help="model directory or .gguf file every configuration serves")
     add("--configs", default=",".join(CONFIGS[:2]),
         help=f"comma-separated configurations among {', '.join(CONFIGS)} (default: colocated,pd)")
     add("--dtype", choices=("float32", "bfloat16"), default="float32", help="model dtype (default float32)")
@@ -203,8 +203,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "pd bench compare") -> l
         parser.error(f"unknown configuration(s) {', '.join(unknown) or '(none given)'}; choose among {', '.join(CONFIGS)}")
     if args.repetitions < 1 or args.num_prompts < 1 or args.warmup_prompts < 0:
         parser.error("--repetitions and --num-prompts must be at least 1, --warmup-prompts at least 0")
-    if not (args.model / "config.json").is_file():
-        parser.error(f"{args.model} is not a model directory (no config.json)")
+    if not ((args.model / "config.json").is_file() or args.model.suffix == ".gguf" and args.model.is_file()):
+        parser.error(f"{args.model} is neither a model directory (no config.json) nor a .gguf file")
     out = args.output_dir or Path(f"results/compare-{datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
     rows = []

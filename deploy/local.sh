@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prefill server, one decode server and the proxy on this machine (1P1D).
 #
-#   deploy/local.sh [--model DIR] [--port 8000] [--dtype D] [--detach] [-- EXTRA pd serve FLAGS]
+#   deploy/local.sh [--model DIR|FILE.gguf] [--port 8000] [--dtype D] [--detach] [-- EXTRA pd serve FLAGS]
 #   deploy/local.sh stop
 #
 # Without --model it makes a tiny Bamba with `pd make-model`. Waits for health, prints

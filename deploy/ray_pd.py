@@ -251,8 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="number of prefill servers (at least 1)")
     parser.add_argument("--decode", type=positive_int, required=True, metavar="Y",
                         help="number of decode servers (at least 1)")
-    parser.add_argument("--model", type=Path, required=True, metavar="DIR",
-                        help="HF-format model directory; the same path on every Ray node")
+    parser.add_argument("--model", type=Path, required=True, metavar="DIR_OR_GGUF",
+                        help="HF-format model directory or .gguf file; the same path on every Ray node")
     parser.add_argument("--address", default=None, metavar="ADDR",
                         help="Ray cluster to join, e.g. auto or HOST:6379 (default: start a local one)")
     parser.add_argument("--host", default="127.0.0.1", help="address the proxy listens on (default 127.0.0.1)")
@@ -484,8 +484,9 @@ def describe(error: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.address is None and not (args.model / "config.json").is_file():
-        print(f"ray_pd: no model at {args.model} (config.json not found)", file=sys.stderr)
+    if args.address is None and not ((args.model / "config.json").is_file() or args.model.suffix == ".gguf"
+                                      and args.model.is_file()):
+        print(f"ray_pd: no model at {args.model} (neither config.json nor a .gguf file)", file=sys.stderr)
         return 2
     install_signal_handlers()
     deployment = Deployment()

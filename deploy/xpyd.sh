@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # X prefill servers, Y decode servers and the proxy on this machine.
 #
-#   deploy/xpyd.sh --prefill X --decode Y [--model DIR] [--port 8000] [--policy P]
+#   deploy/xpyd.sh --prefill X --decode Y [--model DIR|FILE.gguf] [--port 8000] [--policy P]
 #                  [--prefill-base-port 8100] [--decode-base-port 8200] [--dtype D]
 #                  [--num-threads T] [--detach] [-- EXTRA pd serve FLAGS]
 #   deploy/xpyd.sh stop
@@ -41,7 +41,7 @@ stop_all() {
 
 if [ "${1:-}" = "stop" ]; then stop_all; exit 0; fi
 
-NUM_P=1 NUM_D=1 MODEL="" PORT=8000 POLICY=round_robin P_BASE=8100 D_BASE=8200 DTYPE=float32
+NUM_P=1 NUM_D=1 MODEL="" PORT=8000 POLICY=round_robin P_BASE=8100 D_BASE=8200 DTYPE=auto
 THREADS="" DETACH=0 EXTRA=()
 while [ $# -gt 0 ]; do
     case "$1" in

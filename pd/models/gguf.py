@@ -97,7 +97,10 @@ class GGUFModel:
             raise GGUFError(f"{self.path}: metadata {key!r} is unreadable ({exc})") from None
 
     def _arch(self, key: str, default: Any = None) -> Any:
-        return self._field(f"{self.architecture}.{key}", default)
+        value = self._field(f"{self.architecture}.{key}", default)
+        if isinstance(value, float):  # stored as float32: 1e-6 reads back 9.99999997e-07
+            value = float(np.format_float_positional(np.float32(value), unique=True, trim="-"))
+        return value
 
     def _require(self, key: str) -> Any:
         value = self._arch(key)

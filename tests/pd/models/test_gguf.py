@@ -64,3 +64,81 @@ def test_auto_dtype_is_the_checkpoints_own_or_bfloat16_for_a_gguf(tmp_path, monk
     assert resolve_dtype(tmp_path / "x.gguf", "auto", "cpu")[0] == "bfloat16"
     monkeypatch.setattr(config, "_bfloat16_native", lambda device: False)
     assert resolve_dtype(tmp_path / "x.gguf", "auto", "cpu")[0] == "float32"
+
+
+# llama.cpp's tensor names for a Qwen 3 checkpoint (HF suffix -> GGUF suffix), spelled out
+# here independently of pd/models/gguf.py's map.
+LLAMA_CPP_QWEN3 = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def write_qwen3_gguf(folder: Path, out: Path, quantize_matrices: bool) -> None:
+    """The tiny HF Qwen 3 at `folder` as llama.cpp would write it (matrices in Q8_0 if asked)."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(out), "qwen3")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    for name, tensor in load_file(str(folder / "model.safetensors")).items():
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        else:
+            _, _, index, suffix = name.split(".", 3)
+            gguf_name = f"blk.{index}.{LLAMA_CPP_QWEN3[suffix]}"
+        data = tensor.float().numpy()
+        if quantize_matrices and data.ndim == 2:
+            q = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(gguf_name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(gguf_name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_qwen3_gguf_loads_the_same_model_as_its_hf_folder(tmp_path, quantized) -> None:
+    import torch
+
+    from pd.models.config import ModelConfig
+    from pd.models.loader import load_model
+
+    folder = make_model("qwen3", tmp_path / "qwen3", seed=1)
+    path = tmp_path / "qwen3.gguf"
+    write_qwen3_gguf(folder, path, quantized)
+    config = ModelConfig.from_dir(path)
+    expected = ModelConfig.from_dir(folder).hf_config
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "vocab_size", "tie_word_embeddings"):
+        assert config.hf_config[key] == expected[key], key
+    ours = dict(load_model(config).named_parameters())
+    reference = dict(load_model(ModelConfig.from_dir(folder)).named_parameters())
+    assert ours.keys() == reference.keys()
+    for name, param in ours.items():
+        if quantized and param.dim() == 2:  # Q8_0: 8-bit per value, one scale per 32
+            assert torch.allclose(param, reference[name], atol=2e-2 * reference[name].abs().max().item()), name
+        else:
+            assert torch.equal(param, reference[name]), name
