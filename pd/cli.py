@@ -129,6 +129,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     result = serve.main(args.bench_args, prog="pd bench serve")
     return 0 if result["metrics"]["completed"] else 1
 
+
 def _add_convert_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("gguf", type=Path, help="the .gguf file to convert")
     parser.add_argument("output", type=Path, help="the HF folder to write (config.json, model.safetensors, "

@@ -19,10 +19,12 @@ import json
 from collections.abc import Callable, Iterator
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 GGUF_SUFFIX = ".gguf"
 
@@ -125,6 +127,7 @@ class GGUFModel:
     # --- weights --------------------------------------------------------------------
     def iterate_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, float32 tensor) per weight, dequantized one at a time."""
+        import torch
         from gguf import dequantize
 
         family = _FAMILIES[self.architecture]
@@ -167,11 +170,13 @@ class GGUFModel:
         return tokenizer, tokenizer_config
 
     # --- conversion -----------------------------------------------------------------
-    def write_hf_folder(self, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    def write_hf_folder(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
         """config.json, generation_config.json, model.safetensors (weights in `dtype`),
         tokenizer.json and tokenizer_config.json: an HF checkpoint transformers loads."""
+        import torch
         from safetensors.torch import save_file
 
+        dtype = dtype or torch.float32
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         weights = {name: tensor.to(dtype) for name, tensor in self.iterate_weights()}
