@@ -88,7 +88,7 @@ def test_bad_flags_are_refused_before_anything_starts(tmp_path) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--model", str(tmp_path), "--role", "wizard"])
     assert exc.value.code == 2
-    with pytest.raises(SystemExit, match="no tokenizer.json"):
+    with pytest.raises(SystemExit, match="not a model directory: no config.json"):
         main(["serve", "--model", str(tmp_path)])
 
 
