@@ -8,14 +8,14 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from pd.models.gguf import GGUFModel, is_gguf
+from pd.models.gguf import is_gguf, open_gguf
 
 
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
         if is_gguf(model_dir):  # built from the GGUF's vocabulary
-            self._tokenizer, self.config = GGUFModel(model_dir).tokenizer()
+            self._tokenizer, self.config = open_gguf(model_dir).tokenizer()
             return
         path = model_dir / "tokenizer.json"
         if not path.is_file():

@@ -28,9 +28,7 @@ Not thread-safe: one thread (the engine's) uses a transport.
 from __future__ import annotations
 
 import importlib
-import ipaddress
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -393,30 +391,3 @@ def _load_nixl() -> tuple[Any, tuple[type[Exception], ...]]:
                        if k.startswith("nixl") and k.endswith("Error") and isinstance(v, type))
         return api, errors
     raise ImportError("NIXL is not installed (pip install nixl-cu12)")
-
-
-ONE_HOST_UCX_TLS = "sm,self,tcp"  # shared memory (cma: one process_vm_readv per run); tcp for wire-up
-
-
-def configure_ucx(host: str, transports: str = "auto") -> None:
-    """Set UCX's environment for this process, before the first agent starts UCX.
-
-    - Transports: `transports` is a UCX_TLS list, or "auto". Auto, for a loopback
-      `host` (one machine), is ONE_HOST_UCX_TLS: a READ is then one CMA copy per run
-      (`benchmarks/transfer.py` measures it against a bare process_vm_readv); elsewhere
-      auto keeps UCX's choice (rc/ud/cuda_ipc where they exist). An operator's own
-      UCX_TLS wins over auto, not over an explicit list.
-    - Listening: UCX's TCP transport listens on every network interface unless told
-      otherwise; for a loopback `host` it stays on loopback (`UCX_NET_DEVICES=lo`, unless
-      the operator set it). Other hosts keep UCX's choice: narrowing it there could
-      exclude the RDMA devices."""
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    if loopback:
-        os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    if transports != "auto":
-        os.environ["UCX_TLS"] = transports
-    elif loopback:
-        os.environ.setdefault("UCX_TLS", ONE_HOST_UCX_TLS)

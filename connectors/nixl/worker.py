@@ -59,7 +59,7 @@ class NixlWorkerConfig:
     handshake_backoff_s: float = 10.0  # a peer whose handshake failed is not tried again sooner
     lease_seconds: float = 60.0  # P: what a KeepAlive extends a lease to, from its arrival
     read_timeout_s: float = 30.0  # D: a read still under way after this long is cancelled and fails
-    ucx_transports: str = "auto"  # UCX_TLS, or auto (transport.configure_ucx)
+    ucx_transports: str = "auto"  # UCX_TLS, or auto (ucx.configure_ucx)
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
 
@@ -83,7 +83,8 @@ class NixlConnectorWorker(KVConnectorWorker):
 
     # --- set-up -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: CanonicalKVCaches) -> None:
-        from connectors.nixl.transport import NixlTransport, configure_ucx  # imports nixl: only when used
+        from connectors.nixl.transport import NixlTransport  # imports nixl: only when used
+        from connectors.nixl.ucx import configure_ucx
 
         configure_ucx(self.config.host, self.config.ucx_transports)
         self.transport = NixlTransport(self.config.engine_id, kv_caches)

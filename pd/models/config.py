@@ -72,11 +72,11 @@ class ModelConfig:
     def from_dir(cls, model_dir: str | Path, dtype: str = "float32",
                  max_model_len: int | None = None) -> "ModelConfig":
         model_dir = Path(model_dir)
-        from pd.models.gguf import GGUFModel, is_gguf
+        from pd.models.gguf import is_gguf, open_gguf
 
         if is_gguf(model_dir):  # a GGUF file: its metadata makes the config.json
-            gguf = GGUFModel(model_dir)
-            return cls(model_dir, gguf.hf_config, dtype, max_model_len, gguf.generation_config)
+            gguf = open_gguf(model_dir)
+            return cls(model_dir, dict(gguf.hf_config), dtype, max_model_len, dict(gguf.generation_config))
         config_path = model_dir / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{model_dir} is not a model directory: no config.json")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +68,21 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+
+
+def open_gguf(path: str | Path) -> GGUFModel:
+    """The file's GGUFModel, opened once per process (per version of the file): the
+    config, the tokenizer and the weights are all read through one parsed header."""
+    path = Path(path)
+    if not path.is_file():
+        return GGUFModel(path)  # says so
+    stat = path.stat()
+    return _open_cached(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@lru_cache(maxsize=4)
+def _open_cached(path: str, mtime_ns: int, size: int) -> GGUFModel:
+    return GGUFModel(path)
 
 
 class GGUFModel:
@@ -221,42 +236,11 @@ class _Family:
         return name, None
 
 
-def _gemma3_config(m: GGUFModel) -> dict[str, Any]:
-    head_dim = int(m._require("attention.key_length"))
-    config = {
-        "architectures": ["Gemma3ForCausalLM"],
-        "model_type": "gemma3_text",
-        "hidden_size": int(m._require("embedding_length")),
-        "intermediate_size": int(m._require("feed_forward_length")),
-        "num_hidden_layers": int(m._require("block_count")),
-        "num_attention_heads": int(m._require("attention.head_count")),
-        "num_key_value_heads": int(m._arch("attention.head_count_kv", m._require("attention.head_count"))),
-        "head_dim": head_dim,
-        "rms_norm_eps": float(m._arch("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(m._arch("rope.freq_base", 1_000_000.0)),
-        "rope_local_base_freq": 10_000.0,  # not in the GGUF; every Gemma 3 uses it
-        "sliding_window": int(m._arch("attention.sliding_window", 4096)),
-        "sliding_window_pattern": 6,  # five sliding layers to one full, in every Gemma 3
-        "max_position_embeddings": int(m._arch("context_length", 32768)),
-        "query_pre_attn_scalar": head_dim,  # as llama.cpp and transformers read Gemma 3 GGUFs
-        "hidden_activation": "gelu_pytorch_tanh",
-        "vocab_size": len(m._field("tokenizer.ggml.tokens", [])) or int(m._require("vocab_size")),
-        "tie_word_embeddings": "output.weight" not in m.tensor_names,
-        "final_logit_softcapping": None,
-        "attn_logit_softcapping": None,
-    }
-    scaling = m._arch("rope.scaling.type")
-    if scaling and scaling != "none":
-        config["rope_scaling"] = {"rope_type": str(scaling), "factor": float(m._arch("rope.scaling.factor", 1.0))}
-    return config | _special_ids(m)
-
-
-def _qwen3_config(m: GGUFModel) -> dict[str, Any]:
+def _common_config(m: GGUFModel) -> dict[str, Any]:
+    """The hyper-parameters every family's GGUF metadata names alike."""
     heads = int(m._require("attention.head_count"))
     hidden = int(m._require("embedding_length"))
     return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
         "hidden_size": hidden,
         "intermediate_size": int(m._require("feed_forward_length")),
         "num_hidden_layers": int(m._require("block_count")),
@@ -266,10 +250,31 @@ def _qwen3_config(m: GGUFModel) -> dict[str, Any]:
         "rms_norm_eps": float(m._arch("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(m._arch("rope.freq_base", 1_000_000.0)),
         "max_position_embeddings": int(m._arch("context_length", 32768)),
-        "hidden_act": "silu",
         "vocab_size": len(m._field("tokenizer.ggml.tokens", [])) or int(m._require("vocab_size")),
         "tie_word_embeddings": "output.weight" not in m.tensor_names,
     } | _special_ids(m)
+
+
+def _gemma3_config(m: GGUFModel) -> dict[str, Any]:
+    config = _common_config(m) | {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "rope_local_base_freq": 10_000.0,  # not in the GGUF; every Gemma 3 uses it
+        "sliding_window": int(m._arch("attention.sliding_window", 4096)),
+        "sliding_window_pattern": 6,  # five sliding layers to one full, in every Gemma 3
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    }
+    config["query_pre_attn_scalar"] = config["head_dim"]  # as llama.cpp and transformers read Gemma 3 GGUFs
+    scaling = m._arch("rope.scaling.type")
+    if scaling and scaling != "none":
+        config["rope_scaling"] = {"rope_type": str(scaling), "factor": float(m._arch("rope.scaling.factor", 1.0))}
+    return config
+
+
+def _qwen3_config(m: GGUFModel) -> dict[str, Any]:
+    return _common_config(m) | {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu"}
 
 
 def _special_ids(m: GGUFModel) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from pd.models.base import CausalLM
 from pd.models.config import ModelConfig
-from pd.models.gguf import GGUFModel, is_gguf
+from pd.models.gguf import is_gguf, open_gguf
 from pd.models.registry import model_class
 from pd.worker.kv_allocation import torch_dtype
 
@@ -49,7 +49,7 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Causa
     load its weights; the model is in eval mode."""
     cls = model_class(config.architectures)
     if is_gguf(config.model_dir):
-        weights = GGUFModel(config.model_dir).iterate_weights()  # dequantized one tensor at a time
+        weights = open_gguf(config.model_dir).iterate_weights()  # dequantized one tensor at a time
     else:
         weights = iterate_weights(safetensors_files(config.model_dir))  # finds the files now: fails fast
     previous = torch.get_default_dtype()

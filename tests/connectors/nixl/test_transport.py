@@ -33,8 +33,8 @@ from connectors.nixl.messages import (
     decode_notif,
     encode_notif,
 )
-from connectors.nixl.transport import (IncompatiblePeer, NixlTransport, TransferHandle, TransportError, configure_ucx,
-                                       paired_runs)
+from connectors.nixl.transport import IncompatiblePeer, NixlTransport, TransferHandle, TransportError, paired_runs
+from connectors.nixl.ucx import configure_ucx
 from pd.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, MambaSpec, SlidingWindowSpec
 from pd.worker.kv_allocation import KVCacheAllocation, allocate_kv_caches
 

@@ -31,13 +31,17 @@ def bad_models(tmp_path_factory) -> dict[str, Path]:
     writer = gguf.GGUFWriter(str(other), "falcon")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    finish(writer)
+    no_weights = make_model("qwen3", root / "no-weights", seed=1)
+    (no_weights / "model.safetensors").unlink()
+    return {"truncated": truncated, "junk": junk, "falcon": other, "no-weights": no_weights}
+
+
+def finish(writer) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    no_weights = make_model("qwen3", root / "no-weights", seed=1)
-    (no_weights / "model.safetensors").unlink()
-    return {"truncated": truncated, "junk": junk, "falcon": other, "no-weights": no_weights}
 
 
 EXPECTED = {"truncated": "is not a readable GGUF file", "junk": "is not a readable GGUF file",
@@ -87,18 +91,13 @@ def write_qwen3_gguf(folder: Path, out: Path, quantize_matrices: bool) -> None:
 
     config = json.loads((folder / "config.json").read_text())
     writer = gguf.GGUFWriter(str(out), "qwen3")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config["rope_theta"])
-    writer.add_vocab_size(config["vocab_size"])
-    writer.add_eos_token_id(config["eos_token_id"])
+    for method, key in [("block_count", "num_hidden_layers"), ("context_length", "max_position_embeddings"),
+                        ("embedding_length", "hidden_size"), ("feed_forward_length", "intermediate_size"),
+                        ("head_count", "num_attention_heads"), ("head_count_kv", "num_key_value_heads"),
+                        ("key_length", "head_dim"), ("value_length", "head_dim"),
+                        ("layer_norm_rms_eps", "rms_norm_eps"), ("rope_freq_base", "rope_theta"),
+                        ("vocab_size", "vocab_size"), ("eos_token_id", "eos_token_id")]:
+        getattr(writer, f"add_{method}")(config[key])
     for name, tensor in load_file(str(folder / "model.safetensors")).items():
         if name == "model.embed_tokens.weight":
             gguf_name = "token_embd.weight"
@@ -113,10 +112,7 @@ def write_qwen3_gguf(folder: Path, out: Path, quantize_matrices: bool) -> None:
             writer.add_tensor(gguf_name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             writer.add_tensor(gguf_name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 @pytest.mark.parametrize("quantized", [False, True])
