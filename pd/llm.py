@@ -14,7 +14,7 @@ import torch
 
 from pd.config import EngineConfig
 from pd.engine.core import EngineCore
-from pd.request import Request, RequestStatus, SamplingParams
+from pd.request import PromptLogprobs, Request, RequestStatus, SamplingParams
 from pd.tokenizer import Tokenizer
 
 
@@ -25,6 +25,7 @@ class CompletionOutput:
     text: str
     finish_reason: str  # "stop" or "length"
     logits: list[torch.Tensor] | None = None  # one float32 row per sampled token, if kept
+    prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs asked
 
 
 class LLM:
@@ -67,4 +68,4 @@ class LLM:
         reason = "length" if request.status is RequestStatus.FINISHED_LENGTH_CAPPED else "stop"
         return CompletionOutput(request.prompt_token_ids, list(request.output_token_ids),
                                 self.tokenizer.decode(request.output_token_ids), reason,
-                                self.engine.logits.pop(request.request_id, None))
+                                self.engine.logits.pop(request.request_id, None), request.prompt_logprobs)

@@ -13,7 +13,7 @@ import torch
 
 from connectors.base import KVConnectorMetadata, KVConnectorOutput
 from connectors.params import RemotePrefillParams
-from pd.request import SamplingParams
+from pd.request import PromptLogprobs, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class NewRequestData:
 
     req_id: str
     token_ids: list[int]
+    num_prompt_tokens: int
     sampling_params: SamplingParams
     block_ids: list[list[int]]
     num_computed_tokens: int
@@ -64,6 +65,7 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logits: dict[str, torch.Tensor] | None = None
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # scored this step
     kv_connector_output: KVConnectorOutput = field(default_factory=KVConnectorOutput)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why its step failed
 
@@ -82,6 +84,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     error_code: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with the first token, when asked for
 
     @property
     def finished(self) -> bool:

@@ -8,6 +8,9 @@ from connectors.params import RemoteDecodeParams, RemotePrefillParams, TransferP
 from pd.kv_cache.hashing import BlockHash, extend_block_hashes
 
 
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for per position
+
+
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     WAITING_FOR_REMOTE_KVS = enum.auto()
@@ -27,7 +30,9 @@ class RequestStatus(enum.Enum):
 class SamplingParams:
     """How to pick tokens and when to stop. `temperature=0` is greedy; `top_k=None` and
     `top_p=1.0` filter nothing; `seed` makes a request's sampling reproducible whatever
-    it is batched with."""
+    it is batched with. `prompt_logprobs=k` scores every prompt token (with the k most
+    likely tokens at each position; 0 for the prompt token alone), which computes the
+    whole prompt: its prefix-cache hits are not used."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -36,6 +41,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -46,11 +52,41 @@ class SamplingParams:
             raise ValueError(f"top_k must be positive (or None for no limit), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of the prompt tokens at indices `start` .. `end - 1` (token 0 has none:
+    nothing precedes it). Row i scores token `start + i` given the tokens before it:
+    `token_ids[i][0]` is that prompt token, `token_ids[i][1:]` the k most likely tokens
+    there (k = the request's `prompt_logprobs`), most likely first; `logprobs[i]` their
+    log-probabilities; `ranks[i]` the prompt token's rank (1 = most likely)."""
+
+    start: int
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.ranks)
+
+    def extend(self, chunk: PromptLogprobs) -> None:
+        """Append the part of the next chunk not held yet (a request recomputed after a
+        preemption scores its prompt again; those rows are dropped)."""
+        skip = self.end - chunk.start
+        if skip < 0:
+            raise ValueError(f"prompt logprobs chunk starts at {chunk.start}, after the {self.end} held")
+        self.token_ids += chunk.token_ids[skip:]
+        self.logprobs += chunk.logprobs[skip:]
+        self.ranks += chunk.ranks[skip:]
 
 
 @dataclass(eq=False)
@@ -73,11 +109,14 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     kv_load_error: str | None = None  # why its remote KV could not be loaded, if it could not
+    prompt_logprobs: PromptLogprobs | None = None  # scored so far, if asked for
     _block_hashes: dict[int, list[BlockHash]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r} has an empty prompt")
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = PromptLogprobs(1, [], [], [])
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -109,6 +148,16 @@ class Request:
 
     def append_output_token_ids(self, *token_ids: int) -> None:
         self.output_token_ids.extend(token_ids)
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        if self.prompt_logprobs is None:
+            raise ValueError(f"request {self.request_id!r} did not ask for prompt logprobs")
+        self.prompt_logprobs.extend(chunk)
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """False for a request that scores its prompt: every prompt token is computed."""
+        return self.sampling_params.prompt_logprobs is None
 
     def block_hashes(self, block_size: int) -> list[BlockHash]:
         """Hashes of this request's full blocks of `block_size` tokens, brought up to

@@ -232,7 +232,7 @@ class Scheduler:
         self.running.append(request)
         block_ids = self.kv.get_block_ids(request.request_id)
         self.sent_blocks[request.request_id] = [len(ids) for ids in block_ids]
-        out.new_requests.append(NewRequestData(request.request_id, request.all_token_ids,
+        out.new_requests.append(NewRequestData(request.request_id, request.all_token_ids, request.num_prompt_tokens,
                                                request.sampling_params, block_ids, computed))
         out.num_scheduled_tokens[request.request_id] = num_new
 
@@ -271,14 +271,17 @@ class Scheduler:
                 continue  # aborted (or failed) while its step ran
             request.num_computed_tokens += num_new
             self.kv.cache_blocks(request, request.num_computed_tokens)
+            if req_id in output.prompt_logprobs:
+                request.add_prompt_logprobs(output.prompt_logprobs[req_id])
             token = output.sampled_token_ids.get(req_id)
             if token is None:
                 continue
             request.append_output_token_ids(token)
             status = self._stop_status(request, token)
             params = self._finish(request, status) if status is not None else None
+            scored = request.prompt_logprobs if len(request.output_token_ids) == 1 else None  # once, with token 1
             outputs.append(RequestOutput(req_id, [token], FINISH_REASONS.get(status), params,
-                                         request.num_cached_tokens))
+                                         request.num_cached_tokens, prompt_logprobs=scored))
         outputs += self._update_connector(output.kv_connector_output)
         outputs += self._failed_outputs
         self._failed_outputs = []

@@ -111,14 +111,15 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request, record: bool = True) -> tuple[KVCacheBlocks, int]:
         """The request's prefix-cache hit: blocks per group and its length in tokens.
 
-        At least one token is always left to compute. For a request whose
+        At least one token is always left to compute; a request that scores its prompt
+        gets no hit (`Request.reads_prefix_cache`). For a request whose
         `kv_transfer_params["do_remote_prefill"]` is true, the groups that keep only part
         of a prefix (Mamba: one state; sliding window: the last window) are skipped from
         the reduction: what they need arrives from the prefill server, so the full
         attention hit is not collapsed to 0 by their misses. They get no hit blocks.
         `record=False` repeats a search without counting it again in the stats.
         """
-        if not self.enable_caching:
+        if not (self.enable_caching and request.reads_prefix_cache):
             return self.empty_blocks(), 0
         skip = self.remote_prefill_skip if request.do_remote_prefill else frozenset()
         hit = self.coordinator.find_longest_cache_hit(

@@ -26,9 +26,10 @@ from pd.forward_context import ForwardContext, set_forward_context
 from pd.kv_cache.spec import KVCacheConfig
 from pd.models.base import CausalLM
 from pd.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from pd.request import SamplingParams
+from pd.request import PromptLogprobs, SamplingParams
 from pd.worker.block_table import MultiGroupBlockTable
 from pd.worker.kv_allocation import KVLayout, allocate_kv_caches
+from pd.worker.logprobs import prompt_logprobs
 from pd.worker.sampler import make_generator, sample
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class RunnerRequest:
     """The runner's copy of a request: every known token, its block table row."""
 
     token_ids: list[int]
+    num_prompt_tokens: int
     sampling_params: SamplingParams
     generator: torch.Generator | None
     row: int
@@ -51,6 +53,8 @@ class BatchInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     common: list[CommonAttentionMetadata]  # per KV cache group
+    query_start: np.ndarray  # each request's first row in the batch, and the end
+    computed: np.ndarray  # each request's tokens computed before this step
     logits_indices: torch.Tensor
     sampling_req_ids: list[str]
 
@@ -101,7 +105,24 @@ class ModelRunner:
         with torch.inference_mode(), set_forward_context(context):
             hidden = self.model(batch.input_ids, batch.positions)
             logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return self._sample(batch.sampling_req_ids, logits)
+            scored = self._score_prompts(batch, hidden)
+        output = self._sample(batch.sampling_req_ids, logits)
+        output.prompt_logprobs = scored
+        return output
+
+    def _score_prompts(self, batch: BatchInputs, hidden: torch.Tensor) -> dict[str, PromptLogprobs]:
+        """Logprobs of the prompt tokens this step's rows predict, for requests asking."""
+        scored = {}
+        for i, req_id in enumerate(batch.req_ids):
+            state = self.requests[req_id]
+            k = state.sampling_params.prompt_logprobs
+            computed, row = int(batch.computed[i]), int(batch.query_start[i])
+            first = computed + 1  # the row of position p scores prompt token p + 1
+            end = min(int(batch.query_start[i + 1]) - row + computed + 1, state.num_prompt_tokens)
+            if k is not None and first < end:
+                rows = hidden[row : row + end - first]
+                scored[req_id] = prompt_logprobs(self.model, rows, state.token_ids[first:end], k, first)
+        return scored
 
     def _update_requests(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -123,7 +144,7 @@ class ModelRunner:
         row = self.free_rows.pop()
         generator = make_generator(new.sampling_params.seed, self.device)
         self.requests[new.req_id] = RunnerRequest(
-            list(new.token_ids), new.sampling_params, generator, row, new.num_computed_tokens)
+            list(new.token_ids), new.num_prompt_tokens, new.sampling_params, generator, row, new.num_computed_tokens)
         self.block_tables.set_row(row, new.block_ids)
 
     def _prepare_inputs(self, so: SchedulerOutput) -> BatchInputs:
@@ -141,7 +162,7 @@ class ModelRunner:
         common = [self._common_metadata(table, rows, token_rows, positions, query_start, computed, seq_lens)
                   for table in self.block_tables.tables]
         to_device = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(self.device)  # noqa: E731
-        return BatchInputs(req_ids, to_device(input_ids), to_device(positions), common,
+        return BatchInputs(req_ids, to_device(input_ids), to_device(positions), common, query_start, computed,
                            to_device(query_start[1:][samples] - 1), [req_ids[i] for i in samples])
 
     def _common_metadata(self, table, rows, token_rows, positions, query_start, computed, seq_lens):

@@ -1,5 +1,6 @@
 """pd.LLM on the real Gemma 3 270M GGUF against transformers on the same file: greedy
-tokens equal in float32; teacher-forced top-1 agreement in bfloat16 over real English;
+tokens equal in float32; teacher-forced top-1 agreement in bfloat16 over real English
+(one forward, and one request per prefix through the prefix cache);
 the weights we read equal the weights transformers reads, tensor by tensor."""
 
 from __future__ import annotations
@@ -37,34 +38,67 @@ def test_float32_greedy_tokens_equal_transformers(gemma_gguf) -> None:
     assert "France" in outputs[0].text  # a base model's continuation, in English
 
 
-def test_bfloat16_teacher_forced_top1_agrees_with_transformers(gemma_gguf, english_text) -> None:
-    """Position by position over 512 tokens of real English: one request per prefix (they
-    share the prefix cache, so each computes little), its one sampled row of logits held
-    against transformers' bfloat16 row for that position.
-
-    transformers in bfloat16 itself picks float32's top-1 at only ~98 % of these positions:
-    where two tokens are within rounding of each other, any two bfloat16 implementations
-    may differ. So: >= 97 % agreement, and every disagreement must be such a near-tie in
-    float32 (top-2 margin under 0.25, where the median margin is ~1.2)."""
+@pytest.fixture(scope="module")
+def english_tokens(gemma_gguf, english_text) -> list[int]:
     tokens = Tokenizer(gemma_gguf).encode(english_text)[:512]
     assert len(tokens) == 512
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def reference_logits(gemma_gguf, english_tokens) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' logits at every position of the text: (float32, dense bfloat16)."""
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):  # bfloat16 as loaded (model.to() would round RoPE's table)
+        with torch.inference_mode():
+            logits[dtype] = hf_gemma(gemma_gguf, dtype)(torch.tensor([english_tokens])).logits[0].float()
+    return logits[torch.float32], logits[torch.bfloat16]
+
+
+def test_bfloat16_teacher_forced_top1_agrees_with_transformers(gemma_gguf, english_tokens, reference_logits) -> None:
+    """The text teacher-forced in one request: the prompt's own logprobs score every
+    position in one prefill, held against transformers' bfloat16 forward of the same text.
+    Agreement counts a position when our top-1 token has transformers' highest logit
+    there (bfloat16 logits tie often; either tied token is the top-1)."""
+    llm = LLM(str(gemma_gguf), dtype="bfloat16", max_model_len=1024)
+    scored = llm.generate([english_tokens], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5))[0]
+    ids, ours = torch.tensor(scored.prompt_logprobs.token_ids), torch.tensor(scored.prompt_logprobs.logprobs)
+    exact, rounded = reference_logits
+    reference = rounded[:-1].log_softmax(-1)  # row p scores token p + 1
+    agree = (reference.gather(1, ids[:, 1:2])[:, 0] == reference.max(-1).values).float().mean().item()
+    diff = (ours - reference.gather(1, ids)).abs()
+    print(f"bfloat16 teacher-forced over {len(english_tokens)} tokens: top-1 agreement {agree:.4f} with "
+          f"transformers bfloat16 (transformers bfloat16 vs float32: "
+          f"{(rounded.argmax(-1) == exact.argmax(-1)).float().mean().item():.4f}); |logprob diff| over the "
+          f"prompt token and top 5: max {diff.max().item():.4f}, mean {diff.mean().item():.5f}")
+    assert agree >= 0.99
+
+
+def test_bfloat16_cached_prefixes_differ_from_transformers_only_at_near_ties(gemma_gguf, english_tokens,
+                                                                          reference_logits) -> None:
+    """Position by position, one request per prefix: they share the prefix cache, so each
+    computes a few tokens against cached KV in mixed batches, a different order of
+    bfloat16 roundings than one forward. Its one sampled row of logits per position is
+    held against transformers' bfloat16 row.
+
+    transformers in bfloat16 itself picks float32's top-1 at only ~97.7 % of these
+    positions: where two tokens are within rounding of each other, any two bfloat16
+    computations may differ (here ~97.5 %). So: >= 96 % agreement, and every disagreement
+    must be such a near-tie in float32 (top-2 margin under 0.25, where the median margin
+    is ~1.2)."""
+    tokens = english_tokens
     llm = LLM(str(gemma_gguf), dtype="bfloat16", max_model_len=1024, keep_logits=True)
     outputs = llm.generate([tokens[:k] for k in range(1, len(tokens) + 1)], SamplingParams(max_tokens=1, temperature=0))
     ours = torch.stack([out.logits[0] for out in outputs]).float()
-    model = hf_gemma(gemma_gguf, torch.float32)
-    with torch.inference_mode():
-        exact = model(torch.tensor([tokens])).logits[0].float()
-        reference = model.to(torch.bfloat16)(torch.tensor([tokens])).logits[0].float()  # dense bfloat16
+    exact, reference = reference_logits
     agree = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()
     diff = (ours - reference).abs()
     top2 = exact.topk(2, dim=-1).values
     margins = (top2[:, 0] - top2[:, 1])[ours.argmax(-1) != reference.argmax(-1)]
-    print(f"bfloat16 teacher-forced over {len(tokens)} tokens: top-1 agreement {agree:.4f} with transformers "
-          f"bfloat16 (transformers bfloat16 vs float32: "
-          f"{(reference.argmax(-1) == exact.argmax(-1)).float().mean().item():.4f}), max |logit diff| "
-          f"{diff.max().item():.3f}, mean {diff.mean().item():.4f}, float32 margins where we differ "
-          f"{[round(m, 3) for m in margins.tolist()]}")
-    assert agree >= 0.97
+    print(f"bfloat16, one request per prefix over {len(tokens)} tokens: top-1 agreement {agree:.4f} with "
+          f"transformers bfloat16, max |logit diff| {diff.max().item():.3f}, mean {diff.mean().item():.4f}, "
+          f"float32 margins where we differ {[round(m, 3) for m in margins.tolist()]}")
+    assert agree >= 0.96
     assert (margins < 0.25).all(), "a disagreement that is not a near-tie: a numerical bug, not rounding"
 
 
