@@ -15,7 +15,8 @@ may be the null block or stale ids.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -52,15 +53,38 @@ class DecodeBatch:
 
     Row d reads `blocks_per_req` whole blocks, from the first block holding a key its
     query sees; rows with fewer repeat their last block. Key slot j of row d is token
-    `j % block_size` of its `j // block_size`-th block. `visible[d, j]` says whether the
-    query sees that key (causal and in window). Invisible keys get no weight and their
-    values are zeroed after the gather: an unwritten slot may hold anything, even NaN.
+    `j % block_size` of its `j // block_size`-th block. `hidden[d, j]` says whether the
+    query does not see that key (not causal, or out of window). Hidden keys get no weight
+    and their gathered values are zeroed (`hidden_slots`, flat indices into the
+    num_decodes x keys slots): an unwritten slot may hold anything, even NaN.
     """
 
     token_indices: torch.Tensor  # int64 (num_decodes,): batch rows of the decode tokens
     blocks: torch.Tensor  # int64 (num_decodes * blocks_per_req,): block ids, row-major
     blocks_per_req: int
-    visible: torch.Tensor  # bool (num_decodes, blocks_per_req * block_size)
+    hidden: torch.Tensor  # bool (num_decodes, blocks_per_req * block_size)
+    hidden_slots: torch.Tensor  # int64: flat indices of the True entries of `hidden`
+    workspace: Workspace
+
+
+@dataclass
+class Workspace:
+    """Scratch buffers that outlive a step: a decode's gathered keys and values, its
+    scores. Every layer of a group takes the same buffers (layers run one after another),
+    so a steady decode allocates nothing: a buffer grows to the largest batch seen
+    (by half again, so a slowly growing context does not reallocate each step) and is
+    never handed back. Freeing and re-faulting multi-MB temporaries each step cost more
+    than the attention's arithmetic on CPU."""
+
+    buffers: dict[tuple[str, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = math.prod(shape)
+        buffer = self.buffers.get((name, dtype))
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel + numel // 2, dtype=dtype, device=device)
+            self.buffers[(name, dtype)] = buffer
+        return buffer[:numel].view(shape)
 
 
 @dataclass(frozen=True)
@@ -80,7 +104,12 @@ class TorchAttentionMetadata:
 
 
 class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
-    """Builds `TorchAttentionMetadata`; `sliding_window` is the group's layers' window."""
+    """Builds `TorchAttentionMetadata`; `sliding_window` is the group's layers' window.
+    Owns the group's decode workspace."""
+
+    def __init__(self, sliding_window: int | None, device: torch.device) -> None:
+        super().__init__(sliding_window, device)
+        self.workspace = Workspace()
 
     def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         n = common.num_actual_tokens
@@ -137,11 +166,11 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
         cols = torch.minimum(first_col[:, None] + torch.arange(per_req, device=self.device), (pos // bs)[:, None])
         blocks = common.block_table.to(self.device)[rows[:, None], cols].to(torch.int64)
         key_pos = first_col[:, None] * bs + torch.arange(per_req * bs, device=self.device)[None, :]
-        visible = key_pos <= pos[:, None]
+        hidden = key_pos > pos[:, None]
         if self.sliding_window is not None:
-            visible &= key_pos > pos[:, None] - self.sliding_window
-        return DecodeBatch(token_indices=token_indices, blocks=blocks.flatten(),
-                           blocks_per_req=per_req, visible=visible)
+            hidden |= key_pos <= pos[:, None] - self.sliding_window
+        return DecodeBatch(token_indices=token_indices, blocks=blocks.flatten(), blocks_per_req=per_req,
+                           hidden=hidden, hidden_slots=hidden.flatten().nonzero()[:, 0], workspace=self.workspace)
 
 
 class TorchAttentionImpl(AttentionImpl):
@@ -189,22 +218,30 @@ class TorchAttentionImpl(AttentionImpl):
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, d: DecodeBatch) -> torch.Tensor:
         """All decode queries at once -> (num_decodes, H, D).
 
-        Whole blocks are gathered (one contiguous copy each), K and V together, then the
-        query heads sharing a KV head are batched against them with two bmm calls;
-        scores and softmax in float32.
+        Per KV head, the rows' blocks are gathered into the workspace (each cached byte
+        read once, written once), keys widened to float32 in place of a temporary; the
+        query heads sharing a KV head are batched against them: scores and softmax in
+        float32, then the values in the cache dtype. Only scores are masked; hidden
+        values are zeroed in the workspace, slot by slot.
         """
-        n, group, kvh = d.token_indices.numel(), self.num_heads // self.num_kv_heads, self.num_kv_heads
-        gathered = kv_cache.index_select(0, d.blocks).unflatten(0, (n, d.blocks_per_req))
-        kv = gathered.permute(2, 0, 4, 1, 3, 5).flatten(3, 4)  # (2, n, KVH, keys, D)
-        keys = kv.shape[3]
-        hidden = ~d.visible
-        k = kv[0].reshape(n * kvh, keys, -1).float()
-        v = kv[1].masked_fill(hidden[:, None, :, None], 0).to(query.dtype).reshape(n * kvh, keys, -1)
-        q = query[d.token_indices].view(n * kvh, group, self.head_size).float()
-        scores = torch.bmm(q, k.transpose(1, 2)).view(n, kvh, group, keys).mul_(self.scale)
-        probs = scores.masked_fill_(hidden[:, None, None, :], float("-inf")).softmax(-1).to(query.dtype)
-        out = torch.bmm(probs.view(n * kvh, group, keys), v)
-        return out.view(n, self.num_heads, self.head_size)
+        n, kvh, size = d.token_indices.numel(), self.num_kv_heads, self.head_size
+        group, keys = self.num_heads // kvh, d.hidden.shape[1]
+        ws, device = d.workspace, query.device
+        k = ws.take("k", (kvh, n * d.blocks_per_req, kv_cache.shape[2], size), kv_cache.dtype, device)
+        v = ws.take("v", k.shape, kv_cache.dtype, device)
+        for h in range(kvh):
+            torch.index_select(kv_cache[:, 0, :, h], 0, d.blocks, out=k[h])
+            torch.index_select(kv_cache[:, 1, :, h], 0, d.blocks, out=v[h])
+        k32 = k.view(kvh, n, keys, size)
+        if k32.dtype != torch.float32:
+            k32 = ws.take("k32", k32.shape, torch.float32, device).copy_(k32)
+        v = v.view(kvh, n * keys, size).index_fill_(1, d.hidden_slots, 0).view(kvh, n, keys, size)
+        q = query[d.token_indices].view(n, kvh, group, size).transpose(0, 1).float()
+        scores = torch.matmul(q, k32.transpose(2, 3), out=ws.take("scores", (kvh, n, group, keys), torch.float32, device))
+        scores.mul_(self.scale).masked_fill_(d.hidden[None, :, None, :], float("-inf"))
+        probs = scores.softmax(-1).to(v.dtype)
+        out = torch.matmul(probs, v)  # (kvh, n, group, D)
+        return out.transpose(0, 1).reshape(n, self.num_heads, size).to(query.dtype)
 
 
 class TorchAttentionBackend(AttentionBackend):

@@ -20,6 +20,7 @@ from pd.kv_cache.manager import KVCacheManager
 from pd.kv_cache.spec import KVCacheConfig, MambaSpec
 from pd.models.config import ModelConfig
 from pd.models.loader import load_model
+from pd.engine.malloc import keep_freed_memory
 from pd.outputs import RequestOutput
 from pd.request import Request
 from pd.scheduler import Scheduler, SchedulerConfig
@@ -56,6 +57,7 @@ def group_names(config: KVCacheConfig) -> list[str]:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, keep_logits: bool = False) -> None:
+        keep_freed_memory()
         torch.manual_seed(config.seed)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)

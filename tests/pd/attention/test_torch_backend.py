@@ -177,7 +177,7 @@ class Harness:
         d = metadata.decodes
         blocks = d.blocks.view(-1, d.blocks_per_req)
         slots = (blocks[:, :, None] * bs + torch.arange(bs, device=blocks.device)).flatten(1)
-        seen = d.visible
+        seen = ~d.hidden
         for row_blocks, row_slots, row_seen, (req, f) in zip(blocks.tolist(), slots.tolist(), seen.tolist(), decodes, strict=True):
             assert set(row_blocks) <= set(req.blocks[f // bs : req.done // bs + 1])  # whole blocks, none outside
             visible = {req.blocks[q // bs] * bs + q % bs for q in range(f, req.done + 1)}
@@ -338,7 +338,7 @@ def test_decode_gather_reads_only_window_positions() -> None:
     h.step([(a, 29), (b, 2)])
     meta = h.step([(a, 1), (b, 1)])
     assert meta.decodes is not None
-    assert meta.decodes.visible.sum(-1).tolist() == [6, 3]
+    assert (~meta.decodes.hidden).sum(-1).tolist() == [6, 3]
     assert meta.decodes.blocks_per_req == 2  # a sees positions 24..29: blocks 6 and 7
     assert meta.decodes.blocks.view(2, 2).tolist() == [a.blocks[6:8], [b.blocks[0]] * 2]
 
@@ -362,3 +362,37 @@ def test_random_schedules_match_dense_attention(data: st.DataObject) -> None:
         live = [r for r in reqs if r.done < r.length]
         chosen = data.draw(st.lists(st.sampled_from(live), min_size=1, unique_by=id))
         h.step([(r, data.draw(st.integers(1, r.length - r.done))) for r in chosen])
+
+
+# --- steady decode: no allocator churn -----------------------------------------------
+
+
+def minor_faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def test_steady_decode_steps_take_no_page_faults() -> None:
+    """8 requests x 8,192 keys, 2 KV heads x 128, bfloat16: 32 MiB of gathered keys and
+    64 MiB widened to float32 per layer, past the largest size glibc serves from its heap
+    (32 MiB, set by the engine at start). A per-step temporary of that size would be
+    mmapped and faulted in page by page on every call (16,384 faults per 64 MiB); from
+    the builder's workspace, a steady step faults (next to) nothing."""
+    from pd.engine.malloc import keep_freed_memory
+
+    keep_freed_memory()
+    bs, n, context, kvh, size = 16, 8, 8192, 2, 128
+    per_req = context // bs
+    cache = torch.randn(1 + n * per_req, 2, bs, kvh, size).to(torch.bfloat16)
+    rows = [list(range(1 + i * per_req, 1 + (i + 1) * per_req)) for i in range(n)]
+    common = CommonAttentionMetadata.from_requests(rows, [context - 1] * n, [1] * n, bs)
+    metadata = TorchAttentionBackend.builder_cls()(None, torch.device("cpu")).build(common)
+    impl = TorchAttentionImpl(4, kvh, size, SCALE, None)
+    q, k, v = torch.randn(n, 4, size).to(torch.bfloat16), *torch.randn(2, n, kvh, size).to(torch.bfloat16)
+    first = impl.forward(q, k, v, cache, metadata)
+    impl.forward(q, k, v, cache, metadata)
+    before = minor_faults()
+    for _ in range(4):
+        assert torch.equal(impl.forward(q, k, v, cache, metadata), first)
+    assert (minor_faults() - before) / 4 < 256

@@ -1,0 +1,157 @@
+"""One engine step, broken down: where a decode step's time goes, and its page faults.
+
+Loads a model into an in-process EngineCore, admits `--batch` requests whose prompts
+bring each to `--context` tokens, prefills them, then times `--steps` decode steps.
+Per step: the whole step, and inside it the model's attention, MLP, lm_head and
+sampling (forward hooks with wall clocks: on CPU every op is synchronous) and the rest
+(scheduler, input preparation, norms, embeddings); plus minor page faults per step, the
+sign of an allocator that hands memory back to the OS and faults it in again.
+
+    pd bench step --model MODEL.gguf --batch 8 --context 640 --dtype bfloat16
+    python -m benchmarks.step --model DIR --output results/step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from pd.config import EngineConfig
+from pd.engine.core import EngineCore
+from pd.request import Request, SamplingParams
+
+
+class PartTimer:
+    """Wall time spent inside modules of a kind, summed per step."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self._started: dict[int, float] = {}
+
+    def watch(self, module: nn.Module, part: str) -> None:
+        module.register_forward_pre_hook(lambda m, args: self._start(m))
+        module.register_forward_hook(lambda m, args, out: self._stop(m, part))
+
+    def wrap(self, owner: object, name: str, part: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.totals[part] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    def _start(self, module: nn.Module) -> None:
+        self._started[id(module)] = time.perf_counter()
+
+    def _stop(self, module: nn.Module, part: str) -> None:
+        self.totals[part] += time.perf_counter() - self._started.pop(id(module))
+
+    def take(self) -> dict[str, float]:
+        totals, self.totals = dict(self.totals), defaultdict(float)
+        return totals
+
+
+def instrument(engine: EngineCore) -> PartTimer:
+    from pd.attention.layer import Attention
+
+    timer = PartTimer()
+    for module in engine.model.modules():
+        if isinstance(module, Attention):
+            timer.watch(module, "attention")
+        elif type(module).__name__.endswith("MLP"):
+            timer.watch(module, "mlp")
+    timer.wrap(engine.model, "compute_logits", "lm_head")
+    import pd.worker.model_runner as runner_module
+
+    timer.wrap(runner_module, "sample", "sampling")
+    timer.wrap(engine.scheduler, "schedule", "scheduler")
+    timer.wrap(engine.scheduler, "update_from_output", "scheduler")
+    return timer
+
+
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def run(args: argparse.Namespace) -> dict:
+    config = EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=max(args.batch, 1),
+                          max_model_len=args.context + args.steps + args.warmup + 8,
+                          max_num_batched_tokens=max(2048, args.context), num_threads=args.num_threads)
+    engine = EngineCore(config)
+    vocab = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=args.steps + args.warmup + 2, temperature=0, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(Request(f"step-{i}", torch.randint(10, vocab - 10, (args.context,), generator=gen).tolist(),
+                                   params))
+    while len(engine.scheduler.running) < args.batch or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+        engine.step()
+    timer = instrument(engine)
+    for _ in range(args.warmup):
+        engine.step()
+    timer.take()
+    steps = []
+    for _ in range(args.steps):
+        faults, start = minor_faults(), time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        parts = timer.take()
+        parts["other"] = elapsed - sum(v for k, v in parts.items())
+        steps.append({"step": elapsed, "faults": minor_faults() - faults, **parts})
+    keys = ["step", "attention", "mlp", "lm_head", "sampling", "scheduler", "other"]
+    medians = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in keys}
+    medians["faults"] = statistics.median(s["faults"] for s in steps)
+    return {"model": args.model, "dtype": engine.config.dtype, "batch": args.batch, "context": args.context,
+            "steps": args.steps, "threads": torch.get_num_threads(), "medians": medians, "per_step": steps}
+
+
+def print_table(result: dict) -> None:
+    m = result["medians"]
+    print(f"decode step, batch {result['batch']}, context {result['context']}, {result['dtype']}, "
+          f"{result['threads']} threads (median of {result['steps']} steps)")
+    print("| part | ms | share |")
+    print("|---|---:|---:|")
+    for key in ("attention", "mlp", "lm_head", "sampling", "scheduler", "other", "step"):
+        print(f"| {key} | {m[key] * 1e3:.2f} | {m[key] / m['step']:.0%} |")
+    print(f"minor page faults per step: {m['faults']:.0f}")
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="model directory or .gguf file")
+    parser.add_argument("--dtype", default="auto", help="weights and KV dtype (auto, bfloat16, float32, ...)")
+    parser.add_argument("--batch", type=int, default=8, help="requests decoding together")
+    parser.add_argument("--context", type=int, default=640, help="prompt tokens of each request")
+    parser.add_argument("--steps", type=int, default=20, help="decode steps timed")
+    parser.add_argument("--warmup", type=int, default=3, help="decode steps run before timing")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument("--output", type=Path, default=None, help="write the result as JSON here")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> dict:
+    args = build_parser(prog).parse_args(argv)
+    result = run(args)
+    print_table(result)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
