@@ -112,9 +112,10 @@ def _run_proxy(args: argparse.Namespace) -> int:
 
 
 def _add_bench_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("bench_command", choices=["serve", "compare"],
+    parser.add_argument("bench_command", choices=["serve", "compare", "step"],
                         help="serve: load-test an OpenAI-compatible server; compare: launch several "
-                             "deployments of one model and run the same load on each (see --help of each)")
+                             "deployments of one model and run the same load on each; step: time one "
+                             "engine's decode step part by part, in process (see --help of each)")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
 
 
@@ -124,6 +125,11 @@ def _run_bench(args: argparse.Namespace) -> int:
 
         rows = compare.main(args.bench_args, prog="pd bench compare")
         return 0 if all(r["medians"]["failed"] == 0 for r in rows) else 1
+    if args.bench_command == "step":
+        from benchmarks import step
+
+        step.main(args.bench_args, prog="pd bench step")
+        return 0
     from benchmarks import serve
 
     result = serve.main(args.bench_args, prog="pd bench serve")

@@ -166,7 +166,7 @@ class HybridForCausalLM(CausalLM):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (self.lm_head(hidden) / self.arch.logits_scaling).float()
+        return self.lm_head(hidden) / self.arch.logits_scaling
 
     def kv_cache_layers(self) -> dict[str, nn.Module]:
         return {f"layers.{i}": layer.state_layer for i, layer in enumerate(self.model.layers)}

@@ -27,8 +27,10 @@ class CausalLM(nn.Module):
 
     `forward(input_ids (T,), positions (T,)) -> hidden (T, hidden)` runs the batch's new
     tokens (requests concatenated) inside a forward context (`pd/forward_context.py`);
-    `compute_logits` maps chosen hidden rows to float32 logits. Layers that keep state
-    (attention, Mamba) are returned by `kv_cache_layers` under their KV cache layer name.
+    `compute_logits` maps chosen hidden rows to logits in the model's dtype (a greedy
+    argmax needs no float32 copy of a vocabulary-wide row; whoever needs float32
+    widens). Layers that keep state (attention, Mamba) are returned by `kv_cache_layers`
+    under their KV cache layer name.
     """
 
     stacked_params: tuple[tuple[str, str, int], ...] = STACKED_PARAMS
@@ -49,7 +51,7 @@ class CausalLM(nn.Module):
                 for name, layer in self.kv_cache_layers().items()}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)
 
     @property
     def tie_word_embeddings(self) -> bool:

@@ -141,7 +141,7 @@ class Gemma3ForCausalLM(CausalLM):
         cap = self.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits
 
     def kv_cache_layers(self) -> dict[str, nn.Module]:
         return {layer.self_attn.attn.layer_name: layer.self_attn.attn for layer in self.model.layers}

@@ -193,5 +193,5 @@ class ModelRunner:
         tokens = sample(logits, [s.sampling_params for s in states], [s.generator for s in states])
         for state, token in zip(states, tokens):
             state.token_ids.append(token)
-        kept = {r: logits[i].clone() for i, r in enumerate(req_ids)} if self.keep_logits else None
+        kept = {r: logits[i].float() for i, r in enumerate(req_ids)} if self.keep_logits else None
         return ModelRunnerOutput(dict(zip(req_ids, tokens)), kept)

@@ -15,12 +15,13 @@ from pd.request import SamplingParams
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[int]:
-    """logits (N, V) float32, one row per request -> N token ids."""
-    greedy = logits.argmax(dim=-1)
+    """logits (N, V) in the model's dtype, one row per request -> N token ids. Greedy rows
+    take the argmax as computed; sampled rows are widened to float32 first."""
+    greedy = logits.max(dim=-1).indices  # the first maximum, as argmax; argmax is 5x slower on bfloat16 CPU
     if all(p.greedy for p in params):
         return greedy.tolist()
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    probs = _filtered_probs(logits[rows], [params[i] for i in rows])
+    probs = _filtered_probs(logits[rows].float(), [params[i] for i in rows])
     noise = torch.empty_like(probs)
     for j, i in enumerate(rows):
         noise[j].exponential_(generator=generators[i])
