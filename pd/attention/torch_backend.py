@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pd.attention import cpu_kernels
 from pd.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -60,6 +61,9 @@ class DecodeBatch:
     """
 
     token_indices: torch.Tensor  # int64 (num_decodes,): batch rows of the decode tokens
+    rows: torch.Tensor  # int64 (num_decodes,): their rows of `table`
+    positions: torch.Tensor  # int64 (num_decodes,): their query positions
+    table: torch.Tensor  # int32: the group's block table (the native kernel reads it in place)
     blocks: torch.Tensor  # int64 (num_decodes * blocks_per_req,): block ids, row-major
     blocks_per_req: int
     hidden: torch.Tensor  # bool (num_decodes, blocks_per_req * block_size)
@@ -169,7 +173,8 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
         hidden = key_pos > pos[:, None]
         if self.sliding_window is not None:
             hidden |= key_pos <= pos[:, None] - self.sliding_window
-        return DecodeBatch(token_indices=token_indices, blocks=blocks.flatten(), blocks_per_req=per_req,
+        return DecodeBatch(token_indices=token_indices, rows=rows.contiguous(), positions=pos.contiguous(),
+                           table=common.block_table.to(self.device).contiguous(), blocks=blocks.flatten(), blocks_per_req=per_req,
                            hidden=hidden, hidden_slots=hidden.flatten().nonzero()[:, 0], workspace=self.workspace)
 
 
@@ -216,7 +221,21 @@ class TorchAttentionImpl(AttentionImpl):
         return out[0].transpose(0, 1)
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, d: DecodeBatch) -> torch.Tensor:
-        """All decode queries at once -> (num_decodes, H, D).
+        """All decode queries at once -> (num_decodes, H, D): the native CPU kernel where
+        it is built (each visible key and value read once, in place), else gathered."""
+        if cpu_kernels.supports(kv_cache, self.head_size):
+            q = query[d.token_indices].float().contiguous()
+            out = d.workspace.take("out", q.shape, torch.float32, q.device)
+            span = d.hidden.shape[1]
+            size = cpu_kernels.scratch_size(self.num_heads // self.num_kv_heads, self.head_size, span)
+            scratch = d.workspace.take("scratch", (size,), torch.float32, q.device)
+            cpu_kernels.paged_decode(q, kv_cache, d.table, d.rows, d.positions, self.sliding_window, self.scale,
+                                     out, scratch, span)
+            return out.to(query.dtype)
+        return self._decode_gathered(query, kv_cache, d)
+
+    def _decode_gathered(self, query: torch.Tensor, kv_cache: torch.Tensor, d: DecodeBatch) -> torch.Tensor:
+        """All decode queries at once -> (num_decodes, H, D), on any device.
 
         Per KV head, the rows' blocks are gathered into the workspace (each cached byte
         read once, written once), keys widened to float32 in place of a temporary; the

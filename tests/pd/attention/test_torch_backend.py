@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pd.attention import get_attention_backend
+from pd.attention import cpu_kernels, get_attention_backend
 from pd.attention.backend import CommonAttentionMetadata
 from pd.attention.torch_backend import TorchAttentionBackend, TorchAttentionImpl, TorchAttentionMetadata
 from pd.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
@@ -37,6 +37,18 @@ def _one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, params=["native", "gathered"])
+def decode_path(request, monkeypatch) -> str:
+    """Every test runs twice: decodes through the native CPU kernel (which must have been
+    built: a machine with a C compiler that cannot build it is a failure, not a skip),
+    and through the gathered torch path (every device's)."""
+    if request.param == "native":
+        assert cpu_kernels._library() is not None, "the native decode kernel did not build"
+    else:
+        monkeypatch.setattr(cpu_kernels, "supports", lambda *args: False)
+    return request.param
 
 
 @dataclass(frozen=True)
@@ -374,11 +386,12 @@ def minor_faults() -> int:
 
 
 def test_steady_decode_steps_take_no_page_faults() -> None:
-    """8 requests x 8,192 keys, 2 KV heads x 128, bfloat16: 32 MiB of gathered keys and
-    64 MiB widened to float32 per layer, past the largest size glibc serves from its heap
-    (32 MiB, set by the engine at start). A per-step temporary of that size would be
-    mmapped and faulted in page by page on every call (16,384 faults per 64 MiB); from
-    the builder's workspace, a steady step faults (next to) nothing."""
+    """8 requests x 8,192 keys, 2 KV heads x 128, bfloat16: on the gathered path, 32 MiB
+    of gathered keys and 64 MiB widened to float32 per layer, past the largest size glibc
+    serves from its heap (32 MiB, set by the engine at start). A per-step temporary of
+    that size would be mmapped and faulted in page by page on every call (16,384 faults
+    per 64 MiB); from the builder's workspace, a steady step faults (next to) nothing.
+    The native kernel reads the cache in place: no large buffer at all."""
     from pd.engine.malloc import keep_freed_memory
 
     keep_freed_memory()
@@ -396,3 +409,23 @@ def test_steady_decode_steps_take_no_page_faults() -> None:
     for _ in range(4):
         assert torch.equal(impl.forward(q, k, v, cache, metadata), first)
     assert (minor_faults() - before) / 4 < 256
+
+
+def test_native_kernel_is_optional(monkeypatch, tmp_path) -> None:
+    """No compiler (or PD_NATIVE_KERNELS=0): nothing is built and decodes take the torch
+    path; the kernel makes decodes faster, never possible."""
+    monkeypatch.setenv("PD_KERNEL_CACHE", str(tmp_path))
+    cpu_kernels._library.cache_clear()
+    try:
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+        assert cpu_kernels._library() is None
+        cpu_kernels._library.cache_clear()
+        monkeypatch.setenv("CC", "cc")
+        monkeypatch.setenv("PD_NATIVE_KERNELS", "0")
+        assert cpu_kernels._library() is None
+        assert not cpu_kernels.supports(torch.zeros(2, 2, 4, 1, 8, dtype=torch.bfloat16), 8)
+        cpu_kernels._library.cache_clear()
+        monkeypatch.delenv("PD_NATIVE_KERNELS")
+        assert cpu_kernels._library() is not None and list(tmp_path.glob("paged_decode-*.so"))  # built here
+    finally:
+        cpu_kernels._library.cache_clear()
