@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#define PREFETCH_AHEAD 16
+
 static inline float widen_bf16(const uint16_t *x, int64_t d) {
     uint32_t bits = (uint32_t)x[d] << 16;
     float f;
@@ -34,11 +36,23 @@ static inline float widen_f32(const float *x, int64_t d) { return x[d]; }
         return cache + blocks[p / bs] * s_block + (p % bs) * s_slot;                              \
     }                                                                                             \
                                                                                                   \
+    /* Ask for 4 rows PREFETCH_AHEAD positions ahead: rows sit in scattered blocks, so the  \
+     * hardware prefetcher loses the stream at each block boundary. */                         \
+    static inline void NAME##_prefetch(const T *base, const int32_t *blocks, int64_t p, int64_t D, \
+                                       int64_t bs, int64_t s_block, int64_t s_slot) {           \
+        for (int64_t i = 0; i < 4; i++) {                                                         \
+            const char *row = (const char *)NAME##_row(base, blocks, p + i, bs, s_block, s_slot); \
+            for (int64_t b = 0; b < D * (int64_t)sizeof(T); b += 64) __builtin_prefetch(row + b); \
+        }                                                                                         \
+    }                                                                                             \
+                                                                                                  \
     static void NAME##_scores(const float *q, const T *keys, const int32_t *blocks, int64_t first, \
                               int64_t nk, int64_t group, int64_t D, int64_t bs, int64_t s_block,  \
                               int64_t s_slot, float scale, float *scores, float *rows) {           \
         int64_t t = 0;                                                                            \
         for (; t + 4 <= nk; t += 4) {                                                             \
+            if (t + PREFETCH_AHEAD + 4 <= nk) NAME##_prefetch(keys, blocks, first + t + PREFETCH_AHEAD, \
+                                                           D, bs, s_block, s_slot);              \
             for (int64_t i = 0; i < 4; i++) {                                                     \
                 const T *k = NAME##_row(keys, blocks, first + t + i, bs, s_block, s_slot);        \
                 for (int64_t d = 0; d < D; d++) rows[i * D + d] = WIDEN(k, d);                    \
@@ -73,6 +87,8 @@ static inline float widen_f32(const float *x, int64_t d) { return x[d]; }
         memset(out, 0, group * D * sizeof(float));                                                \
         int64_t t = 0;                                                                            \
         for (; t + 4 <= nk; t += 4) {                                                             \
+            if (t + PREFETCH_AHEAD + 4 <= nk) NAME##_prefetch(values, blocks, first + t + PREFETCH_AHEAD, \
+                                                           D, bs, s_block, s_slot);              \
             for (int64_t i = 0; i < 4; i++) {                                                     \
                 const T *v = NAME##_row(values, blocks, first + t + i, bs, s_block, s_slot);      \
                 for (int64_t d = 0; d < D; d++) rows[i * D + d] = WIDEN(v, d);                    \
