@@ -1,0 +1,33 @@
+"""`pack_linears`: bfloat16 CPU linears with weights packed once for oneDNN give bitwise
+the logits of the unpacked model and drop their own weights (a tied lm_head's embedding
+stays), and other dtypes are left alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pd.models.config import ModelConfig
+from pd.models.loader import load_model
+from pd.models.make_model import make_model
+from pd.models.packed import pack_linears
+from tests.pd.models.test_model_files import run_prompt
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "bamba"])
+def test_packed_bfloat16_model_gives_bitwise_the_same_logits(arch, tmp_path) -> None:
+    config = ModelConfig.from_dir(make_model(arch, tmp_path / arch, seed=3), dtype="bfloat16")
+    plain, packed = load_model(config), load_model(config)
+    linears = [m for m in packed.modules() if isinstance(m, nn.Linear)]
+    assert pack_linears(packed) == len(linears) > 0
+    tokens = torch.randint(0, config.vocab_size, (200,), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(run_prompt(packed, tokens), run_prompt(plain, tokens))
+    assert all(linear.weight.numel() == 0 for linear in linears)  # the packed copy replaces the weight
+    assert torch.equal(packed.model.embed_tokens.weight, plain.model.embed_tokens.weight)  # a tied one's too
+
+
+def test_float32_models_are_not_packed(tmp_path) -> None:
+    model = load_model(ModelConfig.from_dir(make_model("qwen3", tmp_path / "q", seed=3), dtype="float32"))
+    assert pack_linears(model) == 0
+    assert all(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
