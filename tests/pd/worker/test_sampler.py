@@ -58,3 +58,37 @@ def test_temperature_sampling_follows_the_softmax() -> None:
     for _ in range(500):
         cold[sample(x, [SamplingParams(temperature=0.1)], [gen])[0]] += 1
     assert cold[2] > 490  # a low temperature concentrates on the argmax
+
+
+def test_sampling_over_a_large_vocabulary_follows_the_softmax() -> None:
+    """Mass in tokens of different blocks of the two-level search (the vocabulary is not
+    a multiple of the block), and everywhere else next to none."""
+    vocab, hot = 262_147, [0, 1023, 1024, 200_000, 262_146]
+    x = torch.full((1, vocab), -30.0)
+    x[0, hot] = torch.tensor([1.0, 0.0, 2.0, 0.5, 1.5])
+    gen = make_generator(1, "cpu")
+    counts = {t: 0 for t in hot}
+    for _ in range(4000):
+        token = sample(x, [SamplingParams(temperature=1.0)], [gen])[0]
+        assert token in counts
+        counts[token] += 1
+    expected = x[0, hot].softmax(-1) * 4000
+    assert all(abs(counts[t] - e) < 0.1 * 4000 for t, e in zip(hot, expected.tolist()))
+
+
+def test_filtered_tokens_are_never_sampled_even_at_the_edges() -> None:
+    """top-k leaves the first and last tokens of the vocabulary; draws near 0 and 1 must
+    not land on the zero-probability tokens around them."""
+    x = torch.zeros(1, 5000)
+    x[0, [0, 4999]] = 5.0
+    for seed in range(300):
+        assert sample(x, [SamplingParams(top_k=2, seed=seed)], [make_generator(seed, "cpu")])[0] in (0, 4999)
+
+
+def test_top_p_over_a_flat_row_looks_past_the_candidates() -> None:
+    """A flat row: the 1,024 most likely tokens hold too little mass, so the whole sorted
+    vocabulary decides (half of 4,096 equal tokens for top_p=0.5)."""
+    x = torch.zeros(1, 4096)
+    x[0, :2048] = 1e-3  # a hair more likely: these are the nucleus
+    seen = {sample(x, [SamplingParams(top_p=0.5, seed=s)], [make_generator(s, "cpu")])[0] for s in range(400)}
+    assert max(seen) < 2048 and len(seen) > 300
