@@ -28,10 +28,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         return greedy.tolist()
     rows = [i for i, p in enumerate(params) if not p.greedy]
     probs = _filtered_probs(logits[rows].float(), [params[i] for i in rows])
-    draws = torch.cat([torch.rand(1, generator=generators[i], dtype=torch.float64) for i in rows])
+    draws = torch.cat([_draw(generators[i], probs.device) for i in rows])
     tokens = greedy.clone()
-    tokens[rows] = _inverse_transform(probs, draws.to(probs.device)).to(tokens.dtype)
+    tokens[rows] = _inverse_transform(probs, draws).to(tokens.dtype)
     return tokens.tolist()
+
+
+def _draw(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """One uniform in [0, 1), from the request's generator (on its device) if it has one."""
+    return torch.rand(1, generator=generator, dtype=torch.float64,
+                      device=generator.device if generator is not None else device).to(device)
 
 
 def _inverse_transform(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
