@@ -36,13 +36,20 @@ static inline float widen_f32(const float *x, int64_t d) { return x[d]; }
         return cache + blocks[p / bs] * s_block + (p % bs) * s_slot;                              \
     }                                                                                             \
                                                                                                   \
-    /* Ask for 4 rows PREFETCH_AHEAD positions ahead: rows sit in scattered blocks, so the  \
+    /* Widen `count` rows from position first + t into `rows` (float32, D apart), and ask   \
+     * for the 4 rows PREFETCH_AHEAD positions later: rows sit in scattered blocks, so the    \
      * hardware prefetcher loses the stream at each block boundary. */                         \
-    static inline void NAME##_prefetch(const T *base, const int32_t *blocks, int64_t p, int64_t D, \
-                                       int64_t bs, int64_t s_block, int64_t s_slot) {           \
-        for (int64_t i = 0; i < 4; i++) {                                                         \
-            const char *row = (const char *)NAME##_row(base, blocks, p + i, bs, s_block, s_slot); \
-            for (int64_t b = 0; b < D * (int64_t)sizeof(T); b += 64) __builtin_prefetch(row + b); \
+    static inline void NAME##_widen(const T *base, const int32_t *blocks, int64_t first,         \
+                                    int64_t t, int64_t count, int64_t nk, int64_t D, int64_t bs, \
+                                    int64_t s_block, int64_t s_slot, float *rows) {              \
+        for (int64_t i = 0; t + PREFETCH_AHEAD + 4 <= nk && i < 4; i++) {                         \
+            const char *ahead = (const char *)NAME##_row(base, blocks, first + t + PREFETCH_AHEAD + i, \
+                                                         bs, s_block, s_slot);                   \
+            for (int64_t b = 0; b < D * (int64_t)sizeof(T); b += 64) __builtin_prefetch(ahead + b); \
+        }                                                                                         \
+        for (int64_t i = 0; i < count; i++) {                                                     \
+            const T *row = NAME##_row(base, blocks, first + t + i, bs, s_block, s_slot);          \
+            for (int64_t d = 0; d < D; d++) rows[i * D + d] = WIDEN(row, d);                      \
         }                                                                                         \
     }                                                                                             \
                                                                                                   \
@@ -51,12 +58,7 @@ static inline float widen_f32(const float *x, int64_t d) { return x[d]; }
                               int64_t s_slot, float scale, float *scores, float *rows) {           \
         int64_t t = 0;                                                                            \
         for (; t + 4 <= nk; t += 4) {                                                             \
-            if (t + PREFETCH_AHEAD + 4 <= nk) NAME##_prefetch(keys, blocks, first + t + PREFETCH_AHEAD, \
-                                                           D, bs, s_block, s_slot);              \
-            for (int64_t i = 0; i < 4; i++) {                                                     \
-                const T *k = NAME##_row(keys, blocks, first + t + i, bs, s_block, s_slot);        \
-                for (int64_t d = 0; d < D; d++) rows[i * D + d] = WIDEN(k, d);                    \
-            }                                                                                     \
+            NAME##_widen(keys, blocks, first, t, 4, nk, D, bs, s_block, s_slot, rows);           \
             for (int64_t g = 0; g < group; g++) {                                                 \
                 const float *qg = q + g * D;                                                      \
                 float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;                                 \
@@ -71,8 +73,7 @@ static inline float widen_f32(const float *x, int64_t d) { return x[d]; }
             }                                                                                     \
         }                                                                                         \
         for (; t < nk; t++) {                                                                     \
-            const T *k = NAME##_row(keys, blocks, first + t, bs, s_block, s_slot);                \
-            for (int64_t d = 0; d < D; d++) rows[d] = WIDEN(k, d);                                \
+            NAME##_widen(keys, blocks, first, t, 1, nk, D, bs, s_block, s_slot, rows);           \
             for (int64_t g = 0; g < group; g++) {                                                 \
                 float a = 0.0f;                                                                   \
                 for (int64_t d = 0; d < D; d++) a += q[g * D + d] * rows[d];                      \
@@ -87,12 +88,7 @@ static inline float widen_f32(const float *x, int64_t d) { return x[d]; }
         memset(out, 0, group * D * sizeof(float));                                                \
         int64_t t = 0;                                                                            \
         for (; t + 4 <= nk; t += 4) {                                                             \
-            if (t + PREFETCH_AHEAD + 4 <= nk) NAME##_prefetch(values, blocks, first + t + PREFETCH_AHEAD, \
-                                                           D, bs, s_block, s_slot);              \
-            for (int64_t i = 0; i < 4; i++) {                                                     \
-                const T *v = NAME##_row(values, blocks, first + t + i, bs, s_block, s_slot);      \
-                for (int64_t d = 0; d < D; d++) rows[i * D + d] = WIDEN(v, d);                    \
-            }                                                                                     \
+            NAME##_widen(values, blocks, first, t, 4, nk, D, bs, s_block, s_slot, rows);         \
             for (int64_t g = 0; g < group; g++) {                                                 \
                 const float *wg = w + g * nk + t;                                                 \
                 float *o = out + g * D;                                                           \
@@ -102,8 +98,7 @@ static inline float widen_f32(const float *x, int64_t d) { return x[d]; }
             }                                                                                     \
         }                                                                                         \
         for (; t < nk; t++) {                                                                     \
-            const T *v = NAME##_row(values, blocks, first + t, bs, s_block, s_slot);              \
-            for (int64_t d = 0; d < D; d++) rows[d] = WIDEN(v, d);                                \
+            NAME##_widen(values, blocks, first, t, 1, nk, D, bs, s_block, s_slot, rows);         \
             for (int64_t g = 0; g < group; g++) {                                                 \
                 const float wt = w[g * nk + t];                                                   \
                 float *o = out + g * D;                                                           \
