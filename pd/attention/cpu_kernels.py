@@ -31,7 +31,7 @@ MAX_HEAD_SIZE = 1 << 16  # a sanity bound: the kernel itself has none
 _SYMBOLS = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
-             _I64, ctypes.c_float, _PTR, _I64]
+             _I64, ctypes.c_float, _PTR, _I64, _I64]
 
 
 def enabled() -> bool:
@@ -85,7 +85,8 @@ def supports(cache: torch.Tensor, head_size: int) -> bool:
 
 
 def scratch_size(group: int, head_size: int, max_span: int) -> int:
-    """float32 elements of scratch: one share per OpenMP thread (torch's thread count)."""
+    """float32 elements of scratch: one share per thread the kernel runs on (torch's
+    intra-op thread count, passed to it)."""
     return (group * max_span + 4 * head_size) * torch.get_num_threads()
 
 
@@ -101,12 +102,13 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, 
     of `scratch_size(...)` elements."""
     n, num_heads, head_size = query.shape
     blocks, _, block_size, num_kv_heads, _ = cache.shape
+    threads = torch.get_num_threads()
     assert scratch.numel() >= scratch_size(num_heads // num_kv_heads, head_size, max_span)
     assert query.is_contiguous() and out.is_contiguous() and table.is_contiguous() and table.dtype == torch.int32
     status = getattr(_library(), _SYMBOLS[cache.dtype])(
         query.data_ptr(), out.data_ptr(), cache.data_ptr(), *cache.stride()[:4], table.data_ptr(), table.stride(0),
         rows.data_ptr(), positions.data_ptr(), n, num_heads, num_kv_heads, head_size, block_size, window or 0,
-        scale, scratch.data_ptr(), max_span)
+        scale, scratch.data_ptr(), max_span, threads)
     if status:
         raise ValueError(f"paged_decode refused its arguments ({num_heads} heads over {num_kv_heads}, "
                          f"head size {head_size})")

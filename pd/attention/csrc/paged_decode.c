@@ -8,10 +8,11 @@
  *             share KV head h;
  *   cache     one layer's view: [block][k or v][slot][kv head][head_size];
  *   table     int32 block table, row rows[r] for decode r, column p / block_size;
- *   scratch   float32, (group * max_span + 4 * head_size) elements per OpenMP thread,
- *             max_span >= the longest visible span.
- * (request, KV head) pairs are spread over OpenMP's threads: loaded into a process that
- * has torch, the kernel shares torch's OpenMP runtime (same soname) and thread count.
+ *   scratch   float32, (group * max_span + 4 * head_size) elements for each of `threads`
+ *             threads, max_span >= the longest visible span.
+ * (request, KV head) pairs are spread over `threads` OpenMP threads (never more: the
+ * scratch has that many shares). Loaded into a process that has torch, the kernel shares
+ * torch's OpenMP runtime (same soname), so these are torch's threads.
  * Rows are taken four at a time so that four independent sums are in flight.
  */
 #include <math.h>
@@ -111,11 +112,11 @@ static inline float widen_f32(const float *x, int64_t d) { return x[d]; }
              int64_t s_slot, int64_t s_head, const int32_t *table, int64_t s_row,                 \
              const int64_t *rows, const int64_t *positions, int64_t n, int64_t num_heads,         \
              int64_t num_kv_heads, int64_t head_size, int64_t block_size, int64_t window,         \
-             float scale, float *scratch, int64_t max_span) {                                                       \
+             float scale, float *scratch, int64_t max_span, int64_t threads) {                                                       \
         if (num_kv_heads <= 0 || num_heads % num_kv_heads) return 1;                              \
         const int64_t group = num_heads / num_kv_heads, D = head_size;                            \
         const int64_t per_thread = group * max_span + 4 * D;                                      \
-        _Pragma("omp parallel for collapse(2) schedule(static)")                                  \
+        _Pragma("omp parallel for collapse(2) schedule(static) num_threads(threads)")             \
         for (int64_t r = 0; r < n; r++) {                                                         \
             for (int64_t h = 0; h < num_kv_heads; h++) {                                          \
                 float *mine = scratch + omp_get_thread_num() * per_thread;                        \
