@@ -6,6 +6,7 @@ ignored). Reported: generated tokens per second (batch * output-len / wall time 
 whole generate call, prefill included), after one warm-up call per configuration.
 
     python -m benchmarks.offline --batch-sizes 1 8 32 --output results/offline.json
+    python -m benchmarks.offline --model MODEL.gguf --dtype bfloat16 --batch-sizes 32
 """
 
 from __future__ import annotations
@@ -58,15 +59,21 @@ def time_transformers(model, prompts: list[list[int]], output_len: int) -> float
     return elapsed
 
 
-def bench_arch(arch: str, args: argparse.Namespace, workdir: Path) -> list[dict]:
-    model_dir = make_model(arch, workdir / arch, seed=args.seed)
-    llm = LLM(str(model_dir), dtype=args.dtype, max_num_seqs=max(args.batch_sizes),
+def load_transformers(model: Path, dtype: str):
+    """transformers' model of the same checkpoint (a .gguf through `gguf_file=`)."""
+    from transformers import AutoModelForCausalLM
+
+    if model.suffix == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(model.parent, gguf_file=model.name, dtype=getattr(torch, dtype)).eval()
+    return AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+
+
+def bench_model(name: str, model: Path, args: argparse.Namespace) -> list[dict]:
+    llm = LLM(str(model), dtype=args.dtype, max_num_seqs=max(args.batch_sizes),
               kv_cache_memory=args.kv_cache_memory, device="cpu")
     engines = {}
     if not args.skip_transformers:
-        from transformers import AutoModelForCausalLM
-
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
+        hf = load_transformers(model, args.dtype)
         engines["transformers"] = lambda prompts: time_transformers(hf, prompts, args.output_len)
     engines["pd"] = lambda prompts: time_pd(llm, prompts, args.output_len)
     rows = []
@@ -74,9 +81,9 @@ def bench_arch(arch: str, args: argparse.Namespace, workdir: Path) -> list[dict]
         for batch in args.batch_sizes:
             prompts = random_prompts(batch, args.input_len, llm.engine.model_config.vocab_size, args.seed)
             elapsed = run(prompts)
-            rows.append({"arch": arch, "engine": engine, "batch": batch, "seconds": elapsed,
+            rows.append({"arch": name, "engine": engine, "batch": batch, "seconds": elapsed,
                          "output_tokens_per_s": batch * args.output_len / elapsed})
-            print(f"  {arch:14s} {engine:12s} batch {batch:3d}: {rows[-1]['output_tokens_per_s']:8.1f} tok/s", flush=True)
+            print(f"  {name:14s} {engine:12s} batch {batch:3d}: {rows[-1]['output_tokens_per_s']:8.1f} tok/s", flush=True)
     return rows
 
 
@@ -95,6 +102,8 @@ def format_table(rows: list[dict], batch_sizes: Sequence[int]) -> str:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--archs", nargs="+", choices=ARCHS, default=list(ARCHS), help="tiny architectures to run")
+    p.add_argument("--model", type=Path, default=None,
+                   help="a real checkpoint (HF folder or .gguf) to run instead of the tiny architectures")
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32], help="prompts per generate call")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     p.add_argument("--output-len", type=int, default=64, help="generated tokens per prompt")
@@ -109,9 +118,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for arch in args.archs:
-            rows += bench_arch(arch, args, Path(tmp))
+    if args.model is not None:
+        rows += bench_model(args.model.name, args.model, args)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            for arch in args.archs:
+                rows += bench_model(arch, make_model(arch, Path(tmp) / arch, seed=args.seed), args)
     print(f"Generated tokens/s, {args.input_len}-token prompts -> {args.output_len} tokens, {args.dtype}, "
           f"{torch.get_num_threads()} threads:")
     print(format_table(rows, args.batch_sizes))
