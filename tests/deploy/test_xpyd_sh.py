@@ -4,11 +4,13 @@ of the processes they started."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -83,11 +85,25 @@ def test_xpyd_detached_serves_through_the_proxy_and_stop_ends_everything(tmp_pat
     assert not any(alive(p) for p in pids) and not pids_file.exists()
 
 
+@contextlib.contextmanager
+def sigint_as_in_a_terminal() -> Iterator[None]:
+    """Children started inside get SIGINT's default action, as under a terminal. A test
+    run launched in the background by a non-interactive shell has SIGINT ignored, and a
+    signal ignored when a shell starts cannot be trapped by it: local.sh would never see
+    the Ctrl-C this test sends. (Python's handler is reset to the default at exec.)"""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_local_sh_stops_everything_when_interrupted(tmp_path) -> None:
     env, flags = deployment_env(tmp_path), ports()
     log = (tmp_path / "local.log").open("w")
-    process = subprocess.Popen([str(ROOT / "deploy/local.sh"), *flags], env=env, stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+    with sigint_as_in_a_terminal():
+        process = subprocess.Popen([str(ROOT / "deploy/local.sh"), *flags], env=env, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
     pids: list[int] = []
     try:
         deadline = time.monotonic() + 300
