@@ -27,7 +27,6 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-fassociative-math",
          "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast")
-MAX_HEAD_SIZE = 1 << 16  # a sanity bound: the kernel itself has none
 _SYMBOLS = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
@@ -77,11 +76,10 @@ def _library() -> ctypes.CDLL | None:
     return library
 
 
-def supports(cache: torch.Tensor, head_size: int) -> bool:
+def supports(cache: torch.Tensor) -> bool:
     """Whether `paged_decode` can read this layer's cache view: on CPU, bfloat16 or
     float32, head dim contiguous, and the kernel built."""
-    return (cache.device.type == "cpu" and cache.dtype in _SYMBOLS and cache.stride(-1) == 1
-            and head_size <= MAX_HEAD_SIZE and _library() is not None)
+    return cache.device.type == "cpu" and cache.dtype in _SYMBOLS and cache.stride(-1) == 1 and _library() is not None
 
 
 def scratch_size(group: int, head_size: int, max_span: int) -> int:
@@ -101,7 +99,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, 
     `[0, pos]` without a window); max_span >= the longest visible span; scratch float32
     of `scratch_size(...)` elements."""
     n, num_heads, head_size = query.shape
-    blocks, _, block_size, num_kv_heads, _ = cache.shape
+    _, _, block_size, num_kv_heads, _ = cache.shape
     threads = torch.get_num_threads()
     assert scratch.numel() >= scratch_size(num_heads // num_kv_heads, head_size, max_span)
     assert query.is_contiguous() and out.is_contiguous() and table.is_contiguous() and table.dtype == torch.int32

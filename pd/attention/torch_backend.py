@@ -15,6 +15,7 @@ may be the null block or stale ids.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -67,8 +68,13 @@ class DecodeBatch:
     blocks: torch.Tensor  # int64 (num_decodes * blocks_per_req,): block ids, row-major
     blocks_per_req: int
     hidden: torch.Tensor  # bool (num_decodes, blocks_per_req * block_size)
-    hidden_slots: torch.Tensor  # int64: flat indices of the True entries of `hidden`
     workspace: Workspace
+
+    @functools.cached_property
+    def hidden_slots(self) -> torch.Tensor:
+        """int64: flat indices of the True entries of `hidden`; found once per step, by
+        the first layer on the gathered path (the native kernel never needs them)."""
+        return self.hidden.flatten().nonzero()[:, 0]
 
 
 @dataclass
@@ -168,14 +174,14 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
         host = torch.tensor([reqs, [common.query_start_loc_cpu[i] for i in reqs], positions, first_cols])
         rows, token_indices, pos, first_col = host.to(self.device).unbind(0)
         cols = torch.minimum(first_col[:, None] + torch.arange(per_req, device=self.device), (pos // bs)[:, None])
-        blocks = common.block_table.to(self.device)[rows[:, None], cols].to(torch.int64)
+        table = common.block_table.to(self.device).contiguous()
+        blocks = table[rows[:, None], cols].to(torch.int64)
         key_pos = first_col[:, None] * bs + torch.arange(per_req * bs, device=self.device)[None, :]
         hidden = key_pos > pos[:, None]
         if self.sliding_window is not None:
             hidden |= key_pos <= pos[:, None] - self.sliding_window
-        return DecodeBatch(token_indices=token_indices, rows=rows.contiguous(), positions=pos.contiguous(),
-                           table=common.block_table.to(self.device).contiguous(), blocks=blocks.flatten(), blocks_per_req=per_req,
-                           hidden=hidden, hidden_slots=hidden.flatten().nonzero()[:, 0], workspace=self.workspace)
+        return DecodeBatch(token_indices=token_indices, rows=rows.contiguous(), positions=pos.contiguous(), table=table,
+                           blocks=blocks.flatten(), blocks_per_req=per_req, hidden=hidden, workspace=self.workspace)
 
 
 class TorchAttentionImpl(AttentionImpl):
@@ -223,7 +229,7 @@ class TorchAttentionImpl(AttentionImpl):
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, d: DecodeBatch) -> torch.Tensor:
         """All decode queries at once -> (num_decodes, H, D): the native CPU kernel where
         it is built (each visible key and value read once, in place), else gathered."""
-        if cpu_kernels.supports(kv_cache, self.head_size):
+        if cpu_kernels.supports(kv_cache):
             q = query[d.token_indices].float().contiguous()
             out = d.workspace.take("out", q.shape, torch.float32, q.device)
             span = d.hidden.shape[1]

@@ -423,7 +423,7 @@ def test_native_kernel_is_optional(monkeypatch, tmp_path) -> None:
         monkeypatch.setenv("CC", "cc")
         monkeypatch.setenv("PD_NATIVE_KERNELS", "0")
         assert cpu_kernels._library() is None
-        assert not cpu_kernels.supports(torch.zeros(2, 2, 4, 1, 8, dtype=torch.bfloat16), 8)
+        assert not cpu_kernels.supports(torch.zeros(2, 2, 4, 1, 8, dtype=torch.bfloat16))
         cpu_kernels._library.cache_clear()
         monkeypatch.delenv("PD_NATIVE_KERNELS")
         assert cpu_kernels._library() is not None and list(tmp_path.glob("paged_decode-*.so"))  # built here
