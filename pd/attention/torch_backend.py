@@ -98,19 +98,55 @@ class Workspace:
 
 
 @dataclass(frozen=True)
+class NativeTiles:
+    """The whole step as the native kernel's tiles: each decode one tile, each prefill
+    chunk tiles of up to `TILE_TOKENS` consecutive tokens. `tiles` int64 (n, 4): first
+    batch row, tokens, block-table row, position of the first token; `max_span` bounds
+    any tile's keys (its last position - its first token's first visible + 1)."""
+
+    tiles: torch.Tensor
+    max_tile: int
+    max_span: int
+    table: torch.Tensor  # int32, contiguous: the group's block table
+
+
+TILE_TOKENS = 8
+
+
+@dataclass(frozen=True)
 class TorchAttentionMetadata:
     """One attention group's step, read by every layer of the group.
 
     `slot_blocks[t]`, `slot_offsets[t]`: where new token t's K/V is written (the first
     `num_actual_tokens` rows; rows after that are padding, neither written nor attended).
+    The rest is built on first use, by the first layer, for the path its cache takes:
+    `tiles` for the native CPU kernel, `decodes` and `prefills` for the torch path.
     """
 
     num_actual_tokens: int
     sliding_window: int | None
     slot_blocks: torch.Tensor  # int64 (num_actual_tokens,)
     slot_offsets: torch.Tensor  # int64 (num_actual_tokens,)
-    decodes: DecodeBatch | None
-    prefills: list[PrefillSlice]
+    common: CommonAttentionMetadata
+    builder: TorchAttentionMetadataBuilder
+
+    @functools.cached_property
+    def decodes(self) -> DecodeBatch | None:
+        reqs = [i for i in range(self.common.num_reqs) if self.common.query_len(i) == 1]
+        return self.builder._decodes(self.common, reqs) if reqs else None
+
+    @functools.cached_property
+    def prefills(self) -> list[PrefillSlice]:
+        return [self.builder._prefill(self.common, i) for i in range(self.common.num_reqs)
+                if self.common.query_len(i) > 1]
+
+    @functools.cached_property
+    def tiles(self) -> NativeTiles:
+        return self.builder._tiles(self.common)
+
+    @property
+    def workspace(self) -> Workspace:
+        return self.builder.workspace
 
 
 class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
@@ -124,16 +160,29 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
     def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         n = common.num_actual_tokens
         slots = common.slot_mapping[:n].to(device=self.device, dtype=torch.int64)
-        decode_reqs = [i for i in range(common.num_reqs) if common.query_len(i) == 1]
-        prefills = [self._prefill(common, i) for i in range(common.num_reqs) if common.query_len(i) > 1]
         return TorchAttentionMetadata(
             num_actual_tokens=n,
             sliding_window=self.sliding_window,
             slot_blocks=slots // common.block_size,
             slot_offsets=slots % common.block_size,
-            decodes=self._decodes(common, decode_reqs) if decode_reqs else None,
-            prefills=prefills,
+            common=common,
+            builder=self,
         )
+
+    def _tiles(self, common: CommonAttentionMetadata) -> NativeTiles:
+        rows, max_span = [], 1
+        for i in range(common.num_reqs):
+            start, end = common.query_start_loc_cpu[i], common.query_start_loc_cpu[i + 1]
+            computed = common.num_computed_tokens_cpu[i]
+            for first in range(0, end - start, TILE_TOKENS):
+                m = min(TILE_TOKENS, end - start - first)
+                pos = computed + first
+                rows.append((start + first, m, i, pos))
+                max_span = max(max_span, pos + m - self._first_visible(pos))
+        tiles = torch.tensor(rows, dtype=torch.int64).view(-1, 4)
+        max_tile = int(tiles[:, 1].max()) if rows else 1
+        return NativeTiles(tiles=tiles, max_tile=max_tile, max_span=max_span,
+                           table=common.block_table.to(torch.int32).contiguous())
 
     def _first_visible(self, position: int) -> int:
         """The earliest key position a query at `position` sees."""
@@ -198,10 +247,12 @@ class TorchAttentionImpl(AttentionImpl):
                              f"layer has {self.sliding_window}")
         n = metadata.num_actual_tokens
         self._write(key[:n], value[:n], kv_cache, metadata)
+        if cpu_kernels.supports(kv_cache) and query.device.type == "cpu":
+            return self._native(query, kv_cache, metadata)
         out = query.new_empty(query.shape)
         out[n:] = 0
         if metadata.decodes is not None:
-            out[metadata.decodes.token_indices] = self._decode(query, kv_cache, metadata.decodes)
+            out[metadata.decodes.token_indices] = self._decode_gathered(query, kv_cache, metadata.decodes)
         for p in metadata.prefills:
             out[p.query_start : p.query_end] = self._prefill(query[p.query_start : p.query_end], kv_cache, p)
         return out
@@ -226,19 +277,22 @@ class TorchAttentionImpl(AttentionImpl):
         )
         return out[0].transpose(0, 1)
 
-    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, d: DecodeBatch) -> torch.Tensor:
-        """All decode queries at once -> (num_decodes, H, D): the native CPU kernel where
-        it is built (each visible key and value read once, in place), else gathered."""
-        if cpu_kernels.supports(kv_cache):
-            q = query[d.token_indices].float().contiguous()
-            out = d.workspace.take("out", q.shape, torch.float32, q.device)
-            span = d.hidden.shape[1]
-            size = cpu_kernels.scratch_size(self.num_heads // self.num_kv_heads, self.head_size, span)
-            scratch = d.workspace.take("scratch", (size,), torch.float32, q.device)
-            cpu_kernels.paged_decode(q, kv_cache, d.table, d.rows, d.positions, self.sliding_window, self.scale,
-                                     out, scratch, span)
-            return out.to(query.dtype)
-        return self._decode_gathered(query, kv_cache, d)
+    def _native(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: TorchAttentionMetadata) -> torch.Tensor:
+        """Every query of the step in one call of the native kernel (each visible key and
+        value read in place, once per tile)."""
+        n, tiles, ws = metadata.num_actual_tokens, metadata.tiles, metadata.workspace
+        out = query.new_zeros(query.shape)
+        if n == 0 or tiles.tiles.numel() == 0:
+            return out
+        q = query[:n].float().contiguous()
+        out32 = ws.take("out", q.shape, torch.float32, q.device)
+        group = self.num_heads // self.num_kv_heads
+        size = cpu_kernels.scratch_size(group * tiles.max_tile, self.head_size, tiles.max_span)
+        scratch = ws.take("scratch", (size,), torch.float32, q.device)
+        cpu_kernels.paged_attention(q, kv_cache, tiles.table, tiles.tiles, tiles.max_tile, self.sliding_window,
+                                    self.scale, out32, scratch, tiles.max_span)
+        out[:n] = out32
+        return out
 
     def _decode_gathered(self, query: torch.Tensor, kv_cache: torch.Tensor, d: DecodeBatch) -> torch.Tensor:
         """All decode queries at once -> (num_decodes, H, D), on any device.

@@ -74,9 +74,10 @@ class HybridAttention(nn.Module):
                               scale=arch.attention_scale)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        if self.rotary_emb is not None:
-            q, k = self.rotary_emb(positions, q, k)
+        if self.rotary_emb is None:
+            q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        else:
+            q, k, v = self.rotary_emb.norm_rotate(positions, self.qkv_proj(x), self.num_heads, self.num_kv_heads)
         return self.o_proj(self.attn(q, k, v))
 
 

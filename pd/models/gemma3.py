@@ -74,10 +74,8 @@ class Gemma3Attention(nn.Module):
                               scale=scale, sliding_window=window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).flatten(1)
-        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)).flatten(1)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k, v = self.rotary_emb.norm_rotate(positions, self.qkv_proj(x), self.num_heads, self.num_kv_heads,
+                                              self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -96,8 +94,8 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset=1.0)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)), residual=x)
+        return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)), residual=x)
 
 
 class Gemma3Model(nn.Module):

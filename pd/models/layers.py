@@ -10,10 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pd.models import fused
+
 
 class RMSNorm(nn.Module):
     """RMS norm in float32, as the HF reference computes it. `offset=1.0` is Gemma's
-    convention (the stored weight is a delta from 1, applied before casting back)."""
+    convention (the stored weight is a delta from 1, applied before casting back).
+
+    `forward(x, residual)` returns `residual + norm(x)` (the norm rounded to x's dtype
+    first), in one native pass on CPU (`pd.models.fused`)."""
 
     def __init__(self, size: int, eps: float = 1e-6, offset: float = 0.0) -> None:
         super().__init__()
@@ -22,18 +27,22 @@ class RMSNorm(nn.Module):
         self.offset = offset
         self._float_weight: tuple[tuple[int, int], torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if fused.supports(x) and (residual is None or fused.supports(residual)):
+            return fused.rms_norm(x, self.float_weight(), self.eps, residual)
         # The fused kernel accumulates in float32 for 16-bit inputs and rounds once.
         if self.offset:
-            return F.rms_norm(x.float(), self.weight.shape, self._offset_weight(), self.eps).to(x.dtype)
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            out = F.rms_norm(x.float(), self.weight.shape, self.float_weight(), self.eps).to(x.dtype)
+        else:
+            out = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return out if residual is None else residual + out
 
-    def _offset_weight(self) -> torch.Tensor:
+    def float_weight(self) -> torch.Tensor:
         """offset + weight in float32, computed again only when the weight changes (a
         decode step runs ~100 norms: two ops each saved)."""
         key = (self.weight.data_ptr(), self.weight._version)
         if self._float_weight is None or self._float_weight[0] != key:
-            self._float_weight = (key, self.offset + self.weight.detach().float())
+            self._float_weight = (key, (self.offset + self.weight.detach().float()).contiguous())
         return self._float_weight[1]
 
 
@@ -94,11 +103,42 @@ class RotaryEmbedding(nn.Module):
         sin = freqs.sin() * scale
         self.register_buffer("signed_sin", torch.cat((-sin, sin), dim=-1), persistent=False)
         self._rows: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+        self._checked: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q (T, H*D), k (T, KVH*D) -> rotated, same shapes and dtypes."""
         cos, sin = self._lookup(positions, q.dtype)
         return self._rotate_heads(q, cos, sin), self._rotate_heads(k, cos, sin)
+
+    def norm_rotate(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+                    q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v from the fused projection's output (T, (H + 2 KVH) * D): q and k normed
+        per head (when norms are given) and rotated, in one native pass on CPU."""
+        size = self.head_size
+        q, k, v = qkv.split([num_heads * size, num_kv_heads * size, num_kv_heads * size], dim=-1)
+        if (fused.supports(qkv) and qkv.dim() == 2 and self.cos.dtype == torch.float32
+                and (q_norm is None) == (k_norm is None) and (q_norm is None or q_norm.eps == k_norm.eps)):
+            self._check(positions)
+            q, k = fused.qk_norm_rope(qkv, num_heads, num_kv_heads, size,
+                                      None if q_norm is None else q_norm.float_weight(),
+                                      None if k_norm is None else k_norm.float_weight(),
+                                      q_norm.eps if q_norm is not None else 0.0, positions, self.cos, self.signed_sin)
+            return q, k, v
+        if q_norm is not None:
+            q = q_norm(q.reshape(-1, num_heads, size)).flatten(1)
+            k = k_norm(k.reshape(-1, num_kv_heads, size)).flatten(1)
+        q, k = self(positions, q, k)
+        return q, k, v
+
+    def _check(self, positions: torch.Tensor) -> None:
+        """Positions index the tables: out of range is an IndexError, as the torch path's
+        lookup raises (checked once per positions tensor, which the layers share)."""
+        if self._checked is positions:
+            return
+        if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < self.cos.shape[0]:
+            raise IndexError(f"positions outside [0, {self.cos.shape[0]})")
+        self._checked = positions
 
     def _lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rows is None or self._rows[0] is not positions or self._rows[1] != dtype:
@@ -173,7 +213,11 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = activation(act)
+        self.act_name = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        if self.act_name in fused.ACTIVATIONS and fused.supports(gate_up):
+            return self.down_proj(fused.act_mul(gate_up, self.act_name))
+        gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(self.act(gate) * up)

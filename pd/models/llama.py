@@ -48,11 +48,8 @@ class LlamaAttention(nn.Module):
                               scale=self.head_dim**-0.5, sliding_window=sliding_window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).flatten(1)
-            k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)).flatten(1)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k, v = self.rotary_emb.norm_rotate(positions, self.qkv_proj(x), self.num_heads, self.num_kv_heads,
+                                              self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q, k, v))
 
 

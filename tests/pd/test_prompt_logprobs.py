@@ -22,8 +22,13 @@ def assert_scores_match(scored: PromptLogprobs, prompt: list[int], hf_model) -> 
     assert ids[:, 0].tolist() == prompt[1:]
     assert torch.allclose(values, reference.gather(1, ids), atol=1e-4)
     assert ids[:, 1:].tolist() == reference.topk(K, dim=-1).indices.tolist()
-    ranks = (reference > reference.gather(1, ids[:, :1])).sum(-1) + 1
-    assert scored.ranks == ranks.tolist()
+    # The rank counts the vocabulary above the token's logprob: a logprob within our error
+    # on the token's own (float32 noise) may sit on either side of it.
+    token = reference.gather(1, ids[:, :1])
+    noise = (values[:, :1] - token).abs() + 1e-6
+    highest, lowest = (reference > token - noise).sum(-1) + 1, (reference > token + noise).sum(-1) + 1
+    ranks = torch.tensor(scored.ranks)
+    assert ((lowest <= ranks) & (ranks <= highest)).all(), "a rank off by more than float32 noise"
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from pd.attention import cpu_kernels, get_attention_backend
 from pd.attention.backend import CommonAttentionMetadata
+from pd.attention import torch_backend
 from pd.attention.torch_backend import TorchAttentionBackend, TorchAttentionImpl, TorchAttentionMetadata
 from pd.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
 from pd.worker.kv_allocation import allocate_kv_caches
@@ -39,13 +40,16 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-@pytest.fixture(autouse=True, params=["native", "gathered"])
-def decode_path(request, monkeypatch) -> str:
-    """Every test runs twice: decodes through the native CPU kernel (which must have been
-    built: a machine with a C compiler that cannot build it is a failure, not a skip),
-    and through the gathered torch path (every device's)."""
-    if request.param == "native":
-        assert cpu_kernels._library() is not None, "the native decode kernel did not build"
+@pytest.fixture(autouse=True, params=["native", "native-tile3", "gathered"])
+def attention_path(request, monkeypatch) -> str:
+    """Every test runs three times: every query through the native CPU kernel (which must
+    have been built: a machine with a C compiler that cannot build it is a failure, not a
+    skip), in tiles of 8 tokens and of 3 (so tiles end mid-block and mid-window), and
+    through the torch path (every device's: gathered decodes, SDPA prefills)."""
+    if request.param.startswith("native"):
+        assert cpu_kernels._library() is not None, "the native attention kernel did not build"
+        if request.param == "native-tile3":
+            monkeypatch.setattr(torch_backend, "TILE_TOKENS", 3)
     else:
         monkeypatch.setattr(cpu_kernels, "supports", lambda *args: False)
     return request.param
@@ -426,6 +430,7 @@ def test_native_kernel_is_optional(monkeypatch, tmp_path) -> None:
         assert not cpu_kernels.supports(torch.zeros(2, 2, 4, 1, 8, dtype=torch.bfloat16))
         cpu_kernels._library.cache_clear()
         monkeypatch.delenv("PD_NATIVE_KERNELS")
-        assert cpu_kernels._library() is not None and list(tmp_path.glob("paged_decode-*.so"))  # built here
+        assert cpu_kernels._library() is not None and list(tmp_path.glob("paged_attention-*.so"))  # built here
     finally:
         cpu_kernels._library.cache_clear()
+

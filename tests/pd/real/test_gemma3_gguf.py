@@ -55,23 +55,58 @@ def reference_logits(gemma_gguf, english_tokens) -> tuple[torch.Tensor, torch.Te
     return logits[torch.float32], logits[torch.bfloat16]
 
 
-def test_bfloat16_teacher_forced_top1_agrees_with_transformers(gemma_gguf, english_tokens, reference_logits) -> None:
+@pytest.mark.parametrize("kernels", ["torch", "native"])
+def test_bfloat16_teacher_forced_top1_agrees_with_transformers(gemma_gguf, english_tokens, reference_logits,
+                                                               kernels, monkeypatch) -> None:
     """The text teacher-forced in one request: the prompt's own logprobs score every
-    position in one prefill, held against transformers' bfloat16 forward of the same text.
-    Agreement counts a position when our top-1 token has transformers' highest logit
-    there (bfloat16 logits tie often; either tied token is the top-1)."""
+    position in one prefill, held against transformers' forward of the same text.
+    Agreement counts a position when our top-1 token has the reference's highest logit
+    there (bfloat16 logits tie often; either tied token is the top-1).
+
+    torch: with the torch ops (PD_NATIVE_KERNELS=0, or any other device) every op is
+    transformers' op in its order, so bfloat16 against bfloat16 agrees at >= 99 % (100 %
+    measured). native: the CPU kernels (the default here) round in another order (fused
+    norm and activation passes, float32 attention scores in place of SDPA's blocks). Then
+    any perturbation flips bfloat16 near-ties (transformers' own bfloat16 picks float32's
+    top-1 at only ~97.7 % of positions), so the kernels are held to float32, the truth
+    both approximate: top-1 agreement with float32 within a point of transformers
+    bfloat16's, mean |logprob error| within 10 % of its, >= 97 % with its bfloat16, and
+    every disagreement with it a float32 near-tie.
+    Measured: 98.4 % with bfloat16, 97.5 % with float32 (transformers bfloat16: 97.7 %)."""
+    if kernels == "torch":
+        from pd.attention import cpu_kernels
+        from pd.models import fused
+
+        monkeypatch.setattr(cpu_kernels, "supports", lambda *args: False)
+        monkeypatch.setattr(fused, "supports", lambda *args: False)
     llm = LLM(str(gemma_gguf), dtype="bfloat16", max_model_len=1024)
     scored = llm.generate([english_tokens], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5))[0]
     ids, ours = torch.tensor(scored.prompt_logprobs.token_ids), torch.tensor(scored.prompt_logprobs.logprobs)
-    exact, rounded = reference_logits
-    reference = rounded[:-1].log_softmax(-1)  # row p scores token p + 1
-    agree = (reference.gather(1, ids[:, 1:2])[:, 0] == reference.max(-1).values).float().mean().item()
-    diff = (ours - reference.gather(1, ids)).abs()
-    print(f"bfloat16 teacher-forced over {len(english_tokens)} tokens: top-1 agreement {agree:.4f} with "
-          f"transformers bfloat16 (transformers bfloat16 vs float32: "
-          f"{(rounded.argmax(-1) == exact.argmax(-1)).float().mean().item():.4f}); |logprob diff| over the "
-          f"prompt token and top 5: max {diff.max().item():.4f}, mean {diff.mean().item():.5f}")
-    assert agree >= 0.99
+    exact, rounded = (logits[:-1].log_softmax(-1) for logits in reference_logits)  # row p scores token p + 1
+
+    def top1(reference: torch.Tensor) -> torch.Tensor:
+        return reference.gather(1, ids[:, 1:2])[:, 0] == reference.max(-1).values
+
+    agree, agree_exact = top1(rounded).float().mean().item(), top1(exact).float().mean().item()
+    reference_exact = (rounded.argmax(-1) == exact.argmax(-1)).float().mean().item()
+    diff = (ours - rounded.gather(1, ids)).abs()
+    error, reference_error = ((x - exact.gather(1, ids)).abs().mean().item() for x in (ours, rounded.gather(1, ids)))
+    print(f"bfloat16 ({kernels} kernels) teacher-forced over {len(english_tokens)} tokens: top-1 agreement "
+          f"{agree:.4f} with transformers bfloat16, {agree_exact:.4f} with float32 (transformers bfloat16 vs "
+          f"float32: {reference_exact:.4f}); |logprob diff| with transformers bfloat16 over the prompt token and "
+          f"top 5: max {diff.max().item():.4f}, mean {diff.mean().item():.5f}; mean |logprob - float32| "
+          f"{error:.5f} (transformers bfloat16: {reference_error:.5f})")
+    if kernels == "torch":
+        assert agree >= 0.99
+        return
+    assert agree >= 0.97
+    assert agree_exact >= reference_exact - 0.01
+    assert error <= 1.1 * reference_error
+    # Near-tie: a float32 top-2 margin under 0.5, where the median margin is ~1.2 and two
+    # bfloat16 computations of a logprob differ by up to ~0.6.
+    top2 = exact.topk(2, dim=-1).values
+    margins = (top2[:, 0] - top2[:, 1])[~top1(rounded)]
+    assert (margins < 0.5).all(), f"a disagreement that is not a near-tie ({margins.max():.3f})"
 
 
 def test_bfloat16_cached_prefixes_differ_from_transformers_only_at_near_ties(gemma_gguf, english_tokens,

@@ -1,0 +1,169 @@
+/* Fused elementwise ops of the decoder layers on CPU: RMS norm (with the residual add),
+ * q/k norm + RoPE, and the gated MLP's act(gate) * up. Each is one pass over its rows
+ * where torch takes 5-10 ops (and as many temporaries); on a decode step those ops are
+ * mostly dispatch overhead, on a prefill mostly memory traffic.
+ *
+ * Numerics follow the torch code they replace (pd/models/layers.py), rounding where it
+ * rounds: in 16-bit models every op's result is rounded to bfloat16 (round to nearest
+ * even) before the next op reads it, and arithmetic is float32. The float32 variants
+ * round nowhere. Sums and exp() differ from torch's in the last float32 bits, so a
+ * bfloat16 output may differ by one unit in rare elements.
+ *
+ * Rows are spread over `threads` OpenMP threads (torch's, loaded into torch's process)
+ * when there are enough of them to pay for waking the threads.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PARALLEL_MIN_ELEMENTS 65536
+#define MAX_HEAD_SIZE 1024
+
+static inline float load_bf16(const uint16_t *x, int64_t i) {
+    uint32_t bits = (uint32_t)x[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline void store_bf16(uint16_t *x, int64_t i, float f) { x[i] = to_bf16(f); }
+
+static inline float round_bf16(float f) {
+    uint16_t h = to_bf16(f);
+    return load_bf16(&h, 0);
+}
+
+static inline float load_f32(const float *x, int64_t i) { return x[i]; }
+static inline void store_f32(float *x, int64_t i, float f) { x[i] = f; }
+static inline float round_f32(float f) { return f; }
+
+/* exp(x) to about 1 ulp, written so that loops over it vectorize (Cephes' expf:
+ * x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n from the bits). */
+static inline float exp_f32(float x) {
+    x = x > 88.3762626647949f ? 88.3762626647949f : x;
+    x = x < -87.3365447505531f ? -87.3365447505531f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * r * r + r + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+
+/* silu(x) = x / (1 + e^-x); gelu_tanh(x) = x (1 + tanh(u)) / 2, u = sqrt(2 / pi) (x +
+ * 0.044715 x^3), in torch's order of operations. tanh from 1 - 2 / (e^2|u| + 1), within
+ * an ulp or two of torch's, so 1 + tanh(u) rounds alike even where tanh(u) is near -1. */
+static inline float activate(float x, int64_t act) {
+    if (act == ACT_SILU) return x / (1.0f + exp_f32(-x));
+    float u = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
+    float a = u < 0.0f ? -u : u;
+    float t = 1.0f - 2.0f / (exp_f32(2.0f * a) + 1.0f);
+    t = u < 0.0f ? -t : t;
+    return 0.5f * x * (1.0f + t);
+}
+
+#define DEFINE_FUSED(NAME, T, LOAD, STORE, ROUND)                                                 \
+    /* out[r] = x[r] / rms(x[r]) * weight (+ residual[r]): the norm rounded, then the add.    \
+     * weight float32 (a Gemma norm passes 1 + its stored delta). */                          \
+    int rms_norm_##NAME(const T *x, int64_t x_stride, const T *residual, int64_t residual_stride, \
+                        T *out, int64_t out_stride, const float *weight, int64_t rows, int64_t cols, \
+                        float eps, int64_t threads) {                                             \
+        if (cols <= 0) return 1;                                                                  \
+        _Pragma("omp parallel for num_threads(threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS)") \
+        for (int64_t r = 0; r < rows; r++) {                                                      \
+            const T *xr = x + r * x_stride;                                                       \
+            T *o = out + r * out_stride;                                                          \
+            float squares = 0.0f;                                                                 \
+            for (int64_t c = 0; c < cols; c++) {                                                  \
+                float v = LOAD(xr, c);                                                            \
+                squares += v * v;                                                                 \
+            }                                                                                     \
+            float inv_rms = 1.0f / sqrtf(squares / (float)cols + eps);                            \
+            if (residual) {                                                                       \
+                const T *res = residual + r * residual_stride;                                    \
+                for (int64_t c = 0; c < cols; c++)                                                \
+                    STORE(o, c, LOAD(res, c) + ROUND(LOAD(xr, c) * inv_rms * weight[c]));        \
+            } else {                                                                              \
+                for (int64_t c = 0; c < cols; c++) STORE(o, c, LOAD(xr, c) * inv_rms * weight[c]); \
+            }                                                                                     \
+        }                                                                                         \
+        return 0;                                                                                 \
+    }                                                                                             \
+                                                                                                  \
+    /* Per token: q heads then k heads from one row of the fused qkv projection (q at    \
+     * column 0, k after the q_heads * D columns), each RMS-normed over the head (when its    \
+     * weight is given) and rotated (neox rotate-half over the first `rot` dims: x cos +       \
+     * swap_halves(x) sin, with sin_table holding [-sin, sin]; tables float32 (positions,      \
+     * rot), rounded to T as torch rounds them), into q_out (tokens, q_heads * D) and k_out   \
+     * (tokens, k_heads * D). */                                                              \
+    int qk_norm_rope_##NAME(const T *qkv, int64_t qkv_stride, int64_t tokens, int64_t q_heads,   \
+                            int64_t k_heads, int64_t D, const float *q_weight,                   \
+                            const float *k_weight, float eps, const int64_t *positions,          \
+                            const float *cos_table, const float *sin_table, int64_t rot,         \
+                            T *q_out, T *k_out, int64_t threads) {                                \
+        if (D <= 0 || D > MAX_HEAD_SIZE || rot < 0 || rot > D || rot % 2) return 1;               \
+        int64_t heads = q_heads + k_heads, half = rot / 2;                                        \
+        _Pragma("omp parallel for num_threads(threads) if (tokens * heads * D >= PARALLEL_MIN_ELEMENTS)") \
+        for (int64_t i = 0; i < tokens * heads; i++) {                                            \
+            int64_t t = i / heads, h = i % heads, is_k = h >= q_heads;                            \
+            const T *x = qkv + t * qkv_stride + h * D;                                            \
+            const float *w = is_k ? k_weight : q_weight;                                          \
+            T *o = is_k ? k_out + t * k_heads * D + (h - q_heads) * D : q_out + t * q_heads * D + h * D; \
+            float v[MAX_HEAD_SIZE];                                                               \
+            if (w) {                                                                              \
+                float squares = 0.0f;                                                             \
+                for (int64_t d = 0; d < D; d++) {                                                 \
+                    float e = LOAD(x, d);                                                         \
+                    squares += e * e;                                                             \
+                }                                                                                 \
+                float inv_rms = 1.0f / sqrtf(squares / (float)D + eps);                           \
+                for (int64_t d = 0; d < D; d++) v[d] = ROUND(LOAD(x, d) * inv_rms * w[d]);        \
+            } else {                                                                              \
+                for (int64_t d = 0; d < D; d++) v[d] = LOAD(x, d);                                \
+            }                                                                                     \
+            const float *c = cos_table + positions[t] * rot, *s = sin_table + positions[t] * rot;  \
+            for (int64_t d = 0; d < half; d++)                                                    \
+                STORE(o, d, ROUND(v[d] * ROUND(c[d])) + ROUND(v[d + half] * ROUND(s[d])));         \
+            for (int64_t d = half; d < rot; d++)                                                  \
+                STORE(o, d, ROUND(v[d] * ROUND(c[d])) + ROUND(v[d - half] * ROUND(s[d])));         \
+            for (int64_t d = rot; d < D; d++) STORE(o, d, v[d]);                                  \
+        }                                                                                         \
+        return 0;                                                                                 \
+    }                                                                                             \
+                                                                                                  \
+    /* out[r] = act(gate) * up, gate = x[r][:inter], up = x[r][inter:2 inter]; the           \
+     * activation rounded before the product. */                                             \
+    int act_mul_##NAME(const T *x, int64_t x_stride, T *out, int64_t out_stride, int64_t rows,   \
+                       int64_t inter, int64_t act, int64_t threads) {                             \
+        if (act != ACT_SILU && act != ACT_GELU_TANH) return 1;                                    \
+        _Pragma("omp parallel for num_threads(threads) if (rows * inter >= PARALLEL_MIN_ELEMENTS)") \
+        for (int64_t r = 0; r < rows; r++) {                                                      \
+            const T *gate = x + r * x_stride, *up = gate + inter;                                 \
+            T *o = out + r * out_stride;                                                          \
+            for (int64_t c = 0; c < inter; c++)                                                   \
+                STORE(o, c, ROUND(activate(LOAD(gate, c), act)) * LOAD(up, c));                   \
+        }                                                                                         \
+        return 0;                                                                                 \
+    }
+
+DEFINE_FUSED(bf16, uint16_t, load_bf16, store_bf16, round_bf16)
+DEFINE_FUSED(f32, float, load_f32, store_f32, round_f32)
