@@ -1,4 +1,4 @@
-"""Native CPU kernels: C sources compiled on first use with the system C compiler and
+"""Native CPU kernels (`pd/csrc`): C sources compiled on first use with the system C compiler and
 loaded with ctypes (no torch headers, so a build takes about a second).
 
 A shared object is cached under `$PD_KERNEL_CACHE` (default `~/.cache/pd-kernels`),
@@ -53,14 +53,16 @@ def load(source: Path, signatures: dict[str, list]) -> ctypes.CDLL | None:
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, version, _cpu_identity()]).encode()).hexdigest()
+        headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]
+        key = hashlib.sha256("\0".join([source.read_text(), *headers, *FLAGS, version, _cpu_identity()]).encode())
+        key = key.hexdigest()
         cache = Path(os.environ.get("PD_KERNEL_CACHE", Path.home() / ".cache" / "pd-kernels"))
         built = cache / f"{source.stem}-{key[:16]}.so"
         if not built.exists():
             cache.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, renamed in: racing builds are safe
                 out = Path(tmp) / built.name
-                subprocess.run([compiler, *FLAGS, str(source), "-o", str(out), "-lm"], check=True,
+                subprocess.run([compiler, *FLAGS, f"-I{source.parent}", str(source), "-o", str(out), "-lm"], check=True,
                                capture_output=True, text=True, timeout=300)
                 os.replace(out, built)
         library = ctypes.CDLL(str(built))
@@ -72,3 +74,6 @@ def load(source: Path, signatures: dict[str, list]) -> ctypes.CDLL | None:
         getattr(library, symbol).argtypes = argtypes
         getattr(library, symbol).restype = ctypes.c_int
     return library
+
+
+SOURCES = Path(__file__).parent / "csrc"

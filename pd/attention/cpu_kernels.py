@@ -1,16 +1,15 @@
-"""The native paged attention kernel (`csrc/paged_attention.c`), built by `pd.native`."""
+"""The native paged attention kernel (`pd/csrc/paged_attention.c`), built by `pd.native`."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
 from pd import native
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+SOURCE = native.SOURCES / "paged_attention.c"
 _SYMBOLS = {torch.bfloat16: "paged_attention_bf16", torch.float32: "paged_attention_f32"}
 _I64, _PTR = native.I64, native.PTR
 _ARGTYPES = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64,
@@ -32,7 +31,7 @@ def scratch_size(vectors: int, head_size: int, max_span: int) -> int:
     """float32 elements of scratch for tiles of up to `vectors` query vectors (tokens x
     query heads per KV head): one share per thread the kernel runs on (torch's intra-op
     thread count, passed to it)."""
-    return (vectors * max_span + 4 * head_size) * torch.get_num_threads()
+    return (vectors * (max_span + 2 * head_size) + 4 * head_size) * torch.get_num_threads()
 
 
 def paged_attention(query: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, tiles: torch.Tensor,
@@ -41,7 +40,7 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, table: torch.Tenso
     """Attention of every tile's query tokens over their visible cached keys (see the C
     source for the tile layout).
 
-    query, out (n, H, D) float32 contiguous; cache one layer's (blocks, 2, block_size,
+    query, out (n, H, D) contiguous, in the cache's dtype; cache one layer's (blocks, 2, block_size,
     KVH, D) view; table int32 (requests, columns) contiguous; tiles int64 (tiles, 4)
     contiguous, each at most `max_tile` tokens and `max_span` keys; scratch float32 of
     `scratch_size(group * max_tile, ...)` elements. A tile outside these bounds is a
@@ -51,6 +50,7 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, table: torch.Tenso
     threads = torch.get_num_threads()
     assert scratch.numel() >= scratch_size((num_heads // num_kv_heads) * max_tile, head_size, max_span)
     assert query.is_contiguous() and out.is_contiguous() and out.shape == query.shape
+    assert query.dtype == out.dtype == cache.dtype
     assert table.is_contiguous() and table.dtype == torch.int32
     assert tiles.is_contiguous() and tiles.dtype == torch.int64 and tiles.shape[1:] == (4,)
     status = getattr(_library(), _SYMBOLS[cache.dtype])(

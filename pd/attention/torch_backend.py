@@ -280,19 +280,17 @@ class TorchAttentionImpl(AttentionImpl):
     def _native(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: TorchAttentionMetadata) -> torch.Tensor:
         """Every query of the step in one call of the native kernel (each visible key and
         value read in place, once per tile)."""
-        n, tiles, ws = metadata.num_actual_tokens, metadata.tiles, metadata.workspace
-        out = query.new_zeros(query.shape)
-        if n == 0 or tiles.tiles.numel() == 0:
-            return out
-        q = query[:n].float().contiguous()
-        out32 = ws.take("out", q.shape, torch.float32, q.device)
-        group = self.num_heads // self.num_kv_heads
-        size = cpu_kernels.scratch_size(group * tiles.max_tile, self.head_size, tiles.max_span)
-        scratch = ws.take("scratch", (size,), torch.float32, q.device)
-        cpu_kernels.paged_attention(q, kv_cache, tiles.table, tiles.tiles, tiles.max_tile, self.sliding_window,
-                                    self.scale, out32, scratch, tiles.max_span)
-        out[:n] = out32
-        return out
+        n, tiles = metadata.num_actual_tokens, metadata.tiles
+        out = torch.empty(query.shape, dtype=kv_cache.dtype)
+        out[n:] = 0
+        if n and tiles.tiles.numel():
+            group = self.num_heads // self.num_kv_heads
+            size = cpu_kernels.scratch_size(group * tiles.max_tile, self.head_size, tiles.max_span)
+            scratch = metadata.workspace.take("scratch", (size,), torch.float32, query.device)
+            cpu_kernels.paged_attention(query[:n].to(kv_cache.dtype).contiguous(), kv_cache, tiles.table, tiles.tiles,
+                                        tiles.max_tile, self.sliding_window, self.scale, out[:n], scratch,
+                                        tiles.max_span)
+        return out.to(query.dtype)
 
     def _decode_gathered(self, query: torch.Tensor, kv_cache: torch.Tensor, d: DecodeBatch) -> torch.Tensor:
         """All decode queries at once -> (num_decodes, H, D), on any device.

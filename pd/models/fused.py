@@ -1,4 +1,4 @@
-"""Fused elementwise ops of the decoder layers (`csrc/fused.c`), built by `pd.native`.
+"""Fused elementwise ops of the decoder layers (`pd/csrc/fused.c`), built by `pd.native`.
 
 Each function here replaces a chain of torch ops in `pd.models.layers` with one native
 pass, on CPU tensors of bfloat16 or float32 whose last dim is contiguous; `supports`
@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
 from pd import native
 
-SOURCE = Path(__file__).parent / "csrc" / "fused.c"
+SOURCE = native.SOURCES / "fused.c"
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 _I64, _PTR, _F32 = native.I64, native.PTR, native.F32

@@ -14,66 +14,20 @@
  */
 #include <math.h>
 #include <omp.h>
-#include <stdint.h>
-#include <string.h>
+
+#include "common.h"
 
 #define PARALLEL_MIN_ELEMENTS 65536
 #define MAX_HEAD_SIZE 1024
-
-static inline float load_bf16(const uint16_t *x, int64_t i) {
-    uint32_t bits = (uint32_t)x[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-static inline void store_bf16(uint16_t *x, int64_t i, float f) { x[i] = to_bf16(f); }
-
-static inline float round_bf16(float f) {
-    uint16_t h = to_bf16(f);
-    return load_bf16(&h, 0);
-}
-
-static inline float load_f32(const float *x, int64_t i) { return x[i]; }
-static inline void store_f32(float *x, int64_t i, float f) { x[i] = f; }
-static inline float round_f32(float f) { return f; }
-
-/* exp(x) to about 1 ulp, written so that loops over it vectorize (Cephes' expf:
- * x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n from the bits). */
-static inline float exp_f32(float x) {
-    x = x > 88.3762626647949f ? 88.3762626647949f : x;
-    x = x < -87.3365447505531f ? -87.3365447505531f : x;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    float y = p * r * r + r + 1.0f;
-    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return y * scale;
-}
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 /* silu(x) = x / (1 + e^-x); gelu_tanh(x) = x (1 + tanh(u)) / 2, u = sqrt(2 / pi) (x +
  * 0.044715 x^3), in torch's order of operations. tanh from 1 - 2 / (e^2|u| + 1), within
  * an ulp or two of torch's, so 1 + tanh(u) rounds alike even where tanh(u) is near -1. */
-static inline float activate(float x, int64_t act) {
-    if (act == ACT_SILU) return x / (1.0f + exp_f32(-x));
+static inline float silu(float x) { return x / (1.0f + exp_f32(-x)); }
+
+static inline float gelu_tanh(float x) {
     float u = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
     float a = u < 0.0f ? -u : u;
     float t = 1.0f - 2.0f / (exp_f32(2.0f * a) + 1.0f);
@@ -159,8 +113,11 @@ static inline float activate(float x, int64_t act) {
         for (int64_t r = 0; r < rows; r++) {                                                      \
             const T *gate = x + r * x_stride, *up = gate + inter;                                 \
             T *o = out + r * out_stride;                                                          \
-            for (int64_t c = 0; c < inter; c++)                                                   \
-                STORE(o, c, ROUND(activate(LOAD(gate, c), act)) * LOAD(up, c));                   \
+            if (act == ACT_SILU)                                                                  \
+                for (int64_t c = 0; c < inter; c++) STORE(o, c, ROUND(silu(LOAD(gate, c))) * LOAD(up, c)); \
+            else                                                                                  \
+                for (int64_t c = 0; c < inter; c++)                                               \
+                    STORE(o, c, ROUND(gelu_tanh(LOAD(gate, c))) * LOAD(up, c));                   \
         }                                                                                         \
         return 0;                                                                                 \
     }
