@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import statistics
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -67,7 +68,7 @@ class Deployment:
 def deploy(config: str, args: argparse.Namespace, workdir: Path) -> Iterator[Deployment]:
     """Launch one configuration; everything it started is stopped on exit."""
     cores = os.cpu_count() or 2
-    common = ["--model", str(args.model), "--dtype", args.dtype, "--host", "127.0.0.1"]
+    common = ["--model", str(args.model), "--dtype", args.dtype, "--host", "127.0.0.1", *shlex.split(args.server_args)]
     with contextlib.ExitStack() as stack:
         def start(name: str, *extra: str) -> str:
             port = free_port()
@@ -188,6 +189,8 @@ def build_parser(prog: str = "pd bench compare") -> argparse.ArgumentParser:
     add("--max-concurrency", type=int, default=8, help="most requests in flight (default 8)")
     add("--seed", type=int, default=0, help="seed of repetition 0's prompts; repetition r uses seed+r (default 0)")
     add("--ignore-eos", action="store_true", help="run every request to its output length")
+    add("--server-args", default="", help="more `pd serve` flags for every server, one quoted string "
+        "(e.g. \"--max-num-batched-tokens 1024\")")
     add("--output-dir", type=Path, default=None,
         help="where compare.md, compare.json and compare.png go (default results/compare-DATE)")
     add_dataset_args(parser)
@@ -213,7 +216,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "pd bench compare") -> l
             print(f"== {config}", flush=True)
             rows.append(run_config(config, args, Path(tmp)))
     title = (f"{args.model.name} {args.dtype}, {args.dataset}, {args.num_prompts} prompts x {args.repetitions}, "
-             f"concurrency {args.max_concurrency}, {os.cpu_count()} CPUs")
+             f"concurrency {args.max_concurrency}, {os.cpu_count()} CPUs"
+             + (f", servers with {args.server_args}" if args.server_args else ""))
     table = format_table(rows)
     print(f"\n{title} (medians)\n{table}")
     (out / "compare.md").write_text(f"{title} (medians)\n\n{table}\n")

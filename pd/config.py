@@ -33,7 +33,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
     kv_layout: str = "canonical"
     hybrid_kv_cache: bool = True
@@ -126,7 +126,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (raised for Mamba hybrids so a block holds a Mamba state; default 16)")
     parser.add_argument("--kv-cache-memory", type=int, default=DEFAULT_KV_CACHE_MEMORY, help=f"bytes of KV cache memory (default {DEFAULT_KV_CACHE_MEMORY})")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one batch (default 64)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens computed in one step; longer prompts are prefilled in chunks (default 2048)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024, help="most tokens computed in one step; longer prompts are prefilled in chunks. Smaller: requests arriving together see their first token sooner and decodes wait less behind prefills; larger: fewer steps per prefill (default 1024)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV blocks of shared prompt prefixes (default on)")
     parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default="canonical", help="canonical: one cross-layer buffer, one byte range per block per group; per-layer: one buffer per layer slot (default canonical)")
     parser.add_argument("--no-hybrid-kv-cache", dest="hybrid_kv_cache", action="store_false", help="attention-only models: keep every attention layer's KV for all tokens in one group (sliding layers still attend within their window); refused for Mamba hybrids")

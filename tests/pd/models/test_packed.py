@@ -1,6 +1,7 @@
 """`pack_linears`: bfloat16 CPU linears with weights packed once for oneDNN give bitwise
 the logits of the unpacked model and drop their own weights (a tied lm_head's embedding
-stays), and other dtypes are left alone."""
+stays); float32 ones give them to float32 rounding (oneDNN sums in another order than
+the BLAS F.linear calls); other dtypes are left alone."""
 
 from __future__ import annotations
 
@@ -27,7 +28,16 @@ def test_packed_bfloat16_model_gives_bitwise_the_same_logits(arch, tmp_path) -> 
     assert torch.equal(packed.model.embed_tokens.weight, plain.model.embed_tokens.weight)  # a tied one's too
 
 
-def test_float32_models_are_not_packed(tmp_path) -> None:
-    model = load_model(ModelConfig.from_dir(make_model("qwen3", tmp_path / "q", seed=3), dtype="float32"))
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "bamba"])
+def test_packed_float32_model_gives_the_same_logits_to_rounding(arch, tmp_path) -> None:
+    config = ModelConfig.from_dir(make_model(arch, tmp_path / arch, seed=3), dtype="float32")
+    plain, packed = load_model(config), load_model(config)
+    assert pack_linears(packed) == len([m for m in packed.modules() if isinstance(m, nn.Linear)]) > 0
+    tokens = torch.randint(0, config.vocab_size, (200,), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(run_prompt(packed, tokens), run_prompt(plain, tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_float16_models_are_not_packed(tmp_path) -> None:
+    model = load_model(ModelConfig.from_dir(make_model("qwen3", tmp_path / "q", seed=3), dtype="float16"))
     assert pack_linears(model) == 0
     assert all(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))

@@ -16,6 +16,11 @@ from tests.pd.real.conftest import PROMPTS, hf_gemma
 
 pytestmark = pytest.mark.slow
 
+# A disagreement with transformers' bfloat16 top-1 is rounding, not a bug, where float32's
+# top-2 margin is under this: two bfloat16 computations of a logit differ by up to ~1.2
+# (max |diff| measured), while float32's median top-2 margin over the text is ~1.2.
+NEAR_TIE = 0.5
+
 
 def test_every_weight_equals_what_transformers_reads(gemma_gguf) -> None:
     reference = hf_gemma(gemma_gguf, torch.float32).state_dict()
@@ -102,11 +107,9 @@ def test_bfloat16_teacher_forced_top1_agrees_with_transformers(gemma_gguf, engli
     assert agree >= 0.97
     assert agree_exact >= reference_exact - 0.01
     assert error <= 1.1 * reference_error
-    # Near-tie: a float32 top-2 margin under 0.5, where the median margin is ~1.2 and two
-    # bfloat16 computations of a logprob differ by up to ~0.6.
     top2 = exact.topk(2, dim=-1).values
     margins = (top2[:, 0] - top2[:, 1])[~top1(rounded)]
-    assert (margins < 0.5).all(), f"a disagreement that is not a near-tie ({margins.max():.3f})"
+    assert (margins < NEAR_TIE).all(), f"a disagreement that is not a near-tie ({margins.max():.3f})"
 
 
 def test_bfloat16_cached_prefixes_differ_from_transformers_only_at_near_ties(gemma_gguf, english_tokens,
@@ -118,9 +121,8 @@ def test_bfloat16_cached_prefixes_differ_from_transformers_only_at_near_ties(gem
 
     transformers in bfloat16 itself picks float32's top-1 at only ~97.7 % of these
     positions: where two tokens are within rounding of each other, any two bfloat16
-    computations may differ (here ~97.5 %). So: >= 96 % agreement, and every disagreement
-    must be such a near-tie in float32 (top-2 margin under 0.25, where the median margin
-    is ~1.2)."""
+    computations may differ (here ~97 %). So: >= 96 % agreement, and every disagreement
+    must be such a near-tie in float32 (top-2 margin under NEAR_TIE)."""
     tokens = english_tokens
     llm = LLM(str(gemma_gguf), dtype="bfloat16", max_model_len=1024, keep_logits=True)
     outputs = llm.generate([tokens[:k] for k in range(1, len(tokens) + 1)], SamplingParams(max_tokens=1, temperature=0))
@@ -134,7 +136,7 @@ def test_bfloat16_cached_prefixes_differ_from_transformers_only_at_near_ties(gem
           f"transformers bfloat16, max |logit diff| {diff.max().item():.3f}, mean {diff.mean().item():.4f}, "
           f"float32 margins where we differ {[round(m, 3) for m in margins.tolist()]}")
     assert agree >= 0.96
-    assert (margins < 0.25).all(), "a disagreement that is not a near-tie: a numerical bug, not rounding"
+    assert (margins < NEAR_TIE).all(), "a disagreement that is not a near-tie: a numerical bug, not rounding"
 
 
 def test_pd_convert_writes_a_folder_transformers_loads(gemma_gguf, tmp_path) -> None:
