@@ -1,11 +1,14 @@
-"""Paged attention in plain torch: device-agnostic, the reference backend.
+"""Paged attention in plain torch (device-agnostic, the reference), and on CPU the
+native kernel (`cpu_kernels`, `pd/csrc/paged_attention.c`).
 
 Per step the builder turns one attention group's `CommonAttentionMetadata` into
 `TorchAttentionMetadata`, shared by every layer of the group: where each new token's
-K/V goes, the single-token (decode) requests as one padded gather, and the multi-token
-(prefill or chunked-prefill) requests one by one. Everything that depends only on the
-batch (gather indices, masks) is computed there once, so a layer's forward is a write,
-one batched decode attention and one `scaled_dot_product_attention` per prefill.
+K/V goes, and, built once by the first layer that needs them, either the whole step as
+the native kernel's tiles (CPU caches in bfloat16 or float32: a layer's forward is a
+write and one kernel call for every query, prefill or decode, no mask), or for the torch
+path the single-token (decode) requests as one padded gather and the multi-token
+(prefill or chunked-prefill) requests one by one (a layer's forward is a write, one
+batched decode attention and one `scaled_dot_product_attention` per prefill).
 
 Window rule: a query at position p sees keys at positions `[max(0, p - W + 1), p]`
 (`W` = sliding window, itself included); without a window it sees `[0, p]`. Only blocks
@@ -62,9 +65,6 @@ class DecodeBatch:
     """
 
     token_indices: torch.Tensor  # int64 (num_decodes,): batch rows of the decode tokens
-    rows: torch.Tensor  # int64 (num_decodes,): their rows of `table`
-    positions: torch.Tensor  # int64 (num_decodes,): their query positions
-    table: torch.Tensor  # int32: the group's block table (the native kernel reads it in place)
     blocks: torch.Tensor  # int64 (num_decodes * blocks_per_req,): block ids, row-major
     blocks_per_req: int
     hidden: torch.Tensor  # bool (num_decodes, blocks_per_req * block_size)
@@ -73,7 +73,7 @@ class DecodeBatch:
     @functools.cached_property
     def hidden_slots(self) -> torch.Tensor:
         """int64: flat indices of the True entries of `hidden`; found once per step, by
-        the first layer on the gathered path (the native kernel never needs them)."""
+        the first layer."""
         return self.hidden.flatten().nonzero()[:, 0]
 
 
@@ -223,14 +223,13 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
         host = torch.tensor([reqs, [common.query_start_loc_cpu[i] for i in reqs], positions, first_cols])
         rows, token_indices, pos, first_col = host.to(self.device).unbind(0)
         cols = torch.minimum(first_col[:, None] + torch.arange(per_req, device=self.device), (pos // bs)[:, None])
-        table = common.block_table.to(self.device).contiguous()
-        blocks = table[rows[:, None], cols].to(torch.int64)
+        blocks = common.block_table.to(self.device)[rows[:, None], cols].to(torch.int64)
         key_pos = first_col[:, None] * bs + torch.arange(per_req * bs, device=self.device)[None, :]
         hidden = key_pos > pos[:, None]
         if self.sliding_window is not None:
             hidden |= key_pos <= pos[:, None] - self.sliding_window
-        return DecodeBatch(token_indices=token_indices, rows=rows.contiguous(), positions=pos.contiguous(), table=table,
-                           blocks=blocks.flatten(), blocks_per_req=per_req, hidden=hidden, workspace=self.workspace)
+        return DecodeBatch(token_indices=token_indices, blocks=blocks.flatten(), blocks_per_req=per_req, hidden=hidden,
+                           workspace=self.workspace)
 
 
 class TorchAttentionImpl(AttentionImpl):

@@ -20,7 +20,8 @@
  *   scratch   float32, (max_tile * group * (max_span + 2 * head_size) + 4 * head_size) for each of
  *             `threads` threads, max_span >= any tile's span of keys.
  * Tiles are checked against these bounds first (status 1 if one is out). (tile, KV head)
- * pairs are spread over `threads` OpenMP threads (never more: the scratch has that many
+ * pairs are handed out one at a time (their costs differ: a decode against a prefill
+ * tile) to `threads` OpenMP threads (never more: the scratch has that many
  * shares). Loaded into a process that has torch, the kernel shares torch's OpenMP runtime
  * (same soname), so these are torch's threads. Rows are taken four at a time so that four
  * independent sums are in flight.
@@ -229,7 +230,7 @@ static inline float sum16(f32x16 v) {
         }                                                                                         \
         const int64_t group = num_heads / num_kv_heads, D = head_size;                            \
         const int64_t per_thread = max_tile * group * (max_span + 2 * D) + 4 * D;                 \
-        _Pragma("omp parallel for collapse(2) schedule(static) num_threads(threads)")             \
+        _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)")             \
         for (int64_t i = 0; i < n_tiles; i++) {                                                   \
             for (int64_t h = 0; h < num_kv_heads; h++) {                                          \
                 float *mine = scratch + omp_get_thread_num() * per_thread;                        \

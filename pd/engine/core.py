@@ -8,6 +8,7 @@ process behind ZMQ for `pd serve` (see `process.py`).
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -47,6 +48,11 @@ class EngineStats:
     # the connector's histograms: name -> (bucket upper bounds, count per bucket and above, sum)
     kv_transfer_histograms: dict[str, tuple[list[float], list[int], float]] = field(default_factory=dict)
     prompt_tokens_by_source: dict[str, int] = field(default_factory=dict)  # computed / local_cache / remote
+    num_steps: int = 0
+    step_seconds: dict[str, float] = field(default_factory=dict)  # STEP_PARTS -> seconds, since start
+
+
+STEP_PARTS = ("schedule", "execute", "update")  # where a step's wall time goes (`EngineCore.step`)
 
 
 def group_names(config: KVCacheConfig) -> list[str]:
@@ -63,6 +69,8 @@ class EngineCore:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
+        self.num_steps = 0
+        self.step_seconds = dict.fromkeys(STEP_PARTS, 0.0)
         self.model_config = ModelConfig.from_dir(config.model, config.dtype, config.max_model_len)
         device = config.torch_device
         self.model = load_model(self.model_config, device)
@@ -144,11 +152,21 @@ class EngineCore:
         return self.scheduler.abort_requests(request_ids)
 
     def step(self) -> list[RequestOutput]:
-        """One schedule -> execute -> update; the outputs of this step."""
+        """One schedule -> execute -> update; the outputs of this step. The wall time of
+        each part is added to `step_seconds` (execute: inputs, the model, sampling)."""
+        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         runner_output = self.runner.execute_model(scheduler_output)
         self._keep_logits(runner_output.logits)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        executed = time.perf_counter()
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        seconds = self.step_seconds
+        seconds["schedule"] += scheduled - start
+        seconds["execute"] += executed - scheduled
+        seconds["update"] += time.perf_counter() - executed
+        self.num_steps += 1
+        return outputs
 
     def has_work(self) -> bool:
         """Requests to step, blocks kept for the connector, or transfers that progress
@@ -168,7 +186,8 @@ class EngineCore:
             group_queries=list(prefix.group_queries), group_hits=list(prefix.group_hits),
             kv_transfer=self._transfer_counters(), kv_load_failures=dict(self.scheduler.kv_load_failures),
             kv_transfer_histograms=self._transfer_histograms(),
-            prompt_tokens_by_source=dict(self.scheduler.prompt_sources.counts))
+            prompt_tokens_by_source=dict(self.scheduler.prompt_sources.counts),
+            num_steps=self.num_steps, step_seconds=dict(self.step_seconds))
 
     def _transfer_counters(self) -> dict[str, float]:
         connector = self.runner.connector

@@ -186,9 +186,11 @@ class EngineStatsMsg(msgspec.Struct, kw_only=True):
     kv_transfer_histograms: dict[str, HistogramMsg] = {}
     kv_load_failures: dict[str, int] = {}
     prompt_tokens_by_source: dict[str, int] = {}
+    num_steps: int = 0
+    step_seconds: dict[str, float] = {}  # the core's STEP_PARTS, and "ipc": the loop's messaging
 
     @classmethod
-    def from_stats(cls, stats: EngineStats) -> EngineStatsMsg:
+    def from_stats(cls, stats: EngineStats, ipc_seconds: float = 0.0) -> EngineStatsMsg:
         return cls(num_running=stats.num_running, num_waiting=stats.num_waiting,
                    kv_usage=stats.kv_usage, num_preemptions=stats.num_preemptions,
                    prefix_cache_queries=stats.prefix_cache_queries,
@@ -198,7 +200,12 @@ class EngineStatsMsg(msgspec.Struct, kw_only=True):
                    kv_transfer_histograms={name: HistogramMsg(list(buckets), list(counts), total)
                                            for name, (buckets, counts, total) in stats.kv_transfer_histograms.items()},
                    kv_load_failures=dict(stats.kv_load_failures),
-                   prompt_tokens_by_source=dict(stats.prompt_tokens_by_source))
+                   prompt_tokens_by_source=dict(stats.prompt_tokens_by_source),
+                   num_steps=stats.num_steps, step_seconds={**stats.step_seconds, "ipc": ipc_seconds})
+
+    def without_timing(self) -> EngineStatsMsg:
+        """The same stats but the step counters, which move on every step."""
+        return msgspec.structs.replace(self, num_steps=0, step_seconds={})
 
 
 class HistogramMsg(msgspec.Struct):

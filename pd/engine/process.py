@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -89,16 +90,22 @@ class EngineLoop:
         self.stop = stop
         self.decoder = input_decoder()
         self.parent_pid = os.getppid()
-        self.last_stats: EngineStatsMsg | None = None
+        self.last_stats: EngineStatsMsg | None = None  # the last sent, without its step counters
+        self.ipc_seconds = 0.0  # decoding and applying inputs, encoding and sending outputs (not waiting)
 
     def run(self) -> None:
         while not self.stop.is_set:
-            outputs = self.apply(self.receive())
+            messages = self.receive()
+            applying = time.perf_counter()
+            outputs = self.apply(messages)
+            self.ipc_seconds += time.perf_counter() - applying
             stepped = self.core.has_work()
             if stepped:
                 outputs += [RequestOutputMsg.from_output(o) for o in self.core.step()]
             if stepped or outputs:
+                sending = time.perf_counter()
                 self.send(outputs)
+                self.ipc_seconds += time.perf_counter() - sending
             if os.getppid() != self.parent_pid:  # orphaned: nobody will read our outputs
                 logger.warning("engine core: parent process died, stopping")
                 self.stop.set()
@@ -106,10 +113,11 @@ class EngineLoop:
     def send(self, outputs: list[RequestOutputMsg]) -> None:
         """The outputs with the stats after them; nothing for a step that changed nothing
         the server sees (a core waiting on remote KV steps without pause)."""
-        stats = EngineStatsMsg.from_stats(self.core.stats())
-        if outputs or stats != self.last_stats:
+        stats = EngineStatsMsg.from_stats(self.core.stats(), self.ipc_seconds)
+        changed = stats.without_timing()
+        if outputs or changed != self.last_stats:
             self.outbox.send(encode(StepOutputs(outputs, stats)))
-            self.last_stats = stats
+            self.last_stats = changed
 
     def receive(self) -> list[EngineInput]:
         """Every queued message; waits for the first one up to IDLE_POLL_MS when idle, or
@@ -119,13 +127,15 @@ class EngineLoop:
         else:
             timeout = TRANSFER_POLL_MS if self.core.has_work() else IDLE_POLL_MS
         messages = []
-        while self.inbox.poll(timeout, zmq.POLLIN):
+        while self.inbox.poll(timeout, zmq.POLLIN):  # the wait is idle time, not messaging
             timeout = 0
+            start = time.perf_counter()
             frame = self.inbox.recv()
             try:
                 messages.append(self.decoder.decode(frame))
             except msgspec.DecodeError:  # not from our client; it cannot be answered
                 logger.exception("engine core: dropped a malformed input message")
+            self.ipc_seconds += time.perf_counter() - start
         return messages
 
     def apply(self, messages: list[EngineInput]) -> list[RequestOutputMsg]:

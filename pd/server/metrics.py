@@ -66,6 +66,7 @@ class EngineStatsCollector(Collector):
                 family.add_metric([], 0)
         yield from (running, waiting, usage, preemptions, queries, hits)
         yield prompt_source_metric(stats.prompt_tokens_by_source if stats is not None else {})
+        yield from step_metrics(stats)
         if stats is not None and stats.kv_transfer:  # a connector is configured
             yield from kv_transfer_metrics(stats.kv_transfer)
             yield from kv_transfer_histograms(stats.kv_transfer_histograms)
@@ -119,6 +120,22 @@ def kv_transfer_histograms(histograms: dict[str, Any]) -> Iterator[Metric]:
             buckets = [(repr(float(le)), float(c)) for le, c in zip(h.buckets, cumulative)]
             family.add_metric([], buckets + [("+Inf", float(cumulative[-1]))], sum_value=h.total)
         yield family
+
+
+def step_metrics(stats: Any) -> Iterator[Metric]:
+    """pd_engine_steps_total, and pd_engine_step_seconds_total{part}: where the engine
+    process's busy time went (schedule, execute: inputs + model + sampling, update, ipc:
+    its messaging with this server). Set against the server's inter-token latency, they
+    say how much of it is the step and how much is outside it."""
+    steps = CounterMetricFamily("pd_engine_steps", "Engine steps run.")
+    seconds = CounterMetricFamily("pd_engine_step_seconds", "Engine process busy time by part: schedule, execute "
+                                  "(inputs, model, sampling), update, ipc (messages to and from the server).",
+                                  labels=["part"])
+    steps.add_metric([], stats.num_steps if stats is not None else 0)
+    for part, value in (stats.step_seconds if stats is not None else {}).items():
+        seconds.add_metric([part], value)
+    yield steps
+    yield seconds
 
 
 def prompt_source_metric(values: dict[str, int]) -> Metric:

@@ -5,6 +5,7 @@ sampling fields (seed, top_k, top_p, stop, ignore_eos) reach the engine."""
 from __future__ import annotations
 
 import json
+import time
 import httpx
 import openai
 import pytest
@@ -208,7 +209,21 @@ METRIC_NAMES = ["pd_num_requests_running", "pd_num_requests_waiting", "pd_kv_cac
                 "pd_prefix_cache_queries_total", "pd_prefix_cache_hits_total", "pd_num_preemptions_total",
                 "pd_time_to_first_token_seconds_count", "pd_inter_token_latency_seconds_count",
                 "pd_e2e_request_latency_seconds_count", "pd_prompt_tokens_total", "pd_generation_tokens_total",
-                'pd_request_success_total{finish_reason="length"}']
+                'pd_request_success_total{finish_reason="length"}', "pd_engine_steps_total",
+                'pd_engine_step_seconds_total{part="execute"}', 'pd_engine_step_seconds_total{part="ipc"}']
+
+
+def test_engine_step_time_reaches_metrics(client, arch, server) -> None:
+    """Each request's steps add to pd_engine_steps_total and to the busy time by part;
+    the parts never add up to more than the wall time they happened in."""
+    parts = [f'pd_engine_step_seconds_total{{part="{p}"}}' for p in ("schedule", "execute", "update", "ipc")]
+    before, start = server.metrics(), time.perf_counter()
+    client.completions.create(model=arch, prompt=[11, 12, 13], max_tokens=8)
+    after, elapsed = server.metrics(), time.perf_counter() - start
+    assert after["pd_engine_steps_total"] - before.get("pd_engine_steps_total", 0) >= 8
+    spent = {p: after[p] - before.get(p, 0.0) for p in parts}
+    assert all(v >= 0 for v in spent.values()) and spent[parts[1]] > 0
+    assert sum(spent.values()) <= elapsed
 
 
 def test_prefix_cache_hits_reach_usage_and_metrics(client, arch, server, llm) -> None:
