@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-fassociative-math",
          "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast")
 I64, PTR, F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+SOURCES = Path(__file__).parent / "csrc"  # the kernels' C sources and shared header
 
 
 def enabled() -> bool:
@@ -75,5 +76,3 @@ def load(source: Path, signatures: dict[str, list]) -> ctypes.CDLL | None:
         getattr(library, symbol).restype = ctypes.c_int
     return library
 
-
-SOURCES = Path(__file__).parent / "csrc"

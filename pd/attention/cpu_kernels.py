@@ -11,9 +11,9 @@ from pd import native
 
 SOURCE = native.SOURCES / "paged_attention.c"
 _SYMBOLS = {torch.bfloat16: "paged_attention_bf16", torch.float32: "paged_attention_f32"}
-_I64, _PTR = native.I64, native.PTR
+_I64, _PTR, _F32 = native.I64, native.PTR, native.F32
 _ARGTYPES = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64,
-             _I64, _I64, _I64, ctypes.c_float, _PTR, _I64, _I64]
+             _I64, _I64, _I64, _F32, _PTR, _I64, _I64]
 
 
 @functools.cache
@@ -31,7 +31,8 @@ def scratch_size(vectors: int, head_size: int, max_span: int) -> int:
     """float32 elements of scratch for tiles of up to `vectors` query vectors (tokens x
     query heads per KV head): one share per thread the kernel runs on (torch's intra-op
     thread count, passed to it)."""
-    return (vectors * (max_span + 2 * head_size) + 4 * head_size) * torch.get_num_threads()
+    padded = -(-head_size // 16) * 16  # the kernel's vectors have 16-lane multiples
+    return (vectors * (max_span + 2 * padded) + 4 * padded) * torch.get_num_threads()
 
 
 def paged_attention(query: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, tiles: torch.Tensor,

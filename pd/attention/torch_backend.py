@@ -79,11 +79,11 @@ class DecodeBatch:
 
 @dataclass
 class Workspace:
-    """Scratch buffers that outlive a step: a decode's gathered keys and values, its
-    scores. Every layer of a group takes the same buffers (layers run one after another),
-    so a steady decode allocates nothing: a buffer grows to the largest batch seen
-    (by half again, so a slowly growing context does not reallocate each step) and is
-    never handed back. Freeing and re-faulting multi-MB temporaries each step cost more
+    """Scratch buffers that outlive a step: the native kernel's scores and vectors, or a
+    decode's gathered keys, values and scores. Every layer of a group takes the same
+    buffers (layers run one after another), so a steady decode allocates nothing: a
+    buffer grows to the largest batch seen (by half again, so a slowly growing context
+    does not reallocate each step) and is never handed back. Freeing and re-faulting multi-MB temporaries each step cost more
     than the attention's arithmetic on CPU."""
 
     buffers: dict[tuple[str, torch.dtype], torch.Tensor] = field(default_factory=dict)

@@ -36,6 +36,16 @@ static inline float gelu_tanh(float x) {
 }
 
 #define DEFINE_FUSED(NAME, T, LOAD, STORE, ROUND)                                                 \
+    /* 1 / sqrt(mean(x^2) + eps) over n elements, summed in float32. */                           \
+    static inline float inv_rms_##NAME(const T *x, int64_t n, float eps) {                        \
+        float squares = 0.0f;                                                                     \
+        for (int64_t i = 0; i < n; i++) {                                                         \
+            const float v = LOAD(x, i);                                                           \
+            squares += v * v;                                                                     \
+        }                                                                                         \
+        return 1.0f / sqrtf(squares / (float)n + eps);                                            \
+    }                                                                                             \
+                                                                                                  \
     /* out[r] = x[r] / rms(x[r]) * weight (+ residual[r]): the norm rounded, then the add.    \
      * weight float32 (a Gemma norm passes 1 + its stored delta). */                          \
     int rms_norm_##NAME(const T *x, int64_t x_stride, const T *residual, int64_t residual_stride, \
@@ -46,12 +56,7 @@ static inline float gelu_tanh(float x) {
         for (int64_t r = 0; r < rows; r++) {                                                      \
             const T *xr = x + r * x_stride;                                                       \
             T *o = out + r * out_stride;                                                          \
-            float squares = 0.0f;                                                                 \
-            for (int64_t c = 0; c < cols; c++) {                                                  \
-                float v = LOAD(xr, c);                                                            \
-                squares += v * v;                                                                 \
-            }                                                                                     \
-            float inv_rms = 1.0f / sqrtf(squares / (float)cols + eps);                            \
+            const float inv_rms = inv_rms_##NAME(xr, cols, eps);                                  \
             if (residual) {                                                                       \
                 const T *res = residual + r * residual_stride;                                    \
                 for (int64_t c = 0; c < cols; c++)                                                \
@@ -84,12 +89,7 @@ static inline float gelu_tanh(float x) {
             T *o = is_k ? k_out + t * k_heads * D + (h - q_heads) * D : q_out + t * q_heads * D + h * D; \
             float v[MAX_HEAD_SIZE];                                                               \
             if (w) {                                                                              \
-                float squares = 0.0f;                                                             \
-                for (int64_t d = 0; d < D; d++) {                                                 \
-                    float e = LOAD(x, d);                                                         \
-                    squares += e * e;                                                             \
-                }                                                                                 \
-                float inv_rms = 1.0f / sqrtf(squares / (float)D + eps);                           \
+                const float inv_rms = inv_rms_##NAME(x, D, eps);                                  \
                 for (int64_t d = 0; d < D; d++) v[d] = ROUND(LOAD(x, d) * inv_rms * w[d]);        \
             } else {                                                                              \
                 for (int64_t d = 0; d < D; d++) v[d] = LOAD(x, d);                                \

@@ -114,10 +114,10 @@ class EngineLoop:
         """The outputs with the stats after them; nothing for a step that changed nothing
         the server sees (a core waiting on remote KV steps without pause)."""
         stats = EngineStatsMsg.from_stats(self.core.stats(), self.ipc_seconds)
-        changed = stats.without_timing()
-        if outputs or changed != self.last_stats:
+        comparable = stats.without_timing()
+        if outputs or comparable != self.last_stats:
             self.outbox.send(encode(StepOutputs(outputs, stats)))
-            self.last_stats = changed
+            self.last_stats = comparable
 
     def receive(self) -> list[EngineInput]:
         """Every queued message; waits for the first one up to IDLE_POLL_MS when idle, or
