@@ -27,6 +27,7 @@ from torch import nn
 
 from pd.config import EngineConfig
 from pd.engine.core import EngineCore
+from pd.models.quantized import QUANTIZATIONS
 from pd.request import Request, SamplingParams
 
 
@@ -87,7 +88,7 @@ def minor_faults() -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
-    config = EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=max(args.batch, 1),
+    config = EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization, max_num_seqs=max(args.batch, 1),
                           max_model_len=args.context + args.steps + args.warmup + 8,
                           max_num_batched_tokens=max(2048, args.context), num_threads=args.num_threads)
     engine = EngineCore(config)
@@ -115,13 +116,14 @@ def run(args: argparse.Namespace) -> dict:
     keys = ["step", "attention", "mlp", "lm_head", "sampling", "scheduler", "other"]
     medians = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in keys}
     medians["faults"] = statistics.median(s["faults"] for s in steps)
-    return {"model": args.model, "dtype": engine.config.dtype, "batch": args.batch, "context": args.context,
+    return {"model": args.model, "dtype": engine.config.dtype, "quantization": args.quantization, "batch": args.batch, "context": args.context,
             "steps": args.steps, "threads": torch.get_num_threads(), "medians": medians, "per_step": steps}
 
 
 def print_table(result: dict) -> None:
     m = result["medians"]
     print(f"decode step, batch {result['batch']}, context {result['context']}, {result['dtype']}, "
+          f"quantization {result['quantization']}, "
           f"{result['threads']} threads (median of {result['steps']} steps)")
     print("| part | ms | share |")
     print("|---|---:|---:|")
@@ -134,6 +136,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="model directory or .gguf file")
     parser.add_argument("--dtype", default="auto", help="weights and KV dtype (auto, bfloat16, float32, ...)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="none, or int8 linear layers (as pd serve --quantization)")
     parser.add_argument("--batch", type=int, default=8, help="requests decoding together")
     parser.add_argument("--context", type=int, default=640, help="prompt tokens of each request")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed")

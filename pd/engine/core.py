@@ -22,6 +22,7 @@ from pd.kv_cache.spec import KVCacheConfig, MambaSpec
 from pd.models.config import ModelConfig
 from pd.models.loader import load_model
 from pd.models.packed import pack_linears
+from pd.models.quantized import quantize_linears
 from pd.engine.malloc import keep_freed_memory
 from pd.outputs import RequestOutput
 from pd.request import Request
@@ -74,7 +75,10 @@ class EngineCore:
         self.model_config = ModelConfig.from_dir(config.model, config.dtype, config.max_model_len)
         device = config.torch_device
         self.model = load_model(self.model_config, device)
-        pack_linears(self.model)
+        if config.quantization == "int8":
+            quantize_linears(self.model)
+        else:
+            pack_linears(self.model)
         self.max_model_len = self.model_config.context_len
         specs = self.model.kv_cache_specs(config.block_size, hybrid=config.hybrid_kv_cache)
         self.kv_cache_config = make_kv_cache_config(specs, config.kv_cache_memory, self.max_model_len)

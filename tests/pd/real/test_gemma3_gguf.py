@@ -158,3 +158,23 @@ def test_pd_convert_writes_a_folder_transformers_loads(gemma_gguf, tmp_path) -> 
         got = converted(ids).logits
         expected = hf_gemma(gemma_gguf, torch.float32)(ids).logits
     assert torch.equal(got, expected)
+
+
+def test_int8_teacher_forced_top1_agreement_with_transformers(gemma_gguf, english_tokens, reference_logits) -> None:
+    """`--quantization int8` on the real model, scored as the bfloat16 test above: top-1
+    agreement with transformers' bfloat16 over the text, and the mean |logprob error|
+    against float32. Every linear is W8A8 (int8 weights and activations, Hadamard-rotated),
+    about 1 % of noise per product: measured 97.6 % agreement here (97.5 % over 2,048
+    tokens; unquantized bfloat16: 98.4 % and 98.9 %), mean error 2.3x bfloat16's. Without
+    the rotation the agreement was 92 %."""
+    llm = LLM(str(gemma_gguf), dtype="bfloat16", max_model_len=1024, quantization="int8")
+    scored = llm.generate([english_tokens], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5))[0]
+    ids, ours = torch.tensor(scored.prompt_logprobs.token_ids), torch.tensor(scored.prompt_logprobs.logprobs)
+    exact, rounded = (logits[:-1].log_softmax(-1) for logits in reference_logits)
+    agree = (rounded.gather(1, ids[:, 1:2])[:, 0] == rounded.max(-1).values).float().mean().item()
+    error = (ours[:, 0] - exact.gather(1, ids[:, :1])[:, 0]).abs().mean().item()
+    reference_error = (rounded.gather(1, ids[:, :1]) - exact.gather(1, ids[:, :1])).abs().mean().item()
+    print(f"int8 teacher-forced over {len(english_tokens)} tokens: top-1 agreement {agree:.4f} with transformers "
+          f"bfloat16; mean |logprob - float32| {error:.5f} (transformers bfloat16: {reference_error:.5f})")
+    assert agree >= 0.96
+    assert error <= 4 * reference_error
