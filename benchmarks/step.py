@@ -25,9 +25,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from pd.config import EngineConfig
+from pd.config import QUANTIZATIONS, EngineConfig
 from pd.engine.core import EngineCore
-from pd.models.quantized import QUANTIZATIONS
 from pd.request import Request, SamplingParams
 
 

@@ -5,23 +5,24 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 AUTO_DTYPE = "auto"
 
 
-def resolve_dtype(model: str | Path, requested: str, device: str) -> tuple[str, str]:
+def resolve_dtype(model: str | Path, requested: str, device: str | Callable[[], str]) -> tuple[str, str]:
     """(dtype, why) for serving `model` on `device`. A named dtype is itself; `auto` is the
     checkpoint's own dtype (`torch_dtype` / `dtype` in config.json) for an HF folder, and
     for a GGUF file (quantized: no dtype of its own) bfloat16 where the device computes in
-    it natively, else float32."""
+    it natively, else float32. `device` may be a function: called (it may import torch)
+    only for a GGUF file."""
     if requested != AUTO_DTYPE:
         return requested, "as asked"
     from pd.models.gguf import is_gguf
 
     if is_gguf(model):
-        if _bfloat16_native(device):
+        if _bfloat16_native(device() if callable(device) else device):
             return "bfloat16", "auto: a quantized GGUF, on a device with native bfloat16"
         return "float32", "auto: a quantized GGUF, on a device without native bfloat16"
     config_path = Path(model) / "config.json"

@@ -33,7 +33,6 @@ from pd import native
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("none", "int8")
 SOURCE = native.SOURCES / "int8_linear.c"
 MAX_ROTATION = 128  # inputs per Hadamard block (fewer where the width has no such factor)
 TILE, GROUP = 32, 4  # the packed layout: output channels per tile, inputs per group (int8_linear.c)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from pd.models.base import CausalLM
+if TYPE_CHECKING:  # the classes (and torch) load only when one is asked for
+    from pd.models.base import CausalLM
 
 _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "pd.models.llama:LlamaForCausalLM",
@@ -20,10 +22,16 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def model_class(architectures: list[str]) -> type[CausalLM]:
-    """The class for the first supported name in `architectures`."""
+def supported_name(architectures: list[str]) -> str:
+    """The first name in `architectures` we serve (ValueError if none), without importing
+    its class."""
     for name in architectures:
         if name in _MODELS:
-            module_name, class_name = _MODELS[name].split(":")
-            return getattr(importlib.import_module(module_name), class_name)
+            return name
     raise ValueError(f"unsupported architecture {architectures}; supported: {', '.join(supported_architectures())}")
+
+
+def model_class(architectures: list[str]) -> type[CausalLM]:
+    """The class for the first supported name in `architectures`."""
+    module_name, class_name = _MODELS[supported_name(architectures)].split(":")
+    return getattr(importlib.import_module(module_name), class_name)

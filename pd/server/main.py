@@ -52,7 +52,7 @@ def _exit_on_sigterm(signum: int, frame: Any) -> NoReturn:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until SIGINT / SIGTERM; 0 then, 1 if the engine failed to start."""
-    from pd.models.loader import check_model
+    from pd.models.files import check_model
     from pd.tokenizer import Tokenizer
 
     try:

@@ -5,6 +5,7 @@ change with the weights' quantization), and both servers end holding no KV."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -29,3 +30,13 @@ def test_int8_prefill_then_decode_gives_the_colocated_int8_tokens(start) -> None
         assert server.metrics().get("pd_kv_transfer_failures_total", 0.0) == 0
         assert server.wait_for_metric("pd_kv_requests_held", lambda v: v == 0) == 0
         assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+
+
+def test_the_api_process_loads_no_torch(start) -> None:
+    """The flag's names live in pd.config, which the API process imports: importing the
+    quantization module there would load torch and its threads beside the engine's."""
+    server = start("api", "--quantization", "int8")
+    engine_pid = server.health().json()["engine_pid"]
+    assert engine_pid != server.process.pid
+    assert "libtorch" not in Path(f"/proc/{server.process.pid}/maps").read_text()
+    assert "libtorch" in Path(f"/proc/{engine_pid}/maps").read_text()
