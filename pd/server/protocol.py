@@ -2,7 +2,11 @@
 
 Bodies are parsed from raw JSON in strict mode (no "5" for 5, no 1.0 for a count), so a
 wrong type is a 400 that names the field, never FastAPI's 422. Fields OpenAI defines but
-this server does not implement are declared only to be refused by name.
+this server does not implement are declared only to be refused by name, and a top-level
+field the server does not know at all (another server's `repetition_penalty`, `min_p`,
+`guided_json`, `tool_choice`, ...) is refused the same way: a server that ignored it
+would answer as if it had applied it. Only fields that cannot change an answer
+(IGNORED_FIELDS) pass unread.
 """
 
 from __future__ import annotations
@@ -46,8 +50,15 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+# Top-level fields accepted and not read: bookkeeping that cannot change an answer.
+IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier"})
+
+
 class SamplingFields(_Strict):
-    """What completions and chat share: the model, sampling, stopping and PD fields."""
+    """What completions and chat share: the model, sampling, stopping and PD fields.
+    Fields it does not declare are kept (`model_extra`) for `refuse_unsupported`."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -184,6 +195,7 @@ def refuse_unsupported(body: SamplingFields) -> None:
         unsupported += [("logprobs", bool(body.logprobs)), ("top_logprobs", body.top_logprobs is not None),
                         ("tools", bool(body.tools)),
                         ("response_format", (body.response_format or {}).get("type", "text") != "text")]
+    unsupported += [(name, True) for name in sorted(body.model_extra or {}) if name not in IGNORED_FIELDS]
     for name, used in unsupported:
         if used:
             raise RequestError(f"{name} is not supported by this server", param=name, code="unsupported")

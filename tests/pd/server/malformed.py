@@ -97,6 +97,10 @@ BAD_REQUESTS = {
     "presence_penalty": completion(prompt="x", presence_penalty=0.5),
     "frequency_penalty": completion(prompt="x", frequency_penalty=0.5),
     "logit_bias": completion(prompt="x", logit_bias={"5": 10}),
+    # fields other servers read and this one does not know: refused, never ignored
+    "repetition_penalty": completion(prompt="x", repetition_penalty=1.3),
+    "guided_json": completion(prompt="x", guided_json={"type": "object"}),
+    "tool_choice": chat(messages=[{"role": "user", "content": "hi"}], tool_choice="auto"),
     # PD parameters
     "kv_transfer_params not a dict": completion(prompt="x", kv_transfer_params=[1]),
     "kv_transfer_params unknown field": completion(prompt="x", kv_transfer_params={"note": 1}),

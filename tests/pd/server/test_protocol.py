@@ -57,11 +57,29 @@ def test_text_parts_are_joined_and_max_completion_tokens_wins() -> None:
     assert body.output_limit == 7
 
 
-def test_prompt_shapes_and_unknown_fields() -> None:
+def test_prompt_shapes() -> None:
     assert parse({"prompt": [1, 2]}).prompt == [1, 2]
     assert parse({"prompt": [[1, 2]]}).prompt == [[1, 2]]
-    assert parse({"prompt": "x", "some_future_field": 1}).prompt == "x"
     assert parse({"prompt": "x", "stop": "a"}).stop_strings == ["a"]
+
+
+@pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
+@pytest.mark.parametrize("field, value", [("repetition_penalty", 1.2), ("min_p", 0.1), ("guided_json", {}),
+                                          ("tool_choice", "auto"), ("some_future_field", 1)])
+def test_fields_the_server_does_not_know_are_refused_not_ignored(model, field, value) -> None:
+    """Another server's sampling or structured-output field, silently dropped, would give
+    an answer the client believes was shaped by it."""
+    base = {"prompt": "x"} if model is CompletionRequest else {"messages": []}
+    body = parse(base | {field: value}, model)
+    with pytest.raises(RequestError) as e:
+        refuse_unsupported(body)
+    assert (e.value.param, e.value.code, e.value.status) == (field, "unsupported", 400)
+    assert f"{field} is not supported" in str(e.value)
+
+
+def test_bookkeeping_fields_pass_unread() -> None:
+    refuse_unsupported(parse({"prompt": "x", "user": "u", "metadata": {"a": "b"}, "store": False,
+                              "service_tier": "auto"}))
 
 
 @pytest.mark.parametrize("field, value", [("n", 2), ("best_of", 3), ("logprobs", 1), ("echo", True),
