@@ -9,6 +9,7 @@ from pd.kv_cache.hashing import BlockHash, extend_block_hashes
 
 
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per position
+MAX_LOGIT_BIAS = 100.0  # |bias| a request may add to a token's logit (OpenAI's range)
 
 
 class RequestStatus(enum.Enum):
@@ -32,7 +33,10 @@ class SamplingParams:
     `top_p=1.0` filter nothing; `seed` makes a request's sampling reproducible whatever
     it is batched with. `prompt_logprobs=k` scores every prompt token (with the k most
     likely tokens at each position; 0 for the prompt token alone), which computes the
-    whole prompt: its prefix-cache hits are not used."""
+    whole prompt: its prefix-cache hits are not used. `logit_bias` adds (token id, bias)
+    to those logits before anything else (greedy picks among the biased logits too);
+    `min_p` then drops, after temperature, the tokens less likely than min_p times the
+    most likely one."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -42,6 +46,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -54,6 +60,14 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        bias = tuple((int(token), float(value)) for token, value in self.logit_bias)
+        if any(not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS for _, value in bias):  # NaN fails too
+            raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if len({token for token, _ in bias}) != len(bias):
+            raise ValueError("logit_bias names a token twice")
+        object.__setattr__(self, "logit_bias", bias)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property

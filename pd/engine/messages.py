@@ -39,6 +39,8 @@ class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    logit_bias: list[tuple[int, float]] = []
+    min_p: float = 0.0
     remote_decode: bool = False
     remote_prefill: RemotePrefillParams | None = None
     cache_salt: str | None = None
@@ -51,6 +53,7 @@ class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
                    max_tokens=params.max_tokens, temperature=params.temperature,
                    top_k=params.top_k, top_p=params.top_p, seed=params.seed,
                    stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+                   logit_bias=list(params.logit_bias), min_p=params.min_p,
                    remote_decode=isinstance(kv_transfer_params, RemoteDecodeParams),
                    remote_prefill=kv_transfer_params if isinstance(kv_transfer_params, RemotePrefillParams) else None,
                    cache_salt=cache_salt)
@@ -67,7 +70,8 @@ class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
 
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
                               top_k=self.top_k, top_p=self.top_p, seed=self.seed,
-                              stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos)
+                              stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
+                              logit_bias=tuple(map(tuple, self.logit_bias)), min_p=self.min_p)
 
     def to_request(self) -> Request:
         """The engine's Request; ValueError for bad params or an empty prompt."""

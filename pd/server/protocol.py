@@ -77,10 +77,11 @@ class SamplingFields(_Strict):
     kv_transfer_params: dict[str, Any] | None = None  # extra (PD)
     cache_salt: str | None = None  # extra
     return_token_ids: bool = False  # extra: output token ids in each choice / chunk (prompt's too, unstreamed)
+    logit_bias: dict[str, float] | None = None  # token id (a string, as OpenAI's) -> bias in [-100, 100]
+    min_p: float | None = None  # extra
     # Declared to be refused when used:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
     best_of: int | None = None
 
     @property
@@ -186,7 +187,6 @@ def refuse_unsupported(body: SamplingFields) -> None:
         ("min_tokens", body.min_tokens not in (None, 0)),
         ("presence_penalty", body.presence_penalty not in (None, 0.0)),
         ("frequency_penalty", body.frequency_penalty not in (None, 0.0)),
-        ("logit_bias", bool(body.logit_bias)),
     ]
     if isinstance(body, CompletionRequest):
         unsupported += [("logprobs", body.logprobs is not None), ("echo", bool(body.echo)),

@@ -20,7 +20,7 @@ import anyio
 from connectors.params import RemoteDecodeParams, RemotePrefillParams, TransferParamsError, parse_transfer_params
 from connectors.signing import TransferParamsGuard, TransferParamsRefused, UntilExpiry
 from pd.engine.messages import EngineRequest
-from pd.request import SamplingParams
+from pd.request import MAX_LOGIT_BIAS, SamplingParams
 from pd.server.chat import ChatTemplate, ChatTemplateError
 from pd.server.detokenize import IncrementalDetokenizer
 from pd.server.metrics import ServerMetrics
@@ -196,6 +196,22 @@ class Server:
                                    status=403, type="permission_error") from None
         return transfer
 
+    def _logit_bias(self, bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
+        """OpenAI's {"token id": bias} as (id, bias) pairs: ids in the vocabulary, biases
+        in [-100, 100]."""
+        if len(bias) > self.vocab_size:
+            raise RequestError("logit_bias names more tokens than the vocabulary has", param="logit_bias")
+        pairs = []
+        for key, value in bias.items():
+            if not key.isascii() or not key.isdigit() or len(key) > 12:
+                raise RequestError(f"logit_bias keys must be token ids, got {key[:32]!r}", param="logit_bias")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise RequestError(f"logit_bias values must be in [-100, 100], got {value} for token {key}",
+                                   param="logit_bias")
+            pairs.append((int(key), float(value)))
+        self._check_vocab([token for token, _ in pairs], "logit_bias")
+        return tuple(pairs)
+
     def _sampling_params(self, body: SamplingFields, num_prompt_tokens: int) -> SamplingParams:
         room = self.max_model_len - num_prompt_tokens
         max_tokens = body.output_limit if body.output_limit is not None else room
@@ -218,10 +234,15 @@ class Server:
             raise RequestError("seed must fit in a signed 64-bit integer", param="seed")
         stop_token_ids = body.stop_token_ids or []
         self._check_vocab(stop_token_ids, "stop_token_ids")
+        min_p = 0.0 if body.min_p is None else body.min_p
+        if not 0.0 <= min_p <= 1.0:
+            raise RequestError(f"min_p must be in [0, 1], got {min_p}", param="min_p")
+        logit_bias = self._logit_bias(body.logit_bias or {})
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                   top_k=body.top_k if body.top_k and 0 < body.top_k < self.vocab_size else None, top_p=top_p,
-                                  seed=body.seed, stop_token_ids=tuple(stop_token_ids), ignore_eos=body.ignore_eos)
+                                  seed=body.seed, stop_token_ids=tuple(stop_token_ids), ignore_eos=body.ignore_eos,
+                                  logit_bias=logit_bias, min_p=min_p)
         except ValueError as e:  # a range the checks above missed
             raise RequestError(str(e)) from None
 

@@ -1,7 +1,7 @@
 """Pick the next token of each request from its logits row.
 
-Greedy rows take the first maximum. Others are divided by their temperature, filtered by
-top-k then top-p, and sampled by inverse transform: one uniform draw per row, located in
+A request's `logit_bias` is added first (in float32). Greedy rows take the first maximum.
+Others are divided by their temperature, filtered by min-p, top-k then top-p, and sampled by inverse transform: one uniform draw per row, located in
 the row's cumulative distribution (two levels: blocks, then tokens). The draw comes from the request's own
 generator when it has a seed, so a seeded request samples the same tokens whatever it is
 batched with. One draw per row, not one per vocabulary entry: on a 262k vocabulary that
@@ -22,7 +22,10 @@ BLOCK = 1024  # tokens per block of the two-level inverse transform
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[int]:
     """logits (N, V) in the model's dtype, one row per request -> N token ids. Greedy rows
-    take the argmax as computed; sampled rows are widened to float32 first."""
+    take the argmax as computed (biased rows: in float32); sampled rows are widened to
+    float32 first."""
+    if any(p.logit_bias for p in params):
+        logits = biased(logits, params)
     greedy = logits.max(dim=-1).indices  # the first maximum, as argmax; argmax is 5x slower on bfloat16 CPU
     if all(p.greedy for p in params):
         return greedy.tolist()
@@ -32,6 +35,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     tokens = greedy.clone()
     tokens[rows] = _inverse_transform(probs, draws).to(tokens.dtype)
     return tokens.tolist()
+
+
+def biased(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The logits in float32 with each row's `logit_bias` added."""
+    rows, tokens, values = [], [], []
+    for i, p in enumerate(params):
+        for token, value in p.logit_bias:
+            rows.append(i)
+            tokens.append(token)
+            values.append(value)
+    out = logits.to(torch.float32, copy=True)  # never the caller's tensor
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
+    out.index_put_(index, torch.tensor(values, device=logits.device), accumulate=True)
+    return out
 
 
 def _draw(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -62,6 +79,11 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     temps = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
     logits = logits / temps
     vocab = logits.shape[-1]
+    if any(p.min_p > 0.0 for p in params):
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([p.min_p for p in params], device=logits.device).unsqueeze(1)
+        floor = min_p * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     if any(p.top_k is not None for p in params):
         ks = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=logits.device)
         kth = logits.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1))
@@ -85,9 +107,14 @@ def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~kept, float("-inf"))
 
 
-def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+def make_generator(seed: int | None, device: torch.device | str, drawn: int = 0) -> torch.Generator | None:
+    """A seeded request's generator, past the `drawn` uniforms its tokens so far took (one
+    per sampled token): a request that arrives with tokens sampled elsewhere (D, after P's
+    first) or recomputed after preemption draws what it would have drawn uninterrupted."""
     if seed is None:
         return None
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
+    for _ in range(drawn):
+        _draw(generator, generator.device)
     return generator

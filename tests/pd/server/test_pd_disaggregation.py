@@ -142,3 +142,22 @@ def test_a_decode_server_frees_everything_and_p_holds_nothing_afterwards(servers
         assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
         if "pd_kv_requests_held" in server.metrics():
             assert server.metrics()["pd_kv_requests_held"] == 0
+
+
+def test_logit_bias_and_min_p_apply_on_p_and_d_alike(servers) -> None:
+    """P samples the first token and D the rest: both apply the request's bias and min-p,
+    so PD gives the colocated tokens, greedy and seeded."""
+    a, b, c = servers["a"], servers["b"], servers["c"]
+    prompt = token_prompt(random.Random("bias"), 40)
+    plain = complete(c, {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+    forced = complete(c, {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                          "logit_bias": {"1234": 100}})
+    assert forced.token_ids == [1234] * MAX_TOKENS
+    banned = {str(plain.token_ids[0]): -100, str(plain.token_ids[1]): -100}
+    for body in ({"temperature": 0, "logit_bias": banned},
+                 {"temperature": 0.9, "seed": 7, "min_p": 0.05, "logit_bias": banned | {"777": 3.5}}):
+        body |= {"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+        expected = complete(c, body)
+        assert plain.token_ids[0] not in expected.token_ids and plain.token_ids[1] not in expected.token_ids
+        for streamed in (False, True):
+            assert p_then_d(a, b, body, streamed).token_ids == expected.token_ids

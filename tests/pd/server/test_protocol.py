@@ -64,7 +64,7 @@ def test_prompt_shapes() -> None:
 
 
 @pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
-@pytest.mark.parametrize("field, value", [("repetition_penalty", 1.2), ("min_p", 0.1), ("guided_json", {}),
+@pytest.mark.parametrize("field, value", [("repetition_penalty", 1.2), ("typical_p", 0.9), ("guided_json", {}),
                                           ("tool_choice", "auto"), ("some_future_field", 1)])
 def test_fields_the_server_does_not_know_are_refused_not_ignored(model, field, value) -> None:
     """Another server's sampling or structured-output field, silently dropped, would give

@@ -1,7 +1,8 @@
-"""sample(): greedy, temperature, top-k, top-p and per-request seeds."""
+"""sample(): greedy, temperature, top-k, top-p, min-p, logit_bias and per-request seeds."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pd.request import SamplingParams
@@ -92,3 +93,68 @@ def test_top_p_over_a_flat_row_looks_past_the_candidates() -> None:
     x[0, :2048] = 1e-3  # a hair more likely: these are the nucleus
     seen = {sample(x, [SamplingParams(top_p=0.5, seed=s)], [make_generator(s, "cpu")])[0] for s in range(400)}
     assert max(seen) < 2048 and len(seen) > 300
+
+
+def brute_force_token(x: torch.Tensor, bias: dict[int, float], temperature: float, min_p: float,
+                      draw: float) -> int:
+    """The reference: float64, one token at a time, the same inverse transform of one draw."""
+    row = x.double().clone()
+    for token, value in bias.items():
+        row[token] += value
+    probs = (row / temperature).softmax(-1)
+    probs = torch.where(probs < min_p * probs.max(), 0.0, probs)
+    cdf = (probs / probs.sum()).cumsum(-1)
+    return int((cdf > draw).nonzero()[0])
+
+
+def test_logit_bias_and_min_p_sample_as_a_brute_force_sampler() -> None:
+    """Mixed batch: a greedy row with a bias that overturns its argmax, seeded rows with
+    bias and min_p, a plain row; each seeded row's token is the brute-force sampler's for
+    the same uniform draw."""
+    x = logits(rows=4, vocab=40, seed=3)
+    first = int(x[0].argmax())
+    params = [SamplingParams(temperature=0, logit_bias=((first, -100.0), (7, 2.5))),
+              SamplingParams(temperature=0.8, logit_bias=((3, 5.0), (11, -100.0)), min_p=0.05),
+              SamplingParams(temperature=1.3, min_p=0.2),
+              SamplingParams(temperature=0)]
+    for seed in range(60):
+        gens = [None, make_generator(seed, "cpu"), make_generator(seed + 1000, "cpu"), None]
+        draws = [None] + [float(torch.rand(1, generator=make_generator(s, "cpu"), dtype=torch.float64))
+                          for s in (seed, seed + 1000)]
+        got = sample(x.clone(), params, gens)
+        expected_greedy = (x[0] + torch.nn.functional.one_hot(torch.tensor(first), 40) * -100.0
+                           + torch.nn.functional.one_hot(torch.tensor(7), 40) * 2.5).argmax()
+        assert got[0] == int(expected_greedy) != first
+        assert got[1] == brute_force_token(x[1], {3: 5.0, 11: -100.0}, 0.8, 0.05, draws[1])
+        assert got[2] == brute_force_token(x[2], {}, 1.3, 0.2, draws[2])
+        assert got[3] == int(x[3].argmax())
+
+
+def test_logit_bias_does_not_touch_the_callers_logits() -> None:
+    x = logits(rows=1)
+    kept = x.clone()
+    sample(x, [SamplingParams(temperature=0, logit_bias=((0, 50.0),))], [None])
+    assert torch.equal(x, kept)
+
+
+def test_min_p_keeps_only_tokens_near_the_most_likely() -> None:
+    x = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    seen = {sample(x, [SamplingParams(min_p=0.35)], [make_generator(s, "cpu")])[0] for s in range(300)}
+    assert seen == {0, 1}  # 0.15 < 0.35 x 0.5
+
+
+def test_bad_bias_and_min_p_are_refused() -> None:
+    for bad in (dict(min_p=1.5), dict(min_p=-0.1), dict(logit_bias=((1, 100.5),)), dict(logit_bias=((1, float("nan")),)),
+                dict(logit_bias=((1, 1.0), (1, 2.0)))):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+def test_a_generator_made_after_k_tokens_draws_what_the_uninterrupted_one_draws() -> None:
+    """D makes its generator after P's first token; a preempted request remakes its own."""
+    x = logits(rows=1)
+    params = [SamplingParams(temperature=1.0, seed=5)]
+    uninterrupted = make_generator(5, "cpu")
+    tokens = [sample(x, params, [uninterrupted])[0] for _ in range(6)]
+    resumed = make_generator(5, "cpu", drawn=2)
+    assert [sample(x, params, [resumed])[0] for _ in range(4)] == tokens[2:]
