@@ -10,6 +10,7 @@ from pd.kv_cache.hashing import BlockHash, extend_block_hashes
 
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per position
 MAX_LOGIT_BIAS = 100.0  # |bias| a request may add to a token's logit (OpenAI's range)
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range); repetition_penalty in (0, 2]
 
 
 class RequestStatus(enum.Enum):
@@ -35,8 +36,11 @@ class SamplingParams:
     likely tokens at each position; 0 for the prompt token alone), which computes the
     whole prompt: its prefix-cache hits are not used. `logit_bias` adds (token id, bias)
     to those logits before anything else (greedy picks among the biased logits too);
-    `min_p` then drops, after temperature, the tokens less likely than min_p times the
-    most likely one."""
+    the penalties come next, as vLLM applies them: `repetition_penalty` divides the positive
+    logits (multiplies the negative ones) of every token in the prompt or the output so
+    far; `frequency_penalty` x (times the token was output) + `presence_penalty` (if it
+    was) is subtracted. `min_p` then drops, after temperature, the tokens less likely than
+    min_p times the most likely one."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -48,6 +52,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -60,6 +67,11 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= MAX_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_PENALTY:g}], got {self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         bias = tuple((int(token), float(value)) for token, value in self.logit_bias)
@@ -73,6 +85,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 @dataclass

@@ -41,6 +41,9 @@ class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
     ignore_eos: bool = False
     logit_bias: list[tuple[int, float]] = []
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     remote_decode: bool = False
     remote_prefill: RemotePrefillParams | None = None
     cache_salt: str | None = None
@@ -54,6 +57,8 @@ class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
                    top_k=params.top_k, top_p=params.top_p, seed=params.seed,
                    stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
                    logit_bias=list(params.logit_bias), min_p=params.min_p,
+                   presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+                   repetition_penalty=params.repetition_penalty,
                    remote_decode=isinstance(kv_transfer_params, RemoteDecodeParams),
                    remote_prefill=kv_transfer_params if isinstance(kv_transfer_params, RemotePrefillParams) else None,
                    cache_salt=cache_salt)
@@ -71,7 +76,9 @@ class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
                               top_k=self.top_k, top_p=self.top_p, seed=self.seed,
                               stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
-                              logit_bias=tuple(map(tuple, self.logit_bias)), min_p=self.min_p)
+                              logit_bias=tuple(map(tuple, self.logit_bias)), min_p=self.min_p,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty)
 
     def to_request(self) -> Request:
         """The engine's Request; ValueError for bad params or an empty prompt."""

@@ -3,8 +3,8 @@
 Bodies are parsed from raw JSON in strict mode (no "5" for 5, no 1.0 for a count), so a
 wrong type is a 400 that names the field, never FastAPI's 422. Fields OpenAI defines but
 this server does not implement are declared only to be refused by name, and a top-level
-field the server does not know at all (another server's `repetition_penalty`, `min_p`,
-`guided_json`, `tool_choice`, ...) is refused the same way: a server that ignored it
+field the server does not know at all (another server's `typical_p`, `guided_json`,
+`guided_regex`, `tool_choice`, ...) is refused the same way: a server that ignored it
 would answer as if it had applied it. Only fields that cannot change an answer
 (IGNORED_FIELDS) pass unread.
 """
@@ -79,9 +79,10 @@ class SamplingFields(_Strict):
     return_token_ids: bool = False  # extra: output token ids in each choice / chunk (prompt's too, unstreamed)
     logit_bias: dict[str, float] | None = None  # token id (a string, as OpenAI's) -> bias in [-100, 100]
     min_p: float | None = None  # extra
+    presence_penalty: float | None = None  # [-2, 2]
+    frequency_penalty: float | None = None  # [-2, 2]
+    repetition_penalty: float | None = None  # extra; (0, 2]
     # Declared to be refused when used:
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     best_of: int | None = None
 
     @property
@@ -185,8 +186,6 @@ def refuse_unsupported(body: SamplingFields) -> None:
         ("n", body.n not in (None, 1)),
         ("best_of", body.best_of not in (None, 1)),
         ("min_tokens", body.min_tokens not in (None, 0)),
-        ("presence_penalty", body.presence_penalty not in (None, 0.0)),
-        ("frequency_penalty", body.frequency_penalty not in (None, 0.0)),
     ]
     if isinstance(body, CompletionRequest):
         unsupported += [("logprobs", body.logprobs is not None), ("echo", bool(body.echo)),

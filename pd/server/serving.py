@@ -20,7 +20,7 @@ import anyio
 from connectors.params import RemoteDecodeParams, RemotePrefillParams, TransferParamsError, parse_transfer_params
 from connectors.signing import TransferParamsGuard, TransferParamsRefused, UntilExpiry
 from pd.engine.messages import EngineRequest
-from pd.request import MAX_LOGIT_BIAS, SamplingParams
+from pd.request import MAX_LOGIT_BIAS, MAX_PENALTY, SamplingParams
 from pd.server.chat import ChatTemplate, ChatTemplateError
 from pd.server.detokenize import IncrementalDetokenizer
 from pd.server.metrics import ServerMetrics
@@ -238,11 +238,21 @@ class Server:
         if not 0.0 <= min_p <= 1.0:
             raise RequestError(f"min_p must be in [0, 1], got {min_p}", param="min_p")
         logit_bias = self._logit_bias(body.logit_bias or {})
+        penalties = {name: getattr(body, name) for name in ("presence_penalty", "frequency_penalty")
+                     if getattr(body, name) is not None}
+        for name, value in penalties.items():
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise RequestError(f"{name} must be in [-2, 2], got {value}", param=name)
+        if body.repetition_penalty is not None:
+            if not 0.0 < body.repetition_penalty <= MAX_PENALTY:
+                raise RequestError(f"repetition_penalty must be in (0, 2], got {body.repetition_penalty}",
+                                   param="repetition_penalty")
+            penalties["repetition_penalty"] = body.repetition_penalty
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                   top_k=body.top_k if body.top_k and 0 < body.top_k < self.vocab_size else None, top_p=top_p,
                                   seed=body.seed, stop_token_ids=tuple(stop_token_ids), ignore_eos=body.ignore_eos,
-                                  logit_bias=logit_bias, min_p=min_p)
+                                  logit_bias=logit_bias, min_p=min_p, **penalties)
         except ValueError as e:  # a range the checks above missed
             raise RequestError(str(e)) from None
 

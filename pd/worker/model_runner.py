@@ -190,7 +190,8 @@ class ModelRunner:
 
     def _sample(self, req_ids: list[str], logits: torch.Tensor) -> ModelRunnerOutput:
         states = [self.requests[r] for r in req_ids]
-        tokens = sample(logits, [s.sampling_params for s in states], [s.generator for s in states])
+        histories = [(s.token_ids, s.num_prompt_tokens) for s in states]
+        tokens = sample(logits, [s.sampling_params for s in states], [s.generator for s in states], histories)
         for state, token in zip(states, tokens):
             state.token_ids.append(token)
         kept = {r: logits[i].float() for i, r in enumerate(req_ids)} if self.keep_logits else None

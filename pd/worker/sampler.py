@@ -1,6 +1,7 @@
 """Pick the next token of each request from its logits row.
 
-A request's `logit_bias` is added first (in float32). Greedy rows take the first maximum.
+A request's `logit_bias` is added first, then its penalties are applied (both in float32;
+`SamplingParams` says how). Greedy rows take the first maximum.
 Others are divided by their temperature, filtered by min-p, top-k then top-p, and sampled by inverse transform: one uniform draw per row, located in
 the row's cumulative distribution (two levels: blocks, then tokens). The draw comes from the request's own
 generator when it has a seed, so a seeded request samples the same tokens whatever it is
@@ -19,13 +20,18 @@ TOP_P_CANDIDATES = 1024  # top-p first looks for its nucleus among this many mos
 BLOCK = 1024  # tokens per block of the two-level inverse transform
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           histories: list[tuple[list[int], int]] | None = None) -> list[int]:
     """logits (N, V) in the model's dtype, one row per request -> N token ids. Greedy rows
-    take the argmax as computed (biased rows: in float32); sampled rows are widened to
-    float32 first."""
+    take the argmax as computed (biased or penalized rows: in float32); sampled rows are
+    widened to float32 first. `histories[i]` = (row i's token ids so far, how many of them
+    are the prompt), needed by penalized rows."""
     if any(p.logit_bias for p in params):
         logits = biased(logits, params)
+    if any(p.penalized for p in params):
+        if histories is None:
+            raise ValueError("penalized rows need their token histories")
+        logits = penalized(logits, params, histories)
     greedy = logits.max(dim=-1).indices  # the first maximum, as argmax; argmax is 5x slower on bfloat16 CPU
     if all(p.greedy for p in params):
         return greedy.tolist()
@@ -48,6 +54,25 @@ def biased(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     out = logits.to(torch.float32, copy=True)  # never the caller's tensor
     index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
     out.index_put_(index, torch.tensor(values, device=logits.device), accumulate=True)
+    return out
+
+
+def penalized(logits: torch.Tensor, params: list[SamplingParams],
+              histories: list[tuple[list[int], int]]) -> torch.Tensor:
+    """The logits in float32 with each penalized row's penalties applied (a new tensor)."""
+    out = logits.to(torch.float32, copy=logits.dtype == torch.float32 and not any(p.logit_bias for p in params))
+    for i, p in enumerate(params):
+        if not p.penalized:
+            continue
+        tokens, num_prompt = histories[i]
+        row = out[i]
+        if p.repetition_penalty != 1.0 and tokens:
+            seen = torch.tensor(sorted(set(tokens)), device=out.device)
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if tokens[num_prompt:] and (p.presence_penalty or p.frequency_penalty):
+            ids, counts = torch.tensor(tokens[num_prompt:], device=out.device).unique(return_counts=True)
+            row[ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
     return out
 
 

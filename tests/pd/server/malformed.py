@@ -94,8 +94,10 @@ BAD_REQUESTS = {
     "best_of": completion(prompt="x", best_of=2),
     "suffix": completion(prompt="x", suffix="end"),
     "min_tokens": completion(prompt="x", min_tokens=3),
-    "presence_penalty": completion(prompt="x", presence_penalty=0.5),
-    "frequency_penalty": completion(prompt="x", frequency_penalty=0.5),
+    "presence_penalty too large": completion(prompt="x", presence_penalty=2.5),
+    "frequency_penalty too small": completion(prompt="x", frequency_penalty=-3),
+    "repetition_penalty zero": completion(prompt="x", repetition_penalty=0),
+    "repetition_penalty too large": completion(prompt="x", repetition_penalty=2.5),
     "logit_bias key not a token id": completion(prompt="x", logit_bias={"five": 10}),
     "logit_bias key negative": completion(prompt="x", logit_bias={"-5": 10}),
     "logit_bias key outside the vocabulary": completion(prompt="x", logit_bias={"99999999": 10}),
@@ -104,7 +106,7 @@ BAD_REQUESTS = {
     "min_p above 1": completion(prompt="x", min_p=1.5),
     "min_p negative": completion(prompt="x", min_p=-0.1),
     # fields other servers read and this one does not know: refused, never ignored
-    "repetition_penalty": completion(prompt="x", repetition_penalty=1.3),
+    "typical_p": completion(prompt="x", typical_p=0.9),
     "guided_json": completion(prompt="x", guided_json={"type": "object"}),
     "tool_choice": chat(messages=[{"role": "user", "content": "hi"}], tool_choice="auto"),
     # PD parameters

@@ -144,9 +144,10 @@ def test_a_decode_server_frees_everything_and_p_holds_nothing_afterwards(servers
             assert server.metrics()["pd_kv_requests_held"] == 0
 
 
-def test_logit_bias_and_min_p_apply_on_p_and_d_alike(servers) -> None:
-    """P samples the first token and D the rest: both apply the request's bias and min-p,
-    so PD gives the colocated tokens, greedy and seeded."""
+def test_logit_bias_min_p_and_penalties_apply_on_p_and_d_alike(servers) -> None:
+    """P samples the first token and D the rest: both apply the request's bias, min-p and
+    penalties (D's history holds P's first token), so PD gives the colocated tokens,
+    greedy and seeded."""
     a, b, c = servers["a"], servers["b"], servers["c"]
     prompt = token_prompt(random.Random("bias"), 40)
     plain = complete(c, {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
@@ -161,3 +162,9 @@ def test_logit_bias_and_min_p_apply_on_p_and_d_alike(servers) -> None:
         assert plain.token_ids[0] not in expected.token_ids and plain.token_ids[1] not in expected.token_ids
         for streamed in (False, True):
             assert p_then_d(a, b, body, streamed).token_ids == expected.token_ids
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0,
+            "presence_penalty": 2.0, "frequency_penalty": 1.0, "repetition_penalty": 1.5}
+    expected = complete(c, body)
+    assert len(set(expected.token_ids)) == MAX_TOKENS  # a token already output loses 3 logits: none repeats
+    for streamed in (False, True):
+        assert p_then_d(b, a, body, streamed).token_ids == expected.token_ids

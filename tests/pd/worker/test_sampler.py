@@ -158,3 +158,37 @@ def test_a_generator_made_after_k_tokens_draws_what_the_uninterrupted_one_draws(
     tokens = [sample(x, params, [uninterrupted])[0] for _ in range(6)]
     resumed = make_generator(5, "cpu", drawn=2)
     assert [sample(x, params, [resumed])[0] for _ in range(4)] == tokens[2:]
+
+
+def brute_force_penalized(x: torch.Tensor, tokens: list[int], num_prompt: int, presence: float, frequency: float,
+                          repetition: float) -> torch.Tensor:
+    """The penalties one vocabulary entry at a time, in float64."""
+    row = x.double().clone()
+    outputs = tokens[num_prompt:]
+    for v in range(row.shape[0]):
+        if v in tokens and repetition != 1.0:
+            row[v] = row[v] / repetition if row[v] > 0 else row[v] * repetition
+        if v in outputs:
+            row[v] -= frequency * outputs.count(v) + presence
+    return row
+
+
+def test_penalties_match_a_brute_force_computation() -> None:
+    """Greedy rows whose argmax the penalties decide: each row's choice is the brute-force
+    argmax, and the unpenalized row in the batch is untouched."""
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(40):
+        x = torch.randn(3, 30, generator=gen)
+        histories = [(torch.randint(0, 30, (12,), generator=gen).tolist(), 5) for _ in range(3)]
+        settings = [(0.7, 0.4, 1.3), (-0.5, 1.5, 1.0), (0.0, 0.0, 1.0)]
+        params = [SamplingParams(temperature=0, presence_penalty=p, frequency_penalty=f, repetition_penalty=r)
+                  for p, f, r in settings]
+        got = sample(x, params, [None] * 3, histories)
+        for i, (p, f, r) in enumerate(settings):
+            expected = brute_force_penalized(x[i], *histories[i], p, f, r)
+            assert got[i] == int(expected.argmax()), (trial, i)
+
+
+def test_penalized_rows_need_their_histories() -> None:
+    with pytest.raises(ValueError, match="histories"):
+        sample(logits(rows=1), [SamplingParams(temperature=0, presence_penalty=1.0)], [None])
