@@ -40,7 +40,8 @@ class SamplingParams:
     logits (multiplies the negative ones) of every token in the prompt or the output so
     far; `frequency_penalty` x (times the token was output) + `presence_penalty` (if it
     was) is subtracted. `min_p` then drops, after temperature, the tokens less likely than
-    min_p times the most likely one."""
+    min_p times the most likely one. Until a request has `min_tokens` output tokens, EOS
+    (unless ignored) and its stop tokens cannot be sampled, and stop strings do not stop it."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -55,6 +56,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -72,6 +74,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
         if not 0.0 < self.repetition_penalty <= MAX_PENALTY:
             raise ValueError(f"repetition_penalty must be in (0, {MAX_PENALTY:g}], got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         bias = tuple((int(token), float(value)) for token, value in self.logit_bias)

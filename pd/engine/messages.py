@@ -44,6 +44,7 @@ class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    min_tokens: int = 0
     remote_decode: bool = False
     remote_prefill: RemotePrefillParams | None = None
     cache_salt: str | None = None
@@ -58,7 +59,7 @@ class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
                    stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
                    logit_bias=list(params.logit_bias), min_p=params.min_p,
                    presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-                   repetition_penalty=params.repetition_penalty,
+                   repetition_penalty=params.repetition_penalty, min_tokens=params.min_tokens,
                    remote_decode=isinstance(kv_transfer_params, RemoteDecodeParams),
                    remote_prefill=kv_transfer_params if isinstance(kv_transfer_params, RemotePrefillParams) else None,
                    cache_salt=cache_salt)
@@ -78,7 +79,7 @@ class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
                               stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
                               logit_bias=tuple(map(tuple, self.logit_bias)), min_p=self.min_p,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              repetition_penalty=self.repetition_penalty)
+                              repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens)
 
     def to_request(self) -> Request:
         """The engine's Request; ValueError for bad params or an empty prompt."""

@@ -28,12 +28,14 @@ class IncrementalDetokenizer:
     whole-sequence decode.
     """
 
-    def __init__(self, tokenizer: Decoder, stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Decoder, stop: Sequence[str] = (), skip_special_tokens: bool = True,
+                 min_tokens: int = 0) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self.tokenizer = tokenizer
         self.stop = list(stop)
         self.skip_special_tokens = skip_special_tokens
+        self.min_tokens = min_tokens  # stop strings count only from this many tokens on
         self.token_ids: list[int] = []
         self.stopped = False  # a stop string was found; the text ends before it
         self._text = ""  # decoded so far (cut at a stop string)
@@ -82,6 +84,8 @@ class IncrementalDetokenizer:
         # A stop string may straddle the old end: search from where it could begin.
         start = max(0, len(self._text) - self._hold)
         self._text += new_text
+        if len(self.token_ids) < self.min_tokens:
+            return
         hits = [i for i in (self._text.find(s, start) for s in self.stop) if i >= 0]
         if hits:
             self._text = self._text[:min(hits)]

@@ -69,7 +69,7 @@ class SamplingFields(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extra
     ignore_eos: bool = False  # extra
-    min_tokens: int | None = None  # extra; only 0 is supported
+    min_tokens: int | None = None  # extra
     n: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -185,7 +185,6 @@ def refuse_unsupported(body: SamplingFields) -> None:
     unsupported: list[tuple[str, bool]] = [
         ("n", body.n not in (None, 1)),
         ("best_of", body.best_of not in (None, 1)),
-        ("min_tokens", body.min_tokens not in (None, 0)),
     ]
     if isinstance(body, CompletionRequest):
         unsupported += [("logprobs", body.logprobs is not None), ("echo", bool(body.echo)),

@@ -158,13 +158,16 @@ class Server:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
                                f"{self.max_model_len} tokens, prompt and output together",
                                param=prompt_param, code="context_length_exceeded")
-        params = self._sampling_params(body, len(prompt_ids))
+        # The body is checked before the transfer params are: a bad body must not spend their one use.
+        raw_transfer = body.kv_transfer_params
+        prefill_only = isinstance(raw_transfer, dict) and raw_transfer.get("do_remote_decode") is True
+        params = self._sampling_params(body, len(prompt_ids), prefill_only)
         if body.cache_salt is not None and not body.cache_salt:
             raise RequestError("cache_salt must be a non-empty string", param="cache_salt")
         stop = body.stop_strings
         if any(not s for s in stop):
             raise RequestError("stop strings must be non-empty", param="stop")
-        transfer = self._transfer_params(body.kv_transfer_params, prompt_ids)
+        transfer = self._transfer_params(raw_transfer, prompt_ids)
         release_first = None
         if isinstance(transfer, RemotePrefillParams) and transfer.remote_engine_id == self.client.info.engine_id:
             # Prefilled here: served from this server's own prefix cache (its blocks, once released).
@@ -212,7 +215,9 @@ class Server:
         self._check_vocab([token for token, _ in pairs], "logit_bias")
         return tuple(pairs)
 
-    def _sampling_params(self, body: SamplingFields, num_prompt_tokens: int) -> SamplingParams:
+    def _sampling_params(self, body: SamplingFields, num_prompt_tokens: int, prefill_only: bool = False) -> SamplingParams:
+        """`prefill_only`: P's part of a PD request, whose max_tokens may be the 1 its
+        first token needs while min_tokens is the whole answer's (D holds it to it)."""
         room = self.max_model_len - num_prompt_tokens
         max_tokens = body.output_limit if body.output_limit is not None else room
         param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
@@ -238,6 +243,11 @@ class Server:
         if not 0.0 <= min_p <= 1.0:
             raise RequestError(f"min_p must be in [0, 1], got {min_p}", param="min_p")
         logit_bias = self._logit_bias(body.logit_bias or {})
+        min_tokens = body.min_tokens or 0
+        if min_tokens < 0 or (min_tokens > max_tokens and not prefill_only):
+            raise RequestError(f"min_tokens must be in [0, {param}={max_tokens}], got {min_tokens}", param="min_tokens")
+        if prefill_only:
+            min_tokens = min(min_tokens, 1)  # the first token: not a stop token when min_tokens >= 1
         penalties = {name: getattr(body, name) for name in ("presence_penalty", "frequency_penalty")
                      if getattr(body, name) is not None}
         for name, value in penalties.items():
@@ -252,7 +262,7 @@ class Server:
             return SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                   top_k=body.top_k if body.top_k and 0 < body.top_k < self.vocab_size else None, top_p=top_p,
                                   seed=body.seed, stop_token_ids=tuple(stop_token_ids), ignore_eos=body.ignore_eos,
-                                  logit_bias=logit_bias, min_p=min_p, **penalties)
+                                  logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens, **penalties)
         except ValueError as e:  # a range the checks above missed
             raise RequestError(str(e)) from None
 
@@ -290,7 +300,8 @@ class Generation:
     async def deltas(self) -> AsyncIterator[Delta]:
         """Deltas with new text (or, when token ids were asked for, new token ids), and
         the finishing one."""
-        detokenizer = IncrementalDetokenizer(self.tokenizer, self.prepared.stop)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, self.prepared.stop,
+                                             min_tokens=self.prepared.engine_request.min_tokens)
         outputs = self.client.generate(self.prepared.engine_request)
         pending: list[int] = []  # token ids not yet in a delta
         try:

@@ -62,8 +62,10 @@ class BatchInputs:
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache_config: KVCacheConfig, *, max_num_reqs: int,
                  max_model_len: int, device: torch.device | str, layout: KVLayout = "canonical",
-                 keep_logits: bool = False, connector: KVConnectorWorker | None = None) -> None:
+                 keep_logits: bool = False, connector: KVConnectorWorker | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.model = model
+        self.eos_token_ids = eos_token_ids  # what min_tokens holds back
         self.kv_cache_config = kv_cache_config
         self.device = torch.device(device)
         self.keep_logits = keep_logits
@@ -191,7 +193,8 @@ class ModelRunner:
     def _sample(self, req_ids: list[str], logits: torch.Tensor) -> ModelRunnerOutput:
         states = [self.requests[r] for r in req_ids]
         histories = [(s.token_ids, s.num_prompt_tokens) for s in states]
-        tokens = sample(logits, [s.sampling_params for s in states], [s.generator for s in states], histories)
+        tokens = sample(logits, [s.sampling_params for s in states], [s.generator for s in states], histories,
+                        self.eos_token_ids)
         for state, token in zip(states, tokens):
             state.token_ids.append(token)
         kept = {r: logits[i].float() for i, r in enumerate(req_ids)} if self.keep_logits else None

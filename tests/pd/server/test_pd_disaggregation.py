@@ -168,3 +168,29 @@ def test_logit_bias_min_p_and_penalties_apply_on_p_and_d_alike(servers) -> None:
     assert len(set(expected.token_ids)) == MAX_TOKENS  # a token already output loses 3 logits: none repeats
     for streamed in (False, True):
         assert p_then_d(b, a, body, streamed).token_ids == expected.token_ids
+
+
+def test_min_tokens_holds_back_stops_on_p_and_d_alike(servers) -> None:
+    """A token of the plain answer made a stop token: without min_tokens the answer ends
+    at its first place; with min_tokens=5 that token is not picked before 5 tokens, and P (the first
+    token) and D (the rest) give the colocated answer. A stop string matching the first
+    token's text does not stop a request short of its min_tokens either."""
+    a, b, c = servers["a"], servers["b"], servers["c"]
+    prompt = token_prompt(random.Random("min_tokens"), 30)
+    base = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    plain = complete(c, base | {"ignore_eos": True})
+    stop_id = plain.token_ids[1]
+    first = plain.token_ids.index(stop_id)
+    stopped = complete(c, base | {"ignore_eos": True, "stop_token_ids": [stop_id]})
+    assert stopped.token_ids == plain.token_ids[:first + 1] and stopped.finish_reason == "stop"
+    body = base | {"ignore_eos": True, "stop_token_ids": [stop_id], "min_tokens": 5}
+    expected = complete(c, body)
+    assert len(expected.token_ids) >= 5 and stop_id not in expected.token_ids[:5]
+    for streamed in (False, True):
+        assert p_then_d(a, b, body, streamed).token_ids == expected.token_ids
+    first_text = complete(c, base | {"ignore_eos": True, "max_tokens": 1}).text
+    if first_text.strip():
+        cut = complete(c, base | {"ignore_eos": True, "stop": [first_text]})
+        assert cut.text == "" and cut.finish_reason == "stop"
+        held = complete(c, base | {"ignore_eos": True, "stop": [first_text], "min_tokens": 3})
+        assert held.text.startswith(first_text) and len(held.token_ids) >= 3

@@ -83,7 +83,7 @@ def test_bookkeeping_fields_pass_unread() -> None:
 
 
 @pytest.mark.parametrize("field, value", [("n", 2), ("best_of", 3), ("logprobs", 1), ("echo", True),
-                                          ("suffix", "x"), ("min_tokens", 4)])
+                                          ("suffix", "x")])
 def test_unsupported_completion_fields_are_refused(field, value) -> None:
     body = parse({"prompt": "x", field: value})
     with pytest.raises(RequestError) as e:

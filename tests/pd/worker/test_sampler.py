@@ -192,3 +192,17 @@ def test_penalties_match_a_brute_force_computation() -> None:
 def test_penalized_rows_need_their_histories() -> None:
     with pytest.raises(ValueError, match="histories"):
         sample(logits(rows=1), [SamplingParams(temperature=0, presence_penalty=1.0)], [None])
+
+
+def test_min_tokens_holds_back_eos_and_stop_tokens_until_reached() -> None:
+    x = torch.zeros(2, 10)
+    x[:, 3] = 5.0  # EOS would win
+    x[:, 4] = 4.0  # then a stop token
+    params = [SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(4,)),
+              SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(4,), ignore_eos=True)]
+    short = [([1, 2, 7], 2), ([1, 2, 7], 2)]  # one output token of two
+    # row 0: EOS and the stop token held back, the first of the rest (all 0) wins; row 1
+    # ignores EOS, so only its stop token is held back
+    assert sample(x, params, [None, None], short, eos_token_ids=frozenset({3})) == [0, 3]
+    reached = [([1, 2, 7, 8], 2)] * 2
+    assert sample(x, params, [None, None], reached, eos_token_ids=frozenset({3})) == [3, 3]
