@@ -158,23 +158,21 @@ class Server:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
                                f"{self.max_model_len} tokens, prompt and output together",
                                param=prompt_param, code="context_length_exceeded")
-        # The body is checked before the transfer params are: a bad body must not spend their one use.
-        raw_transfer = body.kv_transfer_params
-        prefill_only = isinstance(raw_transfer, dict) and raw_transfer.get("do_remote_decode") is True
-        params = self._sampling_params(body, len(prompt_ids), prefill_only)
+        params = self._sampling_params(body, len(prompt_ids))
         if body.cache_salt is not None and not body.cache_salt:
             raise RequestError("cache_salt must be a non-empty string", param="cache_salt")
         stop = body.stop_strings
         if any(not s for s in stop):
             raise RequestError("stop strings must be non-empty", param="stop")
-        transfer = self._transfer_params(raw_transfer, prompt_ids)
+        transfer = self._transfer_params(body.kv_transfer_params, prompt_ids)
         release_first = None
         if isinstance(transfer, RemotePrefillParams) and transfer.remote_engine_id == self.client.info.engine_id:
             # Prefilled here: served from this server's own prefix cache (its blocks, once released).
             transfer, release_first = None, transfer.remote_request_id
         stream = bool(body.stream)
         if isinstance(transfer, RemoteDecodeParams):  # P: prefill and the first token only, answered whole
-            params, stream = dataclasses.replace(params, max_tokens=1), False
+            # (validated above as D will validate it; min_tokens >= 1 still keeps its one token from stopping it)
+            params, stream = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1)), False
         engine_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
         engine_request = EngineRequest.create(engine_id, prompt_ids, params, transfer, body.cache_salt)
         return Prepared(request_id, engine_request, stop, stream, body.include_usage, body.return_token_ids,
@@ -215,9 +213,7 @@ class Server:
         self._check_vocab([token for token, _ in pairs], "logit_bias")
         return tuple(pairs)
 
-    def _sampling_params(self, body: SamplingFields, num_prompt_tokens: int, prefill_only: bool = False) -> SamplingParams:
-        """`prefill_only`: P's part of a PD request, whose max_tokens may be the 1 its
-        first token needs while min_tokens is the whole answer's (D holds it to it)."""
+    def _sampling_params(self, body: SamplingFields, num_prompt_tokens: int) -> SamplingParams:
         room = self.max_model_len - num_prompt_tokens
         max_tokens = body.output_limit if body.output_limit is not None else room
         param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
@@ -244,10 +240,8 @@ class Server:
             raise RequestError(f"min_p must be in [0, 1], got {min_p}", param="min_p")
         logit_bias = self._logit_bias(body.logit_bias or {})
         min_tokens = body.min_tokens or 0
-        if min_tokens < 0 or (min_tokens > max_tokens and not prefill_only):
+        if not 0 <= min_tokens <= max_tokens:
             raise RequestError(f"min_tokens must be in [0, {param}={max_tokens}], got {min_tokens}", param="min_tokens")
-        if prefill_only:
-            min_tokens = min(min_tokens, 1)  # the first token: not a stop token when min_tokens >= 1
         penalties = {name: getattr(body, name) for name in ("presence_penalty", "frequency_penalty")
                      if getattr(body, name) is not None}
         for name, value in penalties.items():

@@ -1,6 +1,7 @@
 """A minimal client-side P-then-D driver for the PD server tests (the proxy's job, done
-by hand): the request goes to P with max_tokens=1, stream=false and
-kv_transfer_params={"do_remote_decode": true}, then to D with P's kv_transfer_params."""
+by hand): the request goes to P as the proxy sends it (`prefill_body`: stream=false and
+kv_transfer_params={"do_remote_decode": true}; P stops after the first token), then to D
+with P's kv_transfer_params."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
+from proxy.upstream import prefill_body
 
 TIMEOUT_S = 120
 
@@ -51,8 +54,7 @@ def stream(server, body: dict[str, Any], endpoint: str = "completions") -> Answe
 
 def prefill(p, body: dict[str, Any], endpoint: str = "completions") -> Answer:
     """P's answer: its first token and the kv_transfer_params D needs."""
-    answer = complete(p, body | {"max_tokens": 1, "stream": False,
-                                 "kv_transfer_params": {"do_remote_decode": True}}, endpoint)
+    answer = complete(p, prefill_body(body), endpoint)
     params = answer.body["kv_transfer_params"]
     assert params["do_remote_prefill"] and params["num_prompt_tokens"] == answer.body["usage"]["prompt_tokens"]
     assert params["first_token_id"] == answer.token_ids[0]

@@ -168,7 +168,7 @@ def test_p_caps_the_blocks_it_holds_for_decode_servers_and_releases_them_on_requ
     assert_serving(p, pid)
 
 
-@pytest.mark.parametrize("refused", [{"max_tokens": MAX_MODEL_LEN}, {"min_tokens": 3}, {"max_tokens": -1},
+@pytest.mark.parametrize("refused", [{"max_tokens": MAX_MODEL_LEN}, {"min_tokens": 7}, {"max_tokens": -1},
                                      {"stream_options": {"include_usage": "yes"}}, {"n": 2}])
 def test_p_refuses_what_d_would_refuse_before_it_prefills(start, refused) -> None:
     p = start("p", "qwen3", "--role", "prefill")
