@@ -87,7 +87,8 @@ def minor_faults() -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
-    config = EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization, max_num_seqs=max(args.batch, 1),
+    config = EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                          max_num_seqs=max(args.batch, 1),
                           max_model_len=args.context + args.steps + args.warmup + 8,
                           max_num_batched_tokens=max(2048, args.context), num_threads=args.num_threads)
     engine = EngineCore(config)
@@ -115,7 +116,8 @@ def run(args: argparse.Namespace) -> dict:
     keys = ["step", "attention", "mlp", "lm_head", "sampling", "scheduler", "other"]
     medians = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in keys}
     medians["faults"] = statistics.median(s["faults"] for s in steps)
-    return {"model": args.model, "dtype": engine.config.dtype, "quantization": args.quantization, "batch": args.batch, "context": args.context,
+    return {"model": args.model, "dtype": engine.config.dtype, "quantization": args.quantization, "batch": args.batch,
+            "context": args.context,
             "steps": args.steps, "threads": torch.get_num_threads(), "medians": medians, "per_step": steps}
 
 

@@ -64,7 +64,8 @@ class EngineConfig:
         if self.dtype not in (*SUPPORTED_DTYPES, AUTO_DTYPE):
             raise ValueError(f"dtype must be one of auto, {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
         if self.dtype == AUTO_DTYPE:
-            dtype, why = resolve_dtype(self.model, AUTO_DTYPE, lambda: self.torch_device)  # no torch import for an HF folder
+            # the device (a torch import) is looked up only for a GGUF
+            dtype, why = resolve_dtype(self.model, AUTO_DTYPE, lambda: self.torch_device)
             object.__setattr__(self, "dtype", dtype)
             object.__setattr__(self, "dtype_reason", why)
         if self.quantization not in QUANTIZATIONS:

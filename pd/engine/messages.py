@@ -24,6 +24,13 @@ if TYPE_CHECKING:
 # ---- server -> core ---------------------------------------------------------------
 
 
+# The SamplingParams fields an EngineRequest carries (all but prompt_logprobs, which the
+# server does not take yet), by the same names.
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos",
+                   "logit_bias", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                   "min_tokens")
+
+
 class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
     """A request to add: token ids and the fields of `SamplingParams`, unvalidated (the
     core validates them and answers a bad one with an error output). The PD parameters
@@ -53,13 +60,9 @@ class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
     def create(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                kv_transfer_params: TransferParams | None = None,
                cache_salt: str | None = None) -> EngineRequest:
-        return cls(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-                   max_tokens=params.max_tokens, temperature=params.temperature,
-                   top_k=params.top_k, top_p=params.top_p, seed=params.seed,
-                   stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-                   logit_bias=list(params.logit_bias), min_p=params.min_p,
-                   presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-                   repetition_penalty=params.repetition_penalty, min_tokens=params.min_tokens,
+        sampling = {name: getattr(params, name) for name in SAMPLING_FIELDS}
+        sampling = {name: list(v) if isinstance(v, tuple) else v for name, v in sampling.items()}  # as declared
+        return cls(request_id=request_id, prompt_token_ids=list(prompt_token_ids), **sampling,
                    remote_decode=isinstance(kv_transfer_params, RemoteDecodeParams),
                    remote_prefill=kv_transfer_params if isinstance(kv_transfer_params, RemotePrefillParams) else None,
                    cache_salt=cache_salt)
@@ -74,12 +77,7 @@ class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
         """The validated params; ValueError if a field is out of range."""
         from pd.request import SamplingParams
 
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature,
-                              top_k=self.top_k, top_p=self.top_p, seed=self.seed,
-                              stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
-                              logit_bias=tuple(map(tuple, self.logit_bias)), min_p=self.min_p,
-                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens)
+        return SamplingParams(**{name: getattr(self, name) for name in SAMPLING_FIELDS})  # it makes lists tuples
 
     def to_request(self) -> Request:
         """The engine's Request; ValueError for bad params or an empty prompt."""

@@ -207,7 +207,8 @@ class Server:
             if not key.isascii() or not key.isdigit() or len(key) > 12:
                 raise RequestError(f"logit_bias keys must be token ids, got {key[:32]!r}", param="logit_bias")
             if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-                raise RequestError(f"logit_bias values must be in [-100, 100], got {value} for token {key}",
+                raise RequestError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value} "
+                                   f"for token {key}",
                                    param="logit_bias")
             pairs.append((int(key), float(value)))
         self._check_vocab([token for token, _ in pairs], "logit_bias")
@@ -246,10 +247,10 @@ class Server:
                      if getattr(body, name) is not None}
         for name, value in penalties.items():
             if not -MAX_PENALTY <= value <= MAX_PENALTY:
-                raise RequestError(f"{name} must be in [-2, 2], got {value}", param=name)
+                raise RequestError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}", param=name)
         if body.repetition_penalty is not None:
             if not 0.0 < body.repetition_penalty <= MAX_PENALTY:
-                raise RequestError(f"repetition_penalty must be in (0, 2], got {body.repetition_penalty}",
+                raise RequestError(f"repetition_penalty must be in (0, {MAX_PENALTY:g}], got {body.repetition_penalty}",
                                    param="repetition_penalty")
             penalties["repetition_penalty"] = body.repetition_penalty
         try:

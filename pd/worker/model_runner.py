@@ -144,7 +144,8 @@ class ModelRunner:
         if not self.free_rows:
             raise RuntimeError("more requests scheduled than the runner's max_num_reqs")
         row = self.free_rows.pop()
-        generator = make_generator(new.sampling_params.seed, self.device, drawn=len(new.token_ids) - new.num_prompt_tokens)
+        drawn = len(new.token_ids) - new.num_prompt_tokens  # tokens sampled before it came here
+        generator = make_generator(new.sampling_params.seed, self.device, drawn)
         self.requests[new.req_id] = RunnerRequest(
             list(new.token_ids), new.num_prompt_tokens, new.sampling_params, generator, row, new.num_computed_tokens)
         self.block_tables.set_row(row, new.block_ids)

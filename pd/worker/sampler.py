@@ -19,10 +19,11 @@ from pd.request import SamplingParams
 
 TOP_P_CANDIDATES = 1024  # top-p first looks for its nucleus among this many most likely tokens
 BLOCK = 1024  # tokens per block of the two-level inverse transform
+History = tuple[list[int], int]  # a row's token ids so far, and how many of them are its prompt
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           histories: list[tuple[list[int], int]] | None = None,
+           histories: list[History] | None = None,
            eos_token_ids: frozenset[int] = frozenset()) -> list[int]:
     """logits (N, V) in the model's dtype, one row per request -> N token ids. Greedy rows
     take the argmax as computed (rows with a bias, penalties or min_tokens: in float32, on a
@@ -56,7 +57,7 @@ def _add_bias_(logits: torch.Tensor, params: list[SamplingParams]) -> None:
         logits.index_put_(index, torch.tensor(values, device=logits.device), accumulate=True)
 
 
-def _penalize_(logits: torch.Tensor, params: list[SamplingParams], histories) -> None:
+def _penalize_(logits: torch.Tensor, params: list[SamplingParams], histories: list[History]) -> None:
     """Each penalized row's penalties applied, in place."""
     for i, p in enumerate(params):
         if not p.penalized:
@@ -72,7 +73,7 @@ def _penalize_(logits: torch.Tensor, params: list[SamplingParams], histories) ->
             row[ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
 
 
-def _hold_back_stops_(logits: torch.Tensor, params: list[SamplingParams], histories,
+def _hold_back_stops_(logits: torch.Tensor, params: list[SamplingParams], histories: list[History],
                       eos_token_ids: frozenset[int]) -> None:
     """Rows short of their min_tokens cannot pick a token that would stop them, in place."""
     for i, p in enumerate(params):
