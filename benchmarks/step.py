@@ -74,9 +74,7 @@ def instrument(engine: EngineCore) -> PartTimer:
         elif type(module).__name__.endswith("MLP"):
             timer.watch(module, "mlp")
     timer.wrap(engine.model, "compute_logits", "lm_head")
-    import pd.worker.model_runner as runner_module
-
-    timer.wrap(runner_module, "sample", "sampling")
+    timer.wrap(engine.runner, "_sample", "sampling")
     timer.wrap(engine.scheduler, "schedule", "scheduler")
     timer.wrap(engine.scheduler, "update_from_output", "scheduler")
     return timer

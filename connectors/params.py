@@ -5,8 +5,10 @@ Three messages cross HTTP (DESIGN.md, "PD protocol"):
 
 - proxy -> P: `{"do_remote_decode": true}` (`RemoteDecodeParams`): prefill, sample the
   first token, keep the blocks for a decode server.
-- P -> proxy -> D: `RemotePrefillParams`, where P keeps the prompt's KV blocks and the
-  first token P sampled. D reads those blocks instead of computing the prompt.
+- P -> proxy -> D: `RemotePrefillParams`, where P keeps the prompt's KV blocks, the
+  first token P sampled for each sequence and, when the request asks, their logprobs and
+  the prompt's. D reads those blocks instead of computing the prompt, and answers those
+  tokens and logprobs as its own.
 - no PD: absent, null, `{}`, or both flags false.
 
 Every field is typed and bounded (ports 1-65535, ids and counts within int32, strings of
@@ -19,9 +21,12 @@ shape) by the connector, which then rejects the load and tells P to free its blo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
+
+from pd.logprobs import Logprobs, PromptLogprobs
 
 INT32 = 2**31
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=INT32)]
@@ -35,6 +40,7 @@ HexDigest = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]  # sha256
 MAX_GROUPS = 256
 BlockIds = Annotated[list[Annotated[list[BlockId], msgspec.Meta(max_length=INT32)]],
                      msgspec.Meta(min_length=1, max_length=MAX_GROUPS)]
+MAX_SEQUENCES = 1024  # first tokens a set may carry (the server holds them to the request's n)
 
 
 class TransferParamsError(ValueError):
@@ -55,8 +61,10 @@ class RemoteDecodeParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True
 class RemotePrefillParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """P -> D: the request's KV blocks are held on P (engine `remote_engine_id`, side
     channel `remote_host:remote_port`) under P's request id, positional per KV cache
-    group (0: P holds no block there); P sampled `first_token_id`. With a deployment
-    secret P signs them (`signature`), and D acts only on signed ones; see signing.py."""
+    group (0: P holds no block there); P sampled `first_token_ids`, one per sequence of
+    the request (n), scored in `first_logprobs` when it asks for logprobs; with echo and
+    logprobs P scored the prompt, `prompt_logprobs`. With a deployment secret P signs
+    them (`signature`), and D acts only on signed ones; see signing.py."""
 
     do_remote_prefill: Literal[True]
     remote_engine_id: Name
@@ -65,17 +73,47 @@ class RemotePrefillParams(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     remote_request_id: Name
     remote_block_ids: BlockIds
     num_prompt_tokens: Count
-    first_token_id: TokenId
+    first_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_SEQUENCES)]
     block_size: Count
     tp_size: Literal[1] = 1
     lease_expires_at: WallClock | None = None  # a read ending later is a failure
     lease_seconds: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)] | None = None  # what a KeepAlive extends by
     prompt_digest: HexDigest | None = None  # of the prompt P prefilled (connectors/signing.py)
     signature: HexDigest | None = None  # HMAC over every other field, with the deployment's secret
+    first_logprobs: Logprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object a response carries."""
         return msgspec.to_builtins(self)
+
+    def check_request(self, prompt_token_ids: Sequence[int], n: int, logprobs: int | None,
+                      prompt_logprobs: int | None) -> None:
+        """TransferParamsError unless these parameters fit the request they come with: a
+        first token per sequence, and the logprobs it asks for (k alternatives), scoring
+        those tokens and the prompt's."""
+        if len(self.first_token_ids) != n:
+            raise TransferParamsError(f"kv_transfer_params.first_token_ids has {len(self.first_token_ids)} tokens "
+                                      f"for a request of n={n} sequences", "kv_transfer_params.first_token_ids")
+        _check_rows("first_logprobs", self.first_logprobs, self.first_token_ids, logprobs)
+        scored = None if self.prompt_logprobs is None else self.prompt_logprobs
+        if scored is not None and scored.start != 1:
+            raise TransferParamsError("kv_transfer_params.prompt_logprobs must start at token 1",
+                                      "kv_transfer_params.prompt_logprobs")
+        _check_rows("prompt_logprobs", scored, list(prompt_token_ids[1:]), prompt_logprobs)
+
+
+def _check_rows(name: str, rows: Logprobs | None, token_ids: list[int], k: int | None) -> None:
+    """Rows scoring exactly `token_ids` with k alternatives each, or none when k is None."""
+    field = f"kv_transfer_params.{name}"
+    if (rows is None) != (k is None):
+        raise TransferParamsError(f"{field} must be {'absent' if k is None else 'present'} for this request", field)
+    if rows is None:
+        return
+    if [ids[0] for ids in rows.token_ids] != token_ids:
+        raise TransferParamsError(f"{field} does not score this request's tokens", field)
+    if any(len(ids) != 1 + k for ids in rows.token_ids):
+        raise TransferParamsError(f"{field} rows must hold the token and {k} alternatives", field)
 
 
 class _NoPD(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

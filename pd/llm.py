@@ -14,7 +14,9 @@ import torch
 
 from pd.config import EngineConfig
 from pd.engine.core import EngineCore
-from pd.request import PromptLogprobs, Request, RequestStatus, SamplingParams
+from pd.logprobs import Logprobs, PromptLogprobs
+from pd.outputs import RequestOutput
+from pd.request import Request, SamplingParams, sequence_id
 from pd.tokenizer import Tokenizer
 
 
@@ -23,9 +25,11 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop" or "length" ("abort" or "error" if it did not end on its own)
     logits: list[torch.Tensor] | None = None  # one float32 row per sampled token, if kept
     prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs asked
+    logprobs: Logprobs | None = None  # of each token, when SamplingParams.logprobs asked
+    index: int = 0  # the sequence, of the prompt's n
 
 
 class LLM:
@@ -44,6 +48,8 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
+        """One output per prompt, or n consecutive ones (sequences 0..n-1) for a prompt
+        whose params ask for n > 1."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -54,18 +60,29 @@ class LLM:
                     for p, sp in zip(prompts, params_list)]
         for request in requests:
             self.engine.add_request(request)
+        outputs = {(r.request_id, i): CompletionOutput(r.prompt_token_ids, [], "", "", index=i,
+                                                       logprobs=Logprobs() if r.output_logprobs is not None else None)
+                   for r in requests for i in range(r.sampling_params.n)}
         while self.engine.has_work():
-            self.engine.step()
-        return [self._output(r) for r in requests]
+            for out in self.engine.step():
+                self._add(outputs[(out.request_id, out.index)], out)
+        for (request_id, index), output in outputs.items():
+            output.text = self.tokenizer.decode(output.token_ids)
+            output.logits = self.engine.logits.pop(sequence_id(request_id, index), None)
+        return list(outputs.values())
+
+    @staticmethod
+    def _add(output: CompletionOutput, out: RequestOutput) -> None:
+        output.token_ids += out.new_token_ids
+        if out.logprobs is not None and output.logprobs is not None:
+            output.logprobs.append(out.logprobs)
+        if out.prompt_logprobs is not None:
+            output.prompt_logprobs = out.prompt_logprobs
+        if out.finish_reason is not None:
+            output.finish_reason = out.finish_reason
 
     def _token_ids(self, prompt: str | list[int]) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("empty prompt")
         return ids
-
-    def _output(self, request: Request) -> CompletionOutput:
-        reason = "length" if request.status is RequestStatus.FINISHED_LENGTH_CAPPED else "stop"
-        return CompletionOutput(request.prompt_token_ids, list(request.output_token_ids),
-                                self.tokenizer.decode(request.output_token_ids), reason,
-                                self.engine.logits.pop(request.request_id, None), request.prompt_logprobs)

@@ -13,7 +13,8 @@ import torch
 
 from connectors.base import KVConnectorMetadata, KVConnectorOutput
 from connectors.params import RemotePrefillParams
-from pd.request import PromptLogprobs, SamplingParams
+from pd.logprobs import Logprobs, PromptLogprobs
+from pd.request import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -44,13 +45,16 @@ class CachedRequestData:
 class SchedulerOutput:
     """One step. `num_scheduled_tokens[req_id]` new tokens per request, in batch order
     (new requests first, then cached ones, as listed). `finished_req_ids`: requests the
-    runner must forget before this step (finished or preempted since the last one)."""
+    runner must forget before this step (finished or preempted since the last one).
+    `block_copies`: (source, copy) block ids whose data the runner copies before anything
+    else this step (the blocks a forked sequence does not share)."""
 
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: KVConnectorMetadata | None = None
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -60,10 +64,15 @@ class SchedulerOutput:
 @dataclass
 class ModelRunnerOutput:
     """Tokens sampled this step, for requests whose known tokens are all computed (a
-    prefill chunk short of the prompt's end samples nothing). `logits[req_id]` (float32,
-    the row sampled from) only when the runner keeps logits."""
+    prefill chunk short of the prompt's end samples nothing). A request that forks into
+    n sequences at this token has the first tokens of sequences 1..n-1 in
+    `fork_token_ids`; `logprobs[req_id]` scores its sampled tokens (sequence 0 first),
+    when it asked. `logits[req_id]` (float32, the row sampled from) only when the runner
+    keeps logits."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    fork_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)
     logits: dict[str, torch.Tensor] | None = None
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # scored this step
     kv_connector_output: KVConnectorOutput = field(default_factory=KVConnectorOutput)
@@ -72,10 +81,12 @@ class ModelRunnerOutput:
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request: new tokens, and how it ended if it did.
-    `finish_reason` is "stop", "length", "abort" or "error" (then `error` says why);
-    `kv_transfer_params` are the connector's parameters for the response (a prefill
-    server's handle to its blocks); `error_code` is one of `pd.errors`' codes."""
+    """What one step produced for one sequence of a request: new tokens, and how it ended
+    if it did. `request_id` is the client's request and `index` the sequence (0 unless it
+    asked for n > 1). `finish_reason` is "stop", "length", "abort" or "error" (then
+    `error` says why); `kv_transfer_params` are the connector's parameters for the
+    response (a prefill server's handle to its blocks); `error_code` is one of
+    `pd.errors`' codes; `logprobs` score the new tokens, when asked for."""
 
     request_id: str
     new_token_ids: list[int]
@@ -85,6 +96,8 @@ class RequestOutput:
     error: str | None = None
     error_code: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # with the first token, when asked for
+    index: int = 0
+    logprobs: Logprobs | None = None
 
     @property
     def finished(self) -> bool:

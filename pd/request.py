@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from connectors.params import RemoteDecodeParams, RemotePrefillParams, TransferParams
 from pd.kv_cache.hashing import BlockHash, extend_block_hashes
+from pd.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
 
 
-MAX_LOGPROBS = 20  # the most alternatives a request may ask for per position
 MAX_LOGIT_BIAS = 100.0  # |bias| a request may add to a token's logit (OpenAI's range)
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range); repetition_penalty in (0, 2]
+MAX_N = 128  # the most sequences one request may ask for (OpenAI's bound on n)
 
 
 class RequestStatus(enum.Enum):
@@ -41,7 +43,11 @@ class SamplingParams:
     far; `frequency_penalty` x (times the token was output) + `presence_penalty` (if it
     was) is subtracted. `min_p` then drops, after temperature, the tokens less likely than
     min_p times the most likely one. Until a request has `min_tokens` output tokens, EOS
-    (unless ignored) and its stop tokens cannot be sampled, and stop strings do not stop it."""
+    (unless ignored) and its stop tokens cannot be sampled, and stop strings do not stop it.
+
+    `logprobs=k` (0-20) scores each sampled token, with the k most likely tokens at its
+    position. `n` sequences share one prefill: at the first token the request forks into n
+    (see `Request.index`), sequence j sampling with `seed + j` when seeded."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -57,6 +63,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -67,8 +75,12 @@ class SamplingParams:
             raise ValueError(f"top_k must be positive (or None for no limit), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        for name in ("prompt_logprobs", "logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
@@ -90,37 +102,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def for_sequence(self, index: int) -> SamplingParams:
+        """The params of sequence `index` (> 0) of an n > 1 request: one sequence, seeded
+        with `seed + index` when the request is seeded."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
+
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-
-
-@dataclass
-class PromptLogprobs:
-    """Logprobs of the prompt tokens at indices `start` .. `end - 1` (token 0 has none:
-    nothing precedes it). Row i scores token `start + i` given the tokens before it:
-    `token_ids[i][0]` is that prompt token, `token_ids[i][1:]` the k most likely tokens
-    there (k = the request's `prompt_logprobs`), most likely first; `logprobs[i]` their
-    log-probabilities; `ranks[i]` the prompt token's rank (1 = most likely)."""
-
-    start: int
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.ranks)
-
-    def extend(self, chunk: PromptLogprobs) -> None:
-        """Append the part of the next chunk not held yet (a request recomputed after a
-        preemption scores its prompt again; those rows are dropped)."""
-        skip = self.end - chunk.start
-        if skip < 0:
-            raise ValueError(f"prompt logprobs chunk starts at {chunk.start}, after the {self.end} held")
-        self.token_ids += chunk.token_ids[skip:]
-        self.logprobs += chunk.logprobs[skip:]
-        self.ranks += chunk.ranks[skip:]
 
 
 @dataclass(eq=False)
@@ -131,6 +121,10 @@ class Request:
     D they are dropped once the remote KV has landed: from then on the request is a
     local one (a preemption recomputes it here and never reads P again).
     `cache_salt` keeps this request's prefix-cache entries apart from other salts.
+
+    A request asking for n > 1 sequences forks at its first token: it stays sequence 0,
+    and sequence j is a request of its own (`sequence_id(request_id, j)`, `parent_id` the
+    request's id, `index` j). Outputs name the client's request, `output_id`, and the index.
     """
 
     request_id: str
@@ -144,13 +138,40 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     kv_load_error: str | None = None  # why its remote KV could not be loaded, if it could not
     prompt_logprobs: PromptLogprobs | None = None  # scored so far, if asked for
+    output_logprobs: Logprobs | None = None  # of each output token, if asked for
+    parent_id: str | None = None  # the request it forked from (sequence `index` of it)
+    index: int = 0
+    fork_token_ids: list[int] = field(default_factory=list)  # first tokens of sequences 1.. when it forked
+    fork_logprobs: Logprobs | None = None  # and their logprobs, if asked for
     _block_hashes: dict[int, list[BlockHash]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r} has an empty prompt")
         if self.sampling_params.prompt_logprobs is not None:
-            self.prompt_logprobs = PromptLogprobs(1, [], [], [])
+            self.prompt_logprobs = PromptLogprobs(start=1)
+        if self.sampling_params.logprobs is not None and self.output_logprobs is None:
+            self.output_logprobs = Logprobs()
+
+    @property
+    def first_token_ids(self) -> list[int]:
+        """The first token of each of its sequences (it and those it forked)."""
+        return self.output_token_ids[:1] + self.fork_token_ids
+
+    @property
+    def first_logprobs(self) -> Logprobs | None:
+        """Their logprobs, if asked for."""
+        if self.output_logprobs is None:
+            return None
+        rows = self.output_logprobs.rows(0, 1)
+        if self.fork_logprobs is not None:
+            rows.append(self.fork_logprobs)
+        return rows
+
+    @property
+    def output_id(self) -> str:
+        """The id its outputs carry: the client's request (the parent's, for a fork)."""
+        return self.parent_id or self.request_id
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -183,6 +204,12 @@ class Request:
     def append_output_token_ids(self, *token_ids: int) -> None:
         self.output_token_ids.extend(token_ids)
 
+    def add_output_logprobs(self, rows: Logprobs | None) -> None:
+        """Keep the logprobs of output tokens just appended (rows for a request that did
+        not ask for them are dropped)."""
+        if rows is not None and self.output_logprobs is not None:
+            self.output_logprobs.append(rows)
+
     def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
         if self.prompt_logprobs is None:
             raise ValueError(f"request {self.request_id!r} did not ask for prompt logprobs")
@@ -201,3 +228,8 @@ class Request:
             salt = self.cache_salt.encode() if self.cache_salt else b""
             extend_block_hashes(hashes, self.all_token_ids, block_size, salt)
         return hashes
+
+
+def sequence_id(request_id: str, index: int) -> str:
+    """The engine's id of sequence `index` of an n > 1 request (sequence 0 is the request)."""
+    return request_id if index == 0 else f"{request_id}/{index}"

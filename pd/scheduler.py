@@ -34,7 +34,8 @@ from pd.errors import ERROR_INTERNAL, ERROR_KV_LOAD_FAILED, HeldBlocksLimitError
 from pd.kv_cache.manager import KVCacheManager
 from pd.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput, SchedulerOutput
 from pd.prompt_sources import PromptSources
-from pd.request import Request, RequestStatus
+from pd.logprobs import Logprobs, PromptLogprobs
+from pd.request import Request, RequestStatus, sequence_id
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class Scheduler:
         self.kv_load_failures = {"recompute": 0, "fail": 0}  # by what was done about them
         self._failed_outputs: list[RequestOutput] = []  # failed between updates; sent with the next one
         self.prompt_sources = PromptSources()
+        self.block_copies: list[tuple[int, int]] = []  # of forked sequences, for the next step
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests or request.request_id in self.delayed_free:
@@ -131,8 +133,8 @@ class Scheduler:
         return self.has_unfinished_requests or bool(self.delayed_free or self.aborted_while_loading)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
-        self.finished_req_ids = set()
+        out = SchedulerOutput(finished_req_ids=self.finished_req_ids, block_copies=self.block_copies)
+        self.finished_req_ids, self.block_copies = set(), []
         budget = self.config.max_num_batched_tokens
         preempted = False
         for request in list(self.running):
@@ -147,7 +149,10 @@ class Scheduler:
                     break
             if blocks is None:
                 break
-            self._schedule_cached(request, num_new, out)
+            if request.request_id in self.sent_blocks:
+                self._schedule_cached(request, num_new, out)
+            else:  # a sequence forked since the last step: new to the runner
+                self._send_new(request, num_new, out)
             budget -= num_new
         if not preempted:
             self._admit_waiting(out, budget)
@@ -230,10 +235,14 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = computed
         self.running.append(request)
+        self._send_new(request, num_new, out)
+
+    def _send_new(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+        """Schedule a request the runner does not hold: all its tokens and blocks."""
         block_ids = self.kv.get_block_ids(request.request_id)
         self.sent_blocks[request.request_id] = [len(ids) for ids in block_ids]
         out.new_requests.append(NewRequestData(request.request_id, request.all_token_ids, request.num_prompt_tokens,
-                                               request.sampling_params, block_ids, computed))
+                                               request.sampling_params, block_ids, request.num_computed_tokens))
         out.num_scheduled_tokens[request.request_id] = num_new
 
     def _schedule_cached(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
@@ -255,6 +264,7 @@ class Scheduler:
         self.sent_blocks.pop(request.request_id, None)
         out.num_scheduled_tokens.pop(request.request_id, None)
         out.cached_requests = [c for c in out.cached_requests if c.req_id != request.request_id]
+        out.new_requests = [r for r in out.new_requests if r.req_id != request.request_id]
         out.finished_req_ids.add(request.request_id)
         self.waiting.appendleft(request)
 
@@ -276,16 +286,67 @@ class Scheduler:
             token = output.sampled_token_ids.get(req_id)
             if token is None:
                 continue
-            request.append_output_token_ids(token)
-            status = self._stop_status(request, token)
-            params = self._finish(request, status) if status is not None else None
-            scored = request.prompt_logprobs if len(request.output_token_ids) == 1 else None  # once, with token 1
-            outputs.append(RequestOutput(req_id, [token], FINISH_REASONS.get(status), params,
-                                         request.num_cached_tokens, prompt_logprobs=scored))
+            outputs += self._append_token(request, [token, *output.fork_token_ids.get(req_id, ())],
+                                          output.logprobs.get(req_id))
         outputs += self._update_connector(output.kv_connector_output)
         outputs += self._failed_outputs
         self._failed_outputs = []
         return outputs
+
+    def _append_token(self, request: Request, tokens: list[int], logprobs: Logprobs | None) -> list[RequestOutput]:
+        """The request's new token `tokens[0]` (with its logprobs), and its output; more
+        tokens are the first of the sequences it forks into. It finishes if its token
+        stops it. The prompt's logprobs go out once, with the first token."""
+        rows = logprobs.rows(0, 1) if logprobs is not None else None
+        request.append_output_token_ids(tokens[0])
+        request.add_output_logprobs(rows)
+        forked = self._fork(request, tokens[1:], logprobs.rows(1) if logprobs is not None else None)
+        status = self._stop_status(request, tokens[0])
+        params = self._finish(request, status) if status is not None else None
+        scored = request.prompt_logprobs if len(request.output_token_ids) == 1 else None
+        return [self._output(request, tokens[:1], status, params, rows, scored), *forked]
+
+    def _fork(self, parent: Request, tokens: list[int], logprobs: Logprobs | None) -> list[RequestOutput]:
+        """Sequences 1.. of `parent`, each from its first token: they share the parent's
+        computed blocks (copy on write) and run, or, when the batch or the pool is full,
+        wait to be recomputed from the prefix cache; one that its first token already
+        stops holds nothing. Their outputs."""
+        parent.fork_token_ids, parent.fork_logprobs = list(tokens), logprobs
+        outputs = []
+        for index, token in enumerate(tokens, start=1):
+            child = Request(sequence_id(parent.request_id, index), parent.prompt_token_ids,
+                            parent.sampling_params.for_sequence(index), cache_salt=parent.cache_salt,
+                            num_cached_tokens=parent.num_cached_tokens, parent_id=parent.request_id, index=index)
+            rows = logprobs.rows(index - 1, index) if logprobs is not None else None
+            child.append_output_token_ids(token)
+            child.add_output_logprobs(rows)
+            status = self._stop_status(child, token)
+            if status is None:
+                self._place_fork(parent, child)
+            else:
+                child.status = status
+            outputs.append(self._output(child, [token], status, logprobs=rows))
+        return outputs
+
+    def _place_fork(self, parent: Request, child: Request) -> None:
+        self.requests[child.request_id] = child
+        copies = self.kv.fork(parent, child) if len(self.running) < self.config.max_num_seqs else None
+        if copies is None:
+            child.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(child)
+            return
+        child.status = RequestStatus.RUNNING
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.running.append(child)
+        self.block_copies += copies
+
+    @staticmethod
+    def _output(request: Request, token_ids: list[int], status: RequestStatus | None = None,
+                params: RemotePrefillParams | None = None, logprobs: Logprobs | None = None,
+                prompt_logprobs: PromptLogprobs | None = None) -> RequestOutput:
+        return RequestOutput(request.output_id, token_ids, FINISH_REASONS.get(status), params,
+                             request.num_cached_tokens, prompt_logprobs=prompt_logprobs, index=request.index,
+                             logprobs=logprobs)
 
     def _update_connector(self, connector_output: KVConnectorOutput) -> list[RequestOutput]:
         """Free blocks the connector finished sending; requeue requests whose remote KV
@@ -336,23 +397,22 @@ class Scheduler:
             self.waiting.remove(request)
         self.waiting_for_remote.pop(request.request_id, None)
         self._finish(request, RequestStatus.FINISHED_ERROR)
-        self._failed_outputs.append(RequestOutput(request.request_id, [], "error", error=message, error_code=code))
+        self._failed_outputs.append(RequestOutput(request.output_id, [], "error", error=message, error_code=code,
+                                                  index=request.index))
 
     def _continue_from_first_token(self, request: Request) -> list[RequestOutput]:
-        """A remote prefill sampled the first token: it becomes this request's first
-        output (nothing is recomputed), and may already finish it."""
+        """A remote prefill sampled the first token of each sequence (and scored it and
+        the prompt, if asked): they become this request's first outputs (nothing is
+        recomputed), and may already finish it."""
         remote = request.remote_prefill
         if remote is None or request.output_token_ids:
             return []
-        first = remote.first_token_id
-        request.append_output_token_ids(first)
-        status = self._stop_status(request, first)
-        params = None
-        if status is not None:
+        if request.prompt_logprobs is not None:
+            request.prompt_logprobs = remote.prompt_logprobs
+        outputs = self._append_token(request, list(remote.first_token_ids), remote.first_logprobs)
+        if request.status.is_finished:
             self.waiting.remove(request)
-            params = self._finish(request, status)
-        return [RequestOutput(request.request_id, [first], FINISH_REASONS.get(status), params,
-                              request.num_cached_tokens)]
+        return outputs
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -373,7 +433,7 @@ class Scheduler:
                 self.waiting.remove(request)
             self.waiting_for_remote.pop(req_id, None)
             params = self._finish(request, RequestStatus.FINISHED_ABORTED)
-            outputs.append(RequestOutput(req_id, [], "abort", params, request.num_cached_tokens))
+            outputs.append(self._output(request, [], RequestStatus.FINISHED_ABORTED, params))
         return outputs
 
     def _finish(self, request: Request, status: RequestStatus) -> RemotePrefillParams | None:

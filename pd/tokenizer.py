@@ -14,6 +14,7 @@ from pd.models.gguf import is_gguf, open_gguf
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
+        self._strings: dict[int, str] = {}  # token_strings' cache
         if is_gguf(model_dir):  # built from the GGUF's vocabulary
             self._tokenizer, self.config = open_gguf(model_dir).tokenizer()
             return
@@ -40,6 +41,15 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each token's own text (special tokens spelled out), as logprobs show tokens; a
+        token ending inside a UTF-8 character decodes to U+FFFD there."""
+        missing = sorted({t for t in token_ids if t not in self._strings})
+        if missing:
+            texts = self._tokenizer.decode_batch([[t] for t in missing], skip_special_tokens=False)
+            self._strings.update(zip(missing, texts))
+        return [self._strings[t] for t in token_ids]
 
     def token_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)

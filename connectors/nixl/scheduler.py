@@ -169,9 +169,10 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             do_remote_prefill=True, remote_engine_id=self.engine_id, remote_host=self.host,
             remote_port=self.side_channel_port, remote_request_id=request.request_id,
             remote_block_ids=block_ids, num_prompt_tokens=request.num_prompt_tokens,
-            first_token_id=request.output_token_ids[0], block_size=self.block_sizes[0],
+            first_token_ids=request.first_token_ids, block_size=self.block_sizes[0],
             lease_expires_at=self.wall_clock() + self.lease_seconds, lease_seconds=self.lease_seconds,
-            prompt_digest=prompt_digest(request.prompt_token_ids))
+            prompt_digest=prompt_digest(request.prompt_token_ids), first_logprobs=request.first_logprobs,
+            prompt_logprobs=request.prompt_logprobs)
         return True, sign(params, self.secret) if self.secret else params
 
     def release(self, request_id: str) -> None:

@@ -50,6 +50,7 @@ from pd.engine.messages import (
 )
 from pd.engine.process import run_engine_core
 from pd.errors import ERROR_INVALID
+from pd.request import sequence_id
 
 logger = logging.getLogger(__name__)
 
@@ -187,28 +188,31 @@ class EngineClient:
     # ---- requests -----------------------------------------------------------------
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutputMsg]:
-        """Add the request and yield its outputs until the finished one.
-        RequestRefusedError (a ValueError) if the core refuses it or its id is in flight
-        here, RequestFailedError if it fails after admission, EngineDeadError if the
-        engine dies. Stopping early (aclose, cancellation) aborts the request in the core."""
+        """Add the request and yield its outputs (of each of its `n` sequences) until each
+        sequence's finished one. RequestRefusedError (a ValueError) if the core refuses it
+        or its id is in flight here, RequestFailedError if it fails after admission,
+        EngineDeadError if the engine dies. Stopping early (aclose, cancellation) aborts
+        the request, every sequence of it, in the core."""
         queue = self._register(request.request_id)
-        finished = False
+        unfinished = set(range(request.n))
         try:
             self._send(request)
-            while not finished:
+            while unfinished:
                 output = await queue.get()
                 if isinstance(output, _Dead):
                     raise EngineDeadError(self.dead_error)
-                finished = output.finished
                 if output.is_refusal:
+                    unfinished.clear()
                     raise RequestRefusedError(output.error, output.error_code)
+                if output.finished:
+                    unfinished.discard(output.index)
                 if output.error is not None:
                     raise RequestFailedError(output.error, output.error_code)
                 yield output
         finally:
             self._queues.pop(request.request_id, None)
-            if not finished:
-                self._abort_quietly([request.request_id])
+            if unfinished:
+                self._abort_quietly([sequence_id(request.request_id, j) for j in range(request.n)])
 
     async def abort(self, request_ids: list[str]) -> None:
         """Abort requests; each one's generator ends with a "abort" output. Unknown or

@@ -141,10 +141,10 @@ class EngineCore:
         """Every token id the request brings must index the vocabulary: one that does not
         would fail the batch it is computed in."""
         vocab = self.model_config.vocab_size
-        first = [request.remote_prefill.first_token_id] if request.remote_prefill else []
+        first = list(request.remote_prefill.first_token_ids) if request.remote_prefill else []
         bias = [token for token, _ in request.sampling_params.logit_bias]
         for what, ids in (("prompt", request.prompt_token_ids), ("stop_token_ids", request.sampling_params.stop_token_ids),
-                          ("kv_transfer_params.first_token_id", first), ("logit_bias", bias)):
+                          ("kv_transfer_params.first_token_ids", first), ("logit_bias", bias)):
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{what} holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from connectors.params import RemoteDecodeParams, RemotePrefillParams, TransferParams
+from pd.logprobs import Logprobs, PromptLogprobs
 
 if TYPE_CHECKING:
     from pd.engine.core import EngineCore, EngineStats
@@ -24,11 +25,10 @@ if TYPE_CHECKING:
 # ---- server -> core ---------------------------------------------------------------
 
 
-# The SamplingParams fields an EngineRequest carries (all but prompt_logprobs, which the
-# server does not take yet), by the same names.
+# The SamplingParams fields an EngineRequest carries, by the same names.
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos",
                    "logit_bias", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                   "min_tokens")
+                   "min_tokens", "logprobs", "prompt_logprobs", "n")
 
 
 class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
@@ -52,6 +52,9 @@ class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
     remote_decode: bool = False
     remote_prefill: RemotePrefillParams | None = None
     cache_salt: str | None = None
@@ -151,6 +154,9 @@ class RequestOutputMsg(msgspec.Struct, kw_only=True):
     num_cached_tokens: int = 0
     error: str | None = None
     error_code: str | None = None
+    index: int = 0
+    logprobs: Logprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -162,7 +168,8 @@ class RequestOutputMsg(msgspec.Struct, kw_only=True):
         return cls(request_id=output.request_id, new_token_ids=list(output.new_token_ids),
                    finish_reason=output.finish_reason, kv_transfer_params=output.kv_transfer_params,
                    num_cached_tokens=output.num_cached_tokens, error=output.error,
-                   error_code=output.error_code)
+                   error_code=output.error_code, index=output.index, logprobs=output.logprobs,
+                   prompt_logprobs=output.prompt_logprobs)
 
     @property
     def is_refusal(self) -> bool:
@@ -177,7 +184,8 @@ class RequestOutputMsg(msgspec.Struct, kw_only=True):
         from pd.outputs import RequestOutput
 
         return RequestOutput(self.request_id, list(self.new_token_ids), self.finish_reason,
-                             self.kv_transfer_params, self.num_cached_tokens, self.error, self.error_code)
+                             self.kv_transfer_params, self.num_cached_tokens, self.error, self.error_code,
+                             self.prompt_logprobs, self.index, self.logprobs)
 
 
 class EngineStatsMsg(msgspec.Struct, kw_only=True):

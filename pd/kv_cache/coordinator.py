@@ -106,6 +106,12 @@ class KVCacheCoordinator:
         for manager in self.managers:
             manager.remove_skipped_blocks(request_id, num_computed_tokens)
 
+    def num_fork_blocks(self, request_id: str, num_tokens: int) -> int:
+        return sum(m.num_fork_blocks(request_id, num_tokens) for m in self.managers)
+
+    def fork(self, request_id: str, child_id: str, num_tokens: int) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        return [pair for m in self.managers for pair in m.fork(request_id, child_id, num_tokens)]
+
     def free(self, request_id: str) -> None:
         self.pool.free_blocks([b for m in self.managers for b in m.free(request_id)])
 

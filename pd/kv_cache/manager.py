@@ -183,6 +183,18 @@ class KVCacheManager:
         if self.enable_caching:
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
+    def fork(self, request: Request, child: Request) -> list[tuple[int, int]] | None:
+        """Give `child` (a new request) the blocks of `request`'s computed tokens, copy on
+        write: every full block shared, in every group, and a block of its own for each
+        block not full (the last, which `request` goes on writing), whose data must be
+        copied before anything writes either: the (source, copy) block ids returned.
+        None, taking nothing, when the pool is short of those blocks."""
+        num_tokens = request.num_computed_tokens
+        if self.coordinator.num_fork_blocks(request.request_id, num_tokens) > self.pool.num_free_blocks:
+            return None
+        pairs = self.coordinator.fork(request.request_id, child.request_id, num_tokens)
+        return [(source.block_id, copy.block_id) for source, copy in pairs]
+
     def free(self, request: Request) -> None:
         """Release every block the request holds (tail blocks become evictable first)."""
         self.coordinator.free(request.request_id)

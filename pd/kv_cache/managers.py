@@ -137,6 +137,33 @@ class SingleTypeKVCacheManager(ABC):
             blocks[i] = self.pool.null_block
         self.pool.free_blocks(removed)
 
+    def num_fork_blocks(self, request_id: str, num_tokens: int) -> int:
+        """New blocks `fork` takes: 1 if the request's block holding token `num_tokens - 1`
+        is not full (it is written on), else 0."""
+        blocks = self.req_to_blocks[request_id]
+        full = num_tokens // self.block_size
+        return int(num_tokens % self.block_size != 0 and len(blocks) > full and not blocks[full].is_null)
+
+    def fork(self, request_id: str, child_id: str, num_tokens: int) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        """Give `child_id` the request's blocks for its first `num_tokens` tokens: the full
+        ones shared (one more reference each; nobody writes a full block again), the one
+        not full a new block of its own. Returns (source, copy) for the data to copy."""
+        blocks = self.req_to_blocks[request_id][:cdiv(num_tokens, self.block_size)]
+        full = num_tokens // self.block_size
+        shared = blocks[:full]
+        self.pool.touch(shared)
+        child, copies = list(shared), []
+        for block in blocks[full:]:
+            if block.is_null:
+                child.append(block)
+                continue
+            copy = self.pool.get_new_blocks(1)[0]
+            child.append(copy)
+            copies.append((block, copy))
+        self.req_to_blocks[child_id] = child
+        self.num_cached_blocks[child_id] = min(self.num_cached_blocks[request_id], full)
+        return copies
+
     def free(self, request_id: str) -> list[KVCacheBlock]:
         """Drop the request; returns its blocks in the order to free them (tail first)."""
         self.num_cached_blocks.pop(request_id, None)

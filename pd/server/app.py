@@ -30,7 +30,9 @@ from pd.server.chat import ChatTemplate
 from pd.server.main import DEFAULT_MAX_REQUEST_BYTES
 from pd.server.metrics import CONTENT_TYPE, ServerMetrics
 from pd.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body, parse_body
-from pd.server.serving import Delta, Generation, Prepared, Server
+from pd.server.generation import Delta, Generation
+from pd.server.responses import CHAT, COMPLETION, Answer, Shape
+from pd.server.serving import Prepared, Server
 
 logger = logging.getLogger(__name__)
 
@@ -178,40 +180,6 @@ def _open_router(server: Server, metrics: ServerMetrics) -> APIRouter:
     return router
 
 
-# ---- response shapes --------------------------------------------------------------
-
-
-class Shape:
-    """How one endpoint spells its responses (OpenAI's completion or chat objects)."""
-
-    object_name = "text_completion"
-    chunk_object_name = "text_completion"
-    opens_with_role = False
-
-    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-
-    def chunk_choice(self, text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
-        return self.choice(text, finish_reason)
-
-
-class ChatShape(Shape):
-    object_name = "chat.completion"
-    chunk_object_name = "chat.completion.chunk"
-    opens_with_role = True
-
-    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": finish_reason}
-
-    def chunk_choice(self, text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
-        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-
-
-COMPLETION, CHAT = Shape(), ChatShape()
-
-
 # ---- serving one request ----------------------------------------------------------
 
 
@@ -223,27 +191,25 @@ async def _serve(server: Server, metrics: ServerMetrics, request: Request, prepa
     if prepared.release_first is not None:
         await server.release_held(prepared.release_first)
     generation = Generation(server.client, server.tokenizer, prepared, metrics)
+    answer = Answer(shape, generation, server.tokenizer.token_strings)
     headers = {"X-Request-Id": prepared.request_id}
     server.in_flight.add(prepared.request_id)
     if prepared.stream:
-        return _ClosingStreamingResponse(_sse(server, generation, shape),
+        return _ClosingStreamingResponse(_sse(server, answer),
                                          lambda: server.in_flight.discard(prepared.request_id),
                                          media_type="text/event-stream",
                                          headers=headers | {"Cache-Control": "no-cache"})
     try:
-        text = await _collect_unless_disconnected(generation, request)
+        done = await _collect_unless_disconnected(generation, request)
     finally:
         server.in_flight.discard(prepared.request_id)
-    if text is None:  # the client left; nobody reads this
+    if not done:  # the client left; nobody reads this
         return Response(status_code=499)
     if generation.kv_transfer_params is not None:
         server.note_held(generation.kv_transfer_params)
     body = _envelope(server, generation, shape.object_name)
-    choice = shape.choice(text, generation.finish_reason)
-    if prepared.return_token_ids:
-        choice |= {"prompt_token_ids": list(prepared.engine_request.prompt_token_ids),
-                   "token_ids": generation.output_token_ids}
-    body |= {"choices": [choice], "usage": generation.usage(), "kv_transfer_params": generation.transfer_params_json}
+    body |= {"choices": answer.choices(), "usage": generation.usage(),
+             "kv_transfer_params": generation.transfer_params_json}
     return JSONResponse(body, headers=headers)
 
 
@@ -273,26 +239,29 @@ def engine_error(exc: Exception) -> RequestError:
     return RequestError(str(exc), type=kind, code=code, status=status, headers=headers)
 
 
-async def _collect(generation: Generation) -> str:
+async def _collect(generation: Generation) -> None:
     try:
         async with contextlib.aclosing(generation.deltas()) as deltas:
-            return "".join([delta.text async for delta in deltas])
+            async for _ in deltas:
+                pass
     except ENGINE_ERRORS as e:
         raise engine_error(e) from None
 
 
-async def _collect_unless_disconnected(generation: Generation, request: Request) -> str | None:
-    """The whole text, or None if the client disconnected first (the request is then
-    aborted in the engine: cancelling the task closes its engine stream)."""
+async def _collect_unless_disconnected(generation: Generation, request: Request) -> bool:
+    """Run the generation to its end (True), or False if the client disconnected first
+    (the request is then aborted in the engine: cancelling the task closes its engine
+    stream)."""
     task = asyncio.ensure_future(_collect(generation))
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if done:
-                return task.result()
+                task.result()
+                return True
             if await request.is_disconnected():
                 logger.info("client of %s disconnected; aborting it", generation.prepared.request_id)
-                return None
+                return False
     finally:
         if not task.done():
             task.cancel()
@@ -300,17 +269,18 @@ async def _collect_unless_disconnected(generation: Generation, request: Request)
                 await task
 
 
-async def _sse(server: Server, generation: Generation, shape: Shape) -> AsyncIterator[str]:
-    """The SSE stream: one chunk per new text (for chat, first the assistant role), the
-    finish reason and kv_transfer_params in the last, a usage chunk if asked for, then
-    [DONE]. An engine failure midway is an error event."""
+async def _sse(server: Server, answer: Answer) -> AsyncIterator[str]:
+    """The SSE stream: one chunk per delta (for chat, first each choice's role), the
+    finish reason and kv_transfer_params in each choice's last, a usage chunk if asked
+    for, then [DONE]. An engine failure midway is an error event."""
+    generation, shape = answer.generation, answer.shape
     if shape.opens_with_role:
-        yield _chunk(server, generation, shape, Delta(""), first=True)
+        yield _event(_envelope(server, generation, shape.chunk_object_name) | {"choices": answer.role_chunk_choices()})
     try:
         async with contextlib.aclosing(generation.deltas()) as deltas:
             async for delta in deltas:
                 if delta.text or delta.finish_reason or delta.token_ids:
-                    yield _chunk(server, generation, shape, delta, first=False)
+                    yield _chunk(server, answer, delta)
         if generation.prepared.include_usage:
             yield _event(_envelope(server, generation, shape.chunk_object_name)
                          | {"choices": [], "usage": generation.usage()})
@@ -320,14 +290,11 @@ async def _sse(server: Server, generation: Generation, shape: Shape) -> AsyncIte
     yield "data: [DONE]\n\n"
 
 
-def _chunk(server: Server, generation: Generation, shape: Shape, delta: Delta, first: bool) -> str:
-    chunk = _envelope(server, generation, shape.chunk_object_name)
-    choice = shape.chunk_choice(delta.text, delta.finish_reason, first)
-    if generation.prepared.return_token_ids:
-        choice["token_ids"] = delta.token_ids
-    chunk["choices"] = [choice]
+def _chunk(server: Server, answer: Answer, delta: Delta) -> str:
+    chunk = _envelope(server, answer.generation, answer.shape.chunk_object_name)
+    chunk["choices"] = [answer.chunk_choice(delta)]
     if delta.finish_reason is not None:
-        chunk["kv_transfer_params"] = generation.transfer_params_json
+        chunk["kv_transfer_params"] = answer.generation.transfer_params_json
     return _event(chunk)
 
 

@@ -82,7 +82,6 @@ class SamplingFields(_Strict):
     presence_penalty: float | None = None  # [-2, 2]
     frequency_penalty: float | None = None  # [-2, 2]
     repetition_penalty: float | None = None  # extra; (0, 2]
-    # Declared to be refused when used:
     best_of: int | None = None
 
     @property
@@ -99,13 +98,22 @@ class SamplingFields(_Strict):
     def output_limit(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def logprobs_shown(self) -> int | None:
+        """Alternatives to show per token (0: the token's own logprob); None: no logprobs."""
+        return None
+
 
 class CompletionRequest(SamplingFields):
     # Optional here so that a missing prompt is refused by the server with its own message.
     prompt: str | list[int] | list[str] | list[list[int]] | None = None
     logprobs: int | None = None
     echo: bool | None = None
-    suffix: str | None = None
+    suffix: str | None = None  # declared to be refused when used
+
+    @property
+    def logprobs_shown(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(_Strict):
@@ -138,6 +146,10 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def logprobs_shown(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -182,16 +194,11 @@ def _is_union_branch(part: str) -> bool:
 
 def refuse_unsupported(body: SamplingFields) -> None:
     """RequestError for a field this server does not implement."""
-    unsupported: list[tuple[str, bool]] = [
-        ("n", body.n not in (None, 1)),
-        ("best_of", body.best_of not in (None, 1)),
-    ]
+    unsupported: list[tuple[str, bool]] = []
     if isinstance(body, CompletionRequest):
-        unsupported += [("logprobs", body.logprobs is not None), ("echo", bool(body.echo)),
-                        ("suffix", body.suffix is not None)]
+        unsupported += [("suffix", body.suffix is not None)]
     if isinstance(body, ChatCompletionRequest):
-        unsupported += [("logprobs", bool(body.logprobs)), ("top_logprobs", body.top_logprobs is not None),
-                        ("tools", bool(body.tools)),
+        unsupported += [("tools", bool(body.tools)),
                         ("response_format", (body.response_format or {}).get("type", "text") != "text")]
     unsupported += [(name, True) for name in sorted(body.model_extra or {}) if name not in IGNORED_FIELDS]
     for name, used in unsupported:

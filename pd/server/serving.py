@@ -1,9 +1,9 @@
-"""From a parsed OpenAI body to engine requests, and from engine outputs to text.
+"""From a parsed OpenAI body to an engine request.
 
 `Server.prepare_*` validate a body against the model (prompt length, vocabulary,
-sampling ranges) and build the `EngineRequest`; `Generation` runs one request through
-the engine client, detokenizing, cutting at stop strings and observing the latency
-metrics. Neither knows about HTTP; `app.py` shapes what they produce into responses.
+sampling ranges) and build the `EngineRequest` and what the response needs besides
+(`Prepared`); `generation.py` runs it. Neither knows about HTTP; `app.py` shapes what
+they produce into responses.
 """
 
 from __future__ import annotations
@@ -11,19 +11,15 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-import anyio
 
 from connectors.params import RemoteDecodeParams, RemotePrefillParams, TransferParamsError, parse_transfer_params
 from connectors.signing import TransferParamsGuard, TransferParamsRefused, UntilExpiry
 from pd.engine.messages import EngineRequest
-from pd.request import MAX_LOGIT_BIAS, MAX_PENALTY, SamplingParams
+from pd.logprobs import MAX_LOGPROBS
+from pd.request import MAX_LOGIT_BIAS, MAX_N, MAX_PENALTY, SamplingParams
 from pd.server.chat import ChatTemplate, ChatTemplateError
-from pd.server.detokenize import IncrementalDetokenizer
-from pd.server.metrics import ServerMetrics
 from pd.server.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, SamplingFields,
                                 refuse_unsupported)
 
@@ -47,10 +43,23 @@ class Prepared:
     include_usage: bool
     return_token_ids: bool = False
     release_first: str | None = None  # blocks this server keeps for the request, to free before it runs
+    n: int = 1  # choices answered; with best_of, the most likely n of the engine request's sequences
+    logprobs: int | None = None  # alternatives shown per token; None: no logprobs in the answer
+    echo: Echo | None = None  # the prompt, answered before each choice's text (completions)
+    drop_output: bool = False  # echo with max_tokens=0: the one token computed is not answered
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.engine_request.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class Echo:
+    """The prompt as `echo` answers it: its text and its token ids (with logprobs, the
+    first is shown unscored and the rest with the prompt's logprobs)."""
+
+    text: str
+    token_ids: list[int]
 
 
 class Server:
@@ -101,7 +110,13 @@ class Server:
 
     def prepare_completion(self, body: CompletionRequest, request_id: str) -> Prepared:
         self._check_common(body)
-        return self._prepare(body, request_id, self._completion_prompt(body.prompt), "prompt")
+        ids = self._completion_prompt(body.prompt)
+        prepared = self._prepare(body, request_id, ids, "prompt")
+        if body.echo:
+            prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
+            text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
+            prepared.echo = Echo(text, ids)
+        return prepared
 
     def prepare_chat(self, body: ChatCompletionRequest, request_id: str) -> Prepared:
         self._check_common(body)
@@ -164,32 +179,41 @@ class Server:
         stop = body.stop_strings
         if any(not s for s in stop):
             raise RequestError("stop strings must be non-empty", param="stop")
-        transfer = self._transfer_params(body.kv_transfer_params, prompt_ids)
+        transfer = self._transfer_params(body.kv_transfer_params, prompt_ids, params)
         release_first = None
         if isinstance(transfer, RemotePrefillParams) and transfer.remote_engine_id == self.client.info.engine_id:
             # Prefilled here: served from this server's own prefix cache (its blocks, once released).
             transfer, release_first = None, transfer.remote_request_id
         stream = bool(body.stream)
+        if stream and body.best_of not in (None, body.n or 1):
+            raise RequestError("best_of cannot be used with stream (the best sequences are known only at "
+                               "the end)", param="best_of")
         if isinstance(transfer, RemoteDecodeParams):  # P: prefill and the first token only, answered whole
             # (validated above as D will validate it; min_tokens >= 1 still keeps its one token from stopping it)
             params, stream = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1)), False
         engine_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
         engine_request = EngineRequest.create(engine_id, prompt_ids, params, transfer, body.cache_salt)
         return Prepared(request_id, engine_request, stop, stream, body.include_usage, body.return_token_ids,
-                        release_first)
+                        release_first, n=body.n or 1, logprobs=body.logprobs_shown,
+                        drop_output=body.output_limit == 0)
 
-    def _transfer_params(self, raw: Any, prompt_ids: list[int]) -> RemoteDecodeParams | RemotePrefillParams | None:
-        """The typed PD parameters; RequestError naming the field that is malformed (400),
-        or saying why this server will not act on them (403: unsigned, forged, expired,
-        replayed, issued for another prompt, or naming a peer it does not trust)."""
+    def _transfer_params(self, raw: Any, prompt_ids: list[int],
+                         params: SamplingParams) -> RemoteDecodeParams | RemotePrefillParams | None:
+        """The typed PD parameters; RequestError naming the field that is malformed or
+        does not fit the request (400), or saying why this server will not act on them
+        (403: unsigned, forged, expired, replayed, issued for another prompt, or naming a
+        peer it does not trust)."""
         try:
             transfer = parse_transfer_params(raw)
+            if isinstance(transfer, RemotePrefillParams):
+                transfer.check_request(prompt_ids, params.n, params.logprobs, params.prompt_logprobs)
         except TransferParamsError as e:
             raise RequestError(str(e), param=e.field) from None
-        if isinstance(transfer, RemotePrefillParams) and not 0 <= transfer.first_token_id < self.vocab_size:
-            raise RequestError(f"kv_transfer_params.first_token_id {transfer.first_token_id} is outside the "
-                               f"vocabulary [0, {self.vocab_size})", param="kv_transfer_params.first_token_id")
         if isinstance(transfer, RemotePrefillParams):
+            self._check_vocab(transfer.first_token_ids, "kv_transfer_params.first_token_ids")
+            for name in ("first_logprobs", "prompt_logprobs"):
+                rows = getattr(transfer, name)
+                self._check_vocab([t for ids in rows.token_ids for t in ids] if rows else [], f"kv_transfer_params.{name}")
             try:
                 self.transfer_guard.check(transfer, prompt_ids)
             except TransferParamsRefused as e:
@@ -214,12 +238,35 @@ class Server:
         self._check_vocab([token for token, _ in pairs], "logit_bias")
         return tuple(pairs)
 
+    @staticmethod
+    def _logprobs_and_choices(body: SamplingFields) -> tuple[int | None, int | None, int]:
+        """(logprobs, prompt_logprobs, n) of the engine request: the logprobs a client
+        asked for (best_of ranks sequences by theirs, so it asks for the sampled token's),
+        the prompt's when echoing them, and the sequences to sample (best_of of them)."""
+        if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        shown = body.logprobs_shown
+        if shown is not None and not 0 <= shown <= MAX_LOGPROBS:
+            param = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+            raise RequestError(f"{param} must be in [0, {MAX_LOGPROBS}], got {shown}", param=param)
+        n = 1 if body.n is None else body.n
+        if not 1 <= n <= MAX_N:
+            raise RequestError(f"n must be in [1, {MAX_N}], got {n}", param="n")
+        best_of = n if body.best_of is None else body.best_of
+        if not n <= best_of <= MAX_N:
+            raise RequestError(f"best_of must be in [n={n}, {MAX_N}], got {best_of}", param="best_of")
+        logprobs = 0 if best_of > n and shown is None else shown
+        prompt_logprobs = shown if getattr(body, "echo", False) else None
+        return logprobs, prompt_logprobs, best_of
+
     def _sampling_params(self, body: SamplingFields, num_prompt_tokens: int) -> SamplingParams:
         room = self.max_model_len - num_prompt_tokens
         max_tokens = body.output_limit if body.output_limit is not None else room
         param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+        if max_tokens == 0 and getattr(body, "echo", False):
+            max_tokens = 1  # the prompt is scored by computing it; the token sampled is not answered
         if max_tokens <= 0:
-            raise RequestError(f"{param} must be positive, got {max_tokens}", param=param)
+            raise RequestError(f"{param} must be positive (or 0 with echo), got {max_tokens}", param=param)
         if max_tokens > room:
             raise RequestError(f"{param}={max_tokens} with a prompt of {num_prompt_tokens} tokens exceeds "
                                f"the context of {self.max_model_len} tokens", param=param,
@@ -253,99 +300,12 @@ class Server:
                 raise RequestError(f"repetition_penalty must be in (0, {MAX_PENALTY:g}], got {body.repetition_penalty}",
                                    param="repetition_penalty")
             penalties["repetition_penalty"] = body.repetition_penalty
+        logprobs, prompt_logprobs, n = self._logprobs_and_choices(body)
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=temperature,
+            return SamplingParams(logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=n,
+                                  max_tokens=max_tokens, temperature=temperature,
                                   top_k=body.top_k if body.top_k and 0 < body.top_k < self.vocab_size else None, top_p=top_p,
                                   seed=body.seed, stop_token_ids=tuple(stop_token_ids), ignore_eos=body.ignore_eos,
                                   logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens, **penalties)
         except ValueError as e:  # a range the checks above missed
             raise RequestError(str(e)) from None
-
-
-@dataclass
-class Delta:
-    """New text of one request, and the token ids that arrived since the last delta;
-    `finish_reason` set on its last delta."""
-
-    text: str
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
-@dataclass
-class Generation:
-    """One request's run through the engine. Iterate `deltas()` once; afterwards the
-    counts, `finish_reason` and `kv_transfer_params` describe how it went. Leaving the
-    iteration early (a stop string, a cancelled task) closes the engine stream, which
-    aborts the request there and frees its blocks."""
-
-    client: Any
-    tokenizer: Any
-    prepared: Prepared
-    metrics: ServerMetrics
-    arrival: float = field(default_factory=time.monotonic)
-    created: int = field(default_factory=lambda: int(time.time()))  # the responses' `created`
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    finish_reason: str | None = None
-    kv_transfer_params: RemotePrefillParams | None = None
-    output_token_ids: list[int] = field(default_factory=list)
-    _last_token_time: float | None = None
-
-    async def deltas(self) -> AsyncIterator[Delta]:
-        """Deltas with new text (or, when token ids were asked for, new token ids), and
-        the finishing one."""
-        detokenizer = IncrementalDetokenizer(self.tokenizer, self.prepared.stop,
-                                             min_tokens=self.prepared.engine_request.min_tokens)
-        outputs = self.client.generate(self.prepared.engine_request)
-        pending: list[int] = []  # token ids not yet in a delta
-        try:
-            async for out in outputs:
-                self._observe(out)
-                pending += out.new_token_ids
-                text = detokenizer.add(out.new_token_ids)
-                if detokenizer.stopped or out.finish_reason is not None:
-                    text += detokenizer.finish()
-                    self._finish("stop" if detokenizer.stopped else out.finish_reason, out)
-                    yield Delta(text, pending, self.finish_reason)
-                    return
-                if text or (pending and self.prepared.return_token_ids):
-                    yield Delta(text, pending)
-                    pending = []
-        finally:
-            # Shielded: under a cancelled scope (client gone) the abort must still be sent.
-            with anyio.CancelScope(shield=True):
-                await outputs.aclose()
-
-    def _observe(self, out: Any) -> None:
-        self.num_cached_tokens = out.num_cached_tokens
-        n = len(out.new_token_ids)
-        if not n:
-            return
-        now = time.monotonic()
-        if self._last_token_time is None:
-            self.metrics.time_to_first_token.observe(now - self.arrival)
-        else:
-            for _ in range(n):
-                self.metrics.inter_token_latency.observe((now - self._last_token_time) / n)
-        self._last_token_time = now
-        self.num_output_tokens += n
-        self.output_token_ids += out.new_token_ids
-        self.metrics.generation_tokens.inc(n)
-
-    def _finish(self, reason: str, out: Any) -> None:
-        self.finish_reason = reason
-        self.kv_transfer_params = out.kv_transfer_params if out.finish_reason is not None else None
-        self.metrics.e2e_request_latency.observe(time.monotonic() - self.arrival)
-        self.metrics.prompt_tokens.inc(self.prepared.num_prompt_tokens)
-        self.metrics.request_success.labels(finish_reason=reason).inc()
-
-    @property
-    def transfer_params_json(self) -> dict[str, Any] | None:
-        return None if self.kv_transfer_params is None else self.kv_transfer_params.to_json()
-
-    def usage(self) -> dict[str, Any]:
-        prompt = self.prepared.num_prompt_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": self.num_output_tokens,
-                "total_tokens": prompt + self.num_output_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}

@@ -64,6 +64,17 @@ class KVCacheAllocation:
     layout: KVLayout
     config: KVCacheConfig
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) block's data, every group and layer of it (a
+        block id is one group's at a time, and its rows hold all of that group's data)."""
+        if not pairs:
+            return
+        device = self.buffers[0].device
+        sources = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=device)
+        copies = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=device)
+        for buffer in self.buffers:
+            buffer[copies] = buffer[sources]
+
     def describe(self) -> CanonicalKVCaches:
         """The buffers as a connector sees them: block rows and per-group data refs."""
         tensors = [KVCacheBlockTensor(buf) for buf in self.buffers]

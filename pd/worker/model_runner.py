@@ -26,11 +26,12 @@ from pd.forward_context import ForwardContext, set_forward_context
 from pd.kv_cache.spec import KVCacheConfig
 from pd.models.base import CausalLM
 from pd.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from pd.request import PromptLogprobs, SamplingParams
+from pd.logprobs import Logprobs, PromptLogprobs
+from pd.request import SamplingParams
 from pd.worker.block_table import MultiGroupBlockTable
 from pd.worker.kv_allocation import KVLayout, allocate_kv_caches
-from pd.worker.logprobs import prompt_logprobs
-from pd.worker.sampler import make_generator, sample
+from pd.worker.logprobs import prompt_logprobs, sampled_logprobs
+from pd.worker.sampler import adjust, choose, make_generator
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class ModelRunner:
         self.connector.register_kv_caches(self.kv_allocation.describe())
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.kv_allocation.copy_blocks(scheduler_output.block_copies)  # before any KV is written
         self._update_requests(scheduler_output)
         if scheduler_output.kv_connector_metadata is not None:
             self.connector.start_load_kv(scheduler_output.kv_connector_metadata)
@@ -192,11 +194,42 @@ class ModelRunner:
         return per_layer
 
     def _sample(self, req_ids: list[str], logits: torch.Tensor) -> ModelRunnerOutput:
-        states = [self.requests[r] for r in req_ids]
-        histories = [(s.token_ids, s.num_prompt_tokens) for s in states]
-        tokens = sample(logits, [s.sampling_params for s in states], [s.generator for s in states], histories,
-                        self.eos_token_ids)
-        for state, token in zip(states, tokens):
-            state.token_ids.append(token)
-        kept = {r: logits[i].float() for i, r in enumerate(req_ids)} if self.keep_logits else None
-        return ModelRunnerOutput(dict(zip(req_ids, tokens)), kept)
+        """One token per request; n tokens from the same row for a request that forks
+        into n sequences at its first token (sequence j with `for_sequence(j)`'s params
+        and a generator of its own). Logprobs of the sampled tokens, for requests asking,
+        come from the adjusted logits (bias, penalties, min_tokens), before temperature."""
+        rows = [(i, req_id, params, generator) for i, req_id in enumerate(req_ids)
+                for params, generator in self._sampling_rows(req_id)]
+        sampled_from = logits
+        if len(rows) > len(req_ids):
+            logits = logits[[i for i, _, _, _ in rows]]
+        params = [p for _, _, p, _ in rows]
+        histories = [(self.requests[r].token_ids, self.requests[r].num_prompt_tokens) for _, r, _, _ in rows]
+        adjusted = adjust(logits, params, histories, self.eos_token_ids)
+        tokens = choose(adjusted, params, [g for _, _, _, g in rows])
+        scored = {k: j for j, k in enumerate(k for k, p in enumerate(params) if p.logprobs is not None)}
+        if scored:
+            logprobs = sampled_logprobs(adjusted[list(scored)], [tokens[k] for k in scored],
+                                        [params[k].logprobs for k in scored])
+        output = ModelRunnerOutput()
+        for k, ((_, req_id, _, _), token) in enumerate(zip(rows, tokens)):
+            if req_id not in output.sampled_token_ids:
+                output.sampled_token_ids[req_id] = token
+                self.requests[req_id].token_ids.append(token)
+            else:
+                output.fork_token_ids.setdefault(req_id, []).append(token)
+            if k in scored:
+                output.logprobs.setdefault(req_id, Logprobs()).append(logprobs.rows(scored[k], scored[k] + 1))
+        if self.keep_logits:
+            output.logits = {r: row.float() for r, row in zip(req_ids, sampled_from)}
+        return output
+
+    def _sampling_rows(self, req_id: str) -> list[tuple[SamplingParams, torch.Generator | None]]:
+        """The request's row, and one per further sequence when it forks this step."""
+        state = self.requests[req_id]
+        rows = [(state.sampling_params, state.generator)]
+        if state.sampling_params.n > 1 and len(state.token_ids) == state.num_prompt_tokens:
+            for j in range(1, state.sampling_params.n):
+                child = state.sampling_params.for_sequence(j)
+                rows.append((child, make_generator(child.seed, self.device)))
+        return rows

@@ -1,7 +1,8 @@
 """Pick the next token of each request from its logits row.
 
-A request's `logit_bias` is added first, then its penalties are applied, then, until it
-has min_tokens, its stop tokens are held back (all in float32; `SamplingParams` says how).
+`adjust`: a request's `logit_bias` is added first, then its penalties are applied, then,
+until it has min_tokens, its stop tokens are held back (all in float32; `SamplingParams`
+says how). `choose` picks from those logits.
 Greedy rows take the first maximum. Others are divided by their temperature, filtered by
 min-p, top-k then top-p, and sampled by inverse transform: one uniform draw per row,
 located in the row's cumulative distribution (two levels: blocks, then tokens). The draw
@@ -25,18 +26,32 @@ History = tuple[list[int], int]  # a row's token ids so far, and how many of the
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            histories: list[History] | None = None,
            eos_token_ids: frozenset[int] = frozenset()) -> list[int]:
-    """logits (N, V) in the model's dtype, one row per request -> N token ids. Greedy rows
-    take the argmax as computed (rows with a bias, penalties or min_tokens: in float32, on a
-    copy); sampled rows are widened to float32 first. `histories[i]` = (row i's token ids
-    so far, how many of them are the prompt), needed by rows with penalties or min_tokens;
-    `eos_token_ids`: what min_tokens holds back besides the row's stop_token_ids."""
-    if any(p.logit_bias or p.penalized or p.min_tokens for p in params):
-        if histories is None and any(p.penalized or p.min_tokens for p in params):
-            raise ValueError("rows with penalties or min_tokens need their token histories")
-        logits = logits.to(torch.float32, copy=True)  # never the caller's tensor
-        _add_bias_(logits, params)
-        _penalize_(logits, params, histories)
-        _hold_back_stops_(logits, params, histories, eos_token_ids)
+    """logits (N, V) in the model's dtype, one row per request -> N token ids (`adjust`
+    then `choose`)."""
+    return choose(adjust(logits, params, histories, eos_token_ids), params, generators)
+
+
+def adjust(logits: torch.Tensor, params: list[SamplingParams], histories: list[History] | None = None,
+           eos_token_ids: frozenset[int] = frozenset()) -> torch.Tensor:
+    """The logits the rows choose from: with each row's bias, penalties and min_tokens
+    hold-back applied, in float32, on a copy (never the caller's tensor); `logits` itself
+    when no row has any. `histories[i]` = (row i's token ids so far, how many of them are
+    the prompt), needed by rows with penalties or min_tokens; `eos_token_ids`: what
+    min_tokens holds back besides the row's stop_token_ids."""
+    if not any(p.logit_bias or p.penalized or p.min_tokens for p in params):
+        return logits
+    if histories is None and any(p.penalized or p.min_tokens for p in params):
+        raise ValueError("rows with penalties or min_tokens need their token histories")
+    logits = logits.to(torch.float32, copy=True)
+    _add_bias_(logits, params)
+    _penalize_(logits, params, histories)
+    _hold_back_stops_(logits, params, histories, eos_token_ids)
+    return logits
+
+
+def choose(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of `adjust`ed logits: greedy rows take the first maximum as
+    computed; sampled rows are widened to float32 and drawn from."""
     greedy = logits.max(dim=-1).indices  # the first maximum, as argmax; argmax is 5x slower on bfloat16 CPU
     if all(p.greedy for p in params):
         return greedy.tolist()

@@ -11,14 +11,15 @@ from connectors.params import RemoteDecodeParams, RemotePrefillParams, TransferP
 
 GOOD = {"do_remote_prefill": True, "remote_engine_id": "pd-abc", "remote_host": "127.0.0.1", "remote_port": 5555,
         "remote_request_id": "cmpl-1-xyz", "remote_block_ids": [[1, 2, 3], [0, 0, 4]], "num_prompt_tokens": 40,
-        "first_token_id": 7, "block_size": 16, "tp_size": 1, "lease_expires_at": 1.8e9}
+        "first_token_ids": [7], "block_size": 16, "tp_size": 1, "lease_expires_at": 1.8e9}
 
 
 def test_a_remote_prefill_set_round_trips_through_json() -> None:
     params = parse_transfer_params(GOOD)
     assert isinstance(params, RemotePrefillParams)
-    assert params.remote_block_ids == [[1, 2, 3], [0, 0, 4]] and params.first_token_id == 7
-    assert params.to_json() == GOOD | {"lease_seconds": None, "prompt_digest": None, "signature": None}
+    assert params.remote_block_ids == [[1, 2, 3], [0, 0, 4]] and params.first_token_ids == [7]
+    assert params.to_json() == GOOD | {"lease_seconds": None, "prompt_digest": None, "signature": None,
+                                      "first_logprobs": None, "prompt_logprobs": None}
     assert parse_transfer_params(params.to_json()) == params
 
 
@@ -36,11 +37,24 @@ def without(key: str) -> dict:
 
 
 BAD = {
-    "first_token_id missing": (without("first_token_id"), "first_token_id"),
-    "first_token_id string": (GOOD | {"first_token_id": "7"}, "first_token_id"),
-    "first_token_id negative": (GOOD | {"first_token_id": -7}, "first_token_id"),
-    "first_token_id float": (GOOD | {"first_token_id": 7.0}, "first_token_id"),
-    "first_token_id huge": (GOOD | {"first_token_id": 2**70}, "first_token_id"),
+    "first_token_ids missing": (without("first_token_ids"), "first_token_ids"),
+    "first_token_ids a number": (GOOD | {"first_token_ids": 7}, "first_token_ids"),
+    "first_token_ids empty": (GOOD | {"first_token_ids": []}, "first_token_ids"),
+    "first_token_ids string": (GOOD | {"first_token_ids": ["7"]}, "first_token_ids"),
+    "first_token_ids negative": (GOOD | {"first_token_ids": [-7]}, "first_token_ids"),
+    "first_token_ids float": (GOOD | {"first_token_ids": [7.0]}, "first_token_ids"),
+    "first_token_ids huge": (GOOD | {"first_token_ids": [2**70]}, "first_token_ids"),
+    "first_token_ids too many": (GOOD | {"first_token_ids": [7] * 1025}, "first_token_ids"),
+    "first_logprobs a positive logprob": (GOOD | {"first_logprobs": {"token_ids": [[7]], "logprobs": [[0.5]],
+                                                                     "ranks": [1]}}, "first_logprobs.logprobs"),
+    "first_logprobs far below the floor": (GOOD | {"first_logprobs": {"token_ids": [[7]], "logprobs": [[-1e300]],
+                                                                         "ranks": [1]}}, "first_logprobs.logprobs"),
+    "first_logprobs rows of unequal length": (GOOD | {"first_logprobs": {"token_ids": [[7, 8]], "logprobs": [[-1.0]],
+                                                                          "ranks": [1]}}, "first_logprobs"),
+    "first_logprobs a row of 22 tokens": (GOOD | {"first_logprobs": {"token_ids": [[7] * 22], "logprobs": [[-1.0] * 22],
+                                                                      "ranks": [1]}}, "first_logprobs.token_ids"),
+    "prompt_logprobs starting at 0": (GOOD | {"prompt_logprobs": {"token_ids": [], "logprobs": [], "ranks": [],
+                                                                   "start": 0}}, "prompt_logprobs.start"),
     "remote_port string": (GOOD | {"remote_port": "abc"}, "remote_port"),
     "remote_port null": (GOOD | {"remote_port": None}, "remote_port"),
     "remote_port zero": (GOOD | {"remote_port": 0}, "remote_port"),

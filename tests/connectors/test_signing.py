@@ -32,7 +32,7 @@ def test_signed_parameters_pass_once() -> None:
 
 
 @pytest.mark.parametrize("change", [{"remote_host": "127.0.0.9"}, {"remote_port": 5556}, {"remote_block_ids": [[1, 2, 4]]},
-                                    {"remote_request_id": "cmpl-2"}, {"first_token_id": 8},
+                                    {"remote_request_id": "cmpl-2"}, {"first_token_ids": [8]},
                                     {"lease_expires_at": NOW + 3600}])
 def test_any_changed_field_breaks_the_signature(change) -> None:
     forged = msgspec.structs.replace(sign(params(), SECRET), **change)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pd.llm import LLM
-from pd.request import PromptLogprobs, Request, SamplingParams
+from pd.logprobs import PromptLogprobs
+from pd.request import Request, SamplingParams
 from tests.pd.test_llm import checkpoints, hf_logits, hf_models, random_prompts  # noqa: F401 (fixtures)
 
 K = 5
@@ -86,4 +87,4 @@ def test_prompt_logprobs_out_of_range_is_refused(k):
 def test_a_request_that_did_not_ask_takes_no_scores():
     request = Request("r", [1, 2, 3])
     with pytest.raises(ValueError, match="did not ask"):
-        request.add_prompt_logprobs(PromptLogprobs(1, [[2]], [[-1.0]], [1]))
+        request.add_prompt_logprobs(PromptLogprobs([[2]], [[-1.0]], [1], start=1))

@@ -227,7 +227,7 @@ def test_mamba_prefill_chunks_end_on_block_boundaries_when_the_budget_allows() -
 
 def remote_prefill(num_prompt_tokens: int, first_token_id: int = 0) -> RemotePrefillParams:
     """Well-formed PD parameters (the toy connector reads none of the location fields)."""
-    return RemotePrefillParams(True, "p", "127.0.0.1", 1, "p1", [[0]], num_prompt_tokens, first_token_id, 16)
+    return RemotePrefillParams(True, "p", "127.0.0.1", 1, "p1", [[0]], num_prompt_tokens, [first_token_id], 16)
 
 
 class ToyRemoteConnector:

@@ -102,7 +102,7 @@ class FakeServer:
     def params(n: int) -> dict[str, Any]:
         return {"do_remote_prefill": True, "remote_engine_id": "fake-engine", "remote_host": "127.0.0.1",
                 "remote_port": 1, "remote_request_id": f"p-{n}", "remote_block_ids": [[n]],
-                "num_prompt_tokens": 3, "first_token_id": 7, "block_size": 16}
+                "num_prompt_tokens": 3, "first_token_ids": [7], "block_size": 16}
 
     async def _release(self, request: Request) -> Response:
         self.releases.append(Received(request.url.path, dict(request.headers), json.loads(await request.body())))

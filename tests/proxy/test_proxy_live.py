@@ -157,3 +157,23 @@ def test_killing_one_prefill_server_mid_run_the_rest_complete_through_the_other(
     assert texts == [expected] * len(texts)
     state = {i["url"]: i for i in proxy.health().json()["prefill"]}
     assert not state[p2.url]["healthy"] and state[deployment["p1"].url]["healthy"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_echo_and_n_through_the_proxy_equal_a_colocated_server(deployment, stream) -> None:
+    """The openai client's fields: P's first tokens and their logprobs (and the prompt's,
+    echoed) travel in P's kv_transfer_params to D, which answers them as its own."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0.8, seed=5, n=3, logprobs=2, echo=True)
+    reference = client_of(deployment["c"]).completions.create(**kw)
+    out = client_of(deployment["proxy"]).completions.create(**kw, stream=stream)
+    got: dict[int, list] = {}
+    for chunk in out if stream else [out]:
+        for choice in chunk.choices:
+            text, logprobs = got.setdefault(choice.index, ["", []])
+            got[choice.index] = [text + choice.text, logprobs + choice.logprobs.token_logprobs]
+    assert sorted(got) == [0, 1, 2]
+    for choice in reference.choices:
+        text, logprobs = got[choice.index]
+        assert text == choice.text and text.startswith(PROMPT)
+        assert logprobs[0] is None and len(logprobs) == len(choice.logprobs.token_logprobs)
+        assert all(abs(a - b) <= 1e-5 for a, b in zip(logprobs[1:], choice.logprobs.token_logprobs[1:]))

@@ -80,7 +80,7 @@ def test_p_keeps_the_blocks_under_a_lease_and_hands_out_their_ids(model: str) ->
     p, p_kv, clock, out = prefill_on_p(model, prompt)
     params = out.kv_transfer_params
     assert out.finish_reason == "length" and out.new_token_ids == [42]
-    assert params.do_remote_prefill and params.first_token_id == 42
+    assert params.do_remote_prefill and params.first_token_ids == [42]
     assert params.num_prompt_tokens == len(prompt) and params.remote_request_id == "p1"
     held = p.delayed_free["p1"]
     assert params.remote_block_ids == p_kv.get_block_ids("p1") and p_kv.usage > 0

@@ -265,10 +265,10 @@ def test_token_ids_outside_the_vocabulary_are_refused_not_computed(engine, promp
     from pd.engine.client import RequestRefusedError
 
     vocab = engine.info.vocab_size
-    first_out_of_vocab = RemotePrefillParams(True, "p", "127.0.0.1", 1, "p1", [[1]], len(prompts[0]), vocab, 16)
+    first_out_of_vocab = RemotePrefillParams(True, "p", "127.0.0.1", 1, "p1", [[1]], len(prompts[0]), [vocab], 16)
     bad = {"prompt": EngineRequest(request_id="a", prompt_token_ids=prompts[0] + [vocab + 5]),
            "stop_token_ids": EngineRequest(request_id="b", prompt_token_ids=prompts[0], stop_token_ids=[vocab]),
-           "first_token_id": EngineRequest(request_id="c", prompt_token_ids=prompts[0], remote_prefill=first_out_of_vocab)}
+           "first_token_ids": EngineRequest(request_id="c", prompt_token_ids=prompts[0], remote_prefill=first_out_of_vocab)}
     pid = engine.pid
 
     async def main():

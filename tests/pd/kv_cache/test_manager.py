@@ -114,6 +114,21 @@ class Simulator:
         self.step(request, num_new)
         return True
 
+    def fork(self, parent: Request, child_id: str) -> Request | None:
+        """A new request holding the parent's computed tokens, copy on write (the
+        block copies applied to the data model, as the runner applies them); None if
+        the pool is short."""
+        child = Request(child_id, list(parent.prompt_token_ids))
+        child.output_token_ids = list(parent.output_token_ids)
+        copies = self.manager.fork(parent, child)
+        self.manager.check_integrity()
+        if copies is None:
+            return None
+        for source, copy in copies:
+            self.content[copy] = self.content[source]
+        child.num_computed_tokens = parent.num_computed_tokens
+        return child
+
     def advance(self, request: Request, chunk: int, rng: random.Random) -> bool:
         """Next prefill chunk, or one decode token; False if the pool is short."""
         if request.num_computed_tokens == request.num_tokens:
@@ -149,6 +164,10 @@ def test_random_schedules_keep_data_and_integrity(model, blocks, caching, seed) 
             request = Request(f"r{n}", random_prompt(rng, prefixes))
             if sim.admit(request, chunk=rng.choice([16, 32, 1000])):
                 running.append(request)
+        elif op < 0.4:  # fork a request whose known tokens are all computed (as at its first token)
+            parent = rng.choice(running)
+            if parent.num_computed_tokens == parent.num_tokens and (child := sim.fork(parent, f"f{n}")):
+                running.append(child)
         elif op < 0.85:
             request = rng.choice(running)
             if not sim.advance(request, rng.choice([16, 48, 1000]), rng):
@@ -321,3 +340,45 @@ def test_allocating_past_max_model_len_is_refused() -> None:
     with pytest.raises(ValueError, match="max_model_len=64"):
         manager.allocate_slots(request, 5)
     manager.check_integrity()
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("length", [BLOCK * 3, BLOCK * 3 + 5])
+def test_a_fork_shares_full_blocks_and_copies_the_one_being_written(model: str, length: int) -> None:
+    """Both go on decoding: each writes only its own block (the Simulator checks that
+    every block written is held by one request), and reads its own tokens' data."""
+    sim = Simulator(make_manager(model, 200))
+    parent = Request("p", list(range(100, 100 + length)))
+    assert sim.admit(parent, chunk=1000)
+    held_before = sim.manager.num_free_blocks
+    child = sim.fork(parent, "p/1")
+    partial = [g for g, ids in enumerate(sim.manager.get_block_ids("p"))
+               if length % BLOCK and ids[length // BLOCK] != 0]
+    assert held_before - sim.manager.num_free_blocks == len(partial)  # one new block per block being written
+    for g, (ours, theirs) in enumerate(zip(sim.manager.get_block_ids("p"), sim.manager.get_block_ids("p/1"))):
+        full = length // BLOCK
+        assert theirs[:full] == ours[:full]
+        if g in partial:
+            assert theirs[full] != ours[full]
+    rng = random.Random(1)
+    for _ in range(40):
+        assert sim.advance(parent, 1, rng) and sim.advance(child, 1, rng)
+    for request in (parent, child):
+        sim.manager.free(request)
+    sim.manager.check_integrity()
+    assert sim.manager.usage == 0.0
+
+
+def test_a_fork_the_pool_cannot_hold_takes_nothing() -> None:
+    manager = make_manager("full", 4)  # 3 usable blocks
+    sim = Simulator(manager)
+    parent = Request("p", list(range(40)))  # 3 blocks, the last partial: a fork needs one more
+    assert sim.admit(parent, chunk=1000)
+    assert manager.num_free_blocks == 0
+    assert sim.fork(parent, "p/1") is None
+    assert manager.num_free_blocks == 0 and manager.get_block_ids("p/1") == [[]]
+    exact = make_manager("full", 4)
+    sim = Simulator(exact)
+    parent = Request("p", list(range(48)))  # 3 full blocks: a fork shares them all
+    assert sim.admit(parent, chunk=1000)
+    assert sim.fork(parent, "p/1") is not None and exact.get_block_ids("p/1") == exact.get_block_ids("p")

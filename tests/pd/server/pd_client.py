@@ -57,7 +57,7 @@ def prefill(p, body: dict[str, Any], endpoint: str = "completions") -> Answer:
     answer = complete(p, prefill_body(body), endpoint)
     params = answer.body["kv_transfer_params"]
     assert params["do_remote_prefill"] and params["num_prompt_tokens"] == answer.body["usage"]["prompt_tokens"]
-    assert params["first_token_id"] == answer.token_ids[0]
+    assert answer.token_ids[0] in params["first_token_ids"]  # (with best_of, P answers its best first)
     return answer
 
 
@@ -65,3 +65,73 @@ def p_then_d(p, d, body: dict[str, Any], streamed: bool = False, endpoint: str =
     params = prefill(p, body, endpoint).body["kv_transfer_params"]
     send = stream if streamed else complete
     return send(d, body | {"kv_transfer_params": params}, endpoint)
+
+
+def choices(server, body: dict[str, Any], endpoint: str = "completions", streamed: bool = False) -> list[dict]:
+    """The answer's choices, by index; streamed, each choice's chunks merged into the
+    shape of an unstreamed choice (texts and token ids joined, logprobs lists joined)."""
+    if not streamed:
+        response = httpx.post(f"{server.url}/v1/{endpoint}", json=body, timeout=TIMEOUT_S)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"]
+    merged: dict[int, dict] = {}
+    with httpx.stream("POST", f"{server.url}/v1/{endpoint}", json=body | {"stream": True}, timeout=TIMEOUT_S) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                for choice in chunk["choices"]:
+                    _merge(merged.setdefault(choice["index"], {}), choice)
+    return [merged[i] for i in sorted(merged)]
+
+
+def _merge(into: dict, chunk: dict) -> None:
+    if "delta" in chunk:  # chat: the delta's content joins the message's
+        content = chunk["delta"].get("content") or ""
+        into.setdefault("message", {"role": "assistant", "content": ""})["content"] += content
+    for key, value in chunk.items():
+        if key in ("delta",):
+            continue
+        if key == "text" or key == "token_ids":
+            into[key] = into.get(key, type(value)()) + value
+        elif key == "logprobs" and value is not None:
+            if into.get("logprobs") is None:
+                into["logprobs"] = {name: [] for name in value}
+            held = into["logprobs"]
+            for name, items in value.items():
+                held[name] += items
+        elif key == "finish_reason":
+            into[key] = value or into.get(key)
+        elif key not in into:
+            into[key] = value
+
+
+def assert_choices_close(got: list[dict], expected: list[dict], atol: float = 1e-5) -> None:
+    """The same choices: equal texts, token ids and token strings, logprobs within atol."""
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert (a["index"], a.get("text"), a.get("message"), a.get("token_ids"), a["finish_reason"]) == (
+            b["index"], b.get("text"), b.get("message"), b.get("token_ids"), b["finish_reason"])
+        _assert_close(a.get("logprobs"), b.get("logprobs"), atol)
+
+
+def _assert_close(a: Any, b: Any, atol: float) -> None:
+    if isinstance(a, float) or isinstance(b, float):
+        assert isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= atol, (a, b)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), (a, b)
+        for key in a:
+            _assert_close(a[key], b[key], atol)
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), (a, b)
+        for x, y in zip(a, b):
+            _assert_close(x, y, atol)
+    else:
+        assert a == b
+
+
+def p_then_d_choices(p, d, body: dict[str, Any], streamed: bool = False, endpoint: str = "completions") -> list[dict]:
+    """D's choices for a request P prefilled (see `choices`)."""
+    params = prefill(p, body, endpoint).body["kv_transfer_params"]
+    return choices(d, body | {"kv_transfer_params": params}, endpoint, streamed)

@@ -68,10 +68,12 @@ def without(params: dict, key: str) -> dict:
 
 # name -> (how to spoil P's parameters, the field the 400 names)
 BAD_PARAMS = {
-    "first_token_id missing": (lambda p: without(p, "first_token_id"), "first_token_id"),
-    "first_token_id outside the vocabulary": (lambda p: p | {"first_token_id": 10**6}, "first_token_id"),
-    "first_token_id a string": (lambda p: p | {"first_token_id": "5"}, "first_token_id"),
-    "first_token_id negative": (lambda p: p | {"first_token_id": -7}, "first_token_id"),
+    "first_token_ids missing": (lambda p: without(p, "first_token_ids"), "first_token_ids"),
+    "first_token_ids outside the vocabulary": (lambda p: p | {"first_token_ids": [10**6]}, "first_token_ids"),
+    "first_token_ids a string": (lambda p: p | {"first_token_ids": ["5"]}, "first_token_ids"),
+    "first_token_ids negative": (lambda p: p | {"first_token_ids": [-7]}, "first_token_ids"),
+    "first_token_ids empty": (lambda p: p | {"first_token_ids": []}, "first_token_ids"),
+    "first_token_ids more than n": (lambda p: p | {"first_token_ids": p["first_token_ids"] * 2}, "first_token_ids"),
     "remote_port not a number": (lambda p: p | {"remote_port": "abc"}, "remote_port"),
     "remote_port null": (lambda p: p | {"remote_port": None}, "remote_port"),
     "remote_port out of range": (lambda p: p | {"remote_port": 65536}, "remote_port"),
@@ -169,7 +171,8 @@ def test_p_caps_the_blocks_it_holds_for_decode_servers_and_releases_them_on_requ
 
 
 @pytest.mark.parametrize("refused", [{"max_tokens": MAX_MODEL_LEN}, {"min_tokens": 7}, {"max_tokens": -1},
-                                     {"stream_options": {"include_usage": "yes"}}, {"n": 2}])
+                                     {"stream_options": {"include_usage": "yes"}}, {"n": 129},
+                                     {"logprobs": 21}])
 def test_p_refuses_what_d_would_refuse_before_it_prefills(start, refused) -> None:
     p = start("p", "qwen3", "--role", "prefill")
     response = post(p, BODY | refused | {"kv_transfer_params": {"do_remote_decode": True}})

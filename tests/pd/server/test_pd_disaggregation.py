@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pd_client import complete, p_then_d
+from pd_client import assert_choices_close, choices, complete, p_then_d, p_then_d_choices
 from server_harness import ARCHS, running_server
 
 pytestmark = pytest.mark.slow
@@ -194,3 +194,26 @@ def test_min_tokens_holds_back_stops_on_p_and_d_alike(servers) -> None:
         assert cut.text == "" and cut.finish_reason == "stop"
         held = complete(c, base | {"ignore_eos": True, "stop": [first_text], "min_tokens": 3})
         assert held.text.startswith(first_text) and len(held.token_ids) >= 3
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_logprobs_echo_and_n_through_p_then_d_give_the_colocated_answer(servers, arch, endpoint) -> None:
+    """P samples each sequence's first token and scores it (and, echoing, the prompt);
+    D answers those and decodes the rest of each sequence from P's KV: the choices equal
+    the colocated server's, texts and tokens exactly and logprobs to 1e-5, streamed and not."""
+    a, b, c = servers["a"], servers["b"], servers["c"]
+    prompt = token_prompt(random.Random(f"logprobs-{arch}"), 150)
+    base = {"max_tokens": MAX_TOKENS, "temperature": 0.9, "seed": 17, "ignore_eos": True, "return_token_ids": True}
+    if endpoint == "completions":
+        bodies = [base | {"prompt": prompt, "n": 3, "logprobs": 3, "echo": True},
+                  base | {"prompt": prompt, "n": 2, "best_of": 3}]
+    else:
+        messages = [{"role": "user", "content": "Tell me about the sea and its tides."}]
+        bodies = [base | {"messages": messages, "n": 3, "logprobs": True, "top_logprobs": 2}]
+    for body in bodies:
+        expected = choices(c, body, endpoint)
+        assert len({tuple(choice["token_ids"]) for choice in expected}) == len(expected) > 1
+        for streamed in (False, True) if "best_of" not in body else (False,):
+            assert_choices_close(p_then_d_choices(a, b, body, streamed, endpoint), expected)
+    for server in (a, b):
+        assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0

@@ -82,8 +82,7 @@ def test_bookkeeping_fields_pass_unread() -> None:
                               "service_tier": "auto"}))
 
 
-@pytest.mark.parametrize("field, value", [("n", 2), ("best_of", 3), ("logprobs", 1), ("echo", True),
-                                          ("suffix", "x")])
+@pytest.mark.parametrize("field, value", [("suffix", "x")])
 def test_unsupported_completion_fields_are_refused(field, value) -> None:
     body = parse({"prompt": "x", field: value})
     with pytest.raises(RequestError) as e:

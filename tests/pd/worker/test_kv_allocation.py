@@ -222,3 +222,22 @@ def test_zeroed_and_total_bytes() -> None:
         total = sum(b.numel() for b in alloc.buffers)
         assert total == config.num_blocks * config.cross_layer_page_bytes
         assert all(int(b.count_nonzero()) == 0 for b in alloc.buffers)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_copy_blocks_copies_every_layer_of_a_block_and_nothing_else(layout: str) -> None:
+    """What a forked sequence's block gets: the source block's data in every layer view
+    (attention K/V, Mamba conv and SSM state); other blocks untouched."""
+    allocation = allocate_kv_caches(hybrid_config(), "cpu", layout)
+    gen = torch.Generator().manual_seed(0)
+    for buffer in allocation.buffers:
+        buffer.copy_(torch.randint(0, 64, buffer.shape, generator=gen, dtype=torch.int8))  # no NaN in any view
+    before = [b.clone() for b in allocation.buffers]
+    allocation.copy_blocks([(1, 4), (2, 5)])
+    for name, cache in allocation.layer_caches.items():
+        for view in ([cache.kv] if isinstance(cache, AttentionCache) else [cache.conv, cache.ssm]):
+            assert torch.equal(view[4], view[1]) and torch.equal(view[5], view[2]), name
+    for buffer, old in zip(allocation.buffers, before):
+        assert torch.equal(buffer[:4], old[:4])
+    allocation.copy_blocks([])  # nothing to copy: nothing changes
+    assert all(torch.equal(b[4], b[1]) for b in allocation.buffers)
