@@ -149,3 +149,23 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-allowed-peers", nargs="+", default=None, metavar="NETWORK", help="without a secret, the prefill servers (IP addresses or networks) a decode server reads KV from; parameters naming another host get 403 and no connection (default: loopback, " + " ".join(DEFAULT_ALLOWED_PEERS) + ")")
     parser.add_argument("--num-threads", type=int, default=None, help="CPU threads the engine's torch ops use (default: torch's, one per core); when P and D share a machine, split its cores between them: oversubscribed threads spin and slow both")
     parser.add_argument("--seed", type=int, default=0, help="seed for requests that sample without their own seed (default 0)")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler takes of the engine's config and model (EngineCore fills it)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    eos_token_ids: frozenset[int] = frozenset()
+    mamba_block_size: int | None = None  # align prefill chunks to it (Mamba align mode)
+    kv_load_failure_policy: str = "recompute"  # or "fail": a request whose remote KV fails to load
+    kv_max_held_fraction: float = 1.0  # of all blocks, kept for decode servers; past it P refuses more
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.kv_max_held_fraction <= 1.0:
+            raise ValueError(f"kv_max_held_fraction must be in (0, 1], got {self.kv_max_held_fraction}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}, "
+                             f"got {self.kv_load_failure_policy!r}")

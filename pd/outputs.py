@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from connectors.base import KVConnectorMetadata, KVConnectorOutput
 from connectors.params import RemotePrefillParams
 from pd.logprobs import Logprobs, PromptLogprobs
-from pd.request import SamplingParams
+from pd.request import Request, RequestStatus, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,9 @@ class SchedulerOutput:
     (new requests first, then cached ones, as listed). `finished_req_ids`: requests the
     runner must forget before this step (finished or preempted since the last one).
     `block_copies`: (source, copy) block ids whose data the runner copies before anything
-    else this step (the blocks a forked sequence does not share)."""
+    else this step (the blocks a forked sequence does not share). `grammar_masks[req_id]`:
+    the tokens a request sampling this step may pick (int32 words, bit j of word w for
+    token 32 w + j), for requests with a grammar."""
 
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
@@ -55,6 +58,7 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: KVConnectorMetadata | None = None
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    grammar_masks: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -102,3 +106,20 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @classmethod
+    def of(cls, request: Request, token_ids: list[int], status: RequestStatus | None = None,
+           params: RemotePrefillParams | None = None, logprobs: Logprobs | None = None,
+           prompt_logprobs: PromptLogprobs | None = None) -> RequestOutput:
+        """The output of `request` (one sequence of the client's request) with these new
+        tokens, finished if `status` is a finished one."""
+        return cls(request.output_id, token_ids, FINISH_REASONS.get(status), params, request.num_cached_tokens,
+                   prompt_logprobs=prompt_logprobs, index=request.index, logprobs=logprobs)
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from connectors.params import RemoteDecodeParams, RemotePrefillParams, TransferParams
 from pd.kv_cache.hashing import BlockHash, extend_block_hashes
 from pd.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
+from pd.structured.grammar import Grammar
 
 
 MAX_LOGIT_BIAS = 100.0  # |bias| a request may add to a token's logit (OpenAI's range)
@@ -17,6 +18,7 @@ MAX_N = 128  # the most sequences one request may ask for (OpenAI's bound on n)
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
+    WAITING_FOR_GRAMMAR = enum.auto()  # its grammar compiles (pd/structured)
     WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -47,7 +49,9 @@ class SamplingParams:
 
     `logprobs=k` (0-20) scores each sampled token, with the k most likely tokens at its
     position. `n` sequences share one prefill: at the first token the request forks into n
-    (see `Request.index`), sequence j sampling with `seed + j` when seeded."""
+    (see `Request.index`), sequence j sampling with `seed + j` when seeded. With a
+    `grammar`, only the tokens it allows are sampled (masked before anything else), and
+    the request stops where the grammar ends."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -65,6 +69,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     n: int = 1
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -203,6 +208,15 @@ class Request:
 
     def append_output_token_ids(self, *token_ids: int) -> None:
         self.output_token_ids.extend(token_ids)
+
+    def fork(self, index: int, token_id: int, logprobs: Logprobs | None) -> Request:
+        """Its sequence `index` (a request of its own, with the first token `token_id`)."""
+        child = Request(sequence_id(self.request_id, index), self.prompt_token_ids,
+                        self.sampling_params.for_sequence(index), cache_salt=self.cache_salt,
+                        num_cached_tokens=self.num_cached_tokens, parent_id=self.request_id, index=index)
+        child.append_output_token_ids(token_id)
+        child.add_output_logprobs(logprobs)
+        return child
 
     def add_output_logprobs(self, rows: Logprobs | None) -> None:
         """Keep the logprobs of output tokens just appended (rows for a request that did

@@ -6,73 +6,52 @@ in chunks; when the pool is short the newest running request is preempted (its b
 freed, recomputed later). Then waiting requests are admitted, oldest first, with their
 prefix-cache hit plus whatever the connector can load, while the budget, `max_num_seqs`
 and the pool allow; none are admitted in a step that preempted. A request whose KV
-arrives asynchronously is parked in WAITING_FOR_REMOTE_KVS until the connector reports
-it received. After the step, `update_from_output` enters the newly written blocks in
-the prefix cache, appends sampled tokens and finishes requests that stop.
+arrives asynchronously is parked until the connector reports it received (`remote_kv.py`
+holds the scheduler's part in PD). A request with a grammar waits for it to compile
+first (WAITING_FOR_GRAMMAR); the masks of its next tokens go out with each step that
+samples it. After the step, `update_from_output` enters the newly written blocks in the
+prefix cache, appends sampled tokens and finishes requests that stop. A request asking
+for n sequences forks at its first token into requests of its own that share its blocks
+copy on write (the copies of the blocks they do not share go out with the next step).
 
 With Mamba groups, prefill chunks end on block boundaries when the budget allows, so a
 chunk's last state is a boundary state (a request whose prompt KV comes from a remote
 prefill is exempt). Correctness does not depend on it: the runner writes every boundary
 state a chunk crosses.
 
-Once its remote KV has landed a request is local: a preemption recomputes it here and
-never reads P again. An exception admitting a request, or a batch the runner reports
-failed, ends those requests with an error and frees their blocks; the others go on. P
-refuses prefills for decode servers past `kv_max_held_fraction` of its pool held for them.
+An exception admitting a request, or a batch the runner reports failed, ends those
+requests with an error and frees their blocks; the others go on.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
 
-from connectors.base import KVConnectorOutput, KVConnectorScheduler, KVLoadRefused, NullConnectorScheduler
+from connectors.base import KVConnectorScheduler, KVLoadRefused, NullConnectorScheduler
 from connectors.params import RemotePrefillParams
-from pd.config import KV_LOAD_FAILURE_POLICIES
-from pd.errors import ERROR_INTERNAL, ERROR_KV_LOAD_FAILED, HeldBlocksLimitError
+from pd.config import SchedulerConfig
+from pd.errors import ERROR_INTERNAL, ERROR_INVALID, HeldBlocksLimitError
 from pd.kv_cache.manager import KVCacheManager
 from pd.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput, SchedulerOutput
 from pd.prompt_sources import PromptSources
-from pd.logprobs import Logprobs, PromptLogprobs
+from pd.remote_kv import RemoteKV
+from pd.logprobs import Logprobs
 from pd.request import Request, RequestStatus, sequence_id
+from pd.structured.matchers import GrammarMatchers
 
 logger = logging.getLogger(__name__)
 
-FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
-}
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    eos_token_ids: frozenset[int] = frozenset()
-    mamba_block_size: int | None = None  # align prefill chunks to it (Mamba align mode)
-    kv_load_failure_policy: str = "recompute"  # or "fail": a request whose remote KV fails to load
-    kv_max_held_fraction: float = 1.0  # of all blocks, kept for decode servers; past it P refuses more
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.kv_max_held_fraction <= 1.0:
-            raise ValueError(f"kv_max_held_fraction must be in (0, 1], got {self.kv_max_held_fraction}")
-        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
-            raise ValueError(f"kv_load_failure_policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}, "
-                             f"got {self.kv_load_failure_policy!r}")
-
-
-class Scheduler:
+class Scheduler(RemoteKV):
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 connector: KVConnectorScheduler | None = None) -> None:
+                 connector: KVConnectorScheduler | None = None, grammars: GrammarMatchers | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.connector = connector or NullConnectorScheduler()
+        self.grammars = grammars or GrammarMatchers(None, config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
+        self.waiting_for_grammar: dict[str, Request] = {}
         self.waiting_for_remote: dict[str, Request] = {}
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # to tell the runner next step
@@ -97,30 +76,20 @@ class Scheduler:
                 raise HeldBlocksLimitError(f"this prefill server keeps {held} of its {usable} KV blocks for "
                                            "decode servers that have not read them yet; retry later")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
-
-    @property
-    def num_held_blocks(self) -> int:
-        """Distinct blocks kept for decode servers (finished requests under a lease)."""
-        held = {b for req_id in self.delayed_free for ids in self.kv.get_block_ids(req_id) for b in ids}
-        held.discard(0)  # the null block
-        return len(held)
-
-    def release_held(self, request_ids: list[str]) -> list[str]:
-        """Free now the blocks kept for these finished requests (their reader will not
-        come); the ids that were held."""
-        held = [r for r in request_ids if r in self.delayed_free]
-        for req_id in held:
-            self.connector.release(req_id)
-        return held
+        if request.sampling_params.grammar is None:
+            self.waiting.append(request)
+            return
+        request.status = RequestStatus.WAITING_FOR_GRAMMAR
+        self.waiting_for_grammar[request.request_id] = request
+        self.grammars.compile(request.request_id, request.sampling_params.grammar)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.waiting_for_remote)
+        return len(self.waiting) + len(self.waiting_for_grammar) + len(self.waiting_for_remote)
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.waiting_for_remote)
+        return bool(self.waiting or self.running or self.waiting_for_grammar or self.waiting_for_remote)
 
     @property
     def has_compute_work(self) -> bool:
@@ -133,6 +102,7 @@ class Scheduler:
         return self.has_unfinished_requests or bool(self.delayed_free or self.aborted_while_loading)
 
     def schedule(self) -> SchedulerOutput:
+        self._queue_compiled()
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids, block_copies=self.block_copies)
         self.finished_req_ids, self.block_copies = set(), []
         budget = self.config.max_num_batched_tokens
@@ -158,7 +128,26 @@ class Scheduler:
             self._admit_waiting(out, budget)
         self.connector.requests_waiting(self.waiting)
         out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        out.grammar_masks = self.grammars.masks([r for r, n in out.num_scheduled_tokens.items() if r in self.grammars
+                                                 and self._samples(self.requests[r], n)])
         return out
+
+    def _queue_compiled(self) -> None:
+        """Requests whose grammar compiled join the queue; one that cannot be compiled fails."""
+        for req_id, error in self.grammars.ready():
+            request = self.waiting_for_grammar.pop(req_id, None)
+            if request is None:
+                continue  # aborted meanwhile
+            if error is not None:
+                self._fail(request, ERROR_INVALID, f"the request's grammar cannot be compiled: {error}")
+                continue
+            request.status = RequestStatus.WAITING
+            self.waiting.append(request)
+
+    @staticmethod
+    def _samples(request: Request, num_new: int) -> bool:
+        """Whether the request samples a token after computing `num_new` more."""
+        return request.num_computed_tokens + num_new >= request.num_tokens
 
     def _num_new_tokens(self, request: Request, computed: int, budget: int) -> int:
         """Tokens to compute this step past `computed`; a partial chunk ends on a Mamba
@@ -214,19 +203,6 @@ class Scheduler:
         self.prompt_sources.count(request, num_hit, num_external)
         self._start_running(request, computed, num_hit, num_new, out)
         return num_new
-
-    def _park_for_remote_kv(self, request: Request, hit_blocks, num_hit: int, num_external: int) -> bool:
-        """Allocate blocks for the external tokens and wait for the connector to fill them."""
-        blocks = self.kv.allocate_slots(request, 0, num_hit, hit_blocks, num_external)
-        if blocks is None:
-            return False
-        self.connector.update_state_after_alloc(request, self.kv.get_blocks(request.request_id), num_external)
-        self.waiting.popleft()
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        request.num_computed_tokens = num_hit + num_external
-        request.num_cached_tokens = num_hit
-        self.waiting_for_remote[request.request_id] = request
-        return True
 
     def _start_running(self, request: Request, computed: int, num_hit: int, num_new: int,
                        out: SchedulerOutput) -> None:
@@ -298,13 +274,18 @@ class Scheduler:
         tokens are the first of the sequences it forks into. It finishes if its token
         stops it. The prompt's logprobs go out once, with the first token."""
         rows = logprobs.rows(0, 1) if logprobs is not None else None
+        for index in range(1, len(tokens)):  # each sequence's matcher from the state before token 1
+            self.grammars.fork(request.request_id, sequence_id(request.request_id, index))
         request.append_output_token_ids(tokens[0])
         request.add_output_logprobs(rows)
         forked = self._fork(request, tokens[1:], logprobs.rows(1) if logprobs is not None else None)
+        if not self.grammars.accept(request.request_id, tokens[0]):  # a first token from elsewhere
+            self._fail(request, ERROR_INVALID, self._off_grammar(tokens[0]))
+            return forked
         status = self._stop_status(request, tokens[0])
         params = self._finish(request, status) if status is not None else None
         scored = request.prompt_logprobs if len(request.output_token_ids) == 1 else None
-        return [self._output(request, tokens[:1], status, params, rows, scored), *forked]
+        return [RequestOutput.of(request, tokens[:1], status, params, rows, scored), *forked]
 
     def _fork(self, parent: Request, tokens: list[int], logprobs: Logprobs | None) -> list[RequestOutput]:
         """Sequences 1.. of `parent`, each from its first token: they share the parent's
@@ -314,18 +295,20 @@ class Scheduler:
         parent.fork_token_ids, parent.fork_logprobs = list(tokens), logprobs
         outputs = []
         for index, token in enumerate(tokens, start=1):
-            child = Request(sequence_id(parent.request_id, index), parent.prompt_token_ids,
-                            parent.sampling_params.for_sequence(index), cache_salt=parent.cache_salt,
-                            num_cached_tokens=parent.num_cached_tokens, parent_id=parent.request_id, index=index)
             rows = logprobs.rows(index - 1, index) if logprobs is not None else None
-            child.append_output_token_ids(token)
-            child.add_output_logprobs(rows)
+            child = parent.fork(index, token, rows)
+            if not self.grammars.accept(child.request_id, token):
+                self.grammars.remove(child.request_id)
+                outputs.append(RequestOutput(child.output_id, [], "error", error=self._off_grammar(token),
+                                             error_code=ERROR_INVALID, index=index))
+                continue
             status = self._stop_status(child, token)
             if status is None:
                 self._place_fork(parent, child)
             else:
                 child.status = status
-            outputs.append(self._output(child, [token], status, logprobs=rows))
+                self.grammars.remove(child.request_id)
+            outputs.append(RequestOutput.of(child, [token], status, logprobs=rows))
         return outputs
 
     def _place_fork(self, parent: Request, child: Request) -> None:
@@ -341,82 +324,21 @@ class Scheduler:
         self.block_copies += copies
 
     @staticmethod
-    def _output(request: Request, token_ids: list[int], status: RequestStatus | None = None,
-                params: RemotePrefillParams | None = None, logprobs: Logprobs | None = None,
-                prompt_logprobs: PromptLogprobs | None = None) -> RequestOutput:
-        return RequestOutput(request.output_id, token_ids, FINISH_REASONS.get(status), params,
-                             request.num_cached_tokens, prompt_logprobs=prompt_logprobs, index=request.index,
-                             logprobs=logprobs)
-
-    def _update_connector(self, connector_output: KVConnectorOutput) -> list[RequestOutput]:
-        """Free blocks the connector finished sending; requeue requests whose remote KV
-        landed (or failed to: the load failure policy decides). Returns the outputs of
-        requests that continue from a remote prefill's first token."""
-        self.connector.update_connector_output(connector_output)
-        outputs = []
-        for req_id in connector_output.finished_sending:
-            request = self.delayed_free.pop(req_id, None)
-            if request is not None:
-                self.kv.free(request)
-        for req_id in [*connector_output.finished_recving, *connector_output.failed_recving]:
-            aborted = self.aborted_while_loading.pop(req_id, None)
-            if aborted is not None:
-                self.kv.free(aborted)
-            request = self.waiting_for_remote.pop(req_id, None)
-            if request is None:
-                continue
-            request.status = RequestStatus.WAITING
-            self.waiting.appendleft(request)
-            if req_id in connector_output.failed_recving:
-                request.kv_load_error = connector_output.failed_recving[req_id]
-                if not self._fails_on_load_error(request):  # computed here from scratch
-                    self.kv.free(request)
-                    request.num_computed_tokens = 0
-                continue
-            self.kv.cache_blocks(request, request.num_computed_tokens)
-            outputs += self._continue_from_first_token(request)
-            request.kv_transfer_params = None  # a local request from now on (P frees its blocks)
-        return outputs
-
-    def _fails_on_load_error(self, request: Request) -> bool:
-        """A waiting request (at the queue's front) whose remote KV could not be loaded:
-        under "recompute" it stays queued and is computed here; under "fail" it finishes
-        with an error output (queued for the next update). True if it failed."""
-        policy = self.config.kv_load_failure_policy
-        self.kv_load_failures[policy] += 1
-        if policy == "recompute":
-            return False
-        self._fail(request, ERROR_KV_LOAD_FAILED, "the KV cache of this request could not be loaded from the "
-                                                  f"prefill server: {request.kv_load_error}")
-        return True
+    def _off_grammar(token: int) -> str:
+        return f"token {token} does not follow the request's grammar"
 
     def _fail(self, request: Request, code: str, message: str) -> None:
         """End the request wherever it is with finish_reason "error" (its output goes
         out with the next update); its blocks are freed as for any finished request."""
-        if request in self.waiting:
-            self.waiting.remove(request)
-        self.waiting_for_remote.pop(request.request_id, None)
         self._finish(request, RequestStatus.FINISHED_ERROR)
         self._failed_outputs.append(RequestOutput(request.output_id, [], "error", error=message, error_code=code,
                                                   index=request.index))
 
-    def _continue_from_first_token(self, request: Request) -> list[RequestOutput]:
-        """A remote prefill sampled the first token of each sequence (and scored it and
-        the prompt, if asked): they become this request's first outputs (nothing is
-        recomputed), and may already finish it."""
-        remote = request.remote_prefill
-        if remote is None or request.output_token_ids:
-            return []
-        if request.prompt_logprobs is not None:
-            request.prompt_logprobs = remote.prompt_logprobs
-        outputs = self._append_token(request, list(remote.first_token_ids), remote.first_logprobs)
-        if request.status.is_finished:
-            self.waiting.remove(request)
-        return outputs
-
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
         if (token in self.config.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.grammars.is_stopped(request.request_id):
             return RequestStatus.FINISHED_STOPPED
         if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
@@ -429,22 +351,23 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:
                 continue
-            if request in self.waiting:
-                self.waiting.remove(request)
-            self.waiting_for_remote.pop(req_id, None)
             params = self._finish(request, RequestStatus.FINISHED_ABORTED)
-            outputs.append(self._output(request, [], RequestStatus.FINISHED_ABORTED, params))
+            outputs.append(RequestOutput.of(request, [], RequestStatus.FINISHED_ABORTED, params))
         return outputs
 
     def _finish(self, request: Request, status: RequestStatus) -> RemotePrefillParams | None:
-        """End the request; its blocks are freed now or, if the connector keeps them,
-        when it reports them sent. Returns the connector's kv_transfer_params."""
-        was_running = request.status is RequestStatus.RUNNING
-        was_loading = request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
-        request.status = status
-        if was_running:
+        """End the request wherever it is; its blocks are freed now or, if the connector
+        keeps them, when it reports them sent. Returns the connector's kv_transfer_params."""
+        previous, request.status = request.status, status
+        was_loading = previous is RequestStatus.WAITING_FOR_REMOTE_KVS
+        if previous is RequestStatus.RUNNING:
             self.running.remove(request)
             self.finished_req_ids.add(request.request_id)
+        elif previous in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        self.waiting_for_grammar.pop(request.request_id, None)
+        self.waiting_for_remote.pop(request.request_id, None)
+        self.grammars.remove(request.request_id)
         self.sent_blocks.pop(request.request_id, None)
         self.prompt_sources.forget(request.request_id)
         del self.requests[request.request_id]
@@ -456,11 +379,3 @@ class Scheduler:
         else:
             self.kv.free(request)
         return params
-
-    def _connector_finished(self, request: Request) -> tuple[bool, RemotePrefillParams | None]:
-        """The connector's `request_finished`; a fault there keeps nothing for anyone."""
-        try:
-            return self.connector.request_finished(request, self.kv.get_block_ids(request.request_id))
-        except Exception:
-            logger.exception("the connector failed finishing request %s; its blocks are freed", request.request_id)
-            return False, None

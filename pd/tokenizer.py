@@ -42,6 +42,10 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def json(self) -> str:
+        """The tokenizer as tokenizer.json text (what llguidance builds its own from)."""
+        return self._tokenizer.to_str()
+
     def token_strings(self, token_ids: list[int]) -> list[str]:
         """Each token's own text (special tokens spelled out), as logprobs show tokens; a
         token ending inside a UTF-8 character decodes to U+FFFD there."""

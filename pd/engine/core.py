@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from connectors.base import KVConnectorScheduler, KVConnectorWorker, NullConnectorScheduler, NullConnectorWorker
-from pd.config import EngineConfig
+from pd.config import EngineConfig, SchedulerConfig
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.manager import KVCacheManager
 from pd.kv_cache.spec import KVCacheConfig, MambaSpec
@@ -26,7 +26,9 @@ from pd.models.quantized import quantize_linears
 from pd.engine.malloc import keep_freed_memory
 from pd.outputs import RequestOutput
 from pd.request import Request
-from pd.scheduler import Scheduler, SchedulerConfig
+from pd.scheduler import Scheduler
+from pd.structured.matchers import GrammarMatchers
+from pd.tokenizer import Tokenizer
 from pd.worker.model_runner import ModelRunner
 
 
@@ -90,8 +92,9 @@ class EngineCore:
                                   max_model_len=self.max_model_len, device=device,
                                   layout=config.kv_layout, keep_logits=keep_logits,
                                   connector=worker_connector, eos_token_ids=frozenset(self.model_config.eos_token_ids))
+        grammars = GrammarMatchers(lambda: Tokenizer(config.model).json(), self.model_config.eos_token_ids)
         self.scheduler = Scheduler(self._scheduler_config(), self.kv_cache_manager,
-                                   self._scheduler_connector(worker_connector))
+                                   self._scheduler_connector(worker_connector), grammars)
         self.logits: dict[str, list[torch.Tensor]] = {}
 
     def _worker_connector(self) -> KVConnectorWorker:
@@ -212,4 +215,5 @@ class EngineCore:
             self.logits.setdefault(req_id, []).append(row)
 
     def shutdown(self) -> None:
+        self.scheduler.grammars.shutdown()
         self.runner.shutdown()

@@ -15,6 +15,7 @@ import msgspec
 
 from connectors.params import RemoteDecodeParams, RemotePrefillParams, TransferParams
 from pd.logprobs import Logprobs, PromptLogprobs
+from pd.structured.grammar import Grammar
 
 if TYPE_CHECKING:
     from pd.engine.core import EngineCore, EngineStats
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 # The SamplingParams fields an EngineRequest carries, by the same names.
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos",
                    "logit_bias", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                   "min_tokens", "logprobs", "prompt_logprobs", "n")
+                   "min_tokens", "logprobs", "prompt_logprobs", "n", "grammar")
 
 
 class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
@@ -55,6 +56,7 @@ class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
+    grammar: Grammar | None = None
     remote_decode: bool = False
     remote_prefill: RemotePrefillParams | None = None
     cache_salt: str | None = None
@@ -119,6 +121,7 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     connector hands out in kv_transfer_params."""
 
     engine_id: str
+    kv_connector: str  # "none": this engine takes no part in PD
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]
@@ -133,7 +136,8 @@ class EngineInfo(msgspec.Struct, kw_only=True):
         from pd.engine.core import group_names
 
         kv = core.kv_cache_config
-        return cls(engine_id=core.engine_id, max_model_len=core.max_model_len, vocab_size=core.model_config.vocab_size,
+        return cls(engine_id=core.engine_id, kv_connector=core.config.kv_connector, max_model_len=core.max_model_len,
+                   vocab_size=core.model_config.vocab_size,
                    eos_token_ids=sorted(core.model_config.eos_token_ids),
                    group_names=group_names(kv), num_blocks=kv.num_blocks,
                    block_sizes=[g.spec.block_size for g in kv.groups],

@@ -49,16 +49,44 @@ class TokenizerFamily:
     extra_config: tuple[tuple[str, Any], ...] = ()
 
 
-QWEN3_TEMPLATE = r"""{%- if messages[0].role == 'system' -%}
+# Qwen3's layout: tools listed in the system turn between <tools></tools>, calls written as
+# <tool_call>{"name": ..., "arguments": ...}</tool_call>, results sent back in a user turn
+# between <tool_response></tool_response> (the wording of the instructions is this
+# project's own).
+QWEN3_TEMPLATE = r"""{%- if tools -%}
+{{- '<|im_start|>system\n' -}}
+{%- if messages[0].role == 'system' -%}
+{{- messages[0].content + '\n\n' -}}
+{%- endif -%}
+{{- '# Tools\n\nThese functions may be called to help with the request. Their signatures are between <tools></tools>:\n<tools>' -}}
+{%- for tool in tools -%}
+{{- '\n' + (tool | tojson) -}}
+{%- endfor -%}
+{{- '\n</tools>\n\nTo call one, write its name and arguments as a JSON object between <tool_call></tool_call> tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' -}}
+{%- elif messages[0].role == 'system' -%}
 {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' -}}
 {%- endif -%}
 {%- for message in messages -%}
 {%- if message.role == 'assistant' -%}
-{%- set content = message.content -%}
+{%- set content = message.content or '' -%}
 {%- if '</think>' in content -%}
 {%- set content = content.split('</think>')[-1].lstrip('\n') -%}
 {%- endif -%}
-{{- '<|im_start|>assistant\n' + content + '<|im_end|>\n' -}}
+{{- '<|im_start|>assistant\n' + content -}}
+{%- for tool_call in message.tool_calls or [] -%}
+{%- set call = tool_call.function if tool_call.function is defined else tool_call -%}
+{{- ('<tool_call>\n' if loop.first and not content else '\n<tool_call>\n') -}}
+{{- '{"name": "' + call.name + '", "arguments": ' + (call.arguments if call.arguments is string else call.arguments | tojson) + '}\n</tool_call>' -}}
+{%- endfor -%}
+{{- '<|im_end|>\n' -}}
+{%- elif message.role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}
+{{- '<|im_start|>user' -}}
+{%- endif -%}
+{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' -}}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}
+{{- '<|im_end|>\n' -}}
+{%- endif -%}
 {%- elif not (message.role == 'system' and loop.first) -%}
 {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' -}}
 {%- endif -%}

@@ -275,12 +275,14 @@ async def _sse(server: Server, answer: Answer) -> AsyncIterator[str]:
     for, then [DONE]. An engine failure midway is an error event."""
     generation, shape = answer.generation, answer.shape
     if shape.opens_with_role:
-        yield _event(_envelope(server, generation, shape.chunk_object_name) | {"choices": answer.role_chunk_choices()})
+        chunk = _envelope(server, generation, shape.chunk_object_name) | {"choices": answer.role_chunk_choices()}
+        yield _event(chunk | ({"usage": generation.usage()} if answer.prepared.continuous_usage else {}))
     try:
         async with contextlib.aclosing(generation.deltas()) as deltas:
             async for delta in deltas:
-                if delta.text or delta.finish_reason or delta.token_ids:
-                    yield _chunk(server, answer, delta)
+                choice = answer.chunk_choice(delta)
+                if choice is not None:
+                    yield _chunk(server, answer, delta, choice)
         if generation.prepared.include_usage:
             yield _event(_envelope(server, generation, shape.chunk_object_name)
                          | {"choices": [], "usage": generation.usage()})
@@ -290,9 +292,11 @@ async def _sse(server: Server, answer: Answer) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
-def _chunk(server: Server, answer: Answer, delta: Delta) -> str:
+def _chunk(server: Server, answer: Answer, delta: Delta, choice: dict[str, Any]) -> str:
     chunk = _envelope(server, answer.generation, answer.shape.chunk_object_name)
-    chunk["choices"] = [answer.chunk_choice(delta)]
+    chunk["choices"] = [choice]
+    if answer.prepared.continuous_usage:
+        chunk["usage"] = answer.generation.usage()
     if delta.finish_reason is not None:
         chunk["kv_transfer_params"] = answer.generation.transfer_params_json
     return _event(chunk)

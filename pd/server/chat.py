@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -24,7 +25,7 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_t
                       "mask_token")
 
 
-RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt"})
+RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools"})
 
 
 class ChatTemplateError(ValueError):
@@ -72,17 +73,28 @@ class ChatTemplate:
         return cls.from_config(tokenizer_config)
 
     @cached_property
-    def _template(self) -> jinja2.Template:
-        if self.source is None:
-            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+    def _environment(self) -> ImmutableSandboxedEnvironment:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
-        return env.from_string(self.source)
+        return env
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        if self.source is None:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        return self._environment.from_string(self.source)
+
+    @cached_property
+    def renders_tools(self) -> bool:
+        """Whether the template reads `tools` (shows a request's tools to the model)."""
+        if self.source is None:
+            return False
+        return "tools" in jinja2.meta.find_undeclared_variables(self._environment.parse(self.source))
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               template_kwargs: dict[str, Any] | None = None) -> str:
+               template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text; ChatTemplateError if the template refuses the conversation
         or the extra variables (`template_kwargs`, a client's chat_template_kwargs)."""
         reserved = sorted(RESERVED_VARIABLES & set(template_kwargs or {}))
@@ -91,15 +103,15 @@ class ChatTemplate:
         variables = {**self.special_tokens, **(template_kwargs or {})}
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **variables)
+                                         tools=tools, **variables)
         except ChatTemplateError:
             raise
         except Exception as e:  # the template ran on client data: any failure is the request's
             raise ChatTemplateError(f"the chat template refused the conversation: {type(e).__name__}: {e}") from None
 
     def encode(self, tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        text = self.render(messages, add_generation_prompt, template_kwargs)
+               template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        text = self.render(messages, add_generation_prompt, template_kwargs, tools)
         return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -83,6 +83,13 @@ class SamplingFields(_Strict):
     frequency_penalty: float | None = None  # [-2, 2]
     repetition_penalty: float | None = None  # extra; (0, 2]
     best_of: int | None = None
+    # structured outputs (pd/server/structured.py reads them)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # extra (vLLM's)
+    guided_json: dict[str, Any] | str | None = None  # extra (vLLM's older names)
+    guided_regex: str | None = None
+    guided_choice: list[Any] | None = None
+    guided_grammar: str | None = None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -93,6 +100,11 @@ class SamplingFields(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk of the stream (vLLM's `continuous_usage_stats`)."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @property
     def output_limit(self) -> int | None:
@@ -121,16 +133,54 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI writes it
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    """A message; `content` may be null only in an assistant message with tool calls."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool result's
 
     def text(self) -> str:
         """The content as one string; text parts are joined by newlines."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -140,8 +190,9 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # extra
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @property
     def output_limit(self) -> int | None:
@@ -168,6 +219,7 @@ _UNION_EXPECTS = {
     "prompt": "a string, a list of token ids, or a list holding one of those",
     "stop": "a string or a list of strings",
     "content": 'a string or a list of {"type": "text", "text": ...} parts',
+    "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
 }
 
 
@@ -197,9 +249,6 @@ def refuse_unsupported(body: SamplingFields) -> None:
     unsupported: list[tuple[str, bool]] = []
     if isinstance(body, CompletionRequest):
         unsupported += [("suffix", body.suffix is not None)]
-    if isinstance(body, ChatCompletionRequest):
-        unsupported += [("tools", bool(body.tools)),
-                        ("response_format", (body.response_format or {}).get("type", "text") != "text")]
     unsupported += [(name, True) for name in sorted(body.model_extra or {}) if name not in IGNORED_FIELDS]
     for name, used in unsupported:
         if used:

@@ -20,7 +20,10 @@ from pd.engine.messages import EngineRequest
 from pd.logprobs import MAX_LOGPROBS
 from pd.request import MAX_LOGIT_BIAS, MAX_N, MAX_PENALTY, SamplingParams
 from pd.server.chat import ChatTemplate, ChatTemplateError
-from pd.server.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, SamplingFields,
+from pd.server.structured import one_grammar, request_grammar
+from pd.server.tools import CLOSE, OPEN, ToolUse, request_tools
+from pd.structured.grammar import Grammar
+from pd.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, RequestError, SamplingFields,
                                 refuse_unsupported)
 
 MAX_SEED = 2**63
@@ -47,6 +50,8 @@ class Prepared:
     logprobs: int | None = None  # alternatives shown per token; None: no logprobs in the answer
     echo: Echo | None = None  # the prompt, answered before each choice's text (completions)
     drop_output: bool = False  # echo with max_tokens=0: the one token computed is not answered
+    tool_use: ToolUse = ToolUse()  # how a chat answer's tool calls are read
+    continuous_usage: bool = False  # usage in every streamed chunk
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -122,15 +127,18 @@ class Server:
         self._check_common(body)
         if not body.messages:
             raise RequestError("messages must be a non-empty list", param="messages")
-        messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
-                    for m in body.messages]
+        messages = [_template_message(i, m) for i, m in enumerate(body.messages)]
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        tags_are_tokens = all(self.tokenizer.token_id(tag) is not None for tag in (OPEN, CLOSE))
+        tools, tool_use, tool_grammar = request_tools(body, self.chat_template.renders_tools, tags_are_tokens)
         try:
             ids = self.chat_template.encode(self.tokenizer, messages, body.add_generation_prompt,
-                                            body.chat_template_kwargs)
+                                            body.chat_template_kwargs, tools)
         except ChatTemplateError as e:
             raise RequestError(str(e), param="messages") from None
-        return self._prepare(body, request_id, ids, "messages")
+        prepared = self._prepare(body, request_id, ids, "messages", tool_grammar)
+        prepared.tool_use = tool_use
+        return prepared
 
     def _check_common(self, body: SamplingFields) -> None:
         if body.model is not None and body.model != self.served_model_name:
@@ -166,14 +174,15 @@ class Server:
             raise RequestError(f"{param} holds token ids outside the vocabulary [0, {self.vocab_size}): "
                                f"{bad[:5]}", param=param)
 
-    def _prepare(self, body: SamplingFields, request_id: str, prompt_ids: list[int], prompt_param: str) -> Prepared:
+    def _prepare(self, body: SamplingFields, request_id: str, prompt_ids: list[int], prompt_param: str,
+                 tool_grammar: Grammar | None = None) -> Prepared:
         if not prompt_ids:
             raise RequestError("the prompt is empty", param=prompt_param)
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
                                f"{self.max_model_len} tokens, prompt and output together",
                                param=prompt_param, code="context_length_exceeded")
-        params = self._sampling_params(body, len(prompt_ids))
+        params = self._sampling_params(body, len(prompt_ids), one_grammar(request_grammar(body), tool_grammar))
         if body.cache_salt is not None and not body.cache_salt:
             raise RequestError("cache_salt must be a non-empty string", param="cache_salt")
         stop = body.stop_strings
@@ -195,7 +204,7 @@ class Server:
         engine_request = EngineRequest.create(engine_id, prompt_ids, params, transfer, body.cache_salt)
         return Prepared(request_id, engine_request, stop, stream, body.include_usage, body.return_token_ids,
                         release_first, n=body.n or 1, logprobs=body.logprobs_shown,
-                        drop_output=body.output_limit == 0)
+                        drop_output=body.output_limit == 0, continuous_usage=body.continuous_usage)
 
     def _transfer_params(self, raw: Any, prompt_ids: list[int],
                          params: SamplingParams) -> RemoteDecodeParams | RemotePrefillParams | None:
@@ -205,6 +214,10 @@ class Server:
         peer it does not trust)."""
         try:
             transfer = parse_transfer_params(raw)
+            if transfer is not None and self.client.info.kv_connector == "none":
+                raise RequestError("this server has no KV connector, so it takes no part in prefill/decode "
+                                   "disaggregation (start it with --kv-connector nixl, or a --role)",
+                                   param="kv_transfer_params", code="unsupported")
             if isinstance(transfer, RemotePrefillParams):
                 transfer.check_request(prompt_ids, params.n, params.logprobs, params.prompt_logprobs)
         except TransferParamsError as e:
@@ -259,7 +272,7 @@ class Server:
         prompt_logprobs = shown if getattr(body, "echo", False) else None
         return logprobs, prompt_logprobs, best_of
 
-    def _sampling_params(self, body: SamplingFields, num_prompt_tokens: int) -> SamplingParams:
+    def _sampling_params(self, body: SamplingFields, num_prompt_tokens: int, grammar: Grammar | None) -> SamplingParams:
         room = self.max_model_len - num_prompt_tokens
         max_tokens = body.output_limit if body.output_limit is not None else room
         param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
@@ -302,10 +315,26 @@ class Server:
             penalties["repetition_penalty"] = body.repetition_penalty
         logprobs, prompt_logprobs, n = self._logprobs_and_choices(body)
         try:
-            return SamplingParams(logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=n,
+            return SamplingParams(logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=n, grammar=grammar,
                                   max_tokens=max_tokens, temperature=temperature,
                                   top_k=body.top_k if body.top_k and 0 < body.top_k < self.vocab_size else None, top_p=top_p,
                                   seed=body.seed, stop_token_ids=tuple(stop_token_ids), ignore_eos=body.ignore_eos,
                                   logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens, **penalties)
         except ValueError as e:  # a range the checks above missed
             raise RequestError(str(e)) from None
+
+
+def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it (transformers' convention): content a string,
+    an assistant's tool calls as {"id", "type", "function": {"name", "arguments"}}."""
+    if message.content is None and not (message.role == "assistant" and message.tool_calls):
+        raise RequestError(f"messages[{index}].content is required (it may be null only in an assistant "
+                           "message with tool_calls)", param=f"messages.{index}.content")
+    rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.name:
+        rendered["name"] = message.name
+    if message.tool_calls:
+        rendered["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered

@@ -31,7 +31,7 @@ from pd.request import SamplingParams
 from pd.worker.block_table import MultiGroupBlockTable
 from pd.worker.kv_allocation import KVLayout, allocate_kv_caches
 from pd.worker.logprobs import prompt_logprobs, sampled_logprobs
-from pd.worker.sampler import adjust, choose, make_generator
+from pd.worker.sampler import adjust, choose, make_generator, mask_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions)
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             scored = self._score_prompts(batch, hidden)
-        output = self._sample(batch.sampling_req_ids, logits)
+        output = self._sample(batch.sampling_req_ids, logits, so.grammar_masks)
         output.prompt_logprobs = scored
         return output
 
@@ -193,11 +193,13 @@ class ModelRunner:
                 per_layer[name] = metadata
         return per_layer
 
-    def _sample(self, req_ids: list[str], logits: torch.Tensor) -> ModelRunnerOutput:
+    def _sample(self, req_ids: list[str], logits: torch.Tensor,
+                grammar_masks: dict[str, np.ndarray] | None = None) -> ModelRunnerOutput:
         """One token per request; n tokens from the same row for a request that forks
         into n sequences at its first token (sequence j with `for_sequence(j)`'s params
-        and a generator of its own). Logprobs of the sampled tokens, for requests asking,
-        come from the adjusted logits (bias, penalties, min_tokens), before temperature."""
+        and a generator of its own). A request's grammar mask comes first; logprobs of
+        the sampled tokens, for requests asking, come from the adjusted logits (mask,
+        bias, penalties, min_tokens), before temperature."""
         rows = [(i, req_id, params, generator) for i, req_id in enumerate(req_ids)
                 for params, generator in self._sampling_rows(req_id)]
         sampled_from = logits
@@ -205,7 +207,8 @@ class ModelRunner:
             logits = logits[[i for i, _, _, _ in rows]]
         params = [p for _, _, p, _ in rows]
         histories = [(self.requests[r].token_ids, self.requests[r].num_prompt_tokens) for _, r, _, _ in rows]
-        adjusted = adjust(logits, params, histories, self.eos_token_ids)
+        masks = [(grammar_masks or {}).get(r) for _, r, _, _ in rows]
+        adjusted = adjust(mask_tokens(logits, masks), params, histories, self.eos_token_ids)
         tokens = choose(adjusted, params, [g for _, _, _, g in rows])
         scored = {k: j for j, k in enumerate(k for k, p in enumerate(params) if p.logprobs is not None)}
         if scored:

@@ -20,7 +20,8 @@ from pd.kv_cache.manager import KVCacheManager
 from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from pd.outputs import ModelRunnerOutput, SchedulerOutput
 from pd.request import Request, RequestStatus, SamplingParams
-from pd.scheduler import Scheduler, SchedulerConfig
+from pd.config import SchedulerConfig
+from pd.scheduler import Scheduler
 
 BLOCK = 16
 EOS = 7

@@ -19,7 +19,8 @@ from pd.kv_cache.manager import KVCacheManager
 from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from pd.outputs import ModelRunnerOutput
 from pd.request import Request, RequestStatus, SamplingParams
-from pd.scheduler import Scheduler, SchedulerConfig
+from pd.config import SchedulerConfig
+from pd.scheduler import Scheduler
 
 BLOCK = 16
 

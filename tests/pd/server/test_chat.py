@@ -95,3 +95,37 @@ def test_loop_controls_and_sandbox(tmp_path) -> None:
     with pytest.raises(ChatTemplateError):
         evil.render([{"role": "user", "content": "x"}])
     assert json.loads(ChatTemplate("{{ messages | tojson }}", {}).render([{"role": "user", "content": "x"}]))
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather of a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris and Oslo?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+    {"role": "tool", "content": "18 C", "tool_call_id": "c1"},
+    {"role": "tool", "content": "9 C", "tool_call_id": "c2"},
+]
+
+
+def test_the_qwen3_template_shows_tools_calls_and_results_like_transformers(tiny_models, hf_tokenizers) -> None:
+    template, tokenizer = template_for(tiny_models["qwen3"])
+    assert template.renders_tools
+    hf = hf_tokenizers["qwen3"]
+    for messages in (CONVERSATIONS[1], TOOL_CONVERSATION):
+        expected = hf.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+        text = template.render(messages, True, tools=TOOLS)
+        assert text == expected
+        assert "<tools>\n" + json.dumps(TOOLS[0]) in text and "<tool_call>" in text
+    text = template.render(TOOL_CONVERSATION, True, tools=TOOLS)
+    assert '{"name": "get_weather", "arguments": {"city": "Oslo"}}' in text
+    assert text.count("<tool_response>") == 2 and text.count("<|im_start|>user") == 2  # results share a turn
+    assert template.render(CONVERSATIONS[1], True) == hf.apply_chat_template(CONVERSATIONS[1], add_generation_prompt=True,
+                                                                          tokenize=False)
+
+
+def test_a_template_that_never_reads_tools_says_so(tiny_models) -> None:
+    assert not template_for(tiny_models["gemma3"])[0].renders_tools

@@ -11,6 +11,7 @@ server started with `--no-skip-mamba-align`.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -217,3 +218,43 @@ def test_logprobs_echo_and_n_through_p_then_d_give_the_colocated_answer(servers,
             assert_choices_close(p_then_d_choices(a, b, body, streamed, endpoint), expected)
     for server in (a, b):
         assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+
+
+def test_a_grammar_is_followed_on_p_and_d_alike(servers, arch) -> None:
+    """P samples each sequence's first token under the grammar; D's matchers take those
+    tokens, then mask the rest: the colocated answer, ending where the grammar ends."""
+    a, b, c = servers["a"], servers["b"], servers["c"]
+    schema = {"type": "object", "properties": {"k": {"type": "string", "maxLength": 6},
+                                               "v": {"type": "integer", "minimum": 0, "maximum": 999}},
+              "required": ["k", "v"], "additionalProperties": False}
+    body = {"prompt": token_prompt(random.Random(f"grammar-{arch}"), 60), "max_tokens": 40, "temperature": 0.9,
+            "seed": 4, "n": 2, "guided_json": schema, "return_token_ids": True}
+    expected = choices(c, body)
+    for choice in expected:
+        value = json.loads(choice["text"])
+        assert set(value) == {"k", "v"} and choice["finish_reason"] == "stop"
+    for streamed in (False, True):
+        assert_choices_close(p_then_d_choices(a, b, body, streamed), expected)
+
+
+@pytest.mark.parametrize("arch", ["qwen3"], indirect=True)
+def test_forced_tool_calls_through_p_then_d_are_the_colocated_calls(servers, arch) -> None:
+    """Only the Qwen3 template shows tools. P's first token is the call's opening tag under
+    the tool grammar; D writes the rest of each call: the colocated calls, streamed or not."""
+    a, b, c = servers["a"], servers["b"], servers["c"]
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string", "maxLength": 6}}, "required": ["q"],
+        "additionalProperties": False}}}
+    body = {"messages": [{"role": "user", "content": "Look it up."}], "tools": [tool], "tool_choice": "required",
+            "parallel_tool_calls": False, "max_tokens": 40, "temperature": 0.9, "seed": 8, "n": 2,
+            "return_token_ids": True}
+
+    def without_ids(answer: list[dict]) -> list[dict]:
+        for choice in answer:
+            for call in choice["message"].get("tool_calls", []):
+                call.pop("id")
+        return answer
+
+    expected = without_ids(choices(c, body, "chat/completions"))
+    assert all(choice["message"]["tool_calls"] and choice["finish_reason"] == "tool_calls" for choice in expected)
+    assert_choices_close(without_ids(p_then_d_choices(a, b, body, False, "chat/completions")), expected)

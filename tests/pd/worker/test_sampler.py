@@ -206,3 +206,25 @@ def test_min_tokens_holds_back_eos_and_stop_tokens_until_reached() -> None:
     assert sample(x, params, [None, None], short, eos_token_ids=frozenset({3})) == [0, 3]
     reached = [([1, 2, 7, 8], 2)] * 2
     assert sample(x, params, [None, None], reached, eos_token_ids=frozenset({3})) == [3, 3]
+
+
+def test_grammar_masks_leave_only_the_allowed_tokens() -> None:
+    """Bit j of word w allows token 32 w + j; a row without a mask is untouched, tokens
+    past the mask (a vocabulary wider than the tokenizer's) are not allowed, and the
+    caller's logits are not modified."""
+    import numpy as np
+
+    from pd.worker.sampler import mask_tokens
+
+    x = logits(rows=3, vocab=70)
+    kept = x.clone()
+    allow = np.zeros(2, dtype=np.int32)  # the tokenizer knows 64 tokens
+    allow[0] |= 1 << 5
+    allow[1] = np.array([(1 << 31) | (1 << 2)], dtype=np.uint32).view(np.int32)[0]  # tokens 63 and 34
+    masked = mask_tokens(x, [allow, None, allow])
+    assert torch.equal(x, kept) and torch.equal(masked[1], x[1])
+    for row in (0, 2):
+        assert torch.isfinite(masked[row]).nonzero().flatten().tolist() == [5, 34, 63]
+    assert sample(masked, [SamplingParams(temperature=1.0, seed=s) for s in range(3)],
+                  [make_generator(s, "cpu") for s in range(3)])[0] in (5, 34, 63)
+    assert mask_tokens(x, [None] * 3) is x
