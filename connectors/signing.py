@@ -22,6 +22,7 @@ import hashlib
 import hmac
 import ipaddress
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -97,9 +98,14 @@ class TransferParamsGuard:
         self.allowed = [ipaddress.ip_network(p, strict=False) for p in allowed_peers]
         self.wall_clock = wall_clock
         self._seen = UntilExpiry()  # signatures used, until their lease ends
+        self._lock = threading.Lock()  # servers check requests in worker threads: one check at a time
 
     def check(self, params: RemotePrefillParams, prompt_token_ids: Sequence[int]) -> None:
         """Raises TransferParamsRefused saying why these parameters are not acted on."""
+        with self._lock:  # a replay is told from a first use by what was seen: check and note at once
+            self._check(params, prompt_token_ids)
+
+    def _check(self, params: RemotePrefillParams, prompt_token_ids: Sequence[int]) -> None:
         if self.secret is None:
             self._check_peer(params.remote_host)
             return

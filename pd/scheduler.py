@@ -278,7 +278,8 @@ class Scheduler(RemoteKV):
             self.grammars.fork(request.request_id, sequence_id(request.request_id, index))
         request.append_output_token_ids(tokens[0])
         request.add_output_logprobs(rows)
-        forked = self._fork(request, tokens[1:], logprobs.rows(1) if logprobs is not None else None)
+        forked = self._fork(request, tokens[1:], logprobs.rows(1) if logprobs is not None else None) \
+            if len(tokens) > 1 else []
         if not self.grammars.accept(request.request_id, tokens[0]):  # a first token from elsewhere
             self._fail(request, ERROR_INVALID, self._off_grammar(tokens[0]))
             return forked

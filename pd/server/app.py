@@ -140,13 +140,15 @@ def _v1_router(server: Server, metrics: ServerMetrics, api_key: str | None, max_
     async def completions(request: Request) -> Response:
         body = parse_body(await read_body(request, max_request_bytes), CompletionRequest)
         request_id = server.request_id(request.headers.get("x-request-id"), "cmpl")
-        return await _serve(server, metrics, request, server.prepare_completion(body, request_id), COMPLETION)
+        prepared = await anyio.to_thread.run_sync(server.prepare_completion, body, request_id)
+        return await _serve(server, metrics, request, prepared, COMPLETION)
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = parse_body(await read_body(request, max_request_bytes), ChatCompletionRequest)
         request_id = server.request_id(request.headers.get("x-request-id"), "chatcmpl")
-        return await _serve(server, metrics, request, server.prepare_chat(body, request_id), CHAT)
+        prepared = await anyio.to_thread.run_sync(server.prepare_chat, body, request_id)
+        return await _serve(server, metrics, request, prepared, CHAT)
 
     @router.post("/kv/release")
     async def release(request: Request) -> dict[str, bool]:
@@ -188,12 +190,12 @@ async def _serve(server: Server, metrics: ServerMetrics, request: Request, prepa
     if not server.client.is_alive:
         raise RequestError(f"the engine is not running: {server.client.dead_error}", type="service_unavailable",
                            code="engine_dead", status=503)
+    server.claim(prepared.request_id)
     if prepared.release_first is not None:
         await server.release_held(prepared.release_first)
     generation = Generation(server.client, server.tokenizer, prepared, metrics)
     answer = Answer(shape, generation, server.tokenizer.token_strings)
     headers = {"X-Request-Id": prepared.request_id}
-    server.in_flight.add(prepared.request_id)
     if prepared.stream:
         return _ClosingStreamingResponse(_sse(server, answer),
                                          lambda: server.in_flight.discard(prepared.request_id),

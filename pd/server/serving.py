@@ -108,10 +108,18 @@ class Server:
             return f"{prefix}-{uuid.uuid4().hex}"
         if not header or len(header) > 256 or not header.isprintable():
             raise RequestError("X-Request-Id must be 1 to 256 printable characters", param="X-Request-Id")
-        if header in self.in_flight:
-            raise RequestError(f"request id {header!r} is already in flight", param="X-Request-Id",
-                               code="duplicate_request_id")
+        self._check_not_in_flight(header)
         return header
+
+    def claim(self, request_id: str) -> None:
+        """Mark the request in flight (checked again: it was prepared off the event loop)."""
+        self._check_not_in_flight(request_id)
+        self.in_flight.add(request_id)
+
+    def _check_not_in_flight(self, request_id: str) -> None:
+        if request_id in self.in_flight:
+            raise RequestError(f"request id {request_id!r} is already in flight", param="X-Request-Id",
+                               code="duplicate_request_id")
 
     def prepare_completion(self, body: CompletionRequest, request_id: str) -> Prepared:
         self._check_common(body)

@@ -87,14 +87,19 @@ class GrammarMatchers:
 
     def masks(self, request_ids: list[str]) -> dict[str, np.ndarray]:
         """For each request, the tokens its grammar allows next: int32 words, bit j of
-        word w for token 32 w + j."""
+        word w for token 32 w + j. A matcher that failed (a grammar past llguidance's
+        limits) allows every token: its request then fails at its next token (`accept`),
+        alone, where a row with nothing allowed would disturb the batch's sampling."""
         if not request_ids:
             return {}
         import llguidance.numpy as llg_numpy
 
         bitmask = llg_numpy.allocate_token_bitmask(len(request_ids), self._tokenizer.vocab_size)
         for row, request_id in enumerate(request_ids):
-            llg_numpy.fill_next_token_bitmask(self._matchers[request_id], bitmask, row)
+            matcher = self._matchers[request_id]
+            llg_numpy.fill_next_token_bitmask(matcher, bitmask, row)
+            if matcher.is_error():
+                bitmask[row] = -1
         return dict(zip(request_ids, bitmask))
 
     def accept(self, request_id: str, token_id: int) -> bool:

@@ -28,7 +28,9 @@ def mask_tokens(logits: torch.Tensor, masks: list[np.ndarray | None]) -> torch.T
     """The logits with every token a row's grammar mask does not allow at -inf (a copy;
     `logits` itself when no row has a mask). `masks[i]`: row i's int32 words, bit j of
     word w allowing token 32 w + j; tokens past the mask (a vocabulary wider than the
-    tokenizer's) are not allowed."""
+    tokenizer's) are not allowed. A row whose mask allows none of the logits' tokens is
+    left as it is: its token then fails its request at the grammar, alone, where a row
+    of -inf would make the batch's sampling fail."""
     rows = [i for i, mask in enumerate(masks) if mask is not None]
     if not rows:
         return logits
@@ -37,6 +39,7 @@ def mask_tokens(logits: torch.Tensor, masks: list[np.ndarray | None]) -> torch.T
     allowed = torch.from_numpy(bits.view(np.bool_)).to(logits.device)
     vocab = logits.shape[-1]
     allowed = F.pad(allowed, (0, max(0, vocab - allowed.shape[1])))[:, :vocab]
+    allowed[~allowed.any(dim=1)] = True  # nothing of this vocabulary allowed: left to fail at the token, alone
     masked = torch.where(allowed, logits[rows], torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
     if len(rows) == logits.shape[0]:
         return masked

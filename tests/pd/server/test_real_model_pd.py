@@ -2,18 +2,20 @@
 in bfloat16 (`--dtype auto` on this machine, whose CPU computes bfloat16 natively, or
 float32 elsewhere: the comparison holds either way). Every answer must equal the
 colocated server's token for token, including a prompt longer than the 512-token sliding
-window, whose window blocks D pulls from P. A base model: chat is a clear 400."""
+window, whose window blocks D pulls from P, and logprobs, echo, n and a JSON schema with
+them. A base model: chat is a clear 400."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from pathlib import Path
 
 import httpx
 import pytest
 
-from pd_client import complete, p_then_d, stream
+from pd_client import assert_choices_close, choices, complete, p_then_d, p_then_d_choices, stream
 from server_harness import running_proxy, running_server
 
 pytestmark = pytest.mark.slow
@@ -66,3 +68,38 @@ def test_chat_on_a_base_model_is_a_clear_400(deployment) -> None:
                           json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
     assert response.status_code == 400 and "no chat template" in response.json()["error"]["message"]
     assert complete(deployment["c"], body("Hello", 2)).token_ids  # completions still work
+
+
+CITY = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20},
+    "population": {"type": "integer", "minimum": 0, "maximum": 99999999},
+    "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 3}},
+        "required": ["name", "country", "population", "landmarks"], "additionalProperties": False}
+
+
+def test_a_json_schema_gives_json_that_validates_colocated_and_through_pd(deployment) -> None:
+    """The real model, told nothing but the schema: what it writes parses, has every
+    required field with its type and bounds, and ends where the object ends."""
+    request = {"prompt": "Here is a JSON record of the city of Paris, France:\n", "max_tokens": 120, "temperature": 0,
+               "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}}
+    answers = [choices(deployment[name], request)[0] for name in ("c", "proxy")]
+    assert answers[0]["text"] == answers[1]["text"]
+    for answer in answers:
+        city = json.loads(answer["text"])
+        assert set(city) == set(CITY["required"]) and answer["finish_reason"] == "stop"
+        assert isinstance(city["population"], int) and 0 <= city["population"] <= 99999999
+        assert all(isinstance(v, str) and len(v) <= 20 for v in (city["name"], city["country"]))
+        assert len(city["landmarks"]) <= 3 and all(len(v) <= 30 for v in city["landmarks"])
+    assert "Paris" in answers[0]["text"]
+
+
+def test_logprobs_echo_and_n_through_pd_equal_the_colocated_server(deployment) -> None:
+    """lm-evaluation-harness's loglikelihood request (token ids, echo, logprobs 1,
+    max_tokens 1), and seeded sampling with n and top-5 logprobs: through P, NIXL and D
+    (and the proxy), the colocated answer, logprobs to 1e-5."""
+    prompt = complete(deployment["c"], body(PROMPTS[1], 1)).body["choices"][0]["prompt_token_ids"]
+    for request in ({"prompt": [prompt], "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True, "seed": 1234},
+                    {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0.8, "seed": 3, "n": 3, "logprobs": 5}):
+        expected = choices(deployment["c"], request)
+        assert_choices_close(p_then_d_choices(deployment["p"], deployment["d"], request), expected)
+        assert_choices_close(choices(deployment["proxy"], request, streamed=True), expected)

@@ -64,6 +64,10 @@ def test_the_mask_allows_exactly_the_tokens_that_keep_a_regex_matchable(matchers
     assert not matchers.is_stopped("r")  # more letters may follow
     digit = tokenizer.encode("7", add_special_tokens=False).ids[0]
     assert digit not in allowed(matchers, "r") and not matchers.accept("r", digit)
+    # A failed matcher allows everything: its request fails at its next token, alone,
+    # rather than leaving its row with nothing to sample from.
+    assert allowed(matchers, "r") == set(range(32 * ((tokenizer.get_vocab_size() + 31) // 32)))
+    assert not matchers.accept("r", first.pop())
 
 
 def test_a_json_schema_stops_at_its_end_and_forks_go_their_own_way(matchers, tokenizer) -> None:
