@@ -5,10 +5,11 @@ lm-eval runs unmodified, as a separate installation (it is not a dependency of t
 project: `python3 -m venv /tmp/lmeval && /tmp/lmeval/bin/pip install torch==2.13.0 &&
 /tmp/lmeval/bin/pip install "lm-eval[api]" transformers`), with two tasks defined here
 over local data files (no hub needed; benchmarks/lm_eval/): `pd_mc`, 40 multiple-choice
-questions scored by loglikelihood (echo + logprobs), and `pd_gen`, 40 greedy completions
-cut at a newline or a full stop. `local-completions` runs both on `--model` (default: the
-real Gemma 3 270M); `local-chat-completions` runs `pd_gen` on `--chat-model` (default: a
-tiny random Qwen3, for its chat template: its score means nothing, its equality does).
+questions scored by loglikelihood (echo + logprobs), and `pd_gen`, 40 greedy
+completions cut at a newline, a full stop or a comma. `local-completions` runs both on
+`--model` (default: the real Gemma 3 270M); `local-chat-completions` runs `pd_gen` on
+`--chat-model` (default: a tiny random Qwen3, for its chat template: its score means
+nothing, its equality does).
 Every server gets `--server-args` (default one thread each, so that the colocated server
 and P and D compute alike). Prints a table, saves JSON; exits 1 if a score or an answer
 differs.
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace, workdir: Path) -> list[dict]:
                                          workdir / f"{kind}-{config}")
         for task in tasks:
             for metric, value in scored["colocated"][0][task].items():
-                if metric.endswith("_stderr") or "," not in metric or not isinstance(value, (int, float)):
+                if "_stderr," in metric or "," not in metric or not isinstance(value, (int, float)):
                     continue
                 through_pd = scored["pd"][0][task].get(metric)
                 same = [a == b for a, b in zip(answers(scored["colocated"][1][task]), answers(scored["pd"][1][task]))]
