@@ -15,6 +15,7 @@ ROLES = ("both", "prefill", "decode")
 KV_CONNECTORS = ("none", "nixl")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 QUANTIZATIONS = ("none", "int8")  # int8: pd.models.quantized
+LOGPROBS_MODES = ("processed", "raw")  # pd/logprobs.py
 DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024
 
 
@@ -30,6 +31,7 @@ class EngineConfig:
     model: Path
     dtype: str = AUTO_DTYPE  # resolved at construction: the checkpoint's own (see resolve_dtype)
     quantization: str = "none"  # int8: linear layers with int8 weights (pd.models.quantized)
+    logprobs_mode: str = "processed"  # sampled tokens' logprobs: after bias and penalties, or raw
     device: str | None = None
     max_model_len: int | None = None
     block_size: int = 16
@@ -70,6 +72,8 @@ class EngineConfig:
             object.__setattr__(self, "dtype_reason", why)
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.kv_connector not in KV_CONNECTORS:
             raise ValueError(f"kv_connector must be one of {', '.join(KV_CONNECTORS)}, got {self.kv_connector!r}")
         if self.kv_lease_seconds <= 0:
@@ -127,6 +131,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, type=Path, help="HF-format model directory (config.json, safetensors, tokenizer.json) or a .gguf file (config, tokenizer and weights read from it, dequantized at load)")
     parser.add_argument("--dtype", choices=(AUTO_DTYPE, *SUPPORTED_DTYPES), default=AUTO_DTYPE, help="weights and KV cache dtype; auto: the checkpoint's own (torch_dtype in config.json), and for a quantized .gguf bfloat16 where the device computes in it natively, else float32 (default auto)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="int8: every linear layer, the lm_head included, with int8 weights (per output channel) and its input rows quantized to int8 at run time; half the weight bytes of bfloat16 and, on CPUs with AVX-512 VNNI, twice the multiplies per instruction (Gemma 3 270M on 2 cores: 1.4x the output tok/s of bfloat16, top-1 agreement with transformers' bfloat16 97.5%%, against 98.9%% unquantized; README); none: weights in --dtype (default none)")
+    parser.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="processed", help="the logits a sampled token's logprobs come from: processed, those it was chosen from (after a grammar's mask, logit_bias, the penalties and the min_tokens hold-back; before temperature, top-k/p and min-p); raw, the model's after a grammar's mask only (vLLM's default, raw_logprobs). The two agree for requests without bias or penalties; prefill and decode servers must share it (default processed)")
     parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 (default: cuda if present, else cpu)")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest sequence (prompt + output) served; default: the model's max_position_embeddings")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (raised for Mamba hybrids so a block holds a Mamba state; default 16)")

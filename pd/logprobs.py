@@ -2,10 +2,11 @@
 and a prefill server hands them to a decode server (torch-free; computed in
 pd/worker/logprobs.py).
 
-A logprob is taken from the logits a request's token is chosen from: after its
+A sampled token's logprob is taken from the logits it is chosen from: after its
 structured-output mask, logit_bias, penalties and min_tokens hold-back, before
-temperature, top-k, top-p and min-p (pd/worker/sampler.py). A token the request could not
-pick there has logprob -inf, reported as LOGPROB_FLOOR (-9999.0, as vLLM reports it), so
+temperature, top-k, top-p and min-p (pd/worker/sampler.py); with `--logprobs-mode raw`,
+from the model's logits after the mask only (vLLM's default). A token the request could
+not pick has logprob -inf, reported as LOGPROB_FLOOR (-9999.0, as vLLM reports it), so
 every value is a finite JSON number. The field bounds are checked where rows are decoded
 from outside (IPC, kv_transfer_params); rows built here are not re-checked.
 """

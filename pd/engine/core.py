@@ -91,7 +91,8 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.kv_cache_config, max_num_reqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, device=device,
                                   layout=config.kv_layout, keep_logits=keep_logits,
-                                  connector=worker_connector, eos_token_ids=frozenset(self.model_config.eos_token_ids))
+                                  connector=worker_connector, eos_token_ids=frozenset(self.model_config.eos_token_ids),
+                                  logprobs_mode=config.logprobs_mode)
         grammars = GrammarMatchers(lambda: Tokenizer(config.model).json(), self.model_config.eos_token_ids)
         self.scheduler = Scheduler(self._scheduler_config(), self.kv_cache_manager,
                                    self._scheduler_connector(worker_connector), grammars)

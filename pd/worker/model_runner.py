@@ -64,9 +64,10 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache_config: KVCacheConfig, *, max_num_reqs: int,
                  max_model_len: int, device: torch.device | str, layout: KVLayout = "canonical",
                  keep_logits: bool = False, connector: KVConnectorWorker | None = None,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), logprobs_mode: str = "processed") -> None:
         self.model = model
         self.eos_token_ids = eos_token_ids  # what min_tokens holds back
+        self.logprobs_mode = logprobs_mode  # pd/logprobs.py
         self.kv_cache_config = kv_cache_config
         self.device = torch.device(device)
         self.keep_logits = keep_logits
@@ -199,7 +200,8 @@ class ModelRunner:
         into n sequences at its first token (sequence j with `for_sequence(j)`'s params
         and a generator of its own). A request's grammar mask comes first; logprobs of
         the sampled tokens, for requests asking, come from the adjusted logits (mask,
-        bias, penalties, min_tokens), before temperature."""
+        bias, penalties, min_tokens), before temperature, or in raw mode from the masked
+        ones."""
         rows = [(i, req_id, params, generator) for i, req_id in enumerate(req_ids)
                 for params, generator in self._sampling_rows(req_id)]
         sampled_from = logits
@@ -208,11 +210,13 @@ class ModelRunner:
         params = [p for _, _, p, _ in rows]
         histories = [(self.requests[r].token_ids, self.requests[r].num_prompt_tokens) for _, r, _, _ in rows]
         masks = [(grammar_masks or {}).get(r) for _, r, _, _ in rows]
-        adjusted = adjust(mask_tokens(logits, masks), params, histories, self.eos_token_ids)
+        masked = mask_tokens(logits, masks)
+        adjusted = adjust(masked, params, histories, self.eos_token_ids)
         tokens = choose(adjusted, params, [g for _, _, _, g in rows])
         scored = {k: j for j, k in enumerate(k for k, p in enumerate(params) if p.logprobs is not None)}
         if scored:
-            logprobs = sampled_logprobs(adjusted[list(scored)], [tokens[k] for k in scored],
+            scored_from = masked if self.logprobs_mode == "raw" else adjusted
+            logprobs = sampled_logprobs(scored_from[list(scored)], [tokens[k] for k in scored],
                                         [params[k].logprobs for k in scored])
         output = ModelRunnerOutput()
         for k, ((_, req_id, _, _), token) in enumerate(zip(rows, tokens)):

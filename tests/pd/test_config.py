@@ -25,6 +25,7 @@ def test_the_role_picks_the_default_connector(role: str, connector: str) -> None
     ({"kv_read_timeout": 0}, "kv_read_timeout must be positive"),
     ({"kv_ucx_transports": "sm, tcp"}, "kv_ucx_transports must be auto or a UCX_TLS list"),
     ({"kv_ucx_transports": ""}, "kv_ucx_transports must be auto or a UCX_TLS list"),
+    ({"logprobs_mode": "processed_logits"}, "logprobs_mode must be one of processed, raw"),
 ])
 def test_bad_settings_are_refused_with_the_reason(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -60,6 +60,20 @@ def test_logprobs_come_after_bias_and_penalties_before_temperature(checkpoints, 
         assert_rows_match(out.logprobs.rows(i, i + 1), out.token_ids[i:i + 1], adjusted.log_softmax(-1)[None])
 
 
+@pytest.mark.slow
+def test_raw_logprobs_mode_scores_from_the_models_logits(checkpoints, hf_models):
+    """`--logprobs-mode raw` (vLLM's default): the same request, biased and penalized,
+    chooses the same tokens, scored by the model's own log-softmax."""
+    prompt = random_prompts([30], seed=22)[0]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=K, logit_bias=((prompt[3], 4.0),),
+                            presence_penalty=0.6, repetition_penalty=1.4)
+    processed = LLM(str(checkpoints["qwen3"]), kv_cache_memory=64 << 20).generate([prompt], params)[0]
+    raw = LLM(str(checkpoints["qwen3"]), kv_cache_memory=64 << 20, logprobs_mode="raw").generate([prompt], params)[0]
+    assert raw.token_ids == processed.token_ids and raw.logprobs.logprobs != processed.logprobs.logprobs
+    logits = hf_logits(hf_models("qwen3"), prompt + raw.token_ids)
+    assert_rows_match(raw.logprobs, raw.token_ids, logits[len(prompt) - 1:-1].log_softmax(-1))
+
+
 def seeded(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=12, temperature=0.9, seed=7, ignore_eos=True, logprobs=2, n=n, **kw)
 
