@@ -55,6 +55,9 @@ class EngineConfig:
     kv_transfer_secret: str | None = field(default=None, repr=False)  # signs / verifies kv_transfer_params
     kv_allowed_peers: tuple[str, ...] = DEFAULT_ALLOWED_PEERS  # without a secret: the P hosts D trusts
     num_threads: int | None = None  # torch intra-op threads; None: torch's default (all cores)
+    kv_events_port: int | None = None  # publish KV events (kv_events/) on tcp://kv_events_host:port; None: off
+    kv_events_replay_port: int | None = None  # their replay socket; None: kv_events_port + 1
+    kv_events_host: str = "127.0.0.1"
     dtype_reason: str = field(default="as asked", init=False, compare=False)  # how `dtype` was chosen
 
     def __post_init__(self) -> None:
@@ -110,6 +113,14 @@ class EngineConfig:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.kv_events_port is not None:
+            if self.kv_events_replay_port is None:
+                object.__setattr__(self, "kv_events_replay_port", self.kv_events_port + 1)
+            for name in ("kv_events_port", "kv_events_replay_port"):
+                if not 1 <= getattr(self, name) <= 65535:
+                    raise ValueError(f"{name} must be a TCP port (1-65535), got {getattr(self, name)}")
+            if self.kv_events_port == self.kv_events_replay_port:
+                raise ValueError("kv_events_port and kv_events_replay_port must differ")
 
     @property
     def torch_device(self) -> str:
@@ -149,6 +160,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-ucx-transports", default="auto", metavar="UCX_TLS", help="UCX transports the NIXL agent may use, as a UCX_TLS list (e.g. rc,ud,sm,self or cuda_ipc,sm,self,tcp); auto: for a loopback --kv-host sm,self,tcp (reads are one process_vm_readv copy), else UCX's own choice; a UCX_TLS environment variable wins over auto (default auto)")
     parser.add_argument("--no-skip-mamba-align", dest="skip_mamba_align", action="store_false", help="on a decode server, keep Mamba and sliding-window groups in the prefix-cache hit search for remote-prefill requests (A/B comparison: their misses collapse the full-attention hit, so D reads more)")
     parser.add_argument("--kv-load-failure-policy", choices=KV_LOAD_FAILURE_POLICIES, default="recompute", help="when a decode server cannot load a request's KV from the prefill server (P gone, read failed, incompatible pair): recompute the prompt here, or fail the request with an error (default recompute)")
+    parser.add_argument("--kv-events-port", type=int, default=None, help="publish this server's prefix-cache changes (KV events: blocks stored, evicted, all cleared; msgpack, kv_events/) on a ZMQ PUB socket at tcp://--kv-events-host:PORT, for a KV-aware router (pd proxy --policy kv_aware) (default: off)")
+    parser.add_argument("--kv-events-replay-port", type=int, default=None, help="TCP port of the KV events' replay socket (ZMQ ROUTER: a subscriber that missed batches, or starts late, asks for them or for a snapshot) (default: --kv-events-port + 1)")
+    parser.add_argument("--kv-events-host", default="127.0.0.1", help="address the KV events sockets bind (default 127.0.0.1)")
     parser.add_argument("--kv-max-held-fraction", type=float, default=0.5, help="on a prefill server, the most of its KV cache (0..1] kept for decode servers that have not read it yet; past it, new prefills for decode servers are refused with 503 and Retry-After so the server's own queue is not starved (default 0.5)")
     parser.add_argument("--kv-transfer-secret", default=None, help=f"secret shared by a deployment's prefill and decode servers: P signs the kv_transfer_params it returns, D acts only on signed, unexpired, unreplayed ones issued for the same prompt (403 otherwise); prefer the {SECRET_ENV} environment variable, which other users cannot read from the process list (default: that variable, else none)")
     parser.add_argument("--kv-allowed-peers", nargs="+", default=None, metavar="NETWORK", help="without a secret, the prefill servers (IP addresses or networks) a decode server reads KV from; parameters naming another host get 403 and no connection (default: loopback, " + " ".join(DEFAULT_ALLOWED_PEERS) + ")")

@@ -6,7 +6,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass, field
 from connectors.params import RemoteDecodeParams, RemotePrefillParams, TransferParams
-from pd.kv_cache.hashing import BlockHash, extend_block_hashes
+from kv_events.hashing import BlockHash, extend_block_hashes
 from pd.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
 from pd.structured.grammar import Grammar
 

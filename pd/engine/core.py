@@ -23,6 +23,7 @@ from pd.models.config import ModelConfig
 from pd.models.loader import load_model
 from pd.models.packed import pack_linears
 from pd.models.quantized import quantize_linears
+from pd.engine.kv_events import KVEventPublisher, NoKVEvents
 from pd.engine.malloc import keep_freed_memory
 from pd.outputs import RequestOutput
 from pd.request import Request
@@ -85,8 +86,10 @@ class EngineCore:
         specs = self.model.kv_cache_specs(config.block_size, hybrid=config.hybrid_kv_cache)
         self.kv_cache_config = make_kv_cache_config(specs, config.kv_cache_memory, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(self.kv_cache_config, config.enable_prefix_caching,
-                                               self.max_model_len, config.skip_mamba_align)
+                                               self.max_model_len, config.skip_mamba_align,
+                                               record_events=config.kv_events_port is not None)
         self.engine_id = f"pd-{uuid.uuid4().hex[:12]}"
+        self.kv_events = self._kv_events()
         worker_connector = self._worker_connector()
         self.runner = ModelRunner(self.model, self.kv_cache_config, max_num_reqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, device=device,
@@ -97,6 +100,21 @@ class EngineCore:
         self.scheduler = Scheduler(self._scheduler_config(), self.kv_cache_manager,
                                    self._scheduler_connector(worker_connector), grammars)
         self.logits: dict[str, list[torch.Tensor]] = {}
+
+    @property
+    def kv_events_endpoints(self) -> dict[str, str] | None:
+        """Where KV events are published and replayed (None: they are not)."""
+        config = self.config
+        if config.kv_events_port is None:
+            return None
+        return {"publisher": f"tcp://{config.kv_events_host}:{config.kv_events_port}",
+                "replay": f"tcp://{config.kv_events_host}:{config.kv_events_replay_port}"}
+
+    def _kv_events(self) -> NoKVEvents:
+        if self.config.kv_events_port is None:
+            return NoKVEvents()
+        return KVEventPublisher(self.engine_id, self.config.kv_events_host, self.config.kv_events_port,
+                                self.config.kv_events_replay_port, self.kv_cache_manager.pool.cached_events)
 
     def _worker_connector(self) -> KVConnectorWorker:
         if self.config.kv_connector == "none":
@@ -114,9 +132,8 @@ class EngineCore:
             return NullConnectorScheduler()
         from connectors.nixl.scheduler import NixlConnectorScheduler
 
-        block_sizes = [g.spec.block_size for g in self.kv_cache_config.groups]
         return NixlConnectorScheduler(self.engine_id, self.config.kv_host, worker.side_channel_port,
-                                      block_sizes, self.config.kv_lease_seconds,
+                                      self.kv_cache_config.block_sizes, self.config.kv_lease_seconds,
                                       secret=self.config.kv_transfer_secret)
 
     def compat_hash(self) -> str:
@@ -124,7 +141,7 @@ class EngineCore:
         from connectors.nixl.messages import compat_hash
 
         model_id = json.dumps(self.model_config.hf_config, sort_keys=True, default=str)
-        return compat_hash(model_id, self.config.dtype, [g.spec.block_size for g in self.kv_cache_config.groups],
+        return compat_hash(model_id, self.config.dtype, self.kv_cache_config.block_sizes,
                            self.config.kv_layout, [repr(g.spec) + repr(g.layer_names) for g in self.kv_cache_config.groups])
 
     def _scheduler_config(self) -> SchedulerConfig:
@@ -170,6 +187,7 @@ class EngineCore:
         self._keep_logits(runner_output.logits)
         executed = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.kv_events.publish(self.kv_cache_manager.pool.take_events())
         seconds = self.step_seconds
         seconds["schedule"] += scheduled - start
         seconds["execute"] += executed - scheduled
@@ -217,4 +235,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.scheduler.grammars.shutdown()
+        self.kv_events.close()
         self.runner.shutdown()

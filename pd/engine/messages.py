@@ -130,6 +130,7 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     block_sizes: list[int]
     architectures: list[str]
     stats: EngineStatsMsg  # at start-up: what /metrics shows before the first step
+    kv_events: dict[str, str] | None = None  # {"publisher": tcp://..., "replay": tcp://...} when published
 
     @classmethod
     def from_core(cls, core: EngineCore) -> EngineInfo:
@@ -140,8 +141,8 @@ class EngineInfo(msgspec.Struct, kw_only=True):
                    vocab_size=core.model_config.vocab_size,
                    eos_token_ids=sorted(core.model_config.eos_token_ids),
                    group_names=group_names(kv), num_blocks=kv.num_blocks,
-                   block_sizes=[g.spec.block_size for g in kv.groups],
-                   architectures=core.model_config.architectures,
+                   block_sizes=kv.block_sizes,
+                   architectures=core.model_config.architectures, kv_events=core.kv_events_endpoints,
                    stats=EngineStatsMsg.from_stats(core.stats()))
 
 

@@ -99,6 +99,7 @@ class EngineLoop:
             applying = time.perf_counter()
             outputs = self.apply(messages)
             self.ipc_seconds += time.perf_counter() - applying
+            self.core.kv_events.serve_replays()
             stepped = self.core.has_work()
             if stepped:
                 outputs += [RequestOutputMsg.from_output(o) for o in self.core.step()]

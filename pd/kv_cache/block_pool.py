@@ -12,6 +12,9 @@ Invariants (`check_integrity` asserts all of them):
 Eviction order: a freed block without a hash goes to the front of the free queue (reused
 first: it caches nothing); a freed cached block goes to the back. So new allocations take
 uncached blocks first, then evict cached blocks least recently freed first (LRU).
+
+With `record_events`, every change to the prefix cache is recorded as a KV event
+(kv_events/messages.py: blocks stored, evicted, all cleared) until `take_events`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable, NamedTuple, Sequence
 
-from pd.kv_cache.hashing import BlockHash
+from kv_events.hashing import BlockHash
+from kv_events.messages import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class BlockHashWithGroupId(NamedTuple):
@@ -91,11 +95,15 @@ class FreeBlockQueue:
 class BlockPool:
     """All blocks of the KV cache, shared by every group."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, record_events: bool = False,
+                 block_sizes: Sequence[int] = ()) -> None:
         if num_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.record_events = record_events
+        self.block_sizes = list(block_sizes)  # per group: the tokens a stored event's block covers
+        self._events: list[KVEvent] = []
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
@@ -137,6 +145,7 @@ class BlockPool:
         A no-op when caching is disabled."""
         if not self.enable_caching:
             return
+        stored: list[int] = []  # indices entered now
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null or block.block_hash is not None:
@@ -145,6 +154,21 @@ class BlockPool:
             if key not in self.cached:
                 block.block_hash = key
                 self.cached[key] = block
+                stored.append(i)
+        if self.record_events and stored:
+            self._record_stored(block_hashes, stored, group_id)
+
+    def _record_stored(self, block_hashes: Sequence[BlockHash], stored: list[int], group_id: int) -> None:
+        """One event per run of consecutive blocks entered (their parent named)."""
+        start = 0
+        for k in range(1, len(stored) + 1):
+            if k == len(stored) or stored[k] != stored[k - 1] + 1:
+                first, last = stored[start], stored[k - 1]
+                self._events.append(BlockStored(
+                    block_hashes=list(block_hashes[first:last + 1]),
+                    parent_hash=block_hashes[first - 1] if first else None,
+                    token_count=(last + 1 - first) * self._block_size(group_id), group=group_id))
+                start = k
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop `num_blocks` free blocks (evicting their cache entries), each with ref_cnt 1."""
@@ -159,6 +183,8 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             del self.cached[block.block_hash]
+            if self.record_events:
+                self._events.append(BlockRemoved([block.block_hash.block_hash], block.block_hash.group_id))
             block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -195,7 +221,25 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.record_events:
+            self._events.append(AllBlocksCleared())
         return True
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV events recorded since the last call (none unless `record_events`)."""
+        events, self._events = self._events, []
+        return events
+
+    def cached_events(self) -> list[KVEvent]:
+        """Every block cached now, as events that store them (parents not named)."""
+        by_group: dict[int, list[BlockHash]] = {}
+        for key in self.cached:
+            by_group.setdefault(key.group_id, []).append(key.block_hash)
+        return [BlockStored(hashes, None, len(hashes) * self._block_size(group), group)
+                for group, hashes in sorted(by_group.items())]
+
+    def _block_size(self, group_id: int) -> int:
+        return self.block_sizes[group_id] if group_id < len(self.block_sizes) else 0
 
     def check_integrity(self, held: Counter[int] | None = None) -> None:
         """Assert every invariant of the module docstring. `held` counts, per block id,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from pd.kv_cache.block_pool import BlockPool, KVCacheBlock
-from pd.kv_cache.hashing import BlockHash
+from kv_events.hashing import BlockHash
 from pd.kv_cache.managers import GroupBlocks, SingleTypeKVCacheManager, manager_class
 from pd.kv_cache.spec import KVCacheConfig, KVCacheSpec
 from pd.request import Request
@@ -44,9 +44,9 @@ class CacheHit:
 class KVCacheCoordinator:
     """Fans the per-request operations out to one manager per group."""
 
-    def __init__(self, config: KVCacheConfig, enable_caching: bool) -> None:
+    def __init__(self, config: KVCacheConfig, enable_caching: bool, record_events: bool = False) -> None:
         self.config = config
-        self.pool = BlockPool(config.num_blocks, enable_caching)
+        self.pool = BlockPool(config.num_blocks, enable_caching, record_events, config.block_sizes)
         self.managers: list[SingleTypeKVCacheManager] = [
             manager_class(group.spec)(group.spec, group_id, self.pool)
             for group_id, group in enumerate(config.groups)
@@ -131,10 +131,10 @@ class NoPrefixCacheCoordinator(KVCacheCoordinator):
 
 
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
-    def __init__(self, config: KVCacheConfig) -> None:
+    def __init__(self, config: KVCacheConfig, record_events: bool = False) -> None:
         if len(config.groups) != 1:
             raise ValueError("the unitary coordinator serves exactly one KV cache group")
-        super().__init__(config, enable_caching=True)
+        super().__init__(config, enable_caching=True, record_events=record_events)
 
     def find_longest_cache_hit(self, hashes, max_length, skip_group_ids):
         if 0 in skip_group_ids:
@@ -171,8 +171,8 @@ class _SpecType:
 
 
 class HybridKVCacheCoordinator(KVCacheCoordinator):
-    def __init__(self, config: KVCacheConfig) -> None:
-        super().__init__(config, enable_caching=True)
+    def __init__(self, config: KVCacheConfig, record_events: bool = False) -> None:
+        super().__init__(config, enable_caching=True, record_events=record_events)
         by_spec: dict[KVCacheSpec, list[int]] = {}
         for group_id, group in enumerate(config.groups):
             by_spec.setdefault(group.spec, []).append(group_id)

@@ -77,11 +77,12 @@ class KVCacheManager:
         enable_caching: bool = True,
         max_model_len: int | None = None,
         skip_mamba_for_remote_prefill: bool = True,
+        record_events: bool = False,
     ) -> None:
         self.config = config
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
-        self.coordinator = make_coordinator(config, enable_caching)
+        self.coordinator = make_coordinator(config, enable_caching, record_events)
         self.pool = self.coordinator.pool
         partial = {i for i, g in enumerate(config.groups) if isinstance(g.spec, (MambaSpec, SlidingWindowSpec))}
         self.remote_prefill_skip = frozenset(partial if skip_mamba_for_remote_prefill else ())
@@ -222,9 +223,11 @@ class KVCacheManager:
         self.pool.check_integrity(held)
 
 
-def make_coordinator(config: KVCacheConfig, enable_caching: bool) -> KVCacheCoordinator:
+def make_coordinator(config: KVCacheConfig, enable_caching: bool, record_events: bool = False) -> KVCacheCoordinator:
+    """The coordinator for the groups; `record_events`: its pool records KV events
+    (nothing is ever cached, so recorded, without prefix caching)."""
     if not enable_caching:
         return NoPrefixCacheCoordinator(config)
     if len(config.groups) == 1:
-        return UnitaryKVCacheCoordinator(config)
-    return HybridKVCacheCoordinator(config)
+        return UnitaryKVCacheCoordinator(config, record_events)
+    return HybridKVCacheCoordinator(config, record_events)

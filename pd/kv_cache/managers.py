@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from typing import Sequence
 
 from pd.kv_cache.block_pool import BlockPool, KVCacheBlock
-from pd.kv_cache.hashing import BlockHash
+from kv_events.hashing import BlockHash
 from pd.kv_cache.spec import (
     FullAttentionSpec,
     KVCacheSpec,

@@ -198,6 +198,11 @@ class KVCacheConfig:
         return self.groups[0].spec.page_size_bytes
 
     @property
+    def block_sizes(self) -> list[int]:
+        """Tokens per block, per group."""
+        return [g.spec.block_size for g in self.groups]
+
+    @property
     def group_size(self) -> int:
         """Layers per group (the largest group): the number of page slots in a block row."""
         return max(len(g.layer_names) for g in self.groups)
@@ -217,10 +222,6 @@ class KVCacheConfig:
             )
             for i in range(self.group_size)
         )
-
-    @property
-    def block_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted({g.spec.block_size for g in self.groups}))
 
     def layer_slot(self, layer_name: str) -> tuple[int, int]:
         """(group id, slot index) of a layer."""

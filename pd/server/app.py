@@ -32,6 +32,7 @@ from pd.server.metrics import CONTENT_TYPE, ServerMetrics
 from pd.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body, parse_body
 from pd.server.generation import Delta, Generation
 from pd.server.responses import CHAT, COMPLETION, Answer, Shape
+from pd.server.router_info import router_info_routes
 from pd.server.serving import Prepared, Server
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ def build_app(client: Any, tokenizer: Any, served_model_name: str, api_key: str 
     app.state.metrics = metrics
     _add_error_handlers(app)
     app.include_router(_v1_router(server, metrics, api_key, max_request_bytes))
+    app.include_router(router_info_routes(server, read_body, max_request_bytes), prefix="/v1",
+                       dependencies=[Depends(_api_key_check(api_key))])
     app.include_router(_open_router(server, metrics))
     return app
 

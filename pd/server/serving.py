@@ -133,6 +133,20 @@ class Server:
 
     def prepare_chat(self, body: ChatCompletionRequest, request_id: str) -> Prepared:
         self._check_common(body)
+        ids, tool_use, tool_grammar = self._chat_prompt(body)
+        prepared = self._prepare(body, request_id, ids, "messages", tool_grammar)
+        prepared.tool_use = tool_use
+        return prepared
+
+    def tokenize(self, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        """The token ids the engine would get for the request's prompt (or messages)."""
+        if isinstance(body, ChatCompletionRequest):
+            return self._chat_prompt(body)[0]
+        return self._completion_prompt(body.prompt)
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], ToolUse, Grammar | None]:
+        """The rendered conversation's token ids, how the answer is read for tool calls,
+        and the grammar the tool choice imposes."""
         if not body.messages:
             raise RequestError("messages must be a non-empty list", param="messages")
         messages = [_template_message(i, m) for i, m in enumerate(body.messages)]
@@ -144,9 +158,7 @@ class Server:
                                             body.chat_template_kwargs, tools)
         except ChatTemplateError as e:
             raise RequestError(str(e), param="messages") from None
-        prepared = self._prepare(body, request_id, ids, "messages", tool_grammar)
-        prepared.tool_use = tool_use
-        return prepared
+        return ids, tool_use, tool_grammar
 
     def _check_common(self, body: SamplingFields) -> None:
         if body.model is not None and body.model != self.served_model_name:

@@ -74,8 +74,7 @@ class ModelRunner:
         self.kv_allocation = allocate_kv_caches(kv_cache_config, self.device, layout)
         self.attention_groups: list[AttentionGroup] = make_attention_groups(
             model.kv_cache_layers(), kv_cache_config, self.device)
-        block_sizes = [g.spec.block_size for g in kv_cache_config.groups]
-        self.block_tables = MultiGroupBlockTable(block_sizes, max_num_reqs, max_model_len, self.device)
+        self.block_tables = MultiGroupBlockTable(kv_cache_config.block_sizes, max_num_reqs, max_model_len, self.device)
         self.requests: dict[str, RunnerRequest] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.connector = connector or NullConnectorWorker()

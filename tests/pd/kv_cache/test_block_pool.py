@@ -438,3 +438,42 @@ def test_pool_with_caching_disabled_caches_nothing() -> None:
     assert a.block_hash is None
     assert pool.get_cached_block(HASHES[0], [0]) is None
     pool.check_integrity(Counter({a.block_id: 1}))
+
+
+# ---------------------------------------------------------------------------
+# KV events
+# ---------------------------------------------------------------------------
+
+
+def test_events_name_runs_of_stored_blocks_with_their_parent_and_tokens() -> None:
+    from kv_events.messages import AllBlocksCleared, BlockRemoved, BlockStored
+
+    pool = BlockPool(12, record_events=True, block_sizes=[16, 32])
+    hashes = [bytes([k]) * 32 for k in range(6)]
+    blocks = pool.get_new_blocks(6)
+    pool.cache_full_blocks(hashes, blocks, 0, 2, 1)
+    other = pool.get_new_blocks(1)
+    pool.cache_full_blocks([hashes[2]], other, 0, 1, 1)  # another block takes hash 2 first
+    pool.cache_full_blocks(hashes, blocks, 2, 6, 1)  # so block 2 stays uncached: the run is 3..5
+    assert pool.take_events() == [BlockStored(hashes[:2], None, 64, 1), BlockStored(hashes[2:3], None, 32, 1),
+                                  BlockStored(hashes[3:6], hashes[2], 96, 1)]
+    pool.free_blocks(blocks)
+    pool.get_new_blocks(pool.num_free_blocks)  # evicts every cached block it takes
+    removed = pool.take_events()
+    assert all(isinstance(e, BlockRemoved) and e.group == 1 for e in removed)
+    assert pool.take_events() == []
+    fresh = BlockPool(4, record_events=True)
+    assert fresh.reset_prefix_cache() and fresh.take_events() == [AllBlocksCleared()]
+    quiet = BlockPool(4)
+    cache(quiet, quiet.get_new_blocks(2), hashes[:2])
+    assert quiet.take_events() == []
+
+
+def test_cached_events_are_a_snapshot_of_the_map() -> None:
+    from kv_events.messages import BlockStored
+
+    pool = BlockPool(8, block_sizes=[16, 16])
+    hashes = [bytes([k]) * 32 for k in range(3)]
+    cache(pool, pool.get_new_blocks(2), hashes[:2], group_id=0)
+    cache(pool, pool.get_new_blocks(1), hashes[2:], group_id=1)
+    assert pool.cached_events() == [BlockStored(hashes[:2], None, 32, 0), BlockStored(hashes[2:], None, 16, 1)]

@@ -21,7 +21,7 @@ from pd.kv_cache.coordinator import (
     NoPrefixCacheCoordinator,
     UnitaryKVCacheCoordinator,
 )
-from pd.kv_cache.hashing import extend_block_hashes
+from kv_events.hashing import extend_block_hashes
 from pd.kv_cache.spec import (
     FullAttentionSpec,
     KVCacheConfig,

@@ -159,7 +159,7 @@ def test_bamba_groups() -> None:
     assert config.page_size_bytes == page and config.group_size == 2 and config.num_blocks == 10
     assert [g.layer_names for g in config.groups] == [names(0, 1), names(2, 6), names(3, 4), names(5, 7)]
     assert [type(g.spec) for g in config.groups] == [MambaSpec, FullAttentionSpec, MambaSpec, MambaSpec]
-    assert config.block_sizes == (272,)
+    assert config.block_sizes == [272] * 4
     assert config.tensors[0].shared_by == names(0, 2, 3, 5)
     assert config.tensors[1].shared_by == names(1, 6, 4, 7)
 

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connectors.params import RemotePrefillParams
+from kv_events.messages import AllBlocksCleared, BlockStored
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.manager import KVCacheManager
 from pd.kv_cache.spec import (
@@ -141,6 +142,19 @@ class Simulator:
         return True
 
 
+def apply_events(mirror: set[tuple[bytes, int]], events) -> None:
+    """A subscriber's view: (hash, group) of every block said to be cached."""
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            mirror.clear()
+        elif isinstance(event, BlockStored):
+            assert not {(h, event.group) for h in event.block_hashes} & mirror, "stored twice"
+            mirror.update((h, event.group) for h in event.block_hashes)
+        else:
+            assert {(h, event.group) for h in event.block_hashes} <= mirror, "removed without being stored"
+            mirror.difference_update((h, event.group) for h in event.block_hashes)
+
+
 def random_prompt(rng: random.Random, prefixes: list[list[int]]) -> list[int]:
     prefix = rng.choice(prefixes)[: rng.randrange(0, 100)]
     return prefix + [rng.randrange(50) for _ in range(rng.randrange(1, 60))]
@@ -154,8 +168,11 @@ def random_prompt(rng: random.Random, prefixes: list[list[int]]) -> list[int]:
     seed=st.integers(0, 2**32 - 1),
 )
 def test_random_schedules_keep_data_and_integrity(model, blocks, caching, seed) -> None:
+    """...and the KV events the pool records, applied in order, say exactly which blocks
+    are cached after every operation (what a router following them would hold)."""
     rng = random.Random(seed)
-    sim = Simulator(make_manager(model, blocks, caching))
+    sim = Simulator(make_manager(model, blocks, caching, record_events=True))
+    mirror: set[tuple[bytes, int]] = set()
     prefixes = [[rng.randrange(50) for _ in range(100)] for _ in range(3)]
     running: list[Request] = []
     for n in range(60):
@@ -177,6 +194,8 @@ def test_random_schedules_keep_data_and_integrity(model, blocks, caching, seed) 
             request = running.pop(rng.randrange(len(running)))
             sim.manager.free(request)
         sim.manager.check_integrity()
+        apply_events(mirror, sim.manager.pool.take_events())
+        assert mirror == {(key.block_hash, key.group_id) for key in sim.manager.pool.cached}
     for request in running:
         sim.manager.free(request)
     sim.manager.check_integrity()

@@ -13,6 +13,7 @@ import struct
 from typing import Sequence
 
 BlockHash = bytes
+HASH_NAME = "sha256-chain-v1"  # what /v1/kv_config calls this scheme
 
 # The parent of block 0. A fixed value, so hashes agree across processes.
 ROOT_HASH: BlockHash = hashlib.sha256(b"pd prefix cache root v1").digest()

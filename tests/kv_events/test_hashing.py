@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import pd.kv_cache.hashing as hashing
-from pd.kv_cache.hashing import extend_block_hashes, hash_block_tokens
+import kv_events.hashing as hashing
+from kv_events.hashing import extend_block_hashes, hash_block_tokens
 from pd.request import Request
 
 BLOCK_SIZE = 4

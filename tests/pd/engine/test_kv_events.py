@@ -1,0 +1,79 @@
+"""The engine's KV events publisher on real ZMQ sockets: numbered batches to
+subscribers, replays from the kept batches, a snapshot when they are gone, and requests
+that are not replay requests dropped without an answer."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import zmq
+
+from kv_events.messages import (AllBlocksCleared, BlockRemoved, BlockStored, ReplayRequest, batch_decoder, encode,
+                                replay_reply_decoder)
+from pd.engine.kv_events import KVEventPublisher
+
+HASHES = [bytes([k]) * 32 for k in range(8)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def publisher():
+    snapshot = [BlockStored(HASHES[:2], None, 32, 0)]
+    port, replay_port = free_port(), free_port()
+    publisher = KVEventPublisher("engine-a", "127.0.0.1", port, replay_port, lambda: snapshot, buffer_steps=2)
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+    time.sleep(0.3)  # let the subscription reach the publisher
+    yield publisher, sub, dealer
+    sub.close(linger=0)
+    dealer.close(linger=0)
+    context.term()
+    publisher.close()
+
+
+def replay(publisher, dealer, start_seq: int):
+    dealer.send(encode(ReplayRequest(start_seq)))
+    for _ in range(100):
+        publisher.serve_replays()
+        if dealer.poll(20):
+            return replay_reply_decoder.decode(dealer.recv()).batches
+    raise AssertionError("no replay answer")
+
+
+def test_batches_are_numbered_replayed_and_snapshot_when_gone(publisher) -> None:
+    publisher, sub, dealer = publisher
+    steps = [[BlockStored(HASHES[:2], None, 32, 0)], [], [BlockRemoved(HASHES[:1], 0)], [AllBlocksCleared()]]
+    for events in steps:
+        publisher.publish(events)  # a step that changed nothing sends nothing
+    received = [batch_decoder.decode(sub.recv()) for _ in range(3)]
+    assert [(b.engine_id, b.seq, b.events) for b in received] == [
+        ("engine-a", 1, steps[0]), ("engine-a", 2, steps[2]), ("engine-a", 3, steps[3])]
+    assert not sub.poll(50)
+    assert [b.seq for b in replay(publisher, dealer, 2)] == [2, 3]  # still kept
+    assert replay(publisher, dealer, 4) == []  # nothing newer
+    (snapshot,) = replay(publisher, dealer, 1)  # batch 1 is gone (2 kept): the state at 3
+    assert snapshot.snapshot and snapshot.seq == 3
+    assert snapshot.events == [AllBlocksCleared(), BlockStored(HASHES[:2], None, 32, 0)]
+
+
+def test_a_request_that_is_not_a_replay_request_is_dropped(publisher) -> None:
+    publisher, sub, dealer = publisher
+    dealer.send(b"\x93not msgpack of a request")
+    deadline = time.monotonic() + 30
+    while publisher.malformed_requests == 0 and time.monotonic() < deadline:  # until it has arrived
+        publisher.serve_replays()
+        time.sleep(0.01)
+    assert publisher.malformed_requests == 1 and not dealer.poll(50)
+    publisher.publish([BlockStored(HASHES[:1], None, 16, 0)])
+    assert [b.seq for b in replay(publisher, dealer, 1)] == [1]  # still answering
