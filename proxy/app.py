@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError, error_response
 from proxy.forward import forward
+from proxy.kv_subscriber import follow_kv_events
 from proxy.metrics import CONTENT_TYPE
 from proxy.upstream import Upstream
 
@@ -64,6 +65,7 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
     async def health() -> JSONResponse:
         ok = any(i.healthy for i in upstream.prefill.instances) and any(i.healthy for i in upstream.decode.instances)
         body = {"status": "ok" if ok else "unavailable", "policy": config.policy,
+                "prefill_policy": config.prefill_policy, "decode_policy": config.decode_policy,
                 "prefill": [i.state() for i in upstream.prefill.instances],
                 "decode": [i.state() for i in upstream.decode.instances]}
         return JSONResponse(body, status_code=200 if ok else 503)
@@ -78,13 +80,15 @@ def _lifespan(upstream: Upstream) -> Callable[[FastAPI], contextlib.AbstractAsyn
                               keepalive_expiry=UPSTREAM_KEEPALIVE_S)
         async with httpx.AsyncClient(limits=limits, timeout=upstream.timeout) as client:
             upstream.client = client
-            prober = asyncio.create_task(_probe_forever(upstream))
+            tasks = [asyncio.create_task(_probe_forever(upstream)), *_follow_kv_events(upstream)]
             try:
                 yield
             finally:
-                prober.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await prober
+                for task in tasks:
+                    task.cancel()
+                for task in tasks:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
 
     return lifespan
 
@@ -139,6 +143,16 @@ async def _models(upstream: Upstream, request: Request) -> Response:
             continue
         return Response(response.content, response.status_code, media_type="application/json")
     return error_response("no decode server answered /v1/models", 503, "service_unavailable")
+
+
+def _follow_kv_events(upstream: Upstream) -> list[asyncio.Task[None]]:
+    """A task following the KV events of each instance a kv_aware pool picks among."""
+    headers = {"Authorization": upstream.config.server_authorization} if upstream.config.server_authorization else {}
+    return [asyncio.create_task(follow_kv_events(
+                instance, upstream.client, headers,
+                upstream.metrics.kv_events_malformed.labels(url=instance.url).inc, upstream.config.probe_interval_s))
+            for pool in (upstream.prefill, upstream.decode) if pool.policy == "kv_aware"
+            for instance in pool.instances]
 
 
 async def _probe_forever(upstream: Upstream) -> None:

@@ -13,6 +13,10 @@ class ProxyConfig:
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
     policy: str = "round_robin"
+    prefill_policy: str | None = None  # None: `policy`
+    decode_policy: str | None = None  # None: `policy`
+    kv_overlap_weight: float = 1.0  # kv_aware: a prompt token held, against a token of load
+    decode_load_tokens: int = 256  # kv_aware: the load one request being decoded counts for
     api_key: str | None = None  # what clients must send; None: no check
     server_api_key: str | None = None  # what the proxy sends the servers; None: api_key
     probe_interval_s: float = 5.0
@@ -24,8 +28,14 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:
             raise ValueError("at least one prefill and one decode server are needed")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        for name in ("prefill_policy", "decode_policy"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.policy)
+        for name in ("policy", "prefill_policy", "decode_policy"):
+            if getattr(self, name) not in POLICIES:
+                raise ValueError(f"{name} must be one of {', '.join(POLICIES)}, got {getattr(self, name)!r}")
+        if self.kv_overlap_weight < 0 or self.decode_load_tokens < 0:
+            raise ValueError("the kv_aware weights must not be negative")
         if min(self.probe_interval_s, self.timeout_s, self.release_timeout_s) <= 0:
             raise ValueError("the probe interval and the timeouts must be positive")
         if self.max_request_bytes <= 0:
@@ -34,6 +44,11 @@ class ProxyConfig:
             raise ValueError(f"the nesting limit must be within 1 and 256, got {self.max_depth}")
         if "" in (self.api_key, self.server_api_key):
             raise ValueError("an API key must not be empty")
+
+    @property
+    def kv_aware(self) -> bool:
+        """Whether a policy reads the servers' KV events (and so needs requests' tokens)."""
+        return "kv_aware" in (self.prefill_policy, self.decode_policy)
 
     @property
     def server_authorization(self) -> str | None:

@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect
 
 from proxy.body import parse_body, read_body
 from proxy.errors import error_body, error_response
-from proxy.instances import Instance, NoInstanceError
+from proxy.instances import Instance, NoInstanceError, Route
 from proxy.upstream import Call, Opened, Prefilled, Upstream
 
 logger = logging.getLogger(__name__)
@@ -84,9 +84,12 @@ async def forward(upstream: Upstream, request: Request, endpoint: str) -> Respon
     except ClientDisconnect:
         return Response(status_code=CLIENT_CLOSED)
     request_id = request.headers.get("x-request-id") or f"pdx-{uuid.uuid4().hex}"
-    call = Call(endpoint, body, upstream.headers(request, request_id), prefix_key(body), request_id)
+    call = Call(endpoint, body, upstream.headers(request, request_id), Route(prefix_key(body)), request_id)
+    if config.kv_aware:
+        call.route.tokens = await upstream.tokenize(call)
+        call.route.salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
     try:
-        decode = upstream.decode.pick(call.key)
+        decode = upstream.decode.pick(call.route)
     except NoInstanceError as exc:
         return error_response(f"{exc}: the request is not sent to a prefill server", 503, "service_unavailable")
     try:
@@ -113,7 +116,7 @@ async def _decode(upstream: Upstream, request: Request, call: Call, prefilled: P
     if not isinstance(opened, Opened):
         await upstream.release(prefilled, call.headers)
         return opened
-    headers = {"X-Request-Id": call.request_id}
+    headers = {"X-Request-Id": call.request_id} | call.route_headers()
     if call.stream:
         return StreamingResponse(_relay(upstream, opened), media_type="text/event-stream",
                                  headers=headers | {"Cache-Control": "no-cache"})

@@ -21,8 +21,20 @@ def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
     parser.add_argument("--policy", choices=POLICIES, default="round_robin",
                         help="how a prefill and a decode server are picked per request: in turn, fewest "
-                             "outstanding requests, or by prompt prefix (shared prefixes stay on one P and one D, "
-                             "falling back to load when saturated) (default round_robin)")
+                             "outstanding requests, by prompt prefix (shared prefixes stay on one P and one D, "
+                             "falling back to load when saturated), or kv_aware: by the blocks each server's KV "
+                             "events say it holds (servers started with --kv-events-port) against its load "
+                             "(default round_robin)")
+    parser.add_argument("--prefill-policy", choices=POLICIES, default=None,
+                        help="the policy for prefill servers (default: --policy)")
+    parser.add_argument("--decode-policy", choices=POLICIES, default=None,
+                        help="the policy for decode servers, which pull only the blocks they lack (default: --policy)")
+    parser.add_argument("--kv-overlap-weight", type=float, default=1.0,
+                        help="kv_aware: what one prompt token a server holds is worth against one token of its "
+                             "load (prompt tokens of requests in flight it still works through) (default 1)")
+    parser.add_argument("--decode-load-tokens", type=int, default=256,
+                        help="kv_aware: the load, in tokens, one request a decode server is decoding counts for "
+                             "(default 256)")
     parser.add_argument("--api-key", default=None, metavar="KEY",
                         help="clients must send 'Authorization: Bearer KEY' on every route but /health (else 401); "
                              "also what is sent to the servers unless --server-api-key is given (default: no check)")
@@ -43,7 +55,8 @@ def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
 def proxy_config(args: argparse.Namespace) -> ProxyConfig:
     """The config the flags describe; SystemExit naming the problem if they are invalid."""
     try:
-        return ProxyConfig(tuple(args.prefill), tuple(args.decode), args.policy, api_key=args.api_key,
+        return ProxyConfig(tuple(args.prefill), tuple(args.decode), args.policy, args.prefill_policy,
+                           args.decode_policy, args.kv_overlap_weight, args.decode_load_tokens, api_key=args.api_key,
                            server_api_key=args.server_api_key, probe_interval_s=args.probe_interval,
                            timeout_s=args.timeout, max_request_bytes=args.max_request_bytes)
     except ValueError as exc:
@@ -58,7 +71,8 @@ def run_proxy(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = proxy_config(args)
     app = build_proxy_app(config)
-    print(f"pd proxy: {len(args.prefill)} prefill, {len(args.decode)} decode ({args.policy}) "
+    print(f"pd proxy: {len(args.prefill)} prefill ({config.prefill_policy}), {len(args.decode)} decode "
+          f"({config.decode_policy}) "
           f"at http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_keep_alive=SERVER_KEEPALIVE_S)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -12,6 +12,8 @@ from proxy.instances import InstancePool
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RELEASE_RESULTS = ("released", "unknown", "failed")  # P freed blocks / held none by that id / no answer
+OVERLAP_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+CACHED_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
 
 
 class InstanceCollector(Collector):
@@ -29,13 +31,18 @@ class InstanceCollector(Collector):
         sent = CounterMetricFamily("pd_proxy_instance_requests", "Requests sent to the instance.", labels=labels)
         failed = CounterMetricFamily("pd_proxy_instance_failures", "Failures that marked the instance unhealthy.",
                                      labels=labels)
+        indexed = GaugeMetricFamily("pd_proxy_instance_kv_blocks", "Blocks the instance's KV events say it holds "
+                                    "(kv_aware; absent for an instance whose events are not followed).",
+                                    labels=labels)
         for pool in self.pools:
             for i in pool.instances:
                 healthy.add_metric([i.url, i.role], int(i.healthy))
                 outstanding.add_metric([i.url, i.role], i.outstanding)
                 sent.add_metric([i.url, i.role], i.requests)
                 failed.add_metric([i.url, i.role], i.failures)
-        yield from (healthy, outstanding, sent, failed)
+                if i.kv_index is not None:
+                    indexed.add_metric([i.url, i.role], len(i.kv_index.blocks))
+        yield from (healthy, outstanding, sent, failed, indexed)
 
 
 class ProxyMetrics:
@@ -50,6 +57,15 @@ class ProxyMetrics:
                                    ["result"], registry=self.registry)
         for result in RELEASE_RESULTS:
             self.kv_releases.labels(result=result)
+        self.routed_overlap = Histogram("pd_proxy_routed_overlap_blocks",
+                                        "Blocks of the prompt the chosen instance was expected to hold (its KV "
+                                        "events), per role.", ["role"], buckets=OVERLAP_BUCKETS, registry=self.registry)
+        self.prefill_cached = Histogram("pd_proxy_prefill_cached_tokens",
+                                        "Prompt tokens the chosen prefill server then said it found in its prefix "
+                                        "cache (its answer's usage).", buckets=CACHED_BUCKETS, registry=self.registry)
+        self.kv_events_malformed = Counter("pd_proxy_kv_events_malformed",
+                                           "KV event batches or replays received from a server that were not "
+                                           "ones (dropped).", ["url"], registry=self.registry)
 
     def exposition(self) -> bytes:
         """The text /metrics answers."""

@@ -25,12 +25,13 @@ from fastapi.responses import JSONResponse, Response
 from proxy.body import BodyError, parse_body
 from proxy.config import ProxyConfig
 from proxy.errors import error_response
-from proxy.instances import Instance, InstancePool, NoInstanceError
+from proxy.instances import Instance, InstancePool, NoInstanceError, Route
 from proxy.metrics import ProxyMetrics
 
 logger = logging.getLogger(__name__)
 
 RELEASE_PATH = "/v1/kv/release"
+TOKENIZE_PATH = "/v1/tokenize"
 ENGINE_DEAD = "engine_dead"
 KV_HELD_LIMIT = "kv_held_limit"
 DEFAULT_RETRY_AFTER_S = 1.0
@@ -40,17 +41,33 @@ CONNECT_TIMEOUT_S = 5.0
 @dataclass(frozen=True)
 class Call:
     """One client request as the proxy sends it on: the same endpoint, body, headers
-    (X-Request-Id and Authorization) to P and D; `key` is its prefix key for picking."""
+    (X-Request-Id and Authorization) to P and D; `route` is what picking looks at.
+    `picked` names, per role, the instance chosen and the prompt tokens it was expected
+    to hold (answered in the X-PD-Prefill / X-PD-Decode headers)."""
 
     endpoint: str
     body: dict[str, Any]
     headers: dict[str, str]
-    key: str
+    route: Route
     request_id: str
+    picked: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def stream(self) -> bool:
         return self.body.get("stream") is True
+
+    def work_tokens(self, instance: Instance) -> int:
+        """The prompt tokens `instance` has to work through for it (compute on P, pull
+        on D): those it does not hold already (0 when the prompt is not known)."""
+        tokens = self.route.tokens
+        return 0 if tokens is None else max(0, len(tokens) - instance.overlap_tokens(self.route))
+
+    def note_pick(self, pool: InstancePool, instance: Instance) -> None:
+        held = instance.overlap_tokens(self.route)
+        self.picked[instance.role] = (pool.instances.index(instance), held)
+
+    def route_headers(self) -> dict[str, str]:
+        return {f"X-PD-{role.capitalize()}": f"{index}; overlap={held}" for role, (index, held) in self.picked.items()}
 
 
 @dataclass(frozen=True)
@@ -63,11 +80,12 @@ class Prefilled:
 
 @dataclass
 class Opened:
-    """D's 200 response, headers read and body not yet; its instance counts it
-    outstanding until `close` (idempotent)."""
+    """D's 200 response, headers read and body not yet; its instance counts it (and the
+    prompt tokens it works through for it) outstanding until `close` (idempotent)."""
 
     instance: Instance
     response: httpx.Response
+    work_tokens: int = 0
     closed: bool = field(default=False, repr=False)
 
     async def close(self) -> None:
@@ -75,6 +93,7 @@ class Opened:
             return
         self.closed = True
         self.instance.outstanding -= 1
+        self.instance.outstanding_tokens -= self.work_tokens
         await self.response.aclose()
 
 
@@ -129,8 +148,11 @@ class Upstream:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.prefill = InstancePool.of(config.prefill_urls, "prefill", config.policy)
-        self.decode = InstancePool.of(config.decode_urls, "decode", config.policy)
+        self.prefill = InstancePool.of(config.prefill_urls, "prefill", config.prefill_policy,
+                                       overlap_weight=config.kv_overlap_weight)
+        self.decode = InstancePool.of(config.decode_urls, "decode", config.decode_policy,
+                                      overlap_weight=config.kv_overlap_weight,
+                                      decode_load_tokens=config.decode_load_tokens)
         self.metrics = ProxyMetrics([self.prefill, self.decode])
         self.timeout = httpx.Timeout(config.timeout_s, connect=min(CONNECT_TIMEOUT_S, config.timeout_s))
         self.client: httpx.AsyncClient | None = None
@@ -138,6 +160,27 @@ class Upstream:
     def headers(self, request: Request, request_id: str) -> dict[str, str]:
         auth = self.config.server_authorization or request.headers.get("authorization")
         return {"X-Request-Id": request_id} | ({"Authorization": auth} if auth else {})
+
+    async def tokenize(self, call: Call) -> list[int] | None:
+        """The request's prompt tokens, as a server tokenizes it (`POST /v1/tokenize`);
+        None when no server could say (the request is then routed by load)."""
+        for instance in [i for i in self.decode.instances + self.prefill.instances if i.healthy]:
+            try:
+                response = await self.client.post(instance.url + TOKENIZE_PATH, json=call.body, headers=call.headers,
+                                                  timeout=self.timeout)
+                tokens = response.json().get("tokens") if response.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, AttributeError):
+                continue
+            if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
+                return tokens
+            return None  # the server refused the body: so will P
+        return None
+
+    def _note_pick(self, call: Call, pool: InstancePool, instance: Instance) -> None:
+        call.note_pick(pool, instance)
+        if call.route.tokens is not None and instance.block_size:
+            self.metrics.routed_overlap.labels(role=instance.role).observe(
+                call.picked[instance.role][1] // instance.block_size)
 
     def failed(self, instance: Instance, why: str) -> None:
         logger.warning("%s server %s failed: %s; marked unhealthy", instance.role, instance.url, why)
@@ -150,11 +193,12 @@ class Upstream:
         held: list[float] = []  # Retry-After of each P that refused for kv_held_limit
         while True:
             try:
-                instance = self.prefill.pick(call.key, tried)
+                instance = self.prefill.pick(call.route, tried)
             except NoInstanceError as exc:
                 return kv_held_response(min(held)) if held else error_response(
                     f"{exc}: cannot prefill the request", 503, "service_unavailable")
             tried.add(instance.url)
+            self._note_pick(call, self.prefill, instance)
             answer = await self._prefill_at(instance, call)
             if not isinstance(answer, TryAnother):
                 return answer
@@ -162,7 +206,9 @@ class Upstream:
                 held.append(answer.retry_after_s)
 
     async def _prefill_at(self, instance: Instance, call: Call) -> Prefilled | Response | TryAnother:
+        work = call.work_tokens(instance)
         instance.outstanding += 1
+        instance.outstanding_tokens += work
         instance.requests += 1
         try:
             response = await self.client.post(instance.url + call.endpoint, json=prefill_body(call.body),
@@ -174,6 +220,7 @@ class Upstream:
             return error_response(f"the prefill server {instance.url} failed: {exc}", 502)
         finally:
             instance.outstanding -= 1
+            instance.outstanding_tokens -= work
         if response.status_code == 200:
             return self._prefilled(instance, response)
         code = error_code(response)
@@ -187,9 +234,13 @@ class Upstream:
 
     def _prefilled(self, instance: Instance, response: httpx.Response) -> Prefilled | Response:
         try:
-            params = parse_body(response.content, self.config.max_depth).get("kv_transfer_params")
+            answer = parse_body(response.content, self.config.max_depth)
         except BodyError as exc:
             return error_response(f"the prefill server {instance.url} answered 200, but {exc.message}", 502)
+        params = answer.get("kv_transfer_params")
+        cached = _cached_tokens(answer)
+        if cached is not None:
+            self.metrics.prefill_cached.observe(cached)
         if not isinstance(params, dict) or not params:
             return error_response(f"the prefill server {instance.url} kept no KV for the request "
                                   "(is it started with --kv-connector nixl?)", 502)
@@ -205,24 +256,27 @@ class Upstream:
         while True:
             if instance.healthy:  # it may have failed another request while this one prefilled
                 tried.add(instance.url)
+                self._note_pick(call, self.decode, instance)
                 answer = await self._open_at(instance, call, body)
                 if answer is not None:
                     return answer
             try:
-                instance = self.decode.pick(call.key, tried)
+                instance = self.decode.pick(call.route, tried)
             except NoInstanceError as exc:
                 return error_response(f"{exc}: cannot decode the request", 503, "service_unavailable")
 
     async def _open_at(self, instance: Instance, call: Call, body: dict[str, Any]) -> Opened | Response | None:
         request = self.client.build_request("POST", instance.url + call.endpoint, json=body, headers=call.headers,
                                             timeout=self.timeout)
+        work = call.work_tokens(instance)
         instance.outstanding += 1
+        instance.outstanding_tokens += work
         instance.requests += 1
         opened = None
         try:
             response = await self.client.send(request, stream=True)
             if response.status_code == 200:
-                opened = Opened(instance, response)
+                opened = Opened(instance, response, work)
                 return opened
             return await self._refused_by_decode(instance, response)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing reached D
@@ -235,6 +289,7 @@ class Upstream:
         finally:
             if opened is None:
                 instance.outstanding -= 1
+                instance.outstanding_tokens -= work
 
     async def _refused_by_decode(self, instance: Instance, response: httpx.Response) -> Response:
         try:
@@ -261,6 +316,14 @@ class Upstream:
             logger.warning("could not release %s on %s: %s: %s", remote_id, url, type(exc).__name__, exc)
             result = "failed"
         self.metrics.kv_releases.labels(result=result).inc()
+
+
+def _cached_tokens(answer: dict[str, Any]) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens` of a server's answer, if it says."""
+    usage = answer.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) else None
 
 
 def kv_held_response(retry_after: float) -> JSONResponse:

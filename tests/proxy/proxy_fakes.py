@@ -67,6 +67,7 @@ class FakeServer:
         self.received: list[Received] = []  # completion and chat requests
         self.releases: list[Received] = []
         self.aborted = 0
+        self.kv_config: dict[str, Any] | None = None  # GET /v1/kv_config's answer (None: 404)
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -75,7 +76,13 @@ class FakeServer:
         app.post("/v1/kv/release")(self._release)
         app.get("/v1/models")(lambda: {"object": "list", "data": [{"id": "fake", "object": "model"}]})
         app.get("/health")(lambda: JSONResponse({"status": self.health_status}, self.health_status))
+        app.get("/v1/kv_config")(lambda: JSONResponse(self.kv_config, 200 if self.kv_config else 404))
+        app.post("/v1/tokenize")(self._tokenize)
         return app
+
+    async def _tokenize(self, request: Request) -> Response:
+        """A prompt's characters as its tokens (what `fake_tokens` says)."""
+        return JSONResponse({"tokens": fake_tokens(json.loads(await request.body()).get("prompt", ""))})
 
     @property
     def released_ids(self) -> list[str]:
@@ -109,6 +116,10 @@ class FakeServer:
         if self.release_reply is not None:
             return JSONResponse(self.release_reply.body, self.release_reply.status)
         return JSONResponse({"released": True})
+
+
+def fake_tokens(prompt: str) -> list[int]:
+    return [ord(ch) for ch in prompt]
 
 
 async def _client_left_within(request: Request, seconds: float) -> bool:

@@ -7,14 +7,14 @@ from collections import Counter
 import pytest
 
 from proxy.forward import prefix_key
-from proxy.instances import SATURATION_SLACK, InstancePool, NoInstanceError
+from proxy.instances import SATURATION_SLACK, InstancePool, NoInstanceError, Route
 
 URLS = [f"http://127.0.0.1:{8100 + i}" for i in range(4)]
 
 
 def test_round_robin_takes_each_instance_in_turn() -> None:
     pool = InstancePool.of(URLS, "decode", "round_robin")
-    picks = Counter(pool.pick(f"key {i}").url for i in range(40))
+    picks = Counter(pool.pick(Route(f"key {i}")).url for i in range(40))
     assert picks == {url: 10 for url in URLS}
 
 
@@ -22,15 +22,15 @@ def test_least_loaded_takes_the_instance_with_fewest_outstanding() -> None:
     pool = InstancePool.of(URLS, "decode", "least_loaded")
     for instance, load in zip(pool.instances, [3, 1, 0, 2]):
         instance.outstanding = load
-    assert pool.pick("k").url == URLS[2]
+    assert pool.pick(Route("k")).url == URLS[2]
     pool.instances[2].outstanding = 5
-    assert pool.pick("k").url == URLS[1]
+    assert pool.pick(Route("k")).url == URLS[1]
 
 
 def test_prefix_aware_keeps_a_prefix_on_one_instance_and_spreads_prefixes() -> None:
     pool = InstancePool.of(URLS, "prefill", "prefix_aware")
     families = [f"system prompt of family {f}. " * 10 for f in range(64)]
-    chosen = {f: {pool.pick(prefix_key({"prompt": fam + f" question {q}"})).url for q in range(5)}
+    chosen = {f: {pool.pick(Route(prefix_key({"prompt": fam + f" question {q}"}))).url for q in range(5)}
               for f, fam in enumerate(families)}
     assert all(len(urls) == 1 for urls in chosen.values())  # one instance per family
     spread = Counter(next(iter(urls)) for urls in chosen.values())
@@ -39,19 +39,19 @@ def test_prefix_aware_keeps_a_prefix_on_one_instance_and_spreads_prefixes() -> N
 
 def test_prefix_aware_leaves_a_saturated_instance_for_the_least_loaded() -> None:
     pool = InstancePool.of(URLS, "decode", "prefix_aware")
-    home = pool.pick("family")
+    home = pool.pick(Route("family"))
     home.outstanding = SATURATION_SLACK
-    assert pool.pick("family") is home  # still within the slack
+    assert pool.pick(Route("family")) is home  # still within the slack
     home.outstanding = SATURATION_SLACK + 1
-    assert pool.pick("family") is not home
+    assert pool.pick(Route("family")) is not home
 
 
 def test_unhealthy_and_excluded_instances_are_skipped_until_none_is_left() -> None:
     pool = InstancePool.of(URLS[:2], "prefill", "round_robin")
     pool.instances[0].mark_failed("down")
-    assert {pool.pick(str(i)).url for i in range(4)} == {URLS[1]}
+    assert {pool.pick(Route(str(i))).url for i in range(4)} == {URLS[1]}
     with pytest.raises(NoInstanceError, match="no healthy prefill instance"):
-        pool.pick("k", exclude={URLS[1]})
+        pool.pick(Route("k"), exclude={URLS[1]})
     assert pool.instances[0].state()["last_error"] == "down" and pool.instances[0].failures == 1
 
 

@@ -83,10 +83,11 @@ def stop_process(process: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> 
 
 
 @contextlib.contextmanager
-def _running(name: str, log_path: Path, ready: Callable[[int], bool], *args: str) -> Iterator[ServerProcess]:
-    """Start `pd NAME --host 127.0.0.1 --port P *args` on a free port P; yield it once
-    `ready(status of /health)`; always stop it."""
-    port = free_port()
+def _running(name: str, log_path: Path, ready: Callable[[int], bool], *args: str,
+             port: int | None = None) -> Iterator[ServerProcess]:
+    """Start `pd NAME --host 127.0.0.1 --port P *args` on port P (a free one unless
+    given); yield it once `ready(status of /health)`; always stop it."""
+    port = port or free_port()
     cmd = [str(Path(sys.executable).parent / "pd"), name, "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -98,12 +99,13 @@ def _running(name: str, log_path: Path, ready: Callable[[int], bool], *args: str
             stop_process(process)
 
 
-def running_server(model_dir: Path, log_path: Path, *args: str) -> contextlib.AbstractContextManager[ServerProcess]:
-    """`pd serve --model model_dir *args`, yielded once healthy. One torch thread each:
-    several servers share this machine's cores, and oversubscribed threads spin (the
-    tests check behaviour, not speed)."""
+def running_server(model_dir: Path, log_path: Path, *args: str,
+                   port: int | None = None) -> contextlib.AbstractContextManager[ServerProcess]:
+    """`pd serve --model model_dir *args`, yielded once healthy (on `port`, or a free
+    one). One torch thread each: several servers share this machine's cores, and
+    oversubscribed threads spin (the tests check behaviour, not speed)."""
     return _running("serve", log_path, lambda status: status == 200,
-                    "--model", str(model_dir), "--num-threads", "1", *args)
+                    "--model", str(model_dir), "--num-threads", "1", *args, port=port)
 
 
 def running_proxy(log_path: Path, *args: str) -> contextlib.AbstractContextManager[ServerProcess]:
