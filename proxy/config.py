@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from proxy.body import MAX_DEPTH, MAX_REQUEST_BYTES
-from proxy.instances import POLICIES
+from proxy.instances import LOAD_SLACK, POLICIES
 
 
 @dataclass(frozen=True)
@@ -17,10 +17,18 @@ class ProxyConfig:
     decode_policy: str | None = None  # None: `policy`
     kv_overlap_weight: float = 1.0  # kv_aware: a prompt token held, against a token of load
     decode_load_tokens: int = 256  # kv_aware: the load one request being decoded counts for
+    load_slack: int = LOAD_SLACK  # prefix_aware, kv_aware: requests in flight above the least loaded tolerated
     api_key: str | None = None  # what clients must send; None: no check
     server_api_key: str | None = None  # what the proxy sends the servers; None: api_key
     probe_interval_s: float = 5.0
     timeout_s: float = 600.0  # one request to a server
+    prefill_timeout_s: float | None = None  # the prefill phase (None: timeout_s)
+    decode_timeout_s: float | None = None  # the decode phase: between bytes of D's answer (None: timeout_s)
+    max_retries: int = 2  # other prefill servers tried after one failed
+    retry_backoff_s: float = 0.05  # before retry k: this x 2^(k-1) x [1, 2)
+    breaker_failures: int = 1  # failures in a row that open a server's breaker
+    breaker_cooldown_s: float = 5.0  # before an open breaker lets a trial through
+    max_outstanding: int = 0  # requests in flight per server at most; past it on every one: 429 (0: no limit)
     release_timeout_s: float = 5.0  # one `/v1/kv/release` to a prefill server
     max_request_bytes: int = MAX_REQUEST_BYTES
     max_depth: int = MAX_DEPTH  # of a request body's nested objects and arrays
@@ -34,10 +42,18 @@ class ProxyConfig:
         for name in ("policy", "prefill_policy", "decode_policy"):
             if getattr(self, name) not in POLICIES:
                 raise ValueError(f"{name} must be one of {', '.join(POLICIES)}, got {getattr(self, name)!r}")
-        if self.kv_overlap_weight < 0 or self.decode_load_tokens < 0:
-            raise ValueError("the kv_aware weights must not be negative")
-        if min(self.probe_interval_s, self.timeout_s, self.release_timeout_s) <= 0:
-            raise ValueError("the probe interval and the timeouts must be positive")
+        if self.kv_overlap_weight < 0 or self.decode_load_tokens < 0 or self.load_slack < 0:
+            raise ValueError("the kv_aware weights and the load slack must not be negative")
+        for name in ("prefill_timeout_s", "decode_timeout_s"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.timeout_s)
+        if min(self.probe_interval_s, self.timeout_s, self.release_timeout_s, self.prefill_timeout_s,
+               self.decode_timeout_s, self.breaker_cooldown_s) <= 0:
+            raise ValueError("the probe interval, the timeouts and the breaker's cool-down must be positive")
+        if self.max_retries < 0 or self.retry_backoff_s < 0 or self.max_outstanding < 0:
+            raise ValueError("max_retries, the retry backoff and max_outstanding must not be negative")
+        if self.breaker_failures < 1:
+            raise ValueError(f"breaker_failures must be at least 1, got {self.breaker_failures}")
         if self.max_request_bytes <= 0:
             raise ValueError(f"the request size limit must be positive, got {self.max_request_bytes}")
         if not 1 <= self.max_depth <= 256:  # the depth check recurses this deep

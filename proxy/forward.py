@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect
 
 from proxy.body import parse_body, read_body
 from proxy.errors import error_body, error_response
-from proxy.instances import Instance, NoInstanceError, Route
+from proxy.instances import Instance, NoInstanceError, OverloadedError, Route
 from proxy.upstream import Call, Opened, Prefilled, Upstream
 
 logger = logging.getLogger(__name__)
@@ -90,17 +90,23 @@ async def forward(upstream: Upstream, request: Request, endpoint: str) -> Respon
         call.route.salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
     try:
         decode = upstream.decode.pick(call.route)
+    except OverloadedError as exc:
+        return upstream.overloaded("decode", exc)
     except NoInstanceError as exc:
         return error_response(f"{exc}: the request is not sent to a prefill server", 503, "service_unavailable")
+    call.bind(decode)  # counted against its --max-outstanding from now
     try:
-        prefilled = await until_disconnected(request, upstream.prefill_once(call))
-    except ClientGone as gone:
-        if isinstance(gone.result, Prefilled):
-            await upstream.release(gone.result, call.headers)
-        return Response(status_code=CLIENT_CLOSED)
-    if not isinstance(prefilled, Prefilled):
-        return prefilled
-    return await _decode(upstream, request, call, prefilled, decode)
+        try:
+            prefilled = await until_disconnected(request, upstream.prefill_once(call))
+        except ClientGone as gone:
+            if isinstance(gone.result, Prefilled):
+                await upstream.release(gone.result, call.headers)
+            return Response(status_code=CLIENT_CLOSED)
+        if not isinstance(prefilled, Prefilled):
+            return prefilled
+        return await _decode(upstream, request, call, prefilled, decode)
+    finally:
+        call.unbind()
 
 
 async def _decode(upstream: Upstream, request: Request, call: Call, prefilled: Prefilled,

@@ -1,14 +1,18 @@
 """The servers behind the proxy and how one is picked for a request.
 
-An `Instance` is one `pd serve` (a prefill or a decode server): its URL, whether it is
-healthy, and how many requests the proxy has outstanding on it. A failed request marks
-its instance unhealthy; `InstancePool.probe` (run periodically by the app) asks each
-instance's /health and brings it back when it answers.
+An `Instance` is one `pd serve` (a prefill or a decode server): its URL, its circuit
+breaker (`breaker.py`: failures in a row open it; after a cool-down one trial, a
+request or the prober's /health, closes it again), and how many requests the proxy has
+outstanding on it. `InstancePool.probe` (run periodically by the app) asks each
+instance's /health. An instance with `max_outstanding` requests in flight takes no more;
+when every available one is there, the pool is overloaded (the client gets a 429).
 
-Policies pick among the healthy instances not excluded for this request:
+Policies pick among the available instances not excluded for this request. An
+instance's requests in flight are those sent to it and, for a decode server, those bound
+for it (picked before their prefill, see forward.py):
 
 - `round_robin`: in turn.
-- `least_loaded`: fewest outstanding requests (ties in turn).
+- `least_loaded`: fewest requests in flight (ties in turn).
 - `prefix_aware`: a consistent-hash ring over the request's prefix key (the first
   blocks of its prompt), so requests sharing a prefix land on the same instance and keep
   its prefix-cache hits; when that instance is saturated (more than `SATURATION_SLACK`
@@ -31,15 +35,20 @@ from dataclasses import dataclass, field
 import httpx
 
 from kv_events.hashing import extend_block_hashes
+from proxy.breaker import Breaker
 from proxy.kv_index import KVIndex
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
 VIRTUAL_NODES = 64  # points per instance on the hash ring
-SATURATION_SLACK = 4  # prefix_aware leaves its instance when it has this many more requests than the least loaded
+LOAD_SLACK = 3  # prefix_aware and kv_aware pass over an instance with more requests in flight than the least loaded + this
 
 
 class NoInstanceError(Exception):
     """No healthy instance is left for this request."""
+
+
+class OverloadedError(NoInstanceError):
+    """Every healthy instance has `max_outstanding` requests in flight."""
 
 
 @dataclass
@@ -63,8 +72,9 @@ class Route:
 class Instance:
     url: str
     role: str  # "prefill" or "decode"
-    healthy: bool = True
+    breaker: Breaker = field(default_factory=Breaker)
     outstanding: int = 0
+    bound: int = 0  # picked as the decode server of requests still prefilling
     outstanding_tokens: int = 0  # prompt tokens to work through for requests in flight (kv_aware)
     requests: int = 0  # sent to it since start
     failures: int = 0
@@ -74,11 +84,27 @@ class Instance:
     engine_pid: int | None = None  # as its /health last said: another one means it restarted
     cache_epoch: int = 0  # counts the times what it held was forgotten (its events are followed anew)
 
-    def mark_failed(self, error: str) -> None:
-        self.healthy = False
+    @property
+    def in_flight(self) -> int:
+        """Requests sent to it, or bound for it: what its load and `max_outstanding` count."""
+        return self.outstanding + self.bound
+
+    @property
+    def healthy(self) -> bool:
+        """Not shut out by its breaker (closed, or half-open: a trial may go)."""
+        return self.breaker.state != "open"
+
+    def mark_failed(self, error: str) -> bool:
+        """A failure counted against its breaker; True if the breaker opened now."""
         self.failures += 1
         self.last_error = error
-        self.forget_cache()
+        opened = self.breaker.failed()
+        if opened:
+            self.forget_cache()
+        return opened
+
+    def mark_succeeded(self) -> None:
+        self.breaker.succeeded()
 
     def forget_cache(self) -> None:
         """What it held is unknown now (it failed, or restarted)."""
@@ -93,10 +119,17 @@ class Instance:
             return 0
         return self.kv_index.overlap(route.block_hashes(self.block_size)) * self.block_size
 
+    def expect(self, route: Route) -> None:
+        """The request is sent to it: its prompt's blocks count as held until its events
+        say (`KVIndex.expect`)."""
+        if self.kv_index is not None and route.tokens is not None and self.block_size:
+            self.kv_index.expect(route.block_hashes(self.block_size))
+
     def state(self) -> dict:
         indexed = None if self.kv_index is None else {"blocks": len(self.kv_index.blocks),
                                                       "events_seq": self.kv_index.last_seq}
-        return {"url": self.url, "role": self.role, "healthy": self.healthy, "outstanding": self.outstanding,
+        return {"url": self.url, "role": self.role, "healthy": self.healthy, "breaker": self.breaker.state,
+                "outstanding": self.outstanding, "bound": self.bound,
                 "requests": self.requests, "failures": self.failures, "last_error": self.last_error,
                 "kv_index": indexed}
 
@@ -113,6 +146,8 @@ class InstancePool:
     policy: str = "round_robin"
     overlap_weight: float = 1.0  # kv_aware: what a prompt token held is worth against a token of load
     decode_load_tokens: int = 0  # kv_aware: the load one request being decoded counts for
+    max_outstanding: int = 0  # requests in flight an instance takes at most (0: no limit)
+    load_slack: int = LOAD_SLACK  # prefix_aware, kv_aware: requests in flight above the least loaded tolerated
     _turn: itertools.count = field(default_factory=itertools.count, repr=False)
     _ring: list[tuple[int, int]] = field(default_factory=list, repr=False)  # (point, instance index)
 
@@ -125,26 +160,33 @@ class InstancePool:
                             for v in range(VIRTUAL_NODES))
 
     @classmethod
-    def of(cls, urls: Sequence[str], role: str, policy: str, **weights: float) -> InstancePool:
-        return cls([Instance(url.rstrip("/"), role) for url in urls], policy, **weights)
+    def of(cls, urls: Sequence[str], role: str, policy: str, breaker: tuple[int, float] = (1, 5.0),
+           **settings: float) -> InstancePool:
+        """`breaker`: (failures in a row that open an instance's breaker, its cool-down s)."""
+        return cls([Instance(url.rstrip("/"), role, Breaker(*breaker)) for url in urls], policy, **settings)
 
     def pick(self, route: Route, exclude: set[str] = frozenset()) -> Instance:
-        """An instance for a request; NoInstanceError if every one is unhealthy or excluded."""
-        candidates = [i for i in self.instances if i.healthy and i.url not in exclude]
-        if not candidates:
+        """An instance for a request; NoInstanceError if every one is shut out by its
+        breaker or excluded, OverloadedError if the others are all full."""
+        available = [i for i in self.instances if i.url not in exclude and i.breaker.allows()]
+        if not available:
             raise NoInstanceError(f"no healthy {self.instances[0].role} instance left")
-        least = min(i.outstanding for i in candidates)
+        candidates = [i for i in available if not self.max_outstanding or i.in_flight < self.max_outstanding]
+        if not candidates:
+            raise OverloadedError(f"every {self.instances[0].role} instance has {self.max_outstanding} requests "
+                                  "in flight")
+        least = min(i.in_flight for i in candidates)
         if self.policy == "kv_aware":
-            chosen = self._by_cache(route, candidates)
+            chosen = self._by_cache(route, [i for i in candidates if i.in_flight <= least + self.load_slack])
             if chosen:
                 candidates = chosen
         if self.policy == "prefix_aware":
             chosen = self._on_ring(route.key, candidates)
-            if chosen.outstanding <= least + SATURATION_SLACK:
+            if chosen.in_flight <= least + self.load_slack:
                 return chosen
         if self.policy in ("least_loaded", "prefix_aware", "kv_aware"):
-            least = min(i.outstanding for i in candidates)
-            candidates = [i for i in candidates if i.outstanding == least]
+            least = min(i.in_flight for i in candidates)
+            candidates = [i for i in candidates if i.in_flight == least]
         return candidates[next(self._turn) % len(candidates)]
 
     def _by_cache(self, route: Route, candidates: list[Instance]) -> list[Instance]:
@@ -158,7 +200,7 @@ class InstancePool:
         return [i for i, score in zip(candidates, scores) if score == best]
 
     def load_tokens(self, instance: Instance) -> float:
-        return instance.outstanding_tokens + self.decode_load_tokens * instance.outstanding
+        return instance.outstanding_tokens + self.decode_load_tokens * instance.in_flight
 
     def _on_ring(self, key: str, candidates: list[Instance]) -> Instance:
         allowed = {id(i) for i in candidates}
@@ -170,10 +212,14 @@ class InstancePool:
         raise AssertionError("candidates are never empty here")
 
     async def probe(self, client: httpx.AsyncClient, timeout_s: float = 2.0) -> None:
-        """Ask every instance's /health; healthy again when it answers 200. An engine
-        process other than the one seen before means the server restarted: what it
-        held is forgotten."""
+        """Ask /health of every instance its breaker lets through (an open one past its
+        cool-down is half-open: this is its trial): a 200 is a success, anything else a
+        failure. An engine process other than the one seen before means the server
+        restarted: what it held is forgotten."""
         for instance in self.instances:
+            if not instance.breaker.allows():
+                continue
+            instance.breaker.start()
             try:
                 response = await client.get(f"{instance.url}/health", timeout=timeout_s)
                 ok = response.status_code == 200
@@ -182,11 +228,9 @@ class InstancePool:
                 ok, error = False, f"/health failed: {type(exc).__name__}: {exc}"
             if ok:
                 self._note_engine(instance, response)
-                instance.healthy = True
-            elif instance.healthy:
-                instance.mark_failed(error)
+                instance.mark_succeeded()
             else:
-                instance.last_error = error
+                instance.mark_failed(error)
 
     @staticmethod
     def _note_engine(instance: Instance, response: httpx.Response) -> None:

@@ -7,16 +7,23 @@ applied; an older one is a duplicate and ignored; a newer one leaves a gap, whic
 means the server restarted, and the index starts empty. A snapshot replaces everything.
 The blocks held are bounded (`max_blocks`): past the bound, stored blocks are not
 recorded (the index under-counts, never over-counts) and counted in `dropped`.
+
+Events come after the fact: a request's blocks are published once the server has
+computed them, while the next request with the same prefix may arrive meanwhile. So the
+router also `expect`s the blocks of each prompt it sends to the server: they count as
+held until its events store them (or remove them), or for `ttl_s` at most.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 
 from kv_events.messages import AllBlocksCleared, BlockStored, EventBatch
 
 MAX_BLOCKS = 2_000_000  # per server: more than any cache this proxy fronts holds in its routing group
+EXPECTED_TTL_S = 10.0  # a request sent is prefilled, and its blocks published, within this (or they are not)
 
 
 class Applied(Enum):
@@ -33,16 +40,33 @@ class KVIndex:
     last_seq: int = 0
     blocks: set[bytes] = field(default_factory=set)
     dropped: int = 0  # stored blocks not recorded for the bound
+    expected: dict[bytes, float] = field(default_factory=dict)  # block hash -> when the expectation ends
+    ttl_s: float = EXPECTED_TTL_S
+    clock: object = field(default=time.monotonic, repr=False)
 
     def clear(self) -> None:
         """Forget everything (the server is gone or restarted)."""
         self.engine_id, self.last_seq = None, 0
         self.blocks.clear()
+        self.expected.clear()
+
+    def expect(self, block_hashes: list[bytes]) -> None:
+        """A prompt with these blocks was sent to the server: count them as held until
+        its events say (bounded like `blocks`; expired expectations are dropped here)."""
+        now = self.clock()
+        if len(self.expected) + len(block_hashes) > self.max_blocks:
+            self.expected = {h: end for h, end in self.expected.items() if end > now}
+        room = max(0, self.max_blocks - len(self.expected))
+        end = now + self.ttl_s
+        for block_hash in block_hashes[:room]:
+            if block_hash not in self.blocks:
+                self.expected[block_hash] = end
 
     def apply(self, batch: EventBatch) -> Applied:
         if batch.engine_id != self.engine_id:
+            expected, self.expected = (self.expected if self.engine_id is None else {}), {}  # first batch: kept
             self.clear()
-            self.engine_id = batch.engine_id
+            self.engine_id, self.expected = batch.engine_id, expected
         if batch.snapshot:
             if batch.seq < self.last_seq:
                 return Applied.DUPLICATE
@@ -59,9 +83,13 @@ class KVIndex:
     def _apply_event(self, event) -> None:
         if isinstance(event, AllBlocksCleared):
             self.blocks.clear()
-        elif event.group != self.group:
+            self.expected.clear()
             return
-        elif isinstance(event, BlockStored):
+        if event.group != self.group:
+            return
+        for block_hash in event.block_hashes:  # what was expected is known now
+            self.expected.pop(block_hash, None)
+        if isinstance(event, BlockStored):
             room = max(0, self.max_blocks - len(self.blocks))
             self.blocks.update(event.block_hashes[:room])
             self.dropped += max(0, len(event.block_hashes) - room)
@@ -69,9 +97,14 @@ class KVIndex:
             self.blocks.difference_update(event.block_hashes)
 
     def overlap(self, block_hashes: list[bytes]) -> int:
-        """How many of a prompt's leading blocks the server holds (a prefix-cache hit
-        reaches as far as the first block it lacks)."""
+        """How many of a prompt's leading blocks the server holds, or is expected to (a
+        prefix-cache hit reaches as far as the first block it lacks)."""
+        now = None
         for i, block_hash in enumerate(block_hashes):
-            if block_hash not in self.blocks:
+            if block_hash in self.blocks:
+                continue
+            end = self.expected.get(block_hash)
+            now = self.clock() if now is None else now
+            if end is None or end <= now:
                 return i
         return len(block_hashes)

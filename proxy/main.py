@@ -7,7 +7,7 @@ import logging
 
 from proxy.body import MAX_REQUEST_BYTES
 from proxy.config import ProxyConfig
-from proxy.instances import POLICIES
+from proxy.instances import LOAD_SLACK, POLICIES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -35,6 +35,9 @@ def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-load-tokens", type=int, default=256,
                         help="kv_aware: the load, in tokens, one request a decode server is decoding counts for "
                              "(default 256)")
+    parser.add_argument("--load-slack", type=int, default=LOAD_SLACK, metavar="N",
+                        help="prefix_aware and kv_aware: a server with more than N requests in flight above the "
+                             f"least loaded one is passed over, whatever it holds (default {LOAD_SLACK})")
     parser.add_argument("--api-key", default=None, metavar="KEY",
                         help="clients must send 'Authorization: Bearer KEY' on every route but /health (else 401); "
                              "also what is sent to the servers unless --server-api-key is given (default: no check)")
@@ -45,10 +48,31 @@ def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
                         help="largest request body accepted, in bytes; a larger one is refused with 413 (checked "
                              f"against Content-Length, and while reading a chunked body) (default {MAX_REQUEST_BYTES})")
     parser.add_argument("--probe-interval", type=float, default=5.0,
-                        help="seconds between /health probes of every server; an unhealthy one returns when it "
-                             "answers (default 5)")
+                        help="seconds between /health probes of every server; a server whose breaker is open "
+                             "is probed once its cool-down is over, and taken again when it answers (default 5)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds a request to a server may take (default 600)")
+    parser.add_argument("--prefill-timeout", type=float, default=None, metavar="S",
+                        help="seconds a prefill server may take to answer; past it the request is retried on "
+                             "another (default: --timeout)")
+    parser.add_argument("--decode-timeout", type=float, default=None, metavar="S",
+                        help="seconds a decode server may take to send its headers, or the next piece of its "
+                             "answer (default: --timeout)")
+    parser.add_argument("--max-retries", type=int, default=2, metavar="N",
+                        help="other prefill servers a request is sent to after one did not take it (no connection, "
+                             "timeout, 5xx, dead engine, too many blocks held); 0: none (default 2)")
+    parser.add_argument("--retry-backoff", type=float, default=0.05, metavar="S",
+                        help="seconds before the first retry, doubled for each next one, times a random factor "
+                             "in [1, 2) (default 0.05)")
+    parser.add_argument("--breaker-failures", type=int, default=1, metavar="N",
+                        help="failures in a row (no connection, timeout, 502/504, dead engine) that open a "
+                             "server's circuit breaker: nothing is sent to it until a trial succeeds (default 1)")
+    parser.add_argument("--breaker-cooldown", type=float, default=5.0, metavar="S",
+                        help="seconds an open breaker waits before one trial (a request, or the /health probe) "
+                             "may go; success closes it (default 5)")
+    parser.add_argument("--max-outstanding", type=int, default=0, metavar="N",
+                        help="requests in flight one server takes at most; when every server of a role has "
+                             "that many, the client gets 429 with Retry-After (default 0: no limit)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")
 
 
@@ -56,9 +80,14 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
     """The config the flags describe; SystemExit naming the problem if they are invalid."""
     try:
         return ProxyConfig(tuple(args.prefill), tuple(args.decode), args.policy, args.prefill_policy,
-                           args.decode_policy, args.kv_overlap_weight, args.decode_load_tokens, api_key=args.api_key,
+                           args.decode_policy, args.kv_overlap_weight, args.decode_load_tokens, args.load_slack,
+                           api_key=args.api_key,
                            server_api_key=args.server_api_key, probe_interval_s=args.probe_interval,
-                           timeout_s=args.timeout, max_request_bytes=args.max_request_bytes)
+                           timeout_s=args.timeout, prefill_timeout_s=args.prefill_timeout,
+                           decode_timeout_s=args.decode_timeout, max_retries=args.max_retries,
+                           retry_backoff_s=args.retry_backoff, breaker_failures=args.breaker_failures,
+                           breaker_cooldown_s=args.breaker_cooldown, max_outstanding=args.max_outstanding,
+                           max_request_bytes=args.max_request_bytes)
     except ValueError as exc:
         raise SystemExit(f"pd proxy: {exc}") from None
 

@@ -1,4 +1,5 @@
-"""The proxy's /metrics: per-instance state, requests answered and KV releases."""
+"""The proxy's /metrics: per-instance state (breakers included), requests answered, retries,
+429s, KV releases and the overlap routing expected and found."""
 
 from __future__ import annotations
 
@@ -29,8 +30,10 @@ class InstanceCollector(Collector):
         outstanding = GaugeMetricFamily("pd_proxy_instance_outstanding", "Requests in flight on the instance.",
                                         labels=labels)
         sent = CounterMetricFamily("pd_proxy_instance_requests", "Requests sent to the instance.", labels=labels)
-        failed = CounterMetricFamily("pd_proxy_instance_failures", "Failures that marked the instance unhealthy.",
+        failed = CounterMetricFamily("pd_proxy_instance_failures", "Failures counted against the instance's breaker.",
                                      labels=labels)
+        breaker = GaugeMetricFamily("pd_proxy_instance_breaker_state", "The instance's circuit breaker: 0 closed, "
+                                    "1 half-open (one trial may go), 2 open (nothing is sent to it).", labels=labels)
         indexed = GaugeMetricFamily("pd_proxy_instance_kv_blocks", "Blocks the instance's KV events say it holds "
                                     "(kv_aware; absent for an instance whose events are not followed).",
                                     labels=labels)
@@ -40,9 +43,10 @@ class InstanceCollector(Collector):
                 outstanding.add_metric([i.url, i.role], i.outstanding)
                 sent.add_metric([i.url, i.role], i.requests)
                 failed.add_metric([i.url, i.role], i.failures)
+                breaker.add_metric([i.url, i.role], i.breaker.gauge)
                 if i.kv_index is not None:
                     indexed.add_metric([i.url, i.role], len(i.kv_index.blocks))
-        yield from (healthy, outstanding, sent, failed, indexed)
+        yield from (healthy, outstanding, sent, failed, breaker, indexed)
 
 
 class ProxyMetrics:
@@ -66,6 +70,14 @@ class ProxyMetrics:
         self.kv_events_malformed = Counter("pd_proxy_kv_events_malformed",
                                            "KV event batches or replays received from a server that were not "
                                            "ones (dropped).", ["url"], registry=self.registry)
+
+        self.retries = Counter("pd_proxy_retries", "Requests sent again to another server after one failed, by "
+                               "role.", ["role"], registry=self.registry)
+        self.overloaded = Counter("pd_proxy_overloaded", "Requests answered 429: every instance of the role had "
+                                  "--max-outstanding requests in flight.", ["role"], registry=self.registry)
+        for role in ("prefill", "decode"):
+            self.retries.labels(role=role)
+            self.overloaded.labels(role=role)
 
     def exposition(self) -> bytes:
         """The text /metrics answers."""

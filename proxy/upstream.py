@@ -1,49 +1,54 @@
 """The prefill and decode servers behind the proxy, and the three calls made to them:
 prefill on a P, open the decode on a D, and release P's blocks when no D will read them.
 
-Which answer marks an instance unhealthy (the prober brings it back when its /health
-answers 200): a transport failure (cannot connect, timeout, connection broken) and a 503
-whose error code is "engine_dead". Every other answer is the server's verdict on this
-request, passed back to the client as it is (status and JSON body): a 4xx, and a 500 too
-(the same content would fail on another server, so no other P is tried). A P that
-refuses with 503 "kv_held_limit" (it holds too many blocks for unread requests) stays
-healthy, and another P is tried; when none takes the request the client gets that 503
-with a Retry-After.
+What counts against an instance's circuit breaker (`breaker.py`): a transport failure
+(cannot connect, timeout, connection broken), a 502 or 504 without a server's error code
+(a gateway in front of it failed) and a 503 whose error code is "engine_dead"; any other
+answer is a success for the breaker. When P does not take the request (a failure as
+above, a 5xx of its own, or a 503 "kv_held_limit": it holds too many blocks for unread
+requests) it is sent to another P, at most `max_retries` times, each after an
+exponential backoff with jitter; when none takes it the client gets the soonest
+kv_held_limit 503 with its Retry-After, else the last P's 5xx, else 503. A 4xx is the
+server's verdict on this request, passed back as it is. When every instance of a role
+has `max_outstanding` requests in flight the client gets 429 "overloaded" with a
+Retry-After (nothing queues without bound).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
+from proxy.answers import (KV_HELD_LIMIT, backoff_s, cached_tokens, error_code, is_server_failure, kv_held_response,
+                           overloaded_response, passed_back, retry_after_s)
 from proxy.body import BodyError, parse_body
 from proxy.config import ProxyConfig
 from proxy.errors import error_response
-from proxy.instances import Instance, InstancePool, NoInstanceError, Route
+from proxy.instances import Instance, InstancePool, NoInstanceError, OverloadedError, Route
 from proxy.metrics import ProxyMetrics
 
 logger = logging.getLogger(__name__)
 
 RELEASE_PATH = "/v1/kv/release"
 TOKENIZE_PATH = "/v1/tokenize"
-ENGINE_DEAD = "engine_dead"
-KV_HELD_LIMIT = "kv_held_limit"
-DEFAULT_RETRY_AFTER_S = 1.0
+TOKENIZE_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 5.0
 
 
-@dataclass(frozen=True)
+@dataclass
 class Call:
     """One client request as the proxy sends it on: the same endpoint, body, headers
     (X-Request-Id and Authorization) to P and D; `route` is what picking looks at.
     `picked` names, per role, the instance chosen and the prompt tokens it was expected
-    to hold (answered in the X-PD-Prefill / X-PD-Decode headers)."""
+    to hold (answered in the X-PD-Prefill / X-PD-Decode headers). `bound`: the decode
+    server picked before prefill, which counts the request in flight until it is
+    opened there (or the call ends)."""
 
     endpoint: str
     body: dict[str, Any]
@@ -51,6 +56,17 @@ class Call:
     route: Route
     request_id: str
     picked: dict[str, tuple[int, int]] = field(default_factory=dict)
+    bound: Instance | None = None
+
+    def bind(self, instance: Instance) -> None:
+        self.bound = instance
+        instance.bound += 1
+
+    def unbind(self) -> None:
+        """Idempotent."""
+        if self.bound is not None:
+            self.bound.bound -= 1
+            self.bound = None
 
     @property
     def stream(self) -> bool:
@@ -99,10 +115,23 @@ class Opened:
 
 @dataclass(frozen=True)
 class TryAnother:
-    """This P did not take the request and another may; `retry_after_s` when it
-    refused for the KV it holds (otherwise it was marked unhealthy)."""
+    """This P did not take the request and another may: `retry_after_s` when it
+    refused for the KV it holds; `answer`, what the client gets if no other P takes it
+    (a 5xx of the server's own); otherwise it could not be reached or its engine is dead
+    (a failure counted against its breaker)."""
 
     retry_after_s: float | None = None
+    answer: Response | None = None
+
+
+def token_id_prompt(body: dict[str, Any]) -> list[int] | None:
+    """A completion's prompt given as token ids (a list of ints, or a batch of one), else None."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt
+    return None
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -113,48 +142,25 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return body | {"stream": False, "kv_transfer_params": {"do_remote_decode": True}}
 
 
-def error_code(response: httpx.Response) -> str | None:
-    """The `error.code` of a server's JSON error body (read already), if it has one."""
-    try:
-        error = response.json().get("error")
-    except (ValueError, AttributeError):
-        return None
-    code = error.get("code") if isinstance(error, dict) else None
-    return code if isinstance(code, str) else None
-
-
-def retry_after_s(response: httpx.Response) -> float:
-    try:
-        seconds = float(response.headers.get("retry-after", ""))
-    except ValueError:
-        return DEFAULT_RETRY_AFTER_S
-    return seconds if math.isfinite(seconds) and seconds >= 0 else DEFAULT_RETRY_AFTER_S
-
-
-def passed_back(instance: Instance, response: httpx.Response) -> Response:
-    """A server's answer (read already) for the client: its status and JSON body; a body
-    that is not JSON is wrapped in an error object with the same status."""
-    headers = {"Retry-After": response.headers["retry-after"]} if "retry-after" in response.headers else None
-    try:
-        response.json()
-    except ValueError:
-        return error_response(f"the {instance.role} server {instance.url} answered HTTP {response.status_code}: "
-                              f"{response.text[:500]}", response.status_code, headers=headers)
-    return Response(response.content, response.status_code, media_type="application/json", headers=headers)
-
-
 class Upstream:
     """The instance pools, the HTTP client to them (set by the app's lifespan), metrics."""
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.prefill = InstancePool.of(config.prefill_urls, "prefill", config.prefill_policy,
-                                       overlap_weight=config.kv_overlap_weight)
-        self.decode = InstancePool.of(config.decode_urls, "decode", config.decode_policy,
+        breaker = (config.breaker_failures, config.breaker_cooldown_s)
+        self.prefill = InstancePool.of(config.prefill_urls, "prefill", config.prefill_policy, breaker,
+                                       overlap_weight=config.kv_overlap_weight, max_outstanding=config.max_outstanding,
+                                       load_slack=config.load_slack)
+        self.decode = InstancePool.of(config.decode_urls, "decode", config.decode_policy, breaker,
                                       overlap_weight=config.kv_overlap_weight,
-                                      decode_load_tokens=config.decode_load_tokens)
+                                      decode_load_tokens=config.decode_load_tokens, load_slack=config.load_slack,
+                                      max_outstanding=config.max_outstanding)
         self.metrics = ProxyMetrics([self.prefill, self.decode])
         self.timeout = httpx.Timeout(config.timeout_s, connect=min(CONNECT_TIMEOUT_S, config.timeout_s))
+        self.prefill_timeout = httpx.Timeout(config.prefill_timeout_s,
+                                             connect=min(CONNECT_TIMEOUT_S, config.prefill_timeout_s))
+        self.decode_timeout = httpx.Timeout(config.decode_timeout_s,
+                                            connect=min(CONNECT_TIMEOUT_S, config.decode_timeout_s))
         self.client: httpx.AsyncClient | None = None
 
     def headers(self, request: Request, request_id: str) -> dict[str, str]:
@@ -162,12 +168,17 @@ class Upstream:
         return {"X-Request-Id": request_id} | ({"Authorization": auth} if auth else {})
 
     async def tokenize(self, call: Call) -> list[int] | None:
-        """The request's prompt tokens, as a server tokenizes it (`POST /v1/tokenize`);
-        None when no server could say (the request is then routed by load)."""
+        """The request's prompt tokens: a completion's token ids as they are (a server
+        takes them so), else as a server tokenizes the body (`POST /v1/tokenize`, each
+        server tried within `TOKENIZE_TIMEOUT_S`); None when no server could say (the
+        request is then routed by load)."""
+        ids = token_id_prompt(call.body)
+        if ids is not None:
+            return ids
         for instance in [i for i in self.decode.instances + self.prefill.instances if i.healthy]:
             try:
                 response = await self.client.post(instance.url + TOKENIZE_PATH, json=call.body, headers=call.headers,
-                                                  timeout=self.timeout)
+                                                  timeout=TOKENIZE_TIMEOUT_S)
                 tokens = response.json().get("tokens") if response.status_code == 200 else None
             except (httpx.HTTPError, ValueError, AttributeError):
                 continue
@@ -178,25 +189,39 @@ class Upstream:
 
     def _note_pick(self, call: Call, pool: InstancePool, instance: Instance) -> None:
         call.note_pick(pool, instance)
+        instance.expect(call.route)
         if call.route.tokens is not None and instance.block_size:
             self.metrics.routed_overlap.labels(role=instance.role).observe(
                 call.picked[instance.role][1] // instance.block_size)
 
+    def overloaded(self, role: str, exc: OverloadedError) -> Response:
+        self.metrics.overloaded.labels(role=role).inc()
+        return overloaded_response(str(exc))
+
     def failed(self, instance: Instance, why: str) -> None:
-        logger.warning("%s server %s failed: %s; marked unhealthy", instance.role, instance.url, why)
-        instance.mark_failed(why)
+        if instance.mark_failed(why):
+            logger.warning("%s server %s failed: %s; its breaker opened", instance.role, instance.url, why)
+        else:
+            logger.warning("%s server %s failed: %s", instance.role, instance.url, why)
 
     async def prefill_once(self, call: Call) -> Prefilled | Response:
         """P's parameters from the first P that takes the request, or the response for
-        the client (a server's verdict, 503 when no P is left or every P holds too much)."""
+        the client (a server's verdict; when P after P failed, `max_retries` of them,
+        each after an exponential backoff with jitter: the last P's 5xx, or 503 when no
+        P is left or every P holds too much; 429 when every P is full)."""
         tried: set[str] = set()
         held: list[float] = []  # Retry-After of each P that refused for kv_held_limit
-        while True:
+        last: Response | None = None  # the last P's own 5xx
+        for attempt in range(self.config.max_retries + 1):
             try:
                 instance = self.prefill.pick(call.route, tried)
-            except NoInstanceError as exc:
-                return kv_held_response(min(held)) if held else error_response(
-                    f"{exc}: cannot prefill the request", 503, "service_unavailable")
+            except OverloadedError as exc:
+                return self.overloaded("prefill", exc)
+            except NoInstanceError:
+                break
+            if attempt:
+                self.metrics.retries.labels(role="prefill").inc()
+                await asyncio.sleep(backoff_s(self.config.retry_backoff_s, attempt))
             tried.add(instance.url)
             self._note_pick(call, self.prefill, instance)
             answer = await self._prefill_at(instance, call)
@@ -204,15 +229,21 @@ class Upstream:
                 return answer
             if answer.retry_after_s is not None:
                 held.append(answer.retry_after_s)
+            last = answer.answer or last
+        if held:
+            return kv_held_response(min(held))
+        return last or error_response(f"no healthy prefill instance took the request after {len(tried)} tries",
+                                      503, "service_unavailable")
 
     async def _prefill_at(self, instance: Instance, call: Call) -> Prefilled | Response | TryAnother:
         work = call.work_tokens(instance)
         instance.outstanding += 1
         instance.outstanding_tokens += work
         instance.requests += 1
+        instance.breaker.start()
         try:
             response = await self.client.post(instance.url + call.endpoint, json=prefill_body(call.body),
-                                              headers=call.headers, timeout=self.timeout)
+                                              headers=call.headers, timeout=self.prefill_timeout)
         except httpx.TransportError as exc:
             self.failed(instance, f"{type(exc).__name__}: {exc}")
             return TryAnother()
@@ -221,15 +252,19 @@ class Upstream:
         finally:
             instance.outstanding -= 1
             instance.outstanding_tokens -= work
+            instance.breaker.finish()  # the verdict on it, if any, is given below
         if response.status_code == 200:
+            instance.mark_succeeded()
             return self._prefilled(instance, response)
-        code = error_code(response)
-        if response.status_code == 503 and code == ENGINE_DEAD:
-            self.failed(instance, f"HTTP 503 {ENGINE_DEAD}: {response.text[:200]}")
-            return TryAnother()
-        if response.status_code == 503 and code == KV_HELD_LIMIT:
+        if is_server_failure(response):
+            self.failed(instance, f"HTTP {response.status_code}: {response.text[:200]}")
+            return TryAnother(answer=passed_back(instance, response))
+        instance.mark_succeeded()  # it answered, whatever it answered
+        if response.status_code == 503 and error_code(response) == KV_HELD_LIMIT:
             logger.info("prefill server %s holds too many blocks; trying another", instance.url)
             return TryAnother(retry_after_s(response))
+        if response.status_code >= 500:  # its verdict, but another P may not fail the same way
+            return TryAnother(answer=passed_back(instance, response))
         return passed_back(instance, response)
 
     def _prefilled(self, instance: Instance, response: httpx.Response) -> Prefilled | Response:
@@ -238,7 +273,7 @@ class Upstream:
         except BodyError as exc:
             return error_response(f"the prefill server {instance.url} answered 200, but {exc.message}", 502)
         params = answer.get("kv_transfer_params")
-        cached = _cached_tokens(answer)
+        cached = cached_tokens(answer)
         if cached is not None:
             self.metrics.prefill_cached.observe(cached)
         if not isinstance(params, dict) or not params:
@@ -254,7 +289,9 @@ class Upstream:
         tried: set[str] = set()
         instance = first
         while True:
-            if instance.healthy:  # it may have failed another request while this one prefilled
+            if instance.breaker.allows():  # it may have failed another request while this one prefilled
+                if tried:
+                    self.metrics.retries.labels(role="decode").inc()
                 tried.add(instance.url)
                 self._note_pick(call, self.decode, instance)
                 answer = await self._open_at(instance, call, body)
@@ -262,20 +299,25 @@ class Upstream:
                     return answer
             try:
                 instance = self.decode.pick(call.route, tried)
+            except OverloadedError as exc:
+                return self.overloaded("decode", exc)
             except NoInstanceError as exc:
                 return error_response(f"{exc}: cannot decode the request", 503, "service_unavailable")
 
     async def _open_at(self, instance: Instance, call: Call, body: dict[str, Any]) -> Opened | Response | None:
         request = self.client.build_request("POST", instance.url + call.endpoint, json=body, headers=call.headers,
-                                            timeout=self.timeout)
+                                            timeout=self.decode_timeout)
         work = call.work_tokens(instance)
         instance.outstanding += 1
         instance.outstanding_tokens += work
         instance.requests += 1
+        instance.breaker.start()
+        call.unbind()  # outstanding somewhere now
         opened = None
         try:
             response = await self.client.send(request, stream=True)
             if response.status_code == 200:
+                instance.mark_succeeded()
                 opened = Opened(instance, response, work)
                 return opened
             return await self._refused_by_decode(instance, response)
@@ -287,6 +329,7 @@ class Upstream:
                 self.failed(instance, f"{type(exc).__name__}: {exc}")
             return error_response(f"the decode server {instance.url} failed: {exc}", 502)
         finally:
+            instance.breaker.finish()
             if opened is None:
                 instance.outstanding -= 1
                 instance.outstanding_tokens -= work
@@ -296,8 +339,10 @@ class Upstream:
             await response.aread()
         finally:
             await response.aclose()
-        if response.status_code == 503 and error_code(response) == ENGINE_DEAD:
-            self.failed(instance, f"HTTP 503 {ENGINE_DEAD}: {response.text[:200]}")
+        if is_server_failure(response):
+            self.failed(instance, f"HTTP {response.status_code}: {response.text[:200]}")
+        else:
+            instance.mark_succeeded()  # its verdict on this request
         return passed_back(instance, response)
 
     async def release(self, prefilled: Prefilled, headers: dict[str, str]) -> None:
@@ -316,16 +361,3 @@ class Upstream:
             logger.warning("could not release %s on %s: %s: %s", remote_id, url, type(exc).__name__, exc)
             result = "failed"
         self.metrics.kv_releases.labels(result=result).inc()
-
-
-def _cached_tokens(answer: dict[str, Any]) -> int | None:
-    """`usage.prompt_tokens_details.cached_tokens` of a server's answer, if it says."""
-    usage = answer.get("usage")
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return cached if isinstance(cached, int) else None
-
-
-def kv_held_response(retry_after: float) -> JSONResponse:
-    return error_response("every prefill server holds too many KV blocks for requests not yet read; retry later",
-                          503, "service_unavailable", KV_HELD_LIMIT, {"Retry-After": str(math.ceil(retry_after))})

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from proxy.forward import prefix_key
-from proxy.instances import SATURATION_SLACK, InstancePool, NoInstanceError, Route
+from proxy.instances import LOAD_SLACK, InstancePool, NoInstanceError, Route
 
 URLS = [f"http://127.0.0.1:{8100 + i}" for i in range(4)]
 
@@ -40,9 +40,9 @@ def test_prefix_aware_keeps_a_prefix_on_one_instance_and_spreads_prefixes() -> N
 def test_prefix_aware_leaves_a_saturated_instance_for_the_least_loaded() -> None:
     pool = InstancePool.of(URLS, "decode", "prefix_aware")
     home = pool.pick(Route("family"))
-    home.outstanding = SATURATION_SLACK
+    home.outstanding = LOAD_SLACK
     assert pool.pick(Route("family")) is home  # still within the slack
-    home.outstanding = SATURATION_SLACK + 1
+    home.outstanding = LOAD_SLACK + 1
     assert pool.pick(Route("family")) is not home
 
 

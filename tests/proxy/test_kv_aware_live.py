@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -21,8 +20,9 @@ pytestmark = pytest.mark.slow
 SYSTEM = ("You are the harbour master's assistant. Answer questions about ships, tides, moorings and the "
           "lighthouse schedule. Keep answers short, list numbers plainly, and never guess a tide table. ") * 4
 assert len(SYSTEM) > 256  # past prefix_aware's key: every conversation hashes alike
-TOPICS = ["the night ferry from the north pier", "the coal barge that lost its anchor",
-          "the regatta on the first Sunday of June", "the storm warnings for the coming week"]
+# Each first user message differs from its first word: nothing past the system prompt is shared.
+TOPICS = ["Ferries: the night one from the north pier", "Barges: the coal one that lost its anchor",
+          "Regattas: the one on the first Sunday of June", "Storms: the warnings for the coming week"]
 
 
 def events_flags() -> list[str]:
@@ -69,18 +69,24 @@ def chat(front, messages: list[dict]) -> tuple[str, int, int]:
     return response.json()["choices"][0]["message"]["content"], int(index), int(held)
 
 
+def warm_system_prompt(servers) -> None:
+    """Have every prefill server hold the system prompt (asked directly, not through a
+    proxy): then no server is preferred for a new conversation, and load spreads them."""
+    for server in servers["p"]:
+        response = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello."}],
+            "max_tokens": 1})
+        assert response.status_code == 200, response.text
+
+
 def converse(front, turns: int) -> list[list[tuple[int, int]]]:
-    """The conversations' first turns at once (so that load spreads them), then each
-    next turn, one request at a time: per conversation, (P picked, tokens held) per turn."""
-    histories = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Tell me about {t}."}]
+    """The conversations' turns, one request at a time, turn by turn: per conversation,
+    (P picked, tokens held) per turn."""
+    histories = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{t}?"}]
                  for t in TOPICS]
     picks: list[list[tuple[int, int]]] = [[] for _ in TOPICS]
     for turn in range(turns):
-        if turn == 0:
-            with ThreadPoolExecutor(len(TOPICS)) as pool:
-                answers = list(pool.map(lambda h: chat(front, h), histories))
-        else:
-            answers = [chat(front, h) for h in histories]
+        answers = [chat(front, h) for h in histories]
         for history, pick, (text, index, held) in zip(histories, picks, answers):
             pick.append((index, held))
             history += [{"role": "assistant", "content": text},
@@ -89,14 +95,17 @@ def converse(front, turns: int) -> list[list[tuple[int, int]]]:
 
 
 def test_each_conversation_stays_on_the_prefill_server_holding_its_last_turn(servers) -> None:
+    warm_system_prompt(servers)
     with proxy(servers, "kv_aware") as front:
+        assert wait_until(lambda: all(i["kv_index"]["blocks"] > 0 for i in instances(front) if i["role"] == "prefill"),
+                          30)  # what the servers held before the proxy started, replayed
         picks = converse(front, turns=4)
     for conversation in picks:
         home = conversation[0][0]
         assert [index for index, _ in conversation[1:]] == [home] * 3, picks
         held = [h for _, h in conversation[1:]]
         assert held == sorted(held) and held[0] > 0  # each turn finds more of itself there
-    assert {conversation[0][0] for conversation in picks} == {0, 1}, picks  # the first turns spread by load
+    assert {conversation[0][0] for conversation in picks} == {0, 1}, picks  # new conversations spread by load
     with proxy(servers, "prefix_aware") as front:
         ring = converse(front, turns=2)
     assert len({index for conversation in ring for index, _ in conversation}) == 1, ring  # all on one P

@@ -46,6 +46,40 @@ def test_what_is_held_is_bounded() -> None:
     assert len(index.blocks) == 3 and index.dropped == 2
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_expected_blocks_count_until_events_say_or_their_time_ends() -> None:
+    clock = Clock()
+    index = KVIndex(group=0, ttl_s=10.0, clock=clock)
+    index.expect(H[:4])  # a prompt of 4 blocks sent to the server
+    assert index.overlap(H[:5]) == 4 and not index.blocks
+    index.apply(batch(1, BlockStored(H[:2], None, 32, 0), BlockRemoved(H[2:3], 0)))
+    assert index.blocks == set(H[:2]) and set(index.expected) == {H[3]}  # known now: stored, or evicted
+    assert index.overlap(H[:5]) == 2
+    index.expect(H[5:7])
+    clock.now += 10  # never published: expected no more
+    assert index.overlap(H[5:7]) == 0
+    index.expect(H[7:8])
+    index.apply(batch(2, AllBlocksCleared()))
+    assert index.overlap(H[7:8]) == 0 and not index.expected
+
+
+def test_expectations_are_bounded_and_expired_ones_make_room() -> None:
+    clock = Clock()
+    index = KVIndex(group=0, max_blocks=3, ttl_s=1.0, clock=clock)
+    index.expect(H[:5])
+    assert len(index.expected) == 3
+    clock.now += 2
+    index.expect(H[5:7])
+    assert set(index.expected) == set(H[5:7])
+
+
 def test_overlap_counts_the_leading_blocks_held() -> None:
     index = KVIndex(group=0)
     index.apply(batch(1, BlockStored([H[0], H[1], H[3]], None, 48, 0)))
@@ -100,3 +134,27 @@ def test_a_decode_server_counts_its_requests_as_load() -> None:
     hold(b, prompt[:8])
     a.outstanding = 1  # 16 - 10 < 8: b
     assert pool.pick(Route("k", tokens=prompt)) is b
+
+
+def test_kv_aware_passes_over_an_instance_past_the_load_slack_whatever_it_holds() -> None:
+    pool = pool_of(load_slack=2, overlap_weight=100.0)
+    a, b, c = pool.instances
+    prompt = list(range(100, 140))
+    hold(a, prompt)  # a holds everything, worth far more than any load
+    b.outstanding = c.outstanding = 1
+    route = Route("k", tokens=prompt)
+    a.outstanding = 3  # within the slack of the least loaded (1 + 2)
+    assert pool.pick(route) is a
+    a.outstanding = 4  # past it: the others, by what they hold (nothing), then by load
+    assert pool.pick(route) in (b, c)
+    hold(c, prompt[:8])
+    assert pool.pick(route) is c
+
+
+def test_a_sent_prompt_attracts_the_next_one_before_the_servers_events_say() -> None:
+    pool = pool_of()
+    prompt = list(range(200, 240))
+    first = pool.pick(Route("k", tokens=prompt))
+    first.expect(Route("k", tokens=prompt))  # what the proxy does on sending it
+    first.outstanding_tokens = 8  # still prefilling it
+    assert all(pool.pick(Route("k", tokens=prompt + [7, 7, 7, 7])) is first for _ in range(3))

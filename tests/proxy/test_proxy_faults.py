@@ -1,6 +1,6 @@
 """The proxy in front of fake prefill and decode servers that refuse, fail or vanish:
-which answers mark an instance unhealthy, what the client gets, and when P is asked to
-release the blocks it keeps for a request no decode server will read."""
+which answers count against an instance's breaker, what the client gets, and when P is
+asked to release the blocks it keeps for a request no decode server will read."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def servers():
 # ---- the prefill server's answers --------------------------------------------------
 
 
-@pytest.mark.parametrize("status", [400, 422, 500])
+@pytest.mark.parametrize("status", [400, 422])
 def test_a_prefill_verdict_is_passed_back_and_leaves_every_server_healthy(servers, status) -> None:
     p1, p2, d = servers
     p1.default = p2.default = error("bad_field", status)
@@ -41,9 +41,23 @@ def test_a_prefill_verdict_is_passed_back_and_leaves_every_server_healthy(server
         response = post(proxy)
         assert response.status_code == status
         assert response.json() == p1.default.body  # the server's own JSON body
-        assert len(p1.received) + len(p2.received) == 1  # no other P is tried, not even for a 500
+        assert len(p1.received) + len(p2.received) == 1  # no other P is tried for a 4xx
         assert d.received == [] and p1.releases == p2.releases == []
         assert all(i["healthy"] for i in proxy_health(proxy).values())
+
+
+def test_a_prefill_500_is_retried_on_the_other_p_and_the_last_is_passed_back(servers) -> None:
+    p1, p2, d = servers
+    p1.default = error("internal_error", 500)
+    p2.default = error("internal_error_2", 500)
+    with proxy_in_front([p1.url, p2.url], [d.url]) as proxy:
+        response = post(proxy)
+        assert response.status_code == 500 and response.json() == p2.default.body  # the last P's own body
+        assert len(p1.received) == len(p2.received) == 1 and d.received == []
+        assert all(i["healthy"] and i["breaker"] == "closed" for i in proxy_health(proxy).values())
+        assert proxy_metric(proxy, 'pd_proxy_retries_total{role="prefill"}') == 1
+        p2.default = Reply()  # the other P takes the next one
+        assert post(proxy).status_code == 200 and len(d.received) == 1
 
 
 def test_engine_dead_marks_the_prefill_server_unhealthy_and_another_serves(servers) -> None:
@@ -163,12 +177,12 @@ def test_with_no_decode_server_reachable_p_releases_and_the_next_request_skips_p
 def test_with_no_healthy_decode_server_nothing_is_sent_to_p(servers) -> None:
     p1, _, d = servers
     d.health_status = 503
-    with proxy_in_front([p1.url], [d.url], probe_interval_s=0.05) as proxy:
+    with proxy_in_front([p1.url], [d.url], probe_interval_s=0.05, breaker_cooldown_s=0.2) as proxy:
         assert wait_until(lambda: not proxy_health(proxy)[d.url]["healthy"])
         response = post(proxy)
         assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable"
         assert p1.received == [] and d.received == []
-        d.health_status = 200  # the prober brings it back
+        d.health_status = 200  # the prober's trial after the cool-down closes its breaker
         assert wait_until(lambda: proxy_health(proxy)[d.url]["healthy"])
         assert post(proxy).status_code == 200
 

@@ -13,7 +13,7 @@ import pytest
 
 from proxy.body import MAX_REQUEST_BYTES
 from proxy.main import add_proxy_flags, proxy_config
-from proxy.upstream import prefill_body
+from proxy.upstream import prefill_body, token_id_prompt
 from proxy_fakes import STREAM_CHUNKS, fake, proxy_in_front, proxy_metric
 
 KEY, SERVER_KEY = "client-secret", "server-secret"
@@ -209,3 +209,11 @@ def test_unknown_routes_and_methods_answer_an_openai_error_object(servers) -> No
         for response in (httpx.get(f"{proxy}/nowhere", timeout=5), httpx.get(f"{proxy}/v1/completions", timeout=5)):
             assert response.status_code in (404, 405)
             assert response.json()["error"]["message"] in ("Not Found", "Method Not Allowed")
+
+
+def test_a_token_id_prompt_is_routed_on_its_ids_without_asking_a_server() -> None:
+    assert token_id_prompt({"prompt": [5, 6, 7]}) == [5, 6, 7]
+    assert token_id_prompt({"prompt": [[5, 6]]}) == [5, 6]  # a batch of one
+    for body in ({"prompt": "text"}, {"prompt": []}, {"prompt": [5, True]}, {"prompt": [5.0]},
+                 {"prompt": [[1], [2]]}, {"messages": [{"role": "user", "content": "hi"}]}):
+        assert token_id_prompt(body) is None, body
