@@ -2,19 +2,15 @@
 this machine, each launched and torn down here, with a warm-up and repetitions; a
 markdown table of medians, a JSON file with every run, and a PNG plot.
 
-Configurations (`--configs`, comma-separated):
-
-- `colocated`: one `pd serve` doing prefill and decode, all cores;
-- `pd`: a prefill and a decode server (NIXL, canonical layout) behind `pd proxy`, the
-  cores split between them;
-- `pd-per-layer`: `pd` with the per-layer KV layout on both servers;
-- `pd-no-skip-mamba`: `pd` with `--no-skip-mamba-align` on the decode server;
-- `no-prefix-cache`: `colocated` with prefix caching off.
+Configurations (`--configs`, comma-separated): see `deployments.py` (colocated, pd and
+its variants, 2P2D behind each routing policy, and 1P1D with all the prefill cache).
 
 Every configuration sees the same prompts: repetition r uses seed `--seed + r` for all of
 them (fresh prompts per repetition, so one repetition does not warm the next one's
 prefix cache); the warm-up uses other prompts. Prefix-cache and KV-transfer figures are
-read from the server that decodes (D for PD).
+read from every server's /metrics before and after each run, and summed: "P hit rate"
+over the servers that prefill, "prefix hit rate" and "KV read" over those that decode
+(a colocated server is both).
 
     pd bench compare --model DIR --dataset prefix-repetition --num-prompts 64
 """
@@ -23,77 +19,33 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import shlex
 import statistics
 import tempfile
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
 from benchmarks import serve
 from benchmarks.datasets import add_dataset_args
-from benchmarks.serve_targets import free_port, pd_command, start_process, stop_server
+from benchmarks.deployments import CONFIGS, Deployment, combined_deltas, deploy, scrape
 
-CONFIGS = ("colocated", "pd", "pd-per-layer", "pd-no-skip-mamba", "no-prefix-cache")
 WARMUP_SEED_OFFSET = 10_000
 FIGURES = {  # column -> (title, how to read it from one run's result)
     "output_throughput": ("output tok/s", lambda r: r["metrics"]["output_throughput"]),
     "mean_ttft_ms": ("mean TTFT (ms)", lambda r: r["metrics"]["mean_ttft_ms"]),
     "p99_ttft_ms": ("p99 TTFT (ms)", lambda r: r["metrics"]["p99_ttft_ms"]),
     "mean_tpot_ms": ("mean TPOT (ms)", lambda r: r["metrics"]["mean_tpot_ms"]),
-    "prefix_hit_rate": ("prefix hit rate", lambda r: ((r["server_metrics"] or {}).get("prefix_cache") or {})
-                        .get("hit_rate")),
-    "kv_mib": ("KV read (MiB)", lambda r: _mib(((r["server_metrics"] or {}).get("kv_transfer_bytes") or {})
-                                                .get("total"))),
+    "p_hit_rate": ("P hit rate", lambda r: r["servers"]["prefill"]["hit_rate"]),
+    "prefix_hit_rate": ("prefix hit rate", lambda r: r["servers"]["decode"]["hit_rate"]),
+    "kv_mib": ("KV read (MiB)", lambda r: _mib(r["servers"]["decode"]["kv_transfer_bytes"])),
 }
+RATES = ("p_hit_rate", "prefix_hit_rate")
 
 
 def _mib(num_bytes: float | None) -> float | None:
     return None if num_bytes is None else num_bytes / 2**20
-
-
-@dataclass
-class Deployment:
-    """What `bench serve` talks to: the front URL and the decoding server's metrics."""
-
-    base_url: str
-    metrics_url: str
-
-
-@contextlib.contextmanager
-def deploy(config: str, args: argparse.Namespace, workdir: Path) -> Iterator[Deployment]:
-    """Launch one configuration; everything it started is stopped on exit."""
-    cores = os.cpu_count() or 2
-    common = ["--model", str(args.model), "--dtype", args.dtype, "--host", "127.0.0.1", *shlex.split(args.server_args)]
-    with contextlib.ExitStack() as stack:
-        def start(name: str, *extra: str) -> str:
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            proc = start_process(pd_command("serve", *common, "--port", str(port), *extra), url,
-                                 workdir / f"{config}-{name}.log")
-            stack.callback(stop_server, proc)
-            return url
-
-        if config in ("colocated", "no-prefix-cache"):
-            url = start("server", *(["--no-enable-prefix-caching"] if config == "no-prefix-cache" else []))
-            yield Deployment(url, f"{url}/metrics")
-            return
-        threads = ["--num-threads", str(max(1, cores // 2))]
-        layout = ["--kv-layout", "per-layer"] if config == "pd-per-layer" else []
-        p = start("prefill", "--role", "prefill", *threads, *layout)
-        d = start("decode", "--role", "decode", *threads, *layout,
-                  *(["--no-skip-mamba-align"] if config == "pd-no-skip-mamba" else []))
-        port = free_port()
-        proxy_url = f"http://127.0.0.1:{port}"
-        proxy = start_process(pd_command("proxy", "--prefill", p, "--decode", d, "--host", "127.0.0.1",
-                                         "--port", str(port), "--log-level", "warning"),
-                              proxy_url, workdir / f"{config}-proxy.log")
-        stack.callback(stop_server, proxy)
-        yield Deployment(proxy_url, f"{d}/metrics")
 
 
 def serve_args(args: argparse.Namespace, deployment: Deployment, seed: int, num_prompts: int,
@@ -126,8 +78,12 @@ def run_config(config: str, args: argparse.Namespace, workdir: Path) -> dict:
             asyncio.run(serve.benchmark(serve_args(args, deployment, args.seed + WARMUP_SEED_OFFSET,
                                                    args.warmup_prompts, f"{config}-warmup")))
         for rep in range(args.repetitions):
+            before = scrape(deployment.prefill_urls), scrape(deployment.decode_urls)
             result = asyncio.run(serve.benchmark(serve_args(args, deployment, args.seed + rep, args.num_prompts,
                                                             f"{config}-{rep}")))
+            after = scrape(deployment.prefill_urls), scrape(deployment.decode_urls)
+            result["servers"] = {"prefill": combined_deltas(before[0], after[0]),
+                                 "decode": combined_deltas(before[1], after[1])}
             failed = result["metrics"]["failed"]
             print(f"  {config} repetition {rep + 1}/{args.repetitions}: "
                   f"{result['metrics']['output_throughput']:.1f} output tok/s, {failed} failed", flush=True)
@@ -147,7 +103,7 @@ def format_table(rows: list[dict]) -> str:
         cells = []
         for key in FIGURES:
             value = row["medians"][key]
-            cells.append("-" if value is None else (f"{value:.1%}" if key == "prefix_hit_rate" else f"{value:.1f}"))
+            cells.append("-" if value is None else (f"{value:.1%}" if key in RATES else f"{value:.1f}"))
         lines.append(f"| {row['config']} | " + " | ".join(cells) + f" | {row['medians']['failed']} |")
     return "\n".join(lines)
 
@@ -189,8 +145,13 @@ def build_parser(prog: str = "pd bench compare") -> argparse.ArgumentParser:
     add("--max-concurrency", type=int, default=8, help="most requests in flight (default 8)")
     add("--seed", type=int, default=0, help="seed of repetition 0's prompts; repetition r uses seed+r (default 0)")
     add("--ignore-eos", action="store_true", help="run every request to its output length")
+    add("--prefill-kv-cache-memory", type=int, default=None, metavar="BYTES",
+        help="KV cache of each prefill server in the PD configurations (1p1d-all-cache: twice this, the two "
+             "2P2D prefill servers' together) (default: the servers' --kv-cache-memory default)")
     add("--server-args", default="", help="more `pd serve` flags for every server, one quoted string "
         "(e.g. \"--max-num-batched-tokens 1024\")")
+    add("--proxy-args", default="", help="more `pd proxy` flags for the PD configurations, one quoted string "
+        "(e.g. \"--kv-overlap-weight 2\")")
     add("--output-dir", type=Path, default=None,
         help="where compare.md, compare.json and compare.png go (default results/compare-DATE)")
     add_dataset_args(parser)
@@ -217,7 +178,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "pd bench compare") -> l
             rows.append(run_config(config, args, Path(tmp)))
     title = (f"{args.model.name} {args.dtype}, {args.dataset}, {args.num_prompts} prompts x {args.repetitions}, "
              f"concurrency {args.max_concurrency}, {os.cpu_count()} CPUs"
-             + (f", servers with {args.server_args}" if args.server_args else ""))
+             + (f", servers with {args.server_args}" if args.server_args else "")
+             + (f", proxy with {args.proxy_args}" if args.proxy_args else ""))
     table = format_table(rows)
     print(f"\n{title} (medians)\n{table}")
     (out / "compare.md").write_text(f"{title} (medians)\n\n{table}\n")

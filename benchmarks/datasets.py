@@ -1,7 +1,7 @@
 """Request datasets for the serving benchmark.
 
 A dataset is a list of `SampleRequest`s: a prompt (token ids or text), its length in
-tokens, and how many tokens to ask for. Three kinds:
+tokens, and how many tokens to ask for. Four kinds:
 
 - `random`: prompts of exactly `--random-input-len` random token ids in
   [`LOW_TOKEN_ID`, `--vocab-size`), the first `--random-prefix-len` of them shared by every
@@ -10,6 +10,13 @@ tokens, and how many tokens to ask for. Three kinds:
 - `prefix-repetition`: `--prefix-repetition-num-prefixes` random prefixes, each shared by
   about `num_prompts / num_prefixes` prompts that differ in a random suffix; the prompts
   are shuffled so that the groups interleave.
+- `multi-turn`: conversations behind one shared system prompt of
+  `--multi-turn-system-len` ids; turn k+1's prompt is turn k's, then an answer of
+  `--multi-turn-answer-len` ids standing for the model's reply, then a new user message of
+  `--multi-turn-user-len` ids. `num_prompts // --multi-turn-turns` conversations; every
+  conversation's turn k is sent before any turn k+1 (the conversations in a random order
+  each turn), so with more conversations than requests in flight a turn finds the last
+  one's blocks cached (on the server that prefilled it).
 - `sharegpt`: a ShareGPT JSON file (a list of `{"conversations": [{"from": "human",
   "value": ...}, {"from": "gpt", "value": ...}, ...]}`); the first turn is the prompt
   text and the second turn's length sets the output length. Without a tokenizer, lengths
@@ -34,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-DATASETS = ("random", "prefix-repetition", "sharegpt")
+DATASETS = ("random", "prefix-repetition", "multi-turn", "sharegpt")
 # Ids below this are left out of random prompts: most vocabularies put special tokens
 # (pad, bos, eos, unk) at the lowest ids.
 LOW_TOKEN_ID = 10
@@ -102,6 +109,25 @@ def prefix_repetition_dataset(num_prompts: int, prefix_len: int, suffix_len: int
     return [samples[i] for i in order]
 
 
+def multi_turn_dataset(num_prompts: int, turns: int, system_len: int, user_len: int, answer_len: int,
+                       output_len: int, vocab_size: int, seed: int, low: int = LOW_TOKEN_ID) -> list[SampleRequest]:
+    """`num_prompts // turns` conversations of `turns` turns each, turn by turn."""
+    if turns < 1 or num_prompts < turns:
+        raise ValueError(f"need at least one conversation of {turns} turns (num prompts {num_prompts})")
+    rng = np.random.default_rng(seed)
+    system = _random_ids(rng, system_len, vocab_size, low)
+    histories = [list(system) for _ in range(num_prompts // turns)]
+    samples = []
+    for turn in range(turns):
+        for c in rng.permutation(len(histories)):  # this turn of every conversation, in a random order
+            history = histories[c]
+            if turn:
+                history += _random_ids(rng, answer_len, vocab_size, low)
+            history += _random_ids(rng, user_len, vocab_size, low)
+            samples.append(SampleRequest(list(history), len(history), output_len))
+    return samples
+
+
 def estimate_tokens(text: str) -> int:
     """Token count of `text` without a tokenizer: one token per `CHARS_PER_TOKEN` chars."""
     return max(1, round(len(text) / CHARS_PER_TOKEN))
@@ -160,6 +186,17 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
                        help="prefix-repetition: number of distinct prefixes (default: 10)")
     group.add_argument("--prefix-repetition-output-len", type=int, default=128,
                        help="prefix-repetition: tokens to generate per request (default: 128)")
+    group.add_argument("--multi-turn-turns", type=int, default=4,
+                       help="multi-turn: turns per conversation; num prompts / turns conversations (default: 4)")
+    group.add_argument("--multi-turn-system-len", type=int, default=512,
+                       help="multi-turn: tokens of the system prompt every conversation shares (default: 512)")
+    group.add_argument("--multi-turn-user-len", type=int, default=128,
+                       help="multi-turn: tokens of each user message (default: 128)")
+    group.add_argument("--multi-turn-answer-len", type=int, default=128,
+                       help="multi-turn: tokens standing for the model's answer in the next turn's prompt "
+                            "(default: 128)")
+    group.add_argument("--multi-turn-output-len", type=int, default=64,
+                       help="multi-turn: tokens to generate per request (default: 64)")
     group.add_argument("--sharegpt-output-len", type=int,
                        help="sharegpt: fixed output length instead of the reply's estimated length")
 
@@ -174,6 +211,10 @@ def load_samples(args: argparse.Namespace) -> list[SampleRequest]:
             args.num_prompts, args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
             args.prefix_repetition_num_prefixes, args.prefix_repetition_output_len,
             args.vocab_size, args.seed)
+    if args.dataset == "multi-turn":
+        return multi_turn_dataset(args.num_prompts, args.multi_turn_turns, args.multi_turn_system_len,
+                                  args.multi_turn_user_len, args.multi_turn_answer_len, args.multi_turn_output_len,
+                                  args.vocab_size, args.seed)
     if not args.dataset_path:
         raise ValueError("--dataset sharegpt needs --dataset-path")
     return sharegpt_dataset(args.dataset_path, args.num_prompts, args.seed, args.sharegpt_output_len)

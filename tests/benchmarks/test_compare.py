@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import compare, serve
+from benchmarks import compare, deployments, serve
 from benchmarks.serve_targets import free_port, pd_command, start_process, stop_server
 from pd.models.make_model import make_model
 
@@ -30,10 +30,35 @@ def test_serve_args_carry_the_dataset_flags_and_the_repetitions_seed() -> None:
 
 def test_the_table_shows_medians_and_dashes_for_missing_figures() -> None:
     rows = [{"config": "colocated", "medians": {"output_throughput": 100.0, "mean_ttft_ms": 50.0,
-                                                "p99_ttft_ms": 80.0, "mean_tpot_ms": 9.5, "prefix_hit_rate": 0.25,
-                                                "kv_mib": None, "failed": 0}}]
+                                                "p99_ttft_ms": 80.0, "mean_tpot_ms": 9.5, "p_hit_rate": 0.5,
+                                                "prefix_hit_rate": 0.25, "kv_mib": None, "failed": 0}}]
     table = compare.format_table(rows)
-    assert table.splitlines()[2] == "| colocated | 100.0 | 50.0 | 80.0 | 9.5 | 25.0% | - | 0 |"
+    assert table.splitlines()[2] == "| colocated | 100.0 | 50.0 | 80.0 | 9.5 | 50.0% | 25.0% | - | 0 |"
+
+
+def metrics_text(queries: float, hits: float, transferred: float | None = None) -> str:
+    text = f"pd_prefix_cache_queries_total {queries}\npd_prefix_cache_hits_total {hits}\n"
+    if transferred is not None:
+        text += f'pd_kv_transfer_bytes_total{{direction="read"}} {transferred}\n'
+    return text
+
+
+def test_figures_over_several_servers_are_summed_before_the_rate() -> None:
+    parse = serve.parse_prometheus
+    before = [parse(metrics_text(100, 10, 0)), parse(metrics_text(0, 0))]
+    after = [parse(metrics_text(300, 10, 4096)), parse(metrics_text(100, 90))]
+    assert deployments.combined_deltas(before, after) == {"queries": 300, "hits": 90, "hit_rate": 0.3,
+                                                          "kv_transfer_bytes": 4096}
+    idle = deployments.combined_deltas(before[1:], before[1:])
+    assert idle["hit_rate"] is None and idle["kv_transfer_bytes"] is None
+
+
+def test_the_all_cache_deployment_has_both_prefill_caches_in_one() -> None:
+    args = compare.build_parser().parse_args(["--model", "m", "--prefill-kv-cache-memory", "1000"])
+    assert deployments._server_flags("2p2d-kv_aware", args)[0] == ["--kv-cache-memory", "1000"]
+    assert deployments._server_flags("1p1d-all-cache", args)[0] == ["--kv-cache-memory", "2000"]
+    args.prefill_kv_cache_memory = None
+    assert deployments._server_flags("pd-no-skip-mamba", args) == ([], ["--no-skip-mamba-align"])
 
 
 def test_unknown_configurations_are_refused(tmp_path, capsys) -> None:
@@ -81,15 +106,17 @@ def test_bench_serve_against_a_real_server_saves_every_figure(bamba, tmp_path) -
 @pytest.mark.slow
 def test_compare_writes_the_table_json_and_plot(bamba, tmp_path) -> None:
     out = tmp_path / "out"
-    rows = compare.main(["--model", str(bamba), "--configs", "colocated,pd", "--num-prompts", "4",
+    rows = compare.main(["--model", str(bamba), "--configs", "colocated,pd,2p2d-kv_aware", "--num-prompts", "4",
                          "--warmup-prompts", "1", "--repetitions", "2", *SMALL, "--output-dir", str(out)])
-    assert [r["config"] for r in rows] == ["colocated", "pd"]
+    assert [r["config"] for r in rows] == ["colocated", "pd", "2p2d-kv_aware"]
     for row in rows:
         assert len(row["runs"]) == 2 and row["medians"]["failed"] == 0
         for run in row["runs"]:
             check_metrics(run["metrics"], 4)
+            assert run["servers"]["prefill"]["queries"] > 0 and run["servers"]["decode"]["queries"] > 0
     assert rows[0]["medians"]["kv_mib"] is None and rows[1]["medians"]["kv_mib"] > 0  # only PD moves KV
+    assert rows[2]["medians"]["kv_mib"] > 0  # read by two decode servers, summed
     table = (out / "compare.md").read_text()
-    assert "| colocated |" in table and "| pd |" in table
-    assert len(json.loads((out / "compare.json").read_text())["rows"]) == 2
+    assert "| colocated |" in table and "| pd |" in table and "| 2p2d-kv_aware |" in table
+    assert len(json.loads((out / "compare.json").read_text())["rows"]) == 3
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

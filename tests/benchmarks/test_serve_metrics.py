@@ -12,8 +12,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from benchmarks.datasets import (LOW_TOKEN_ID, SampleRequest, ids_to_text, prefix_repetition_dataset,
-                                 random_dataset, sharegpt_dataset)
+from benchmarks.datasets import (LOW_TOKEN_ID, SampleRequest, ids_to_text, multi_turn_dataset,
+                                 prefix_repetition_dataset, random_dataset, sharegpt_dataset)
 from benchmarks.serve import (RequestRecord, arrival_intervals, build_payload, compute_metrics, main,
                               parse_goodput, parse_prometheus, peak_concurrency, send_offsets,
                               server_metric_deltas)
@@ -153,6 +153,35 @@ def test_prefix_repetition_dataset_groups_prompts_by_prefix() -> None:
     orders = {tuple(tuple(s.prompt[:8]) for s in prefix_repetition_dataset(12, 8, 5, 3, 4, 1000, seed=k))
               for k in range(5)}
     assert len(orders) > 1
+
+
+def conversation(samples: list[SampleRequest], prompt: list[int]) -> int:
+    """Which of the first turns `prompt` extends."""
+    return next(i for i, s in enumerate(samples[:4]) if prompt[:len(s.prompt)] == s.prompt)
+
+
+def test_multi_turn_dataset_extends_each_conversation_turn_by_turn() -> None:
+    samples = multi_turn_dataset(13, turns=3, system_len=10, user_len=4, answer_len=2, output_len=5,
+                                 vocab_size=1000, seed=3)
+    assert len(samples) == 12  # 4 conversations of 3 turns: turn 1 of each, then turn 2 of each...
+    system = samples[0].prompt[:10]
+    assert all(s.prompt[:10] == system and len(s.prompt) == s.prompt_len and s.output_len == 5 for s in samples)
+    for turn in range(3):
+        assert [len(s.prompt) for s in samples[4 * turn:4 * turn + 4]] == [10 + 4 + 6 * turn] * 4
+    second = {conversation(samples, s.prompt): s.prompt for s in samples[4:8]}
+    assert sorted(second) == [0, 1, 2, 3]  # turn 2 of each conversation, then turn 3 of each
+    assert sorted(conversation(samples, s.prompt) for s in samples[8:]) == [0, 1, 2, 3]
+    assert all(s.prompt[:len(second[conversation(samples, s.prompt)])] == second[conversation(samples, s.prompt)]
+               for s in samples[8:])
+    orders = set()
+    for seed in range(6):
+        more = multi_turn_dataset(8, 2, 10, 4, 2, 5, 1000, seed=seed)
+        orders.add(tuple(conversation(more, s.prompt) for s in more[4:]))
+    assert len(orders) > 1  # each turn's conversations come in a random order
+    assert len({tuple(s.prompt[:14]) for s in samples[:4]}) == 4  # they differ after the system prompt
+    assert samples == multi_turn_dataset(13, 3, 10, 4, 2, 5, 1000, seed=3)
+    with pytest.raises(ValueError):
+        multi_turn_dataset(2, turns=3, system_len=1, user_len=1, answer_len=1, output_len=1, vocab_size=100, seed=0)
 
 
 def test_sharegpt_dataset_estimates_lengths(tmp_path: Path) -> None:

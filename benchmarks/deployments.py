@@ -1,0 +1,110 @@
+"""The deployments `pd bench compare` launches on this machine, and the prefix-cache and
+KV-transfer figures read from all their servers' /metrics around a run.
+
+- `colocated`: one `pd serve` doing prefill and decode, all cores;
+- `no-prefix-cache`: `colocated` with prefix caching off;
+- `pd`: a prefill and a decode server (NIXL, canonical layout) behind `pd proxy`, the
+  cores split between them; `pd-per-layer`: with the per-layer KV layout on both;
+  `pd-no-skip-mamba`: with `--no-skip-mamba-align` on the decode server;
+- `2p2d-round_robin`, `2p2d-prefix_aware`, `2p2d-kv_aware`: two prefill and two decode
+  servers behind `pd proxy --policy ...` (kv_aware: the servers publish KV events);
+- `1p1d-all-cache`: `pd` whose one prefill server has the KV cache of the 2P2D
+  deployments' two (`--prefill-kv-cache-memory` x 2): the prefix-cache hit rate the
+  2P2D routing policies can at best reach.
+
+`--prefill-kv-cache-memory` sizes each prefill server's KV cache in every PD deployment,
+so that a workload can hold more prefixes than one server's cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from benchmarks.serve_metrics import Samples, parse_prometheus, server_metric_deltas
+from benchmarks.serve_targets import free_port, pd_command, start_process, stop_server
+
+COLOCATED = ("colocated", "no-prefix-cache")
+ROUTED = {"2p2d-round_robin": "round_robin", "2p2d-prefix_aware": "prefix_aware", "2p2d-kv_aware": "kv_aware"}
+CONFIGS = ("colocated", "pd", "pd-per-layer", "pd-no-skip-mamba", "no-prefix-cache", *ROUTED, "1p1d-all-cache")
+ROUTED_PREFILL_SERVERS = 2
+
+
+@dataclass
+class Deployment:
+    """What `bench serve` talks to (the front URL, a decoding server's metrics) and
+    every prefill and decode server's base URL (a colocated server is both)."""
+
+    base_url: str
+    metrics_url: str
+    prefill_urls: list[str] = field(default_factory=list)
+    decode_urls: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def deploy(config: str, args: argparse.Namespace, workdir: Path) -> Iterator[Deployment]:
+    """Launch one configuration; everything it started is stopped on exit."""
+    common = ["--model", str(args.model), "--dtype", args.dtype, "--host", "127.0.0.1", *shlex.split(args.server_args)]
+    with contextlib.ExitStack() as stack:
+        def start(name: str, *extra: str, command: str = "serve", shared: list[str] = common) -> str:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            proc = start_process(pd_command(command, *shared, "--port", str(port), *extra), url,
+                                 workdir / f"{config}-{name}.log")
+            stack.callback(stop_server, proc)
+            return url
+
+        if config in COLOCATED:
+            url = start("server", *(["--no-enable-prefix-caching"] if config == "no-prefix-cache" else []))
+            yield Deployment(url, f"{url}/metrics", [url], [url])
+            return
+        pairs = ROUTED_PREFILL_SERVERS if config in ROUTED else 1
+        threads = ["--num-threads", str(max(1, (os.cpu_count() or 2) // (2 * pairs)))]
+        prefill, decode = _server_flags(config, args)
+        events = (lambda: ["--kv-events-port", str(free_port()), "--kv-events-replay-port", str(free_port())]) \
+            if ROUTED.get(config) == "kv_aware" else list
+        ps = [start(f"prefill{i}", "--role", "prefill", *threads, *prefill, *events()) for i in range(pairs)]
+        ds = [start(f"decode{i}", "--role", "decode", *threads, *decode, *events()) for i in range(pairs)]
+        proxy = start("proxy", "--prefill", *ps, "--decode", *ds, "--policy", ROUTED.get(config, "round_robin"),
+                      "--log-level", "warning", *shlex.split(args.proxy_args), command="proxy",
+                      shared=["--host", "127.0.0.1"])
+        yield Deployment(proxy, f"{ds[0]}/metrics", ps, ds)
+
+
+def _server_flags(config: str, args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The flags of a PD configuration's prefill and decode servers."""
+    layout = ["--kv-layout", "per-layer"] if config == "pd-per-layer" else []
+    prefill, decode = list(layout), list(layout)
+    if args.prefill_kv_cache_memory:
+        scale = ROUTED_PREFILL_SERVERS if config == "1p1d-all-cache" else 1
+        prefill += ["--kv-cache-memory", str(args.prefill_kv_cache_memory * scale)]
+    if config == "pd-no-skip-mamba":
+        decode.append("--no-skip-mamba-align")
+    return prefill, decode
+
+
+def scrape(urls: list[str]) -> list[Samples]:
+    return [parse_prometheus(httpx.get(f"{url}/metrics", timeout=10).text) for url in urls]
+
+
+def combined_deltas(before: list[Samples], after: list[Samples]) -> dict:
+    """Over several servers: prefix-cache queries, hits and hit rate (tokens, summed),
+    and KV bytes transferred (None where no server reports them)."""
+    queries = hits = 0.0
+    transferred = None
+    for old, new in zip(before, after):
+        deltas = server_metric_deltas(old, new)
+        if deltas["prefix_cache"]:
+            queries += deltas["prefix_cache"]["queries"]
+            hits += deltas["prefix_cache"]["hits"]
+        if deltas["kv_transfer_bytes"]:
+            transferred = (transferred or 0.0) + deltas["kv_transfer_bytes"]["total"]
+    return {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else None,
+            "kv_transfer_bytes": transferred}
