@@ -5,7 +5,7 @@ KV-transfer figures read from all their servers' /metrics around a run.
 - `no-prefix-cache`: `colocated` with prefix caching off;
 - `pd`: a prefill and a decode server (NIXL, canonical layout) behind `pd proxy`, the
   cores split between them; `pd-per-layer`: with the per-layer KV layout on both;
-  `pd-no-skip-mamba`: with `--no-skip-mamba-align` on the decode server;
+  `pd-no-skip-partial`: with `--no-skip-partial-groups-on-remote-prefill` on the decode server;
 - `2p2d-round_robin`, `2p2d-prefix_aware`, `2p2d-kv_aware`: two prefill and two decode
   servers behind `pd proxy --policy ...` (kv_aware: the servers publish KV events);
 - `1p1d-all-cache`: `pd` whose one prefill server has the KV cache of the 2P2D
@@ -33,7 +33,7 @@ from benchmarks.serve_targets import free_port, pd_command, start_process, stop_
 
 COLOCATED = ("colocated", "no-prefix-cache")
 ROUTED = {"2p2d-round_robin": "round_robin", "2p2d-prefix_aware": "prefix_aware", "2p2d-kv_aware": "kv_aware"}
-CONFIGS = ("colocated", "pd", "pd-per-layer", "pd-no-skip-mamba", "no-prefix-cache", *ROUTED, "1p1d-all-cache")
+CONFIGS = ("colocated", "pd", "pd-per-layer", "pd-no-skip-partial", "no-prefix-cache", *ROUTED, "1p1d-all-cache")
 ROUTED_PREFILL_SERVERS = 2
 
 
@@ -85,8 +85,8 @@ def _server_flags(config: str, args: argparse.Namespace) -> tuple[list[str], lis
     if args.prefill_kv_cache_memory:
         scale = ROUTED_PREFILL_SERVERS if config == "1p1d-all-cache" else 1
         prefill += ["--kv-cache-memory", str(args.prefill_kv_cache_memory * scale)]
-    if config == "pd-no-skip-mamba":
-        decode.append("--no-skip-mamba-align")
+    if config == "pd-no-skip-partial":
+        decode.append("--no-skip-partial-groups-on-remote-prefill")
     return prefill, decode
 
 

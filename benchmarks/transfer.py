@@ -81,7 +81,7 @@ def cma_read(pid: int, local: Sequence[tuple[int, int]], remote: Sequence[tuple[
 
 def block_caches(tensor: torch.Tensor):
     """One KV cache group whose block is one whole row of `tensor`."""
-    from connectors.canonical import CanonicalKVCaches, KVCacheBlockDataRef, KVCacheBlockTensor
+    from pd.kv_cache.canonical import CanonicalKVCaches, KVCacheBlockDataRef, KVCacheBlockTensor
 
     return CanonicalKVCaches([KVCacheBlockTensor(tensor)], [[KVCacheBlockDataRef(0, tensor.shape[1])]])
 

@@ -22,7 +22,7 @@ from pd.kv_cache.spec import KVCacheConfig
 from pd.models.config import ModelConfig
 from pd.models.loader import load_model
 from pd.models.make_model import make_model
-from pd.worker.kv_allocation import KVCacheAllocation, allocate_kv_caches
+from pd.kv_cache.allocation import KVCacheAllocation, allocate_kv_caches
 
 BLOCK_SIZE = 16
 LAYOUTS = ("canonical", "per-layer")

@@ -25,10 +25,9 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from connectors.canonical import CanonicalKVCaches
-    from connectors.params import RemotePrefillParams
+    from pd.kv_cache.canonical import CanonicalKVCaches
+    from pd.kv_transfer_params import RemotePrefillParams
     from pd.kv_cache.manager import KVCacheBlocks
-    from pd.outputs import SchedulerOutput
     from pd.request import Request
 
 
@@ -79,7 +78,7 @@ class KVConnectorScheduler(ABC):
         failed). Remember what to load."""
 
     @abstractmethod
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+    def build_connector_meta(self) -> KVConnectorMetadata:
         """This step's instructions for the worker half; resets per-step state."""
 
     @abstractmethod
@@ -122,9 +121,6 @@ class KVConnectorWorker(ABC):
         `get_finished` (no progress thread): the engine then steps even with no request."""
         return False
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return set()
-
     def shutdown(self) -> None:
         """Release transfer resources; called once at engine shutdown."""
 
@@ -138,7 +134,7 @@ class NullConnectorScheduler(KVConnectorScheduler):
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         pass
 
-    def build_connector_meta(self, scheduler_output):
+    def build_connector_meta(self):
         return KVConnectorMetadata()
 
     def request_finished(self, request, block_ids):

@@ -17,6 +17,7 @@ KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 QUANTIZATIONS = ("none", "int8")  # int8: pd.models.quantized
 LOGPROBS_MODES = ("processed", "raw")  # pd/logprobs.py
 DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # the server's --max-request-bytes
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class EngineConfig:
     kv_lease_seconds: float = 60.0
     kv_read_timeout: float = 30.0  # D: a KV read still under way after this long fails (recompute / fail)
     kv_ucx_transports: str = "auto"  # UCX_TLS for the NIXL agent; auto: shared memory + tcp on loopback
-    skip_mamba_align: bool = True
+    skip_partial_groups_on_remote_prefill: bool = True  # D: see --no-skip-partial-groups-on-remote-prefill
     kv_load_failure_policy: str = "recompute"
     kv_max_held_fraction: float = 0.5  # P: share of blocks kept for unread requests before refusing more
     kv_transfer_secret: str | None = field(default=None, repr=False)  # signs / verifies kv_transfer_params
@@ -158,7 +159,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-lease-seconds", type=float, default=60.0, help="a prefill server frees KV blocks no decode server read after this long (default 60)")
     parser.add_argument("--kv-read-timeout", type=float, default=30.0, help="on a decode server, a KV read from the prefill server still under way after this many seconds fails, and --kv-load-failure-policy decides (default 30)")
     parser.add_argument("--kv-ucx-transports", default="auto", metavar="UCX_TLS", help="UCX transports the NIXL agent may use, as a UCX_TLS list (e.g. rc,ud,sm,self or cuda_ipc,sm,self,tcp); auto: for a loopback --kv-host sm,self,tcp (reads are one process_vm_readv copy), else UCX's own choice; a UCX_TLS environment variable wins over auto (default auto)")
-    parser.add_argument("--no-skip-mamba-align", dest="skip_mamba_align", action="store_false", help="on a decode server, keep Mamba and sliding-window groups in the prefix-cache hit search for remote-prefill requests (A/B comparison: their misses collapse the full-attention hit, so D reads more)")
+    parser.add_argument("--no-skip-partial-groups-on-remote-prefill", dest="skip_partial_groups_on_remote_prefill", action="store_false", help="on a decode server, keep Mamba and sliding-window groups in the prefix-cache hit search for remote-prefill requests (A/B comparison: their misses collapse the full-attention hit, so D reads more)")
     parser.add_argument("--kv-load-failure-policy", choices=KV_LOAD_FAILURE_POLICIES, default="recompute", help="when a decode server cannot load a request's KV from the prefill server (P gone, read failed, incompatible pair): recompute the prompt here, or fail the request with an error (default recompute)")
     parser.add_argument("--kv-events-port", type=int, default=None, help="publish this server's prefix-cache changes (KV events: blocks stored, evicted, all cleared; msgpack, kv_events/) on a ZMQ PUB socket at tcp://--kv-events-host:PORT, for a KV-aware router (pd proxy --policy kv_aware) (default: off)")
     parser.add_argument("--kv-events-replay-port", type=int, default=None, help="TCP port of the KV events' replay socket (ZMQ ROUTER: a subscriber that missed batches, or starts late, asks for them or for a snapshot) (default: --kv-events-port + 1)")
@@ -181,6 +182,7 @@ class SchedulerConfig:
     mamba_block_size: int | None = None  # align prefill chunks to it (Mamba align mode)
     kv_load_failure_policy: str = "recompute"  # or "fail": a request whose remote KV fails to load
     kv_max_held_fraction: float = 1.0  # of all blocks, kept for decode servers; past it P refuses more
+    skip_partial_groups_on_remote_prefill: bool = True  # D: Mamba / sliding-window groups out of a remote prefill's hit search
 
     def __post_init__(self) -> None:
         if not 0.0 < self.kv_max_held_fraction <= 1.0:

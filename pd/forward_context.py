@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from pd.worker.kv_allocation import LayerCache
+from pd.kv_cache.allocation import LayerCache
 
 
 @dataclass

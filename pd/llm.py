@@ -15,8 +15,7 @@ import torch
 from pd.config import EngineConfig
 from pd.engine.core import EngineCore
 from pd.logprobs import Logprobs, PromptLogprobs
-from pd.outputs import RequestOutput
-from pd.request import Request, SamplingParams, sequence_id
+from pd.request import Request, RequestOutput, SamplingParams, sequence_id
 from pd.tokenizer import Tokenizer
 
 

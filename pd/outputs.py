@@ -13,9 +13,8 @@ import numpy as np
 import torch
 
 from connectors.base import KVConnectorMetadata, KVConnectorOutput
-from connectors.params import RemotePrefillParams
 from pd.logprobs import Logprobs, PromptLogprobs
-from pd.request import Request, RequestStatus, SamplingParams
+from pd.request import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -83,43 +82,3 @@ class ModelRunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why its step failed
 
 
-@dataclass
-class RequestOutput:
-    """What one step produced for one sequence of a request: new tokens, and how it ended
-    if it did. `request_id` is the client's request and `index` the sequence (0 unless it
-    asked for n > 1). `finish_reason` is "stop", "length", "abort" or "error" (then
-    `error` says why); `kv_transfer_params` are the connector's parameters for the
-    response (a prefill server's handle to its blocks); `error_code` is one of
-    `pd.errors`' codes; `logprobs` score the new tokens, when asked for."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    kv_transfer_params: RemotePrefillParams | None = None
-    num_cached_tokens: int = 0
-    error: str | None = None
-    error_code: str | None = None
-    prompt_logprobs: PromptLogprobs | None = None  # with the first token, when asked for
-    index: int = 0
-    logprobs: Logprobs | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @classmethod
-    def of(cls, request: Request, token_ids: list[int], status: RequestStatus | None = None,
-           params: RemotePrefillParams | None = None, logprobs: Logprobs | None = None,
-           prompt_logprobs: PromptLogprobs | None = None) -> RequestOutput:
-        """The output of `request` (one sequence of the client's request) with these new
-        tokens, finished if `status` is a finished one."""
-        return cls(request.output_id, token_ids, FINISH_REASONS.get(status), params, request.num_cached_tokens,
-                   prompt_logprobs=prompt_logprobs, index=request.index, logprobs=logprobs)
-
-
-FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
-}

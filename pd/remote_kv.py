@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import logging
 from connectors.base import KVConnectorOutput
-from connectors.params import RemotePrefillParams
+from pd.kv_transfer_params import RemotePrefillParams
 from pd.errors import ERROR_KV_LOAD_FAILED
-from pd.outputs import RequestOutput
-from pd.request import Request, RequestStatus
+from pd.request import Request, RequestOutput, RequestStatus
 
 logger = logging.getLogger(__name__)
 

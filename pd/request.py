@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from connectors.params import RemoteDecodeParams, RemotePrefillParams, TransferParams
+
+import msgspec
+
+from pd.kv_transfer_params import RemoteDecodeParams, RemotePrefillParams, TransferParams
 from kv_events.hashing import BlockHash, extend_block_hashes
 from pd.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
 from pd.structured.grammar import Grammar
@@ -26,10 +29,6 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_ERROR = enum.auto()  # failed in the engine (its remote KV could not be loaded)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.name.startswith("FINISHED_")
 
 
 @dataclass(frozen=True)
@@ -122,7 +121,7 @@ class SamplingParams:
 class Request:
     """One request. `num_computed_tokens` counts tokens whose KV is in the cache.
 
-    `kv_transfer_params` are its typed PD parameters (connectors/params.py), if any. On
+    `kv_transfer_params` are its typed PD parameters (pd/kv_transfer_params.py), if any. On
     D they are dropped once the remote KV has landed: from then on the request is a
     local one (a preemption recomputes it here and never reads P again).
     `cache_salt` keeps this request's prefix-cache entries apart from other salts.
@@ -247,3 +246,55 @@ class Request:
 def sequence_id(request_id: str, index: int) -> str:
     """The engine's id of sequence `index` of an n > 1 request (sequence 0 is the request)."""
     return request_id if index == 0 else f"{request_id}/{index}"
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class RequestOutput(msgspec.Struct):
+    """What one step produced for one sequence of a request: new tokens, and how it ended
+    if it did; the engine process sends it to the server as it is (pd/engine/messages.py).
+    `request_id` is the client's request and `index` the sequence (0 unless it asked for
+    n > 1). `finish_reason` is "stop", "length", "abort" or "error" (then `error` says
+    why); `error` alone (no `finish_reason`): the engine refused the request, which never
+    ran and is already forgotten. `kv_transfer_params` are the connector's parameters for
+    the response (a prefill server's handle to its blocks); `error_code` is one of
+    `pd.errors`' codes; `logprobs` score the new tokens, when asked for."""
+
+    request_id: str
+    new_token_ids: list[int] = []
+    finish_reason: str | None = None
+    kv_transfer_params: RemotePrefillParams | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    error_code: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with the first token, when asked for
+    index: int = 0
+    logprobs: Logprobs | None = None
+
+    @property
+    def finished(self) -> bool:
+        """The last output this request will get."""
+        return self.finish_reason is not None or self.error is not None
+
+    @property
+    def is_refusal(self) -> bool:
+        return self.error is not None and self.finish_reason is None
+
+    @classmethod
+    def refused(cls, request_id: str, error: str, code: str) -> RequestOutput:
+        return cls(request_id, error=error, error_code=code)
+
+    @classmethod
+    def of(cls, request: Request, token_ids: list[int], status: RequestStatus | None = None,
+           params: RemotePrefillParams | None = None, logprobs: Logprobs | None = None,
+           prompt_logprobs: PromptLogprobs | None = None) -> RequestOutput:
+        """The output of `request` (one sequence of the client's request) with these new
+        tokens, finished if `status` is a finished one."""
+        return cls(request.output_id, token_ids, FINISH_REASONS.get(status), params, request.num_cached_tokens,
+                   prompt_logprobs=prompt_logprobs, index=request.index, logprobs=logprobs)

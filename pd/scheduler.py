@@ -29,15 +29,15 @@ import logging
 from collections import deque
 
 from connectors.base import KVConnectorScheduler, KVLoadRefused, NullConnectorScheduler
-from connectors.params import RemotePrefillParams
+from pd.kv_transfer_params import RemotePrefillParams
 from pd.config import SchedulerConfig
 from pd.errors import ERROR_INTERNAL, ERROR_INVALID, HeldBlocksLimitError
 from pd.kv_cache.manager import KVCacheManager
-from pd.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput, SchedulerOutput
+from pd.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pd.prompt_sources import PromptSources
 from pd.remote_kv import RemoteKV
 from pd.logprobs import Logprobs
-from pd.request import Request, RequestStatus, sequence_id
+from pd.request import Request, RequestOutput, RequestStatus, sequence_id
 from pd.structured.matchers import GrammarMatchers
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class Scheduler(RemoteKV):
         if not preempted:
             self._admit_waiting(out, budget)
         self.connector.requests_waiting(self.waiting)
-        out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        out.kv_connector_metadata = self.connector.build_connector_meta()
         out.grammar_masks = self.grammars.masks([r for r, n in out.num_scheduled_tokens.items() if r in self.grammars
                                                  and self._samples(self.requests[r], n)])
         return out
@@ -178,7 +178,7 @@ class Scheduler(RemoteKV):
         """Admit the request at the queue's front: the tokens scheduled for it (0 if it
         was parked for remote KV or failed), or None when the pool cannot take it."""
         if request.num_computed_tokens == 0:  # new or preempted: look up what exists
-            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request, self._skipped_groups(request))
             try:
                 num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
             except KVLoadRefused as refused:  # its remote KV cannot be loaded: a local request now
@@ -203,6 +203,13 @@ class Scheduler(RemoteKV):
         self.prompt_sources.count(request, num_hit, num_external)
         self._start_running(request, computed, num_hit, num_new, out)
         return num_new
+
+    def _skipped_groups(self, request: Request) -> frozenset[int]:
+        """The KV cache groups left out of the request's prefix-cache hit search: for a
+        remote prefill, the groups keeping part of a prefix (P sends what they need)."""
+        if request.do_remote_prefill and self.config.skip_partial_groups_on_remote_prefill:
+            return self.kv.partial_prefix_groups
+        return frozenset()
 
     def _start_running(self, request: Request, computed: int, num_hit: int, num_new: int,
                        out: SchedulerOutput) -> None:

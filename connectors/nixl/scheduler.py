@@ -23,7 +23,7 @@ Per request, from its `kv_transfer_params` (DESIGN.md, "PD protocol"):
   window's blocks, and the Mamba block holding the final state; positions D holds as
   null (out of the window, behind the Mamba state) or as prefix-cache hits are not read.
 
-The parameters arrive typed and bounded (connectors/params.py). A D request whose
+The parameters arrive typed and bounded (pd/kv_transfer_params.py). A D request whose
 parameters do not fit it (wrong prompt length, block lists of the wrong shape) is not
 loaded: P is told to free its blocks (a reject), `KVLoadRefused` says so to the
 scheduler, and its load failure policy decides whether the request is computed here
@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from connectors.base import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, KVLoadRefused
-from connectors.params import RemotePrefillParams
+from pd.kv_transfer_params import RemotePrefillParams
 from connectors.signing import prompt_digest, sign
 from pd.kv_cache.spec import cdiv
 from pd.request import Request, RequestStatus
@@ -179,7 +179,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._meta.reqs_to_release.append(request_id)
 
     # --- every step ---------------------------------------------------------------
-    def build_connector_meta(self, scheduler_output) -> NixlConnectorMetadata:
+    def build_connector_meta(self) -> NixlConnectorMetadata:
         meta, self._meta = self._meta, NixlConnectorMetadata()
         return meta
 

@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from connectors.canonical import CanonicalKVCaches, KVCacheBlockTensor
+from pd.kv_cache.canonical import CanonicalKVCaches, KVCacheBlockTensor
 from connectors.nixl.messages import DataRefInfo, DeviceKind, HandshakeResponse, KVLayoutInfo, TensorInfo
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from connectors.base import KVConnectorOutput, KVConnectorWorker
-from connectors.canonical import CanonicalKVCaches
+from pd.kv_cache.canonical import CanonicalKVCaches
 from connectors.nixl.handshake import SideChannelServer
 from connectors.nixl.messages import (HandshakeError, HandshakeRequest, HandshakeResponse, KeepAlive,
                                       NotifDecodeError, ReadDone, Reject, decode_notif, encode_notif)

@@ -38,10 +38,10 @@ from pd.engine.messages import (
     EngineFailed,
     EngineInfo,
     EngineRequest,
-    EngineStatsMsg,
+    EngineStats,
     Ready,
     ReleaseKV,
-    RequestOutputMsg,
+    RequestOutput,
     Shutdown,
     StartupFailed,
     StepOutputs,
@@ -105,7 +105,7 @@ class EngineClient:
         self._ipc_dir = ipc_dir
         self._decoder = output_decoder()
         self._stats = info.stats
-        self._queues: dict[str, asyncio.Queue[RequestOutputMsg | _Dead]] = {}
+        self._queues: dict[str, asyncio.Queue[RequestOutput | _Dead]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._dead_error: str | None = None
@@ -181,13 +181,13 @@ class EngineClient:
         return self._dead_error
 
     @property
-    def stats(self) -> EngineStatsMsg:
+    def stats(self) -> EngineStats:
         """The stats sent with the latest step (those at start-up before the first)."""
         return self._stats
 
     # ---- requests -----------------------------------------------------------------
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutputMsg]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Add the request and yield its outputs (of each of its `n` sequences) until each
         sequence's finished one. RequestRefusedError (a ValueError) if the core refuses it
         or its id is in flight here, RequestFailedError if it fails after admission,
@@ -239,13 +239,13 @@ class EngineClient:
         self._tasks = [loop.create_task(self._read_outputs(), name="pd-engine-outputs"),
                        loop.create_task(self._watch_process(), name="pd-engine-watch")]
 
-    def _register(self, request_id: str) -> asyncio.Queue[RequestOutputMsg | _Dead]:
+    def _register(self, request_id: str) -> asyncio.Queue[RequestOutput | _Dead]:
         self._attach()
         if self._closed or not self.is_alive:
             raise EngineDeadError(self.dead_error)
         if request_id in self._queues:
             raise RequestRefusedError(f"request id {request_id!r} is already in flight", ERROR_INVALID)
-        queue: asyncio.Queue[RequestOutputMsg | _Dead] = asyncio.Queue()
+        queue: asyncio.Queue[RequestOutput | _Dead] = asyncio.Queue()
         self._queues[request_id] = queue
         return queue
 

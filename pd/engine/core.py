@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import torch
 
@@ -25,35 +24,12 @@ from pd.models.packed import pack_linears
 from pd.models.quantized import quantize_linears
 from pd.engine.kv_events import KVEventPublisher, NoKVEvents
 from pd.engine.malloc import keep_freed_memory
-from pd.outputs import RequestOutput
-from pd.request import Request
+from pd.engine.messages import EngineInfo, EngineStats, HistogramSnapshot
+from pd.request import Request, RequestOutput
 from pd.scheduler import Scheduler
 from pd.structured.matchers import GrammarMatchers
 from pd.tokenizer import Tokenizer
 from pd.worker.model_runner import ModelRunner
-
-
-@dataclass
-class EngineStats:
-    """A snapshot for metrics: queue sizes, KV usage and prefix-cache counters (tokens),
-    overall and per KV cache group (`group_names[i]` names group i)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    group_names: list[str] = field(default_factory=list)
-    group_queries: list[int] = field(default_factory=list)
-    group_hits: list[int] = field(default_factory=list)
-    kv_transfer: dict[str, float] = field(default_factory=dict)  # the connector's counters, if any
-    kv_load_failures: dict[str, int] = field(default_factory=dict)  # by policy action: recompute / fail
-    # the connector's histograms: name -> (bucket upper bounds, count per bucket and above, sum)
-    kv_transfer_histograms: dict[str, tuple[list[float], list[int], float]] = field(default_factory=dict)
-    prompt_tokens_by_source: dict[str, int] = field(default_factory=dict)  # computed / local_cache / remote
-    num_steps: int = 0
-    step_seconds: dict[str, float] = field(default_factory=dict)  # STEP_PARTS -> seconds, since start
 
 
 STEP_PARTS = ("schedule", "execute", "update")  # where a step's wall time goes (`EngineCore.step`)
@@ -86,8 +62,7 @@ class EngineCore:
         specs = self.model.kv_cache_specs(config.block_size, hybrid=config.hybrid_kv_cache)
         self.kv_cache_config = make_kv_cache_config(specs, config.kv_cache_memory, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(self.kv_cache_config, config.enable_prefix_caching,
-                                               self.max_model_len, config.skip_mamba_align,
-                                               record_events=config.kv_events_port is not None)
+                                               self.max_model_len, record_events=config.kv_events_port is not None)
         self.engine_id = f"pd-{uuid.uuid4().hex[:12]}"
         self.kv_events = self._kv_events()
         worker_connector = self._worker_connector()
@@ -150,7 +125,8 @@ class EngineCore:
                                self.max_model_len, self.model_config.eos_token_ids,
                                mamba_block_size=mamba[0] if mamba else None,
                                kv_load_failure_policy=self.config.kv_load_failure_policy,
-                               kv_max_held_fraction=self.config.kv_max_held_fraction)
+                               kv_max_held_fraction=self.config.kv_max_held_fraction,
+                               skip_partial_groups_on_remote_prefill=self.config.skip_partial_groups_on_remote_prefill)
 
     def add_request(self, request: Request) -> None:
         """Queue the request; ValueError if it cannot be served (HeldBlocksLimitError if
@@ -203,6 +179,15 @@ class EngineCore:
     def has_compute_work(self) -> bool:
         return self.scheduler.has_compute_work
 
+    def info(self) -> EngineInfo:
+        """What the server is told of this engine once it is ready."""
+        kv, model = self.kv_cache_config, self.model_config
+        return EngineInfo(engine_id=self.engine_id, kv_connector=self.config.kv_connector,
+                          max_model_len=self.max_model_len, vocab_size=model.vocab_size,
+                          eos_token_ids=sorted(model.eos_token_ids), group_names=group_names(kv),
+                          num_blocks=kv.num_blocks, block_sizes=kv.block_sizes, architectures=model.architectures,
+                          kv_events=self.kv_events_endpoints, stats=self.stats())
+
     def stats(self) -> EngineStats:
         prefix = self.kv_cache_manager.stats
         return EngineStats(
@@ -223,11 +208,12 @@ class EngineCore:
             return {}
         return stats.counters() | {"requests_held": float(connector.num_requests_held)}
 
-    def _transfer_histograms(self) -> dict[str, tuple[list[float], list[int], float]]:
+    def _transfer_histograms(self) -> dict[str, HistogramSnapshot]:
         stats = getattr(self.runner.connector, "stats", None)
         if stats is None:
             return {}
-        return {name: (list(h.buckets), list(h.counts), h.total) for name, h in stats.histograms().items()}
+        return {name: HistogramSnapshot(list(h.buckets), list(h.counts), h.total)
+                for name, h in stats.histograms().items()}
 
     def _keep_logits(self, logits: dict[str, torch.Tensor] | None) -> None:
         for req_id, row in (logits or {}).items():

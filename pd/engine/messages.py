@@ -2,9 +2,10 @@
 
 Every message is a msgspec Struct encoded as msgpack; nothing received is unpickled.
 Input (server -> core) is the tagged union `EngineInput`, output (core -> server) the
-tagged union `EngineOutput`. The conversion helpers turn these into the engine's own
-dataclasses and back; the `pd` modules that need torch are imported only inside them,
-so the server side of the wire imports without torch.
+tagged union `EngineOutput`. `EngineRequest` becomes the engine's `Request` (the `pd`
+modules that need torch are imported only inside its helpers, so the server side of the
+wire imports without torch); outputs (`pd.request.RequestOutput`) and `EngineStats` are
+the engine's own Structs, sent as they are.
 """
 
 from __future__ import annotations
@@ -13,13 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from connectors.params import RemoteDecodeParams, RemotePrefillParams, TransferParams
-from pd.logprobs import Logprobs, PromptLogprobs
+from pd.kv_transfer_params import RemoteDecodeParams, RemotePrefillParams, TransferParams
 from pd.structured.grammar import Grammar
 
+from pd.request import RequestOutput
+
 if TYPE_CHECKING:
-    from pd.engine.core import EngineCore, EngineStats
-    from pd.outputs import RequestOutput
     from pd.request import Request, SamplingParams
 
 
@@ -36,7 +36,7 @@ class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
     """A request to add: token ids and the fields of `SamplingParams`, unvalidated (the
     core validates them and answers a bad one with an error output). The PD parameters
     travel as `remote_decode` (P keeps the blocks for a decode server) or
-    `remote_prefill` (D reads them from P), already typed (connectors/params.py)."""
+    `remote_prefill` (D reads them from P), already typed (pd/kv_transfer_params.py)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -129,72 +129,23 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     num_blocks: int
     block_sizes: list[int]
     architectures: list[str]
-    stats: EngineStatsMsg  # at start-up: what /metrics shows before the first step
+    stats: EngineStats  # at start-up: what /metrics shows before the first step
     kv_events: dict[str, str] | None = None  # {"publisher": tcp://..., "replay": tcp://...} when published
 
-    @classmethod
-    def from_core(cls, core: EngineCore) -> EngineInfo:
-        from pd.engine.core import group_names
 
-        kv = core.kv_cache_config
-        return cls(engine_id=core.engine_id, kv_connector=core.config.kv_connector, max_model_len=core.max_model_len,
-                   vocab_size=core.model_config.vocab_size,
-                   eos_token_ids=sorted(core.model_config.eos_token_ids),
-                   group_names=group_names(kv), num_blocks=kv.num_blocks,
-                   block_sizes=kv.block_sizes,
-                   architectures=core.model_config.architectures, kv_events=core.kv_events_endpoints,
-                   stats=EngineStatsMsg.from_stats(core.stats()))
+class HistogramSnapshot(msgspec.Struct):
+    """A histogram: `counts[i]` observations <= `buckets[i]` (not cumulative), the last
+    count above every bucket, and the sum of all observations."""
+
+    buckets: list[float]
+    counts: list[int]
+    total: float
 
 
-class RequestOutputMsg(msgspec.Struct, kw_only=True):
-    """`RequestOutput` on the wire. `error` alone (no `finish_reason`): the core refused
-    the request, which never ran and is already forgotten. `error` with finish_reason
-    "error": the request was admitted and then failed. `error_code` says why (see
-    `pd.outputs.ErrorCode`)."""
-
-    request_id: str
-    new_token_ids: list[int] = []
-    finish_reason: str | None = None
-    kv_transfer_params: RemotePrefillParams | None = None
-    num_cached_tokens: int = 0
-    error: str | None = None
-    error_code: str | None = None
-    index: int = 0
-    logprobs: Logprobs | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-
-    @property
-    def finished(self) -> bool:
-        """The last output this request will get."""
-        return self.finish_reason is not None or self.error is not None
-
-    @classmethod
-    def from_output(cls, output: RequestOutput) -> RequestOutputMsg:
-        return cls(request_id=output.request_id, new_token_ids=list(output.new_token_ids),
-                   finish_reason=output.finish_reason, kv_transfer_params=output.kv_transfer_params,
-                   num_cached_tokens=output.num_cached_tokens, error=output.error,
-                   error_code=output.error_code, index=output.index, logprobs=output.logprobs,
-                   prompt_logprobs=output.prompt_logprobs)
-
-    @property
-    def is_refusal(self) -> bool:
-        return self.error is not None and self.finish_reason is None
-
-    @classmethod
-    def refused(cls, request_id: str, error: str, code: str) -> RequestOutputMsg:
-        return cls(request_id=request_id, error=error, error_code=code)
-
-    def to_output(self) -> RequestOutput:
-        """The engine's RequestOutput (a refusal has no counterpart there)."""
-        from pd.outputs import RequestOutput
-
-        return RequestOutput(self.request_id, list(self.new_token_ids), self.finish_reason,
-                             self.kv_transfer_params, self.num_cached_tokens, self.error, self.error_code,
-                             self.prompt_logprobs, self.index, self.logprobs)
-
-
-class EngineStatsMsg(msgspec.Struct, kw_only=True):
-    """`EngineStats` on the wire (see pd/engine/core.py)."""
+class EngineStats(msgspec.Struct, kw_only=True):
+    """A snapshot for metrics, made by the core (`EngineCore.stats`) and sent as it is:
+    queue sizes, KV usage and prefix-cache counters (tokens), overall and per KV cache
+    group (`group_names[i]` names group i)."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -205,39 +156,16 @@ class EngineStatsMsg(msgspec.Struct, kw_only=True):
     group_names: list[str] = []
     group_queries: list[int] = []
     group_hits: list[int] = []
-    kv_transfer: dict[str, float] = {}
-    kv_transfer_histograms: dict[str, HistogramMsg] = {}
-    kv_load_failures: dict[str, int] = {}
-    prompt_tokens_by_source: dict[str, int] = {}
+    kv_transfer: dict[str, float] = {}  # the connector's counters, if any
+    kv_transfer_histograms: dict[str, HistogramSnapshot] = {}  # the connector's histograms
+    kv_load_failures: dict[str, int] = {}  # by policy action: recompute / fail
+    prompt_tokens_by_source: dict[str, int] = {}  # computed / local_cache / remote
     num_steps: int = 0
-    step_seconds: dict[str, float] = {}  # the core's STEP_PARTS, and "ipc": the loop's messaging
+    step_seconds: dict[str, float] = {}  # the core's STEP_PARTS -> seconds since start; "ipc": the loop's messaging
 
-    @classmethod
-    def from_stats(cls, stats: EngineStats, ipc_seconds: float = 0.0) -> EngineStatsMsg:
-        return cls(num_running=stats.num_running, num_waiting=stats.num_waiting,
-                   kv_usage=stats.kv_usage, num_preemptions=stats.num_preemptions,
-                   prefix_cache_queries=stats.prefix_cache_queries,
-                   prefix_cache_hits=stats.prefix_cache_hits, group_names=list(stats.group_names),
-                   group_queries=list(stats.group_queries), group_hits=list(stats.group_hits),
-                   kv_transfer=dict(stats.kv_transfer),
-                   kv_transfer_histograms={name: HistogramMsg(list(buckets), list(counts), total)
-                                           for name, (buckets, counts, total) in stats.kv_transfer_histograms.items()},
-                   kv_load_failures=dict(stats.kv_load_failures),
-                   prompt_tokens_by_source=dict(stats.prompt_tokens_by_source),
-                   num_steps=stats.num_steps, step_seconds={**stats.step_seconds, "ipc": ipc_seconds})
-
-    def without_timing(self) -> EngineStatsMsg:
+    def without_timing(self) -> EngineStats:
         """The same stats but the step counters, which move on every step."""
         return msgspec.structs.replace(self, num_steps=0, step_seconds={})
-
-
-class HistogramMsg(msgspec.Struct):
-    """A histogram: `counts[i]` observations <= `buckets[i]` (not cumulative), the last
-    count above every bucket, and the sum of all observations."""
-
-    buckets: list[float]
-    counts: list[int]
-    total: float
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -256,8 +184,8 @@ class StepOutputs(msgspec.Struct, tag=True):
     """One step's outputs (with those of the aborts and refusals applied before it) and
     the stats after it."""
 
-    outputs: list[RequestOutputMsg]
-    stats: EngineStatsMsg
+    outputs: list[RequestOutput]
+    stats: EngineStats
 
 
 class EngineFailed(msgspec.Struct, tag=True):

@@ -30,13 +30,12 @@ from pd.errors import ERROR_INTERNAL, ERROR_INVALID, ERROR_KV_HELD_LIMIT, HeldBl
 from pd.engine.messages import (
     AbortRequests,
     EngineFailed,
-    EngineInfo,
     EngineInput,
     EngineRequest,
-    EngineStatsMsg,
+    EngineStats,
     Ready,
     ReleaseKV,
-    RequestOutputMsg,
+    RequestOutput,
     Shutdown,
     StartupFailed,
     StepOutputs,
@@ -65,7 +64,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         if core is None:
             sys.exit(1)
         try:
-            outbox.send(encode(Ready(EngineInfo.from_core(core))))
+            outbox.send(encode(Ready(core.info())))
             EngineLoop(core, inbox, outbox, stop).run()
         except Exception as e:
             logger.exception("engine core failed; stopping")
@@ -90,7 +89,7 @@ class EngineLoop:
         self.stop = stop
         self.decoder = input_decoder()
         self.parent_pid = os.getppid()
-        self.last_stats: EngineStatsMsg | None = None  # the last sent, without its step counters
+        self.last_stats: EngineStats | None = None  # the last sent, without its step counters
         self.ipc_seconds = 0.0  # decoding and applying inputs, encoding and sending outputs (not waiting)
 
     def run(self) -> None:
@@ -102,7 +101,7 @@ class EngineLoop:
             self.core.kv_events.serve_replays()
             stepped = self.core.has_work()
             if stepped:
-                outputs += [RequestOutputMsg.from_output(o) for o in self.core.step()]
+                outputs += self.core.step()
             if stepped or outputs:
                 sending = time.perf_counter()
                 self.send(outputs)
@@ -111,10 +110,11 @@ class EngineLoop:
                 logger.warning("engine core: parent process died, stopping")
                 self.stop.set()
 
-    def send(self, outputs: list[RequestOutputMsg]) -> None:
+    def send(self, outputs: list[RequestOutput]) -> None:
         """The outputs with the stats after them; nothing for a step that changed nothing
         the server sees (a core waiting on remote KV steps without pause)."""
-        stats = EngineStatsMsg.from_stats(self.core.stats(), self.ipc_seconds)
+        stats = self.core.stats()
+        stats.step_seconds["ipc"] = self.ipc_seconds
         comparable = stats.without_timing()
         if outputs or comparable != self.last_stats:
             self.outbox.send(encode(StepOutputs(outputs, stats)))
@@ -139,31 +139,31 @@ class EngineLoop:
             self.ipc_seconds += time.perf_counter() - start
         return messages
 
-    def apply(self, messages: list[EngineInput]) -> list[RequestOutputMsg]:
-        outputs: list[RequestOutputMsg] = []
+    def apply(self, messages: list[EngineInput]) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
         for message in messages:
             if isinstance(message, EngineRequest):
                 outputs += self.add(message)
             elif isinstance(message, AbortRequests):
                 aborted = self.core.abort_requests(message.request_ids)
-                outputs += [RequestOutputMsg.from_output(o) for o in aborted]
+                outputs += aborted
             elif isinstance(message, ReleaseKV):
                 self.core.release_held(message.request_ids)
             elif isinstance(message, Shutdown):
                 self.stop.set()
         return outputs
 
-    def add(self, message: EngineRequest) -> list[RequestOutputMsg]:
+    def add(self, message: EngineRequest) -> list[RequestOutput]:
         """Nothing if the core took the request; its error output if it refused it."""
         try:
             self.core.add_request(message.to_request())
         except HeldBlocksLimitError as e:
-            return [RequestOutputMsg.refused(message.request_id, str(e), ERROR_KV_HELD_LIMIT)]
+            return [RequestOutput.refused(message.request_id, str(e), ERROR_KV_HELD_LIMIT)]
         except ValueError as e:
-            return [RequestOutputMsg.refused(message.request_id, str(e), ERROR_INVALID)]
+            return [RequestOutput.refused(message.request_id, str(e), ERROR_INVALID)]
         except Exception as e:  # refused; nothing of it was kept
             logger.exception("adding request %s failed", message.request_id)
-            return [RequestOutputMsg.refused(message.request_id, f"internal error: {type(e).__name__}: {e}",
+            return [RequestOutput.refused(message.request_id, f"internal error: {type(e).__name__}: {e}",
                                              ERROR_INTERNAL)]
         return []
 

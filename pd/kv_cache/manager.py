@@ -76,7 +76,6 @@ class KVCacheManager:
         config: KVCacheConfig,
         enable_caching: bool = True,
         max_model_len: int | None = None,
-        skip_mamba_for_remote_prefill: bool = True,
         record_events: bool = False,
     ) -> None:
         self.config = config
@@ -84,8 +83,9 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.coordinator = make_coordinator(config, enable_caching, record_events)
         self.pool = self.coordinator.pool
-        partial = {i for i, g in enumerate(config.groups) if isinstance(g.spec, (MambaSpec, SlidingWindowSpec))}
-        self.remote_prefill_skip = frozenset(partial if skip_mamba_for_remote_prefill else ())
+        # groups that keep only part of a prefix: one Mamba state, the last window
+        self.partial_prefix_groups = frozenset(
+            i for i, g in enumerate(config.groups) if isinstance(g.spec, (MambaSpec, SlidingWindowSpec)))
         self.stats = PrefixCacheStats(num_groups=len(config.groups))
 
     @property
@@ -109,23 +109,20 @@ class KVCacheManager:
     def empty_blocks(self) -> KVCacheBlocks:
         return KVCacheBlocks(tuple([] for _ in range(self.num_groups)))
 
-    def get_computed_blocks(self, request: Request, record: bool = True) -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(self, request: Request, skip_groups: frozenset[int] = frozenset(),
+                            record: bool = True) -> tuple[KVCacheBlocks, int]:
         """The request's prefix-cache hit: blocks per group and its length in tokens.
 
         At least one token is always left to compute; a request that scores its prompt
-        gets no hit (`Request.reads_prefix_cache`). For a request whose
-        `kv_transfer_params["do_remote_prefill"]` is true, the groups that keep only part
-        of a prefix (Mamba: one state; sliding window: the last window) are skipped from
-        the reduction: what they need arrives from the prefill server, so the full
-        attention hit is not collapsed to 0 by their misses. They get no hit blocks.
+        gets no hit (`Request.reads_prefix_cache`). `skip_groups` are left out of the
+        reduction and get no hit blocks: the scheduler passes `partial_prefix_groups` for
+        a request whose KV arrives from a prefill server, which brings what those groups
+        need, so their misses do not collapse the full-attention hit to 0.
         `record=False` repeats a search without counting it again in the stats.
         """
         if not (self.enable_caching and request.reads_prefix_cache):
             return self.empty_blocks(), 0
-        skip = self.remote_prefill_skip if request.do_remote_prefill else frozenset()
-        hit = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, request.num_tokens - 1, skip
-        )
+        hit = self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1, skip_groups)
         if record:
             self._record(request.num_tokens, hit.num_tokens, hit.group_hit_tokens)
         return KVCacheBlocks(hit.blocks), hit.num_tokens

@@ -59,10 +59,6 @@ class KVCacheSpec:
         """Bytes one layer's slot takes in a block: the real page, padded if unified."""
         return self.page_size_padded or self.real_page_size_bytes
 
-    @property
-    def type_name(self) -> str:
-        return type(self).__name__
-
 
 @dataclass(frozen=True, kw_only=True)
 class FullAttentionSpec(KVCacheSpec):

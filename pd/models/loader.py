@@ -13,7 +13,7 @@ from pd.models.config import ModelConfig
 from pd.models.files import safetensors_files
 from pd.models.gguf import is_gguf, open_gguf
 from pd.models.registry import model_class
-from pd.worker.kv_allocation import torch_dtype
+from pd.kv_cache.allocation import torch_dtype
 
 
 def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -21,7 +21,7 @@ from torch import nn
 from pd.attention.mamba_metadata import MambaMetadata, MambaRequestSlice
 from pd.forward_context import get_forward_context
 from pd.kv_cache.spec import MambaSpec
-from pd.worker.kv_allocation import MambaCache
+from pd.kv_cache.allocation import MambaCache
 
 
 class GatedRMSNorm(nn.Module):

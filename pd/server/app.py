@@ -25,9 +25,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from connectors.signing import TransferParamsGuard
 from pd.engine.client import EngineDeadError, RequestFailedError, RequestRefusedError
+from pd.config import DEFAULT_MAX_REQUEST_BYTES
 from pd.errors import ERROR_INTERNAL, ERROR_INVALID, ERROR_KV_HELD_LIMIT, ERROR_KV_LOAD_FAILED
 from pd.server.chat import ChatTemplate
-from pd.server.main import DEFAULT_MAX_REQUEST_BYTES
 from pd.server.metrics import CONTENT_TYPE, ServerMetrics
 from pd.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body, parse_body
 from pd.server.generation import Delta, Generation

@@ -12,7 +12,7 @@ from typing import Any
 
 import anyio
 
-from connectors.params import RemotePrefillParams
+from pd.kv_transfer_params import RemotePrefillParams
 from pd.logprobs import Logprobs, PromptLogprobs
 from pd.request import sequence_id
 from pd.server.detokenize import IncrementalDetokenizer

@@ -16,9 +16,8 @@ import socket
 import sys
 from typing import Any, NoReturn
 
-from pd.config import ROLES, EngineConfig, add_engine_flags
+from pd.config import DEFAULT_MAX_REQUEST_BYTES, ROLES, EngineConfig, add_engine_flags
 
-DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 # Idle seconds before the server closes a kept-alive connection: longer than clients keep
 # them in their pools (httpx and the openai client: 5 s; the proxy: 2 s), so a client
 # never sends on a connection the server is closing at that moment.

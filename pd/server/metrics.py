@@ -27,7 +27,7 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
 
 
 class EngineStatsCollector(Collector):
-    """`pd_engine_alive`, and while the engine lives its latest stats (`EngineStatsMsg`,
+    """`pd_engine_alive`, and while the engine lives its latest stats (`EngineStats`,
     or None before the first step). A dead engine's last figures are not shown: they
     would describe requests and blocks that no longer exist."""
 

@@ -29,7 +29,7 @@ from pd.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from pd.logprobs import Logprobs, PromptLogprobs
 from pd.request import SamplingParams
 from pd.worker.block_table import MultiGroupBlockTable
-from pd.worker.kv_allocation import KVLayout, allocate_kv_caches
+from pd.kv_cache.allocation import KVLayout, allocate_kv_caches
 from pd.worker.logprobs import prompt_logprobs, sampled_logprobs
 from pd.worker.sampler import adjust, choose, make_generator, mask_tokens
 

@@ -58,7 +58,7 @@ def test_the_all_cache_deployment_has_both_prefill_caches_in_one() -> None:
     assert deployments._server_flags("2p2d-kv_aware", args)[0] == ["--kv-cache-memory", "1000"]
     assert deployments._server_flags("1p1d-all-cache", args)[0] == ["--kv-cache-memory", "2000"]
     args.prefill_kv_cache_memory = None
-    assert deployments._server_flags("pd-no-skip-mamba", args) == ([], ["--no-skip-mamba-align"])
+    assert deployments._server_flags("pd-no-skip-partial", args) == ([], ["--no-skip-partial-groups-on-remote-prefill"])
 
 
 def test_unknown_configurations_are_refused(tmp_path, capsys) -> None:

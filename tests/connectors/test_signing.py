@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from connectors.params import RemotePrefillParams
+from pd.kv_transfer_params import RemotePrefillParams
 from connectors.signing import TransferParamsGuard, TransferParamsRefused, prompt_digest, sign
 
 SECRET = "s3cret"

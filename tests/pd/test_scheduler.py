@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from connectors.params import RemotePrefillParams
+from pd.kv_transfer_params import RemotePrefillParams
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.manager import KVCacheManager
 from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
@@ -251,7 +251,7 @@ class ToyRemoteConnector:
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         self.loading[request.request_id] = self.delay
 
-    def build_connector_meta(self, scheduler_output):
+    def build_connector_meta(self):
         return self.meta()
 
     def requests_waiting(self, requests):

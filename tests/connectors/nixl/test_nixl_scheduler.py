@@ -13,7 +13,7 @@ import pytest
 
 from connectors.base import KVConnectorOutput
 from connectors.nixl.scheduler import NixlConnectorScheduler, ReqToSend
-from connectors.params import RemoteDecodeParams, RemotePrefillParams
+from pd.kv_transfer_params import RemoteDecodeParams, RemotePrefillParams
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.manager import KVCacheManager
 from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
@@ -169,7 +169,8 @@ def test_refused_params_on_a_hybrid_use_the_local_hit_not_the_remote_one() -> No
     while "d0" in d.requests:
         run_step(d)
     prompt = shared + list(range(7, 27))  # P's parameters were for another prompt length
-    _, remote_hit = d_kv.get_computed_blocks(remote_request("probe", prompt, out.kv_transfer_params))
+    _, remote_hit = d_kv.get_computed_blocks(remote_request("probe", prompt, out.kv_transfer_params),
+                                             d_kv.partial_prefix_groups)
     _, local_hit = d_kv.get_computed_blocks(Request("probe", prompt, SamplingParams()))
     assert remote_hit == 4 * BLOCK and local_hit < remote_hit
     d.add_request(remote_request("d1", prompt, out.kv_transfer_params))
@@ -241,13 +242,13 @@ def test_d_keeps_p_s_lease_alive_while_the_request_waits_and_reads_under_the_ext
     connector.wall_clock = wall
     request = remote_request("d1", prompt, params)
     connector.requests_waiting([request])
-    assert connector.build_connector_meta(None).reqs_to_keep_alive == []  # most of the lease is left
+    assert connector.build_connector_meta().reqs_to_keep_alive == []  # most of the lease is left
     wall.now += 16  # past half of it
     connector.requests_waiting([request])
-    (kept,) = connector.build_connector_meta(None).reqs_to_keep_alive
+    (kept,) = connector.build_connector_meta().reqs_to_keep_alive
     assert kept.request_id == "p1" and kept.port == params.remote_port
     connector.requests_waiting([request])  # sent once per half lease, not every step
-    assert connector.build_connector_meta(None).reqs_to_keep_alive == []
+    assert connector.build_connector_meta().reqs_to_keep_alive == []
     d.add_request(request)
     so, _ = run_step(d)
     (recv,) = so.kv_connector_metadata.reqs_to_recv

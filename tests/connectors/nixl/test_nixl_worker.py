@@ -16,7 +16,7 @@ import torch
 from connectors.nixl.scheduler import NixlConnectorMetadata, RemotePrefill, ReqToRecv, ReqToSend
 from connectors.nixl.worker import NixlConnectorWorker, NixlWorkerConfig
 from pd.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
-from pd.worker.kv_allocation import allocate_kv_caches
+from pd.kv_cache.allocation import allocate_kv_caches
 
 SPEC = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float32")  # 256-byte pages
 ROOT = Path(__file__).resolve().parents[3]

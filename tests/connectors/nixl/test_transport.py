@@ -36,7 +36,7 @@ from connectors.nixl.messages import (
 from connectors.nixl.transport import IncompatiblePeer, NixlTransport, TransferHandle, TransportError, paired_runs
 from connectors.nixl.ucx import configure_ucx
 from pd.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, MambaSpec, SlidingWindowSpec
-from pd.worker.kv_allocation import KVCacheAllocation, allocate_kv_caches
+from pd.kv_cache.allocation import KVCacheAllocation, allocate_kv_caches
 
 NUM_BLOCKS = 64
 P_SEED, D_SEED = 1, 2

@@ -23,7 +23,7 @@ from pd.attention.backend import CommonAttentionMetadata
 from pd.attention import torch_backend
 from pd.attention.torch_backend import TorchAttentionBackend, TorchAttentionImpl, TorchAttentionMetadata
 from pd.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
-from pd.worker.kv_allocation import allocate_kv_caches
+from pd.kv_cache.allocation import allocate_kv_caches
 
 SCALE = 0.37  # not 1/sqrt(D): the caller's scale must be the one used
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

@@ -21,7 +21,7 @@ import torch
 
 from pd.config import EngineConfig
 from pd.engine.client import EngineClient, EngineDeadError, EngineStartupError
-from pd.engine.messages import EngineRequest, RequestOutputMsg
+from pd.engine.messages import EngineRequest, RequestOutput
 from pd.llm import LLM
 from pd.models.make_model import make_model
 from pd.request import SamplingParams
@@ -77,7 +77,7 @@ def request(request_id: str, prompt: list[int], params: SamplingParams = GREEDY)
     return EngineRequest.create(request_id, prompt, params)
 
 
-async def collect(outputs: AsyncIterator[RequestOutputMsg]) -> tuple[list[int], RequestOutputMsg]:
+async def collect(outputs: AsyncIterator[RequestOutput]) -> tuple[list[int], RequestOutput]:
     tokens: list[int] = []
     async for output in outputs:
         tokens += output.new_token_ids
@@ -261,7 +261,7 @@ def test_shutdown_stops_the_process(config, prompts):
 
 def test_token_ids_outside_the_vocabulary_are_refused_not_computed(engine, prompts, reference):
     """Before they were checked here, such a request reached the model and killed the core."""
-    from connectors.params import RemotePrefillParams
+    from pd.kv_transfer_params import RemotePrefillParams
     from pd.engine.client import RequestRefusedError
 
     vocab = engine.info.vocab_size

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connectors.params import RemotePrefillParams
+from pd.kv_transfer_params import RemotePrefillParams
 from kv_events.messages import AllBlocksCleared, BlockStored
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.manager import KVCacheManager
@@ -220,7 +220,7 @@ def test_second_request_hits_the_shared_prefix(model: str) -> None:
     assert stats.group_hits == [64] * len(stats.group_hits)
 
 
-def test_remote_prefill_skips_mamba_only_for_that_request() -> None:
+def test_skipping_the_partial_groups_keeps_the_attention_hit() -> None:
     # The prefix's attention blocks are cached, but no Mamba state at the hit point.
     manager = make_manager("bamba", 200)
     sim = Simulator(manager)
@@ -236,12 +236,12 @@ def test_remote_prefill_skips_mamba_only_for_that_request() -> None:
     local = Request("local", prefix + [5, 6])
     assert manager.get_computed_blocks(local)[1] == 0
     remote = Request("remote", prefix + [5, 6], kv_transfer_params=REMOTE)
-    blocks, hit = manager.get_computed_blocks(remote)
+    assert manager.partial_prefix_groups == frozenset(mamba_groups)
+    blocks, hit = manager.get_computed_blocks(remote, manager.partial_prefix_groups)
     assert hit == 64
     for g in mamba_groups:
         assert blocks.blocks[g] == []  # no hit: its state comes from the prefill server
-    off = make_manager("bamba", 200, skip_mamba_for_remote_prefill=False)
-    assert off.get_computed_blocks(remote)[1] == 0
+    assert manager.get_computed_blocks(remote)[1] == 0  # the KV core does not read the request's PD fields
 
 
 def test_remote_prefill_keeps_the_full_attention_hit_and_loads_only_the_rest() -> None:
@@ -258,7 +258,7 @@ def test_remote_prefill_keeps_the_full_attention_hit_and_loads_only_the_rest() -
     prompt = prefix + list(range(500, 536))  # 100 tokens: 7 blocks, 4 of them hits
     assert manager.get_computed_blocks(Request("local", prompt))[1] == 0  # collapsed
     request = Request("r", prompt, kv_transfer_params=REMOTE)
-    blocks, hit = manager.get_computed_blocks(request)
+    blocks, hit = manager.get_computed_blocks(request, manager.partial_prefix_groups)
     assert hit == 64
     assert manager.allocate_slots(request, 0, hit, blocks, num_external_computed_tokens=100 - hit) is not None
     unfilled = manager.get_blocks("r").get_unfilled_block_ids()

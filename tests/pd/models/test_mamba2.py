@@ -22,7 +22,7 @@ from pd.attention.mamba_metadata import build_mamba_metadata
 from pd.forward_context import ForwardContext, set_forward_context
 from pd.kv_cache.spec import KVCacheConfig, KVCacheGroup
 from pd.models.mamba2 import Mamba2Mixer, chunk_ends
-from pd.worker.kv_allocation import MambaCache, allocate_kv_caches
+from pd.kv_cache.allocation import MambaCache, allocate_kv_caches
 
 NAME, NEIGHBOUR = "layers.0.mixer", "layers.1.mixer"
 BS = 16  # block size

@@ -28,7 +28,7 @@ from pd.models.config import ModelConfig
 from pd.models.loader import load_model
 from pd.models.make_model import make_model
 from pd.models.registry import model_class
-from pd.worker.kv_allocation import allocate_kv_caches
+from pd.kv_cache.allocation import allocate_kv_caches
 
 PROMPT_LEN = 300  # > Gemma 3's window (128) and the Mamba chunk (256): checked below
 TOL = 1e-3

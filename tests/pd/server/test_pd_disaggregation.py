@@ -5,7 +5,7 @@ architecture.
 Servers per architecture: `a` and `b`, both `--role both --kv-connector nixl` (each acts
 as P for one request and as D for the next: the decision is per request), `c` colocated
 without a connector (the reference), and, for the Mamba hybrids, `noskip`: a decode
-server started with `--no-skip-mamba-align`.
+server started with `--no-skip-partial-groups-on-remote-prefill`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def servers(arch, tiny_models, tmp_path_factory):
         servers = {"a": start("a", "--kv-connector", "nixl"), "b": start("b", "--kv-connector", "nixl"),
                    "c": start("c")}
         if arch in HYBRIDS:
-            servers["noskip"] = start("noskip", "--kv-connector", "nixl", "--no-skip-mamba-align")
+            servers["noskip"] = start("noskip", "--kv-connector", "nixl", "--no-skip-partial-groups-on-remote-prefill")
         yield servers
 
 
@@ -126,7 +126,7 @@ def test_a_shared_prefix_makes_d_read_only_the_blocks_it_lacks(servers, arch) ->
 
 @pytest.mark.parametrize("arch", HYBRIDS, indirect=True)
 def test_without_the_per_request_mamba_skip_ds_attention_hits_collapse(servers, arch) -> None:
-    """Same family shape on a `--no-skip-mamba-align` D: the Mamba group has no state at
+    """Same family shape on a `--no-skip-partial-groups-on-remote-prefill` D: the Mamba group has no state at
     the shared prefix's boundary on D (it received only P's final state), so the hit
     reduction drops to zero and the second request reads as much as the first. (Each
     group's own hit, pd_prefix_cache_hits_total{group=...}, still shows attention's.)"""

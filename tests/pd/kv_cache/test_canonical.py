@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.canonical import CanonicalKVCaches, KVCacheBlockDataRef, KVCacheBlockTensor
+from pd.kv_cache.canonical import CanonicalKVCaches, KVCacheBlockDataRef, KVCacheBlockTensor
 
 NUM_BLOCKS = 8
 ROW = 64

@@ -5,7 +5,7 @@ layer i of every group views bytes `[i*page, i*page + real_page)` of each row. P
 layout: `group_size` buffers `(num_blocks, page)`, layer i of every group views buffer i.
 Views alias the buffers (no copies) and keep the block dimension leading, so block b of
 a layer is always inside row b. `describe()` hands the same memory to connectors as
-blocks and byte ranges (see `connectors/canonical.py`).
+blocks and byte ranges (see `pd/kv_cache/canonical.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from connectors.canonical import CanonicalKVCaches, KVCacheBlockDataRef, KVCacheBlockTensor
+from pd.kv_cache.canonical import CanonicalKVCaches, KVCacheBlockDataRef, KVCacheBlockTensor
 from pd.kv_cache.spec import (
     FullAttentionSpec,
     KVCacheConfig,

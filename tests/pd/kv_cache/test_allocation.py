@@ -13,7 +13,7 @@ from pd.kv_cache.spec import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from pd.worker.kv_allocation import (
+from pd.kv_cache.allocation import (
     AttentionCache,
     KVCacheAllocation,
     MambaCache,

@@ -1,0 +1,145 @@
+"""No import cycles, between modules or between packages: the KV core knows nothing of
+requests' PD fields, connectors depend on `pd`'s public types and `pd` on connectors only
+through their base API, models and workers do not lean on each other.
+
+Every import counts, at module level or inside a function (a lazy import is still a
+dependency), `if TYPE_CHECKING:` ones too. A module is a node; so is a package (`pd`'s
+subpackages and top-level modules, and each top-level package). `from pkg import mod`
+depends on `pkg.mod` alone (not on `pkg/__init__.py`).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("pd", "connectors", "proxy", "kv_events", "benchmarks")
+
+
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            name = ".".join(path.relative_to(root).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imported_names(tree: ast.AST, package: str) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+            names.add(base)
+    return names
+
+
+def module_graph(found: dict[str, Path]) -> dict[str, set[str]]:
+    def resolve(name: str) -> str | None:
+        while name and name not in found:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, path in found.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        imported = imported_names(ast.parse(path.read_text(), str(path)), package)
+        for target in {resolve(n) for n in imported}:
+            # `from pkg import mod` names pkg too: pkg's __init__ only when no module is named
+            is_parent_of_named = target is not None and any(
+                resolve(n) not in (None, target) and n.startswith(target + ".") for n in imported)
+            if target not in (None, name) and not (is_parent_of_named and found[target].name == "__init__.py"):
+                graph[name].add(target)
+    return graph
+
+
+def unit(module: str) -> str:
+    """The package a module belongs to for the package graph."""
+    parts = module.split(".")
+    if parts[0] == "pd" and len(parts) > 1:
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    packages: dict[str, set[str]] = defaultdict(set)
+    for source, targets in graph.items():
+        for target in targets:
+            if unit(source) != unit(target) and target != "pd":
+                packages[unit(source)].add(unit(target))
+    return packages
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph.get(child, ())))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return found
+
+
+def explain(component: list[str], graph: dict[str, set[str]]) -> list[str]:
+    return [f"{a} -> {b}" for a in component for b in sorted(graph.get(a, ())) if b in component]
+
+
+def test_no_module_imports_itself_back() -> None:
+    graph = module_graph(modules())
+    assert {c[0]: explain(c, graph) for c in cycles(graph)} == {}
+
+
+def test_no_package_imports_itself_back() -> None:
+    graph = package_graph(module_graph(modules()))
+    assert {c[0]: explain(c, graph) for c in cycles(graph)} == {}
+
+
+def test_the_walk_finds_a_cycle_added_on_purpose(tmp_path) -> None:
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "pd" / "a.py").write_text("from pd.b import thing\n")
+    (tmp_path / "pd" / "b.py").write_text("def f():\n    from pd import a\n")
+    (tmp_path / "connectors" / "c.py").write_text("import pd.a\n")
+    graph = module_graph(modules(tmp_path))
+    assert cycles(graph) == [["pd.a", "pd.b"]]
+    assert cycles(package_graph(graph)) == [["pd.a", "pd.b"]]
