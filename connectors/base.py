@@ -15,6 +15,9 @@ Block ownership:
 - `request_finished` is called exactly once per request, when it finishes, before its
   blocks are freed. If it returns `delay_free=True` the scheduler keeps the blocks until
   the worker half reports the request in `finished_sending`; only then are they freed.
+
+Connectors are chosen by name (pd/kv_connectors.py): each entry builds both halves from
+a `ConnectorContext`.
 """
 
 from __future__ import annotations
@@ -25,10 +28,23 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pd.config import EngineConfig
     from pd.kv_cache.canonical import CanonicalKVCaches
     from pd.kv_transfer_params import RemotePrefillParams
     from pd.kv_cache.manager import KVCacheBlocks
     from pd.request import Request
+
+
+@dataclass(frozen=True)
+class ConnectorContext:
+    """What a connector is built from: the engine's config, its id (handed out in
+    kv_transfer_params), a hash equal for engines whose KV blocks mean the same thing
+    byte for byte, and the block size of each KV cache group."""
+
+    engine_id: str
+    config: EngineConfig
+    compat_hash: str
+    block_sizes: list[int]
 
 
 class KVLoadRefused(Exception):
@@ -150,3 +166,8 @@ class NullConnectorWorker(KVConnectorWorker):
 
     def get_finished(self, finished_req_ids):
         return KVConnectorOutput()
+
+
+def build_null_connector(context: ConnectorContext) -> tuple[NullConnectorScheduler, NullConnectorWorker]:
+    """The `null` entry of pd/kv_connectors.py."""
+    return NullConnectorScheduler(), NullConnectorWorker()

@@ -50,7 +50,7 @@ from typing import Any, NoReturn
 import httpx
 import ray
 
-from connectors.signing import SECRET_ENV
+from pd.kv_transfer_signing import SECRET_ENV
 from pd.models.config import SUPPORTED_DTYPES
 from proxy.instances import POLICIES
 

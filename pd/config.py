@@ -7,12 +7,12 @@ import ipaddress
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from connectors.signing import DEFAULT_ALLOWED_PEERS, SECRET_ENV, secret_from_env
+from pd.kv_transfer_signing import DEFAULT_ALLOWED_PEERS, SECRET_ENV, secret_from_env
+from pd.kv_connectors import AUTO_CONNECTOR, KV_CONNECTORS, NULL_CONNECTOR
 from pd.models.config import AUTO_DTYPE, SUPPORTED_DTYPES, resolve_dtype
 
 KV_LAYOUTS = ("canonical", "per-layer")
 ROLES = ("both", "prefill", "decode")
-KV_CONNECTORS = ("none", "nixl")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 QUANTIZATIONS = ("none", "int8")  # int8: pd.models.quantized
 LOGPROBS_MODES = ("processed", "raw")  # pd/logprobs.py
@@ -23,8 +23,9 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # the server's --max-request-bytes
 @dataclass(frozen=True)
 class EngineConfig:
     """One engine's settings. `max_model_len=None` takes the model's own limit;
-    `device=None` picks CUDA when present, else the CPU. `kv_connector=None` takes
-    "nixl" for the prefill and decode roles and "none" for `both`.
+    `device=None` picks CUDA when present, else the CPU. `kv_connector` names an entry of
+    pd/kv_connectors.py; "auto" takes "nixl" for the prefill and decode roles and "null"
+    for `both`.
 
     The role sets defaults only: what a server does with a request is decided per
     request, by its `kv_transfer_params` (DESIGN.md, "PD protocol")."""
@@ -44,7 +45,7 @@ class EngineConfig:
     hybrid_kv_cache: bool = True
     seed: int = 0
     role: str = "both"
-    kv_connector: str | None = None
+    kv_connector: str = AUTO_CONNECTOR
     kv_host: str = "127.0.0.1"
     kv_side_channel_port: int = 0
     kv_lease_seconds: float = 60.0
@@ -65,8 +66,8 @@ class EngineConfig:
         object.__setattr__(self, "model", Path(self.model))
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.kv_connector is None:
-            object.__setattr__(self, "kv_connector", "none" if self.role == "both" else "nixl")
+        if self.kv_connector == AUTO_CONNECTOR:
+            object.__setattr__(self, "kv_connector", NULL_CONNECTOR if self.role == "both" else "nixl")
         if self.dtype not in (*SUPPORTED_DTYPES, AUTO_DTYPE):
             raise ValueError(f"dtype must be one of auto, {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
         if self.dtype == AUTO_DTYPE:
@@ -79,7 +80,7 @@ class EngineConfig:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.kv_connector not in KV_CONNECTORS:
-            raise ValueError(f"kv_connector must be one of {', '.join(KV_CONNECTORS)}, got {self.kv_connector!r}")
+            raise ValueError(f"kv_connector must be one of {', '.join(KV_CONNECTORS.names())}, got {self.kv_connector!r}")
         if self.kv_lease_seconds <= 0:
             raise ValueError(f"kv_lease_seconds must be positive, got {self.kv_lease_seconds}")
         if self.kv_read_timeout <= 0:
@@ -89,7 +90,7 @@ class EngineConfig:
                              f"got {self.kv_ucx_transports!r}")
         if not 0 <= self.kv_side_channel_port < 65536:
             raise ValueError(f"kv_side_channel_port must be a TCP port (0: any free one), got {self.kv_side_channel_port}")
-        if self.role != "both" and self.kv_connector == "none":
+        if self.role != "both" and self.kv_connector == NULL_CONNECTOR:
             raise ValueError(f"a {self.role} server moves KV to or from its peer: use --kv-connector nixl "
                              "(or --role both to serve alone)")
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
@@ -153,7 +154,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV blocks of shared prompt prefixes (default on)")
     parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default="canonical", help="canonical: one cross-layer buffer, one byte range per block per group; per-layer: one buffer per layer slot (default canonical)")
     parser.add_argument("--no-hybrid-kv-cache", dest="hybrid_kv_cache", action="store_false", help="attention-only models: keep every attention layer's KV for all tokens in one group (sliding layers still attend within their window); refused for Mamba hybrids")
-    parser.add_argument("--kv-connector", choices=KV_CONNECTORS, default=None, help="move KV blocks between prefill and decode servers: nixl, or none to serve alone (default: nixl for --role prefill/decode, none for --role both)")
+    parser.add_argument("--kv-connector", choices=[AUTO_CONNECTOR, *KV_CONNECTORS.names()], default=AUTO_CONNECTOR, help="move KV blocks between prefill and decode servers: nixl, or null to serve alone (default auto: nixl for --role prefill/decode, null for --role both)")
     parser.add_argument("--kv-host", default="127.0.0.1", help="address the KV side channel binds and advertises to decode servers (default 127.0.0.1)")
     parser.add_argument("--kv-side-channel-port", type=int, default=0, help="TCP port of the KV side channel (handshakes); 0 picks a free one (default 0)")
     parser.add_argument("--kv-lease-seconds", type=float, default=60.0, help="a prefill server frees KV blocks no decode server read after this long (default 60)")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from connectors.base import KVConnectorScheduler, KVLoadRefused, NullConnectorScheduler
+from connectors.base import KVConnectorScheduler, KVLoadRefused
 from pd.kv_transfer_params import RemotePrefillParams
 from pd.config import SchedulerConfig
 from pd.errors import ERROR_INTERNAL, ERROR_INVALID, HeldBlocksLimitError
@@ -44,10 +44,10 @@ logger = logging.getLogger(__name__)
 
 class Scheduler(RemoteKV):
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 connector: KVConnectorScheduler | None = None, grammars: GrammarMatchers | None = None) -> None:
+                 connector: KVConnectorScheduler, grammars: GrammarMatchers | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
-        self.connector = connector or NullConnectorScheduler()
+        self.connector = connector  # NullConnectorScheduler when serving alone
         self.grammars = grammars or GrammarMatchers(None, config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()

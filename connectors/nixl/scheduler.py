@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from connectors.base import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, KVLoadRefused
 from pd.kv_transfer_params import RemotePrefillParams
-from connectors.signing import prompt_digest, sign
+from pd.kv_transfer_signing import prompt_digest, sign
 from pd.kv_cache.spec import cdiv
 from pd.request import Request, RequestStatus
 
@@ -108,7 +108,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.lease_seconds = lease_seconds
         self.clock = clock
         self.wall_clock = wall_clock
-        self.secret = secret  # signs the parameters P hands out (connectors/signing.py)
+        self.secret = secret  # signs the parameters P hands out (pd/kv_transfer_signing.py)
         self._meta = NixlConnectorMetadata()
         self.num_rejected = 0
         self._lease_end: dict[str, float] = {}  # D: waiting request -> wall-clock end of P's lease, as known here

@@ -1,18 +1,13 @@
-"""Attention backends, imported lazily by name (see `get_attention_backend`)."""
+"""Attention backends, imported lazily by name (`ATTENTION_BACKENDS`, see pd/registry.py)."""
 
 from __future__ import annotations
 
-import importlib
-
 from pd.attention.backend import AttentionBackend
+from pd.registry import Registry
 
-_BACKENDS = {"torch": "pd.attention.torch_backend:TorchAttentionBackend"}
+ATTENTION_BACKENDS = Registry("attention backend", {"torch": "pd.attention.torch_backend:TorchAttentionBackend"})
 
 
 def get_attention_backend(name: str) -> type[AttentionBackend]:
     """The backend class registered under `name`; ValueError listing the known ones."""
-    try:
-        module_name, class_name = _BACKENDS[name].split(":")
-    except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(sorted(_BACKENDS))}") from None
-    return getattr(importlib.import_module(module_name), class_name)
+    return ATTENTION_BACKENDS.get(name)

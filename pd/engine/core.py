@@ -13,8 +13,9 @@ import uuid
 
 import torch
 
-from connectors.base import KVConnectorScheduler, KVConnectorWorker, NullConnectorScheduler, NullConnectorWorker
+from connectors.base import ConnectorContext
 from pd.config import EngineConfig, SchedulerConfig
+from pd.kv_connectors import KV_CONNECTORS
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.manager import KVCacheManager
 from pd.kv_cache.spec import KVCacheConfig, MambaSpec
@@ -65,7 +66,8 @@ class EngineCore:
                                                self.max_model_len, record_events=config.kv_events_port is not None)
         self.engine_id = f"pd-{uuid.uuid4().hex[:12]}"
         self.kv_events = self._kv_events()
-        worker_connector = self._worker_connector()
+        context = ConnectorContext(self.engine_id, config, self.compat_hash(), self.kv_cache_config.block_sizes)
+        scheduler_connector, worker_connector = KV_CONNECTORS.get(config.kv_connector)(context)
         self.runner = ModelRunner(self.model, self.kv_cache_config, max_num_reqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, device=device,
                                   layout=config.kv_layout, keep_logits=keep_logits,
@@ -73,7 +75,7 @@ class EngineCore:
                                   logprobs_mode=config.logprobs_mode)
         grammars = GrammarMatchers(lambda: Tokenizer(config.model).json(), self.model_config.eos_token_ids)
         self.scheduler = Scheduler(self._scheduler_config(), self.kv_cache_manager,
-                                   self._scheduler_connector(worker_connector), grammars)
+                                   scheduler_connector, grammars)
         self.logits: dict[str, list[torch.Tensor]] = {}
 
     @property
@@ -90,26 +92,6 @@ class EngineCore:
             return NoKVEvents()
         return KVEventPublisher(self.engine_id, self.config.kv_events_host, self.config.kv_events_port,
                                 self.config.kv_events_replay_port, self.kv_cache_manager.pool.cached_events)
-
-    def _worker_connector(self) -> KVConnectorWorker:
-        if self.config.kv_connector == "none":
-            return NullConnectorWorker()
-        from connectors.nixl.worker import NixlConnectorWorker, NixlWorkerConfig
-
-        return NixlConnectorWorker(NixlWorkerConfig(self.engine_id, self.config.kv_host,
-                                                    self.config.kv_side_channel_port, self.compat_hash(),
-                                                    lease_seconds=self.config.kv_lease_seconds,
-                                                    read_timeout_s=self.config.kv_read_timeout,
-                                                    ucx_transports=self.config.kv_ucx_transports))
-
-    def _scheduler_connector(self, worker: KVConnectorWorker) -> KVConnectorScheduler:
-        if self.config.kv_connector == "none":
-            return NullConnectorScheduler()
-        from connectors.nixl.scheduler import NixlConnectorScheduler
-
-        return NixlConnectorScheduler(self.engine_id, self.config.kv_host, worker.side_channel_port,
-                                      self.kv_cache_config.block_sizes, self.config.kv_lease_seconds,
-                                      secret=self.config.kv_transfer_secret)
 
     def compat_hash(self) -> str:
         """Equal for two engines whose KV blocks mean the same thing byte for byte."""

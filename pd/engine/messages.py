@@ -121,7 +121,7 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     connector hands out in kv_transfer_params."""
 
     engine_id: str
-    kv_connector: str  # "none": this engine takes no part in PD
+    kv_connector: str  # "null": this engine takes no part in PD
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]

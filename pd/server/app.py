@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from connectors.signing import TransferParamsGuard
+from pd.kv_transfer_signing import TransferParamsGuard
 from pd.engine.client import EngineDeadError, RequestFailedError, RequestRefusedError
 from pd.config import DEFAULT_MAX_REQUEST_BYTES
 from pd.errors import ERROR_INTERNAL, ERROR_INVALID, ERROR_KV_HELD_LIMIT, ERROR_KV_LOAD_FAILED

@@ -103,7 +103,7 @@ async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, a
                  listener: socket.socket) -> None:
     import uvicorn
 
-    from connectors.signing import TransferParamsGuard
+    from pd.kv_transfer_signing import TransferParamsGuard
     from pd.server.app import build_app
     from pd.server.chat import ChatTemplate
 

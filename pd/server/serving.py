@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pd.kv_transfer_params import RemoteDecodeParams, RemotePrefillParams, TransferParamsError, parse_transfer_params
-from connectors.signing import TransferParamsGuard, TransferParamsRefused, UntilExpiry
+from pd.kv_transfer_signing import TransferParamsGuard, TransferParamsRefused, UntilExpiry
 from pd.engine.messages import EngineRequest
+from pd.kv_connectors import NULL_CONNECTOR
 from pd.logprobs import MAX_LOGPROBS
 from pd.request import MAX_LOGIT_BIAS, MAX_N, MAX_PENALTY, SamplingParams
 from pd.server.chat import ChatTemplate, ChatTemplateError
@@ -234,7 +235,7 @@ class Server:
         peer it does not trust)."""
         try:
             transfer = parse_transfer_params(raw)
-            if transfer is not None and self.client.info.kv_connector == "none":
+            if transfer is not None and self.client.info.kv_connector == NULL_CONNECTOR:
                 raise RequestError("this server has no KV connector, so it takes no part in prefill/decode "
                                    "disaggregation (start it with --kv-connector nixl, or a --role)",
                                    param="kv_transfer_params", code="unsupported")

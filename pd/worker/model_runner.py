@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from connectors.base import KVConnectorWorker, NullConnectorWorker
+from connectors.base import KVConnectorWorker
 from pd.attention.backend import CommonAttentionMetadata
 from pd.attention.group import AttentionGroup, make_attention_groups
 from pd.forward_context import ForwardContext, set_forward_context
@@ -63,7 +63,7 @@ class BatchInputs:
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache_config: KVCacheConfig, *, max_num_reqs: int,
                  max_model_len: int, device: torch.device | str, layout: KVLayout = "canonical",
-                 keep_logits: bool = False, connector: KVConnectorWorker | None = None,
+                 connector: KVConnectorWorker, keep_logits: bool = False,
                  eos_token_ids: frozenset[int] = frozenset(), logprobs_mode: str = "processed") -> None:
         self.model = model
         self.eos_token_ids = eos_token_ids  # what min_tokens holds back
@@ -77,7 +77,7 @@ class ModelRunner:
         self.block_tables = MultiGroupBlockTable(kv_cache_config.block_sizes, max_num_reqs, max_model_len, self.device)
         self.requests: dict[str, RunnerRequest] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
-        self.connector = connector or NullConnectorWorker()
+        self.connector = connector  # NullConnectorWorker when serving alone
         self.connector.register_kv_caches(self.kv_allocation.describe())
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -10,14 +10,14 @@ from pd.llm import LLM
 from pd.models.make_model import make_model
 
 
-@pytest.mark.parametrize("role, connector", [("both", "none"), ("prefill", "nixl"), ("decode", "nixl")])
+@pytest.mark.parametrize("role, connector", [("both", "null"), ("prefill", "nixl"), ("decode", "nixl")])
 def test_the_role_picks_the_default_connector(role: str, connector: str) -> None:
     assert EngineConfig(model="m", role=role).kv_connector == connector
     assert EngineConfig(model="m", role=role, kv_connector="nixl").kv_connector == "nixl"
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"role": "prefill", "kv_connector": "none"}, "--kv-connector nixl"),
+    ({"role": "prefill", "kv_connector": "null"}, "--kv-connector nixl"),
     ({"role": "router"}, "role must be one of"),
     ({"kv_load_failure_policy": "retry"}, "kv_load_failure_policy must be one of recompute, fail"),
     ({"num_threads": 0}, "num_threads must be positive"),

@@ -14,6 +14,7 @@ import random
 
 import pytest
 
+from connectors.base import NullConnectorScheduler
 from pd.kv_transfer_params import RemotePrefillParams
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.manager import KVCacheManager
@@ -77,7 +78,7 @@ def make_scheduler(specs, num_blocks_memory: int, max_num_seqs=8, max_tokens_per
     kv_config = make_kv_cache_config(specs, num_blocks_memory, max_model_len)
     kv = KVCacheManager(kv_config, caching, max_model_len)
     config = SchedulerConfig(max_num_seqs, max_tokens_per_step, max_model_len, frozenset({EOS}))
-    return Scheduler(config, kv), kv
+    return Scheduler(config, kv, NullConnectorScheduler()), kv
 
 
 def attn(window=None):

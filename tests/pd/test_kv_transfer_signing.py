@@ -1,4 +1,4 @@
-"""Signed PD parameters and the peers a decode server trusts (connectors/signing.py)."""
+"""Signed PD parameters and the peers a decode server trusts (pd/kv_transfer_signing.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from pd.kv_transfer_params import RemotePrefillParams
-from connectors.signing import TransferParamsGuard, TransferParamsRefused, prompt_digest, sign
+from pd.kv_transfer_signing import TransferParamsGuard, TransferParamsRefused, prompt_digest, sign
 
 SECRET = "s3cret"
 PROMPT = list(range(100, 140))

@@ -1,0 +1,20 @@
+"""The NIXL connector's two halves, built for an engine (the `nixl` entry of
+pd/kv_connectors.py)."""
+
+from __future__ import annotations
+
+from connectors.base import ConnectorContext
+from connectors.nixl.scheduler import NixlConnectorScheduler
+from connectors.nixl.worker import NixlConnectorWorker, NixlWorkerConfig
+
+
+def build_nixl_connector(context: ConnectorContext) -> tuple[NixlConnectorScheduler, NixlConnectorWorker]:
+    config = context.config
+    worker = NixlConnectorWorker(NixlWorkerConfig(context.engine_id, config.kv_host, config.kv_side_channel_port,
+                                                  context.compat_hash, lease_seconds=config.kv_lease_seconds,
+                                                  read_timeout_s=config.kv_read_timeout,
+                                                  ucx_transports=config.kv_ucx_transports))
+    scheduler = NixlConnectorScheduler(context.engine_id, config.kv_host, worker.side_channel_port,
+                                       context.block_sizes, config.kv_lease_seconds,
+                                       secret=config.kv_transfer_secret)
+    return scheduler, worker
