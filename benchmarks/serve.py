@@ -34,6 +34,7 @@ import httpx
 from tqdm import tqdm
 
 from benchmarks.datasets import SampleRequest, add_dataset_args, load_samples
+from proxy.body import prefill_body
 from benchmarks.serve_metrics import (  # noqa: F401  (re-exported for callers)
     KV_TRANSFER_BYTES,
     PREFIX_HITS,
@@ -82,12 +83,10 @@ def _chunk_text(data: dict) -> str:
 
 
 async def prefill_remotely(client: httpx.AsyncClient, prefill_url: str, payload: dict) -> dict:
-    """Send the request to a prefill server first, as a PD proxy does (max_tokens=1, not
-    streamed, do_remote_decode); the payload for the decode server, carrying P's
+    """Send the request to a prefill server first, with the body the proxy sends
+    (`proxy.body.prefill_body`); the payload for the decode server, carrying P's
     kv_transfer_params."""
-    body = {k: v for k, v in payload.items() if k != "stream_options"}
-    body |= {"max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
-    response = await client.post(prefill_url, json=body)
+    response = await client.post(prefill_url, json=prefill_body(payload))
     if response.status_code != 200:
         raise RuntimeError(f"prefill HTTP {response.status_code}: {response.text[:500]}")
     return payload | {"kv_transfer_params": response.json()["kv_transfer_params"]}
@@ -286,7 +285,7 @@ def build_parser(prog: str = "python -m benchmarks.serve") -> argparse.ArgumentP
         help="API route (default: /v1/completions)")
     add("--model", help="model name to send (default: the first from /v1/models)")
     add("--prefill-url", help="drive PD from the client: send each request to this prefill server "
-        "first (max_tokens=1, do_remote_decode), then to BASE_URL (the decode server) with its "
+        "first (as the proxy does: unstreamed, do_remote_decode), then to BASE_URL (the decode server) with its "
         "kv_transfer_params (default: off, BASE_URL serves whole requests)")
     add("--num-prompts", type=int, default=1000, help="number of requests (default: 1000)")
     add("--request-rate", type=float, default=float("inf"),

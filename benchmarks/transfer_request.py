@@ -68,14 +68,14 @@ def fill(config: KVCacheConfig, layout: str, seed: int) -> KVCacheAllocation:
 
 
 def layout_hash(arch: str, dtype: str, layout: str, config: KVCacheConfig) -> str:
-    return compat_hash(arch, dtype, [g.spec.block_size for g in config.groups], layout,
+    return compat_hash(arch, dtype, config.block_sizes, layout,
                        [repr(g.spec) for g in config.groups])
 
 
 def serve_peer(conn, engine_id: str, config: KVCacheConfig, layout: str, my_hash: str, poll_s: float) -> None:
     """P: serve the side channel and poll NIXL every `poll_s` until the pipe says stop."""
     transport = NixlTransport(engine_id, fill(config, layout, P_SEED).describe(),
-                              block_sizes=[g.spec.block_size for g in config.groups])
+                              block_sizes=config.block_sizes)
     server = SideChannelServer("127.0.0.1", 0, lambda request: HandshakeResponse(
         transport.agent_metadata(), transport.local_layout(my_hash)))
     try:
@@ -143,7 +143,7 @@ def bench_one(arch: str, layout: str, config: KVCacheConfig, args: argparse.Name
     d = None
     try:
         d_alloc = fill(config, layout, D_SEED)
-        d = NixlTransport(d_id, d_alloc.describe(), block_sizes=[g.spec.block_size for g in config.groups])
+        d = NixlTransport(d_id, d_alloc.describe(), block_sizes=config.block_sizes)
         d.add_peer(fetch_remote_layout("127.0.0.1", peer.info, HandshakeRequest(d_id, my_hash), 10.0),
                    expected_compat_hash=my_hash)
         local = request_blocks(config, args.num_blocks, seed=1)

@@ -127,3 +127,11 @@ def _json_type(value: Any) -> str:
     if value is None:
         return "null"
     return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array"}[type(value)]
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The body P gets: the client's, unstreamed, asking P to keep the blocks for D. P
+    validates it exactly as D will (so a request D would refuse is refused before any
+    prefill) and itself stops after the first token of a do_remote_decode request, so
+    max_tokens, min_tokens, stream_options and the rest are sent as they are."""
+    return body | {"stream": False, "kv_transfer_params": {"do_remote_decode": True}}

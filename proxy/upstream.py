@@ -27,7 +27,7 @@ from fastapi.responses import Response
 
 from proxy.answers import (KV_HELD_LIMIT, backoff_s, cached_tokens, error_code, is_server_failure, kv_held_response,
                            overloaded_response, passed_back, retry_after_s)
-from proxy.body import BodyError, parse_body
+from proxy.body import BodyError, parse_body, prefill_body
 from proxy.config import ProxyConfig
 from proxy.errors import error_response
 from proxy.instances import Instance, InstancePool, NoInstanceError, OverloadedError, Route
@@ -132,14 +132,6 @@ def token_id_prompt(body: dict[str, Any]) -> list[int] | None:
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return prompt
     return None
-
-
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The body P gets: the client's, unstreamed, asking P to keep the blocks for D. P
-    validates it exactly as D will (so a request D would refuse is refused before any
-    prefill) and itself stops after the first token of a do_remote_decode request, so
-    max_tokens, min_tokens, stream_options and the rest are sent as they are."""
-    return body | {"stream": False, "kv_transfer_params": {"do_remote_decode": True}}
 
 
 class Upstream:

@@ -179,7 +179,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         types = [_SpecType(s, tuple(ids), manager_class(s)) for s, ids in by_spec.items()]
         # Downward-closed types first: their one search bounds all the others.
         self.types = sorted(types, key=lambda t: not t.manager.downward_closed)
-        self.lcm = math.lcm(*(g.spec.block_size for g in config.groups))
+        self.lcm = math.lcm(*config.block_sizes)
 
     def find_longest_cache_hit(self, hashes, max_length, skip_group_ids):
         types = [t for t in (t.without(skip_group_ids) for t in self.types) if t]

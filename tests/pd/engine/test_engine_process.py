@@ -215,10 +215,8 @@ def test_killed_core_fails_pending_generate(config, prompts):
             outputs = engine.generate(request("doomed", prompts[0], LONG))
             await outputs.__anext__()
             os.kill(engine.pid, signal.SIGKILL)
-            killed_at = time.monotonic()
             with pytest.raises(EngineDeadError, match="-9"):
-                await collect(outputs)
-            assert time.monotonic() - killed_at < 5.0
+                await asyncio.wait_for(collect(outputs), 30)  # a hang fails the test (TimeoutError)
             assert not engine.is_alive
             with pytest.raises(EngineDeadError):
                 await collect(engine.generate(request("after-death", prompts[0])))

@@ -192,7 +192,7 @@ def test_four_types_of_two_layers_give_four_groups_and_keep_the_block_size() -> 
     check_config(config, specs, memory)
     assert config.num_blocks == 7 and config.group_size == 2
     assert [g.layer_names for g in config.groups] == [names(0, 4), names(1, 5), names(2, 6), names(3, 7)]
-    assert [g.spec.block_size for g in config.groups] == [16] * 4
+    assert config.block_sizes == [16] * 4
     assert config.page_size_bytes == page
     assert config.groups[3].spec.page_size_padded == page
     assert config.groups[3].spec.real_page_size_bytes == 1536 + 8192

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from proxy.upstream import prefill_body
+from proxy.body import prefill_body
 
 TIMEOUT_S = 120
 
