@@ -29,7 +29,8 @@ from pathlib import Path
 import httpx
 
 from benchmarks.serve_metrics import Samples, parse_prometheus, server_metric_deltas
-from benchmarks.serve_targets import free_port, pd_command, start_process, stop_server
+import launch
+from launch import free_port, pd_command, stop_process
 
 COLOCATED = ("colocated", "no-prefix-cache")
 ROUTED = {"2p2d-round_robin": "round_robin", "2p2d-prefix_aware": "prefix_aware", "2p2d-kv_aware": "kv_aware"}
@@ -56,9 +57,9 @@ def deploy(config: str, args: argparse.Namespace, workdir: Path) -> Iterator[Dep
         def start(name: str, *extra: str, command: str = "serve", shared: list[str] = common) -> str:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            proc = start_process(pd_command(command, *shared, "--port", str(port), *extra), url,
-                                 workdir / f"{config}-{name}.log")
-            stack.callback(stop_server, proc)
+            server = launch.start(pd_command(command, *shared, "--port", str(port), *extra), url,
+                                  workdir / f"{config}-{name}.log")
+            stack.callback(stop_process, server.process)
             return url
 
         if config in COLOCATED:

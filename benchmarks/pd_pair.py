@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Sequence
 
 from benchmarks import serve
-from benchmarks.serve_targets import ARCHS, free_port, pd_command, start_server, stop_server
+from benchmarks.serve_targets import ARCHS, start_server
+from launch import free_port, pd_command, stop_process
 
 IDLE_WINDOW_S = 5.0
 
@@ -91,23 +92,23 @@ def bench_pd(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dict:
             busy = {name: process_tree_cpu_seconds(pid) - busy[name] for name, pid in pids.items()}
             idle_after = idle_cpu_percent(pids)
         finally:
-            stop_server(d)
+            stop_process(d.process)
     finally:
-        stop_server(p)
+        stop_process(p.process)
     return row("1P1D (NIXL, client-driven)", result, idle_before, idle_after, busy)
 
 
 def bench_colocated(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dict:
     port = free_port()
-    proc, _ = start_server(model_dir, port, args.dtype, workdir / "colocated.log")
+    server, _ = start_server(model_dir, port, args.dtype, workdir / "colocated.log")
     try:
-        idle_before = idle_cpu_percent({"colocated": proc.pid})
-        busy = process_tree_cpu_seconds(proc.pid)
+        idle_before = idle_cpu_percent({"colocated": server.pid})
+        busy = process_tree_cpu_seconds(server.pid)
         result = run_serve(args, f"http://127.0.0.1:{port}", "colocated")
-        busy = {"colocated": process_tree_cpu_seconds(proc.pid) - busy}
-        idle_after = idle_cpu_percent({"colocated": proc.pid})
+        busy = {"colocated": process_tree_cpu_seconds(server.pid) - busy}
+        idle_after = idle_cpu_percent({"colocated": server.pid})
     finally:
-        stop_server(proc)
+        stop_process(server.process)
     return row("colocated (1 server)", result, idle_before, idle_after, busy)
 
 

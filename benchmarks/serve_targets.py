@@ -13,67 +13,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
 
-import httpx
-
+import launch
 from benchmarks import serve
+from launch import Launched, free_port, pd_command, stop_process
 
 ARCHS = ("qwen3", "gemma3", "bamba", "granitehybrid")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def pd_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pd.cli", *args]
-
-
-def start_server(model_dir: Path, port: int, dtype: str, log: Path, *extra: str) -> tuple[subprocess.Popen, float]:
-    """Start `pd serve` (with `extra` flags); returns the process and the seconds until
-    /health answered 200."""
+def start_server(model_dir: Path, port: int, dtype: str, log: Path, *extra: str) -> tuple[Launched, float]:
+    """Start `pd serve` (with `extra` flags); returns it and the seconds until /health answered 200."""
     start = time.perf_counter()
     cmd = pd_command("serve", "--model", str(model_dir), "--port", str(port), "--dtype", dtype, *extra)
-    proc = start_process(cmd, f"http://127.0.0.1:{port}", log)
-    return proc, time.perf_counter() - start
-
-
-def start_process(cmd: list[str], url: str, log: Path, timeout_s: float = 120.0) -> subprocess.Popen:
-    """Run `cmd` (a server) with its output in `log`; return once `url`/health answers 200."""
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    deadline = time.perf_counter() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{' '.join(cmd[:4])} exited with {proc.returncode}; see {log}:\n"
-                               f"{log.read_text(errors='replace')[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if time.perf_counter() > deadline:
-            stop_server(proc)
-            raise RuntimeError(f"{' '.join(cmd[:4])} not healthy after {timeout_s:g} s; see {log}")
-        time.sleep(0.05)
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    server = launch.start(cmd, f"http://127.0.0.1:{port}", log)
+    return server, time.perf_counter() - start
 
 
 def bench_arch(arch: str, args: argparse.Namespace, workdir: Path) -> dict:
@@ -81,7 +39,7 @@ def bench_arch(arch: str, args: argparse.Namespace, workdir: Path) -> dict:
     subprocess.run(pd_command("make-model", "--arch", arch, "--out", str(model_dir)), check=True,
                    stdout=subprocess.DEVNULL)
     port = free_port()
-    proc, startup = start_server(model_dir, port, args.dtype, workdir / f"{arch}.log")
+    server, startup = start_server(model_dir, port, args.dtype, workdir / f"{arch}.log")
     try:
         result = serve.main([
             "--base-url", f"http://127.0.0.1:{port}", "--dataset", "random",
@@ -89,7 +47,7 @@ def bench_arch(arch: str, args: argparse.Namespace, workdir: Path) -> dict:
             "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
             "--ignore-eos", "--seed", str(args.seed), "--label", arch])
     finally:
-        stop_server(proc)
+        stop_process(server.process)
     m = result["metrics"]
     return {"arch": arch, "startup_s": startup, "output_throughput": m["output_throughput"],
             "completed": m["completed"], "failed": m["failed"], "mean_ttft_ms": m["mean_ttft_ms"],

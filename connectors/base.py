@@ -16,8 +16,8 @@ Block ownership:
   blocks are freed. If it returns `delay_free=True` the scheduler keeps the blocks until
   the worker half reports the request in `finished_sending`; only then are they freed.
 
-Connectors are chosen by name (pd/kv_connectors.py): each entry builds both halves from
-a `ConnectorContext`.
+Connectors are chosen by name (pd/kv_connectors.py): each entry is a `KVConnector` that
+builds both halves from a `ConnectorContext`.
 """
 
 from __future__ import annotations
@@ -168,6 +168,27 @@ class NullConnectorWorker(KVConnectorWorker):
         return KVConnectorOutput()
 
 
-def build_null_connector(context: ConnectorContext) -> tuple[NullConnectorScheduler, NullConnectorWorker]:
-    """The `null` entry of pd/kv_connectors.py."""
-    return NullConnectorScheduler(), NullConnectorWorker()
+class KVConnector(ABC):
+    """A connector as registered by name (pd/kv_connectors.py): how to build its halves.
+    The engine builds the worker half, hands it the KV caches
+    (`register_kv_caches`), then builds the scheduler half."""
+
+    @staticmethod
+    @abstractmethod
+    def build_worker(context: ConnectorContext) -> KVConnectorWorker: ...
+
+    @staticmethod
+    @abstractmethod
+    def build_scheduler(context: ConnectorContext, worker: KVConnectorWorker) -> KVConnectorScheduler: ...
+
+
+class NullConnector(KVConnector):
+    """The `null` entry: serving alone."""
+
+    @staticmethod
+    def build_worker(context: ConnectorContext) -> NullConnectorWorker:
+        return NullConnectorWorker()
+
+    @staticmethod
+    def build_scheduler(context: ConnectorContext, worker: KVConnectorWorker) -> NullConnectorScheduler:
+        return NullConnectorScheduler()

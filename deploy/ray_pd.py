@@ -1,174 +1,41 @@
-"""X prefill and Y decode `pd serve` servers as Ray actors, with `pd proxy` in front.
-
-    python deploy/ray_pd.py --prefill X --decode Y --model DIR [--address auto]
-                            [--host 127.0.0.1] [--port 8000] [--policy round_robin]
-                            [--num-threads T] [--dtype float32] [--cpus-per-server 0.5]
-                            [--ready-timeout 180] [--run-seconds S] [--urls-file F]
-                            [--log-dir D] [-- EXTRA pd serve FLAGS]
-
-With `--address` (e.g. `auto`, or `HOST:6379`) it joins a running Ray cluster; without
-it, it starts a small local one (no dashboard, a 200 MB object store, one CPU per core).
-Every server is one `PDServer` actor: on whichever node Ray places it, the actor picks a
-free port and starts `pd serve --role prefill|decode` (NIXL between P and D) bound to the
-node's IP (its KV side channel too); this script polls the actors until every server
-answers /health (`--ready-timeout` covers placement and start-up). Each actor asks for
-`--cpus-per-server` CPUs and, when the cluster has GPUs, one GPU. Every node needs this
-project installed in the same Python environment, and the model directory at the same
-path. Flags after `--` go to every `pd serve`.
-
-Once every server is up, `pd proxy` runs here on `--host:--port`; the URLs are printed
-(and written to `--urls-file` as JSON). Ctrl-C or SIGTERM (or the end of `--run-seconds`)
-then stops everything this script started, however it ends (a failed start included):
-the proxy, each server (SIGTERM, SIGKILL after 20 s, then whatever is left of its process
-group, e.g. an engine process of a server stopped while starting), the actors, and the
-local Ray cluster if it started one. Processes are stopped through the handles it holds
-(PIDs of its own children, their process groups), never by name; a server whose actor
-dies gets SIGTERM from the kernel (parent-death signal). Logs go to `--log-dir` on each
-node (default: `$TMPDIR/pd-ray-<pid>`).
+"""X prefill and Y decode `pd serve` servers as Ray actors, with `pd proxy` in front:
+`python deploy/ray_pd.py --prefill X --decode Y --model DIR [--address auto] [-- SERVE FLAGS]`
+(`--help` lists the flags). Every server is one `PDServer` actor that starts `pd serve`
+on a free port of its node; once all answer /health the proxy runs here. Ctrl-C, SIGTERM
+or the end of `--run-seconds` stops everything it started, by PID (launch/). How it
+places, starts and stops servers: deploy/README.md.
 """
-
 from __future__ import annotations
 
 import argparse
 import atexit
 import contextlib
-import ctypes
 import json
 import os
 import secrets
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-import httpx
 import ray
+
+from launch import Launched, exited, free_port, health_status, log_tail, pd_command
+from launch import start_logged, stop_process, wait_ready
+from launch.flags import port_number, positive_float, positive_int
+from launch.process import GROUP_GRACE_S, STOP_TIMEOUT_S, keep_running
+from launch.signals import ignore_stop_signals, install_signal_handlers, signals_deferred
 
 from pd.kv_transfer_signing import SECRET_ENV
 from pd.models.config import SUPPORTED_DTYPES
 from proxy.instances import POLICIES
 
 ROLES = ("prefill", "decode")
-STOP_TIMEOUT_S = 20.0
-GROUP_GRACE_S = 5.0
 PROXY_READY_TIMEOUT_S = 60.0
 LOCAL_OBJECT_STORE_BYTES = 200 * 1024**2
-LOG_TAIL_CHARS = 4000
-PR_SET_PDEATHSIG = 1
-HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-# --- helpers shared by the driver and the actors --------------------------------------
-
-
-def log_tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
-    try:
-        return path.read_text(errors="replace")[-chars:]
-    except OSError as e:
-        return f"(no log at {path}: {e})"
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def start_logged(cmd: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 die_with_parent: bool = False) -> subprocess.Popen:
-    """Start `cmd` in its own session (a terminal's Ctrl-C reaches only us), output to `log_path`."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    preexec = _parent_death_sigterm() if die_with_parent else None
-    with open(log_path, "w") as log:
-        # preexec only calls prctl(2), resolved beforehand: no locks taken in the child.
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True, preexec_fn=preexec)  # noqa: PLW1509
-
-
-def _parent_death_sigterm() -> Callable[[], None]:
-    """A preexec_fn: the child gets SIGTERM when the thread that started it dies (the main
-    thread of an actor, or of this script), so a killed parent orphans no server (Linux)."""
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def exited(process: subprocess.Popen) -> bool:
-    """Whether `process` has exited. It is left unreaped (a zombie), so its PID, and the
-    id of the process group it leads, cannot be reused while we clean up after it."""
-    if process.returncode is not None:
-        return True
-    try:
-        return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:  # reaped elsewhere: its group id is no longer ours to signal
-        process.returncode = -1
-        return True
-
-
-def wait_exited(process: subprocess.Popen, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not exited(process):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-def health_ok(url: str) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    return False
-
-
-def group_members(pgid: int) -> list[int]:
-    """The live (not zombie) processes of process group `pgid`, from /proc."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                state, _, group = entry.joinpath("stat").read_text().rpartition(") ")[2].split()[:3]
-                if state != "Z" and int(group) == pgid:
-                    members.append(int(entry.name))
-    return members
-
-
-def signal_group(pgid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signum)
-
-
-def end_group(pgid: int, grace: float = GROUP_GRACE_S) -> None:
-    """SIGTERM what is left of the group (e.g. an engine its server, stopped while starting,
-    left behind), then SIGKILL it after `grace` s."""
-    if not group_members(pgid):
-        return
-    signal_group(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    signal_group(pgid, signal.SIGKILL)
-
-
-def stop_process(process: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> int:
-    """SIGTERM `process` (started in its own session), SIGKILL it after `timeout`, end the
-    rest of its process group, then reap it; its exit code."""
-    if process.returncode is not None:
-        return process.returncode
-    if not exited(process):
-        # os.kill, not Popen.terminate: that polls first, and could reap the process.
-        os.kill(process.pid, signal.SIGTERM)
-        if not wait_exited(process, timeout):
-            os.kill(process.pid, signal.SIGKILL)
-    end_group(process.pid)  # still unreaped, so the group id is still ours
-    return process.wait()
-
-
-# --- the actor ------------------------------------------------------------------------
 
 
 class PDServer:
@@ -191,8 +58,8 @@ class PDServer:
         host = ray.util.get_node_ip_address()
         port = free_port(host)
         self.url = f"http://{host}:{port}"
-        cmd = [sys.executable, "-m", "pd.cli", "serve", "--model", self.model, "--role", self.role,
-               "--host", host, "--port", str(port), "--kv-host", host, *self.serve_args]
+        cmd = pd_command("serve", "--model", self.model, "--role", self.role, "--host", host, "--port", str(port),
+                         "--kv-host", host, *self.serve_args)
         env = dict(os.environ) | {SECRET_ENV: self.transfer_secret}  # in the environment: not in `ps`
         env.setdefault("NIXL_LOG_LEVEL", "WARN")
         self.process = start_logged(cmd, self.log_path, env, die_with_parent=True)
@@ -205,7 +72,7 @@ class PDServer:
             code = self.stop()
             raise RuntimeError(f"{self.role} server {self.index} ({self.url}) exited with {code}; "
                                f"log {self.log_path}:\n{log_tail(self.log_path)}")
-        return health_ok(self.url)
+        return health_status(self.url) == 200
 
     def stop(self) -> int | None:
         """Stop the server (SIGTERM, SIGKILL after 20 s); its exit code, None if never started."""
@@ -216,30 +83,6 @@ class PDServer:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.stop()
-
-
-# --- the driver -----------------------------------------------------------------------
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value:g}")
-    return value
-
-
-def port_number(text: str) -> int:
-    value = int(text)
-    if not 0 < value < 65536:
-        raise argparse.ArgumentTypeError(f"must be a TCP port (1-65535), got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -291,33 +134,6 @@ def serve_flags(args: argparse.Namespace) -> list[str]:
     if args.num_threads is not None:
         flags += ["--num-threads", str(args.num_threads)]
     return flags + args.serve_args
-
-
-def exit_on_signal(signum: int, frame: Any) -> NoReturn:
-    # As SystemExit, SIGTERM / SIGHUP unwind through `main`'s `finally` (the teardown).
-    raise SystemExit(0)
-
-
-def install_signal_handlers() -> None:
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, exit_on_signal)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-@contextlib.contextmanager
-def signals_deferred() -> Iterator[None]:
-    """Hold SIGINT / SIGTERM / SIGHUP until the block ends, then raise KeyboardInterrupt if
-    one came: an interrupted ray.init can leave part of a local cluster running. (ray.init
-    replaces the SIGTERM handler while it runs, so a SIGTERM then still cuts it short.)"""
-    received: list[int] = []
-    handlers = {signum: signal.signal(signum, lambda n, _: received.append(n)) for signum in HANDLED_SIGNALS}
-    try:
-        yield
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-    if received:
-        raise KeyboardInterrupt
 
 
 def connect_ray(address: str | None) -> None:
@@ -393,23 +209,9 @@ def wait_for_servers(starts: dict[Any, ray.ObjectRef], timeout: float) -> list[d
 
 def start_proxy(args: argparse.Namespace, servers: list[dict[str, Any]], log_dir: Path) -> subprocess.Popen:
     urls = {role: [s["url"] for s in servers if s["role"] == role] for role in ROLES}
-    cmd = [sys.executable, "-m", "pd.cli", "proxy", "--prefill", *urls["prefill"], "--decode", *urls["decode"],
-           "--host", args.host, "--port", str(args.port), "--policy", args.policy]
+    cmd = pd_command("proxy", "--prefill", *urls["prefill"], "--decode", *urls["decode"],
+                     "--host", args.host, "--port", str(args.port), "--policy", args.policy)
     return start_logged(cmd, log_dir / "proxy.log", die_with_parent=True)
-
-
-def check_proxy(proxy: subprocess.Popen, log_path: Path) -> None:
-    if exited(proxy):
-        raise RuntimeError(f"pd proxy exited with {stop_process(proxy)}; log {log_path}:\n{log_tail(log_path)}")
-
-
-def wait_for_proxy(url: str, proxy: subprocess.Popen, log_path: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not health_ok(url):
-        check_proxy(proxy, log_path)
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"pd proxy not healthy after {timeout:g} s; log {log_path}:\n{log_tail(log_path)}")
-        time.sleep(0.2)
 
 
 def write_urls(path: Path, proxy_url: str, servers: list[dict[str, Any]]) -> None:
@@ -430,14 +232,6 @@ def announce(args: argparse.Namespace, proxy_url: str, servers: list[dict[str, A
     print(f"ray_pd: serving {until}; then everything stops", flush=True)
 
 
-def serve_until_stopped(proxy: subprocess.Popen, run_seconds: float | None, log_path: Path) -> None:
-    """Sleep until the time is up or a signal arrives; raise if the proxy dies meanwhile."""
-    deadline = time.monotonic() + run_seconds if run_seconds else float("inf")
-    while time.monotonic() < deadline:
-        check_proxy(proxy, log_path)
-        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-
-
 def stop_servers(starts: dict[Any, ray.ObjectRef]) -> None:
     """`stop()` every actor that started its server and wait (bounded); then kill every actor."""
     started = [actor for actor, ref in starts.items() if ray.wait([ref], timeout=0)[0]]
@@ -449,9 +243,7 @@ def stop_servers(starts: dict[Any, ray.ObjectRef]) -> None:
 
 
 def teardown(deployment: Deployment) -> None:
-    # Bounded in time; a second Ctrl-C must not cut it short and orphan servers.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ignore_stop_signals()
     print("ray_pd: stopping the proxy and every server", flush=True)
     if deployment.proxy is not None:
         stop_process(deployment.proxy)
@@ -468,11 +260,12 @@ def run(args: argparse.Namespace, deployment: Deployment) -> None:
     servers = wait_for_servers(deployment.starts, args.ready_timeout)
     deployment.proxy = start_proxy(args, servers, log_dir)
     proxy_url = f"http://{args.host}:{args.port}"
-    wait_for_proxy(proxy_url, deployment.proxy, log_dir / "proxy.log", PROXY_READY_TIMEOUT_S)
+    proxy = Launched(proxy_url, deployment.proxy, log_dir / "proxy.log")
+    wait_ready(proxy, timeout_s=PROXY_READY_TIMEOUT_S, name="pd proxy")
     if args.urls_file is not None:
         write_urls(args.urls_file, proxy_url, servers)
     announce(args, proxy_url, servers, log_dir)
-    serve_until_stopped(deployment.proxy, args.run_seconds, log_dir / "proxy.log")
+    keep_running(proxy, args.run_seconds, "pd proxy")
 
 
 def describe(error: BaseException) -> str:
@@ -494,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         run(args, deployment)
     except (KeyboardInterrupt, SystemExit):
         pass
-    except (RuntimeError, OSError, ValueError, ray.exceptions.RayError) as e:  # report it, then tear down
+    except (RuntimeError, OSError, ValueError, ray.exceptions.RayError) as e:  # LaunchError is a RuntimeError  # report it, then tear down
         print(f"ray_pd: {describe(e)}", file=sys.stderr)
         return 1
     finally:

@@ -1,6 +1,6 @@
 """The KV connectors by name (`--kv-connector NAME`), in the shape of every registry
-(pd/registry.py). An entry is a function that builds the connector's two halves,
-scheduler side and worker side, from a `connectors.base.ConnectorContext`:
+(pd/registry.py). An entry is a `connectors.base.KVConnector`, which builds the
+connector's two halves, worker side then scheduler side, from a `ConnectorContext`:
 
 - `null`: `NullConnector`, for a server that serves alone (`--role both`); it is called
   at the same fixed points as any other and moves nothing.
@@ -12,8 +12,8 @@ from __future__ import annotations
 from pd.registry import Registry
 
 KV_CONNECTORS = Registry("KV connector", {
-    "null": "connectors.base:build_null_connector",
-    "nixl": "connectors.nixl.connector:build_nixl_connector",
+    "null": "connectors.base:NullConnector",
+    "nixl": "connectors.nixl.connector:NixlConnector",
 })
 NULL_CONNECTOR = "null"
 AUTO_CONNECTOR = "auto"  # nixl for --role prefill / decode, null for --role both

@@ -3,18 +3,23 @@ pd/kv_connectors.py)."""
 
 from __future__ import annotations
 
-from connectors.base import ConnectorContext
+from connectors.base import ConnectorContext, KVConnector
 from connectors.nixl.scheduler import NixlConnectorScheduler
 from connectors.nixl.worker import NixlConnectorWorker, NixlWorkerConfig
 
 
-def build_nixl_connector(context: ConnectorContext) -> tuple[NixlConnectorScheduler, NixlConnectorWorker]:
-    config = context.config
-    worker = NixlConnectorWorker(NixlWorkerConfig(context.engine_id, config.kv_host, config.kv_side_channel_port,
-                                                  context.compat_hash, lease_seconds=config.kv_lease_seconds,
-                                                  read_timeout_s=config.kv_read_timeout,
-                                                  ucx_transports=config.kv_ucx_transports))
-    scheduler = NixlConnectorScheduler(context.engine_id, config.kv_host, worker.side_channel_port,
-                                       context.block_sizes, config.kv_lease_seconds,
-                                       secret=config.kv_transfer_secret)
-    return scheduler, worker
+class NixlConnector(KVConnector):
+    @staticmethod
+    def build_worker(context: ConnectorContext) -> NixlConnectorWorker:
+        config = context.config
+        return NixlConnectorWorker(NixlWorkerConfig(context.engine_id, config.kv_host, config.kv_side_channel_port,
+                                                    context.compat_hash, lease_seconds=config.kv_lease_seconds,
+                                                    read_timeout_s=config.kv_read_timeout,
+                                                    ucx_transports=config.kv_ucx_transports))
+
+    @staticmethod
+    def build_scheduler(context: ConnectorContext, worker: NixlConnectorWorker) -> NixlConnectorScheduler:
+        """After `worker.register_kv_caches`: its side channel is listening by then."""
+        config = context.config
+        return NixlConnectorScheduler(context.engine_id, config.kv_host, worker.side_channel_port,
+                                      context.block_sizes, config.kv_lease_seconds, secret=config.kv_transfer_secret)

@@ -67,7 +67,8 @@ class EngineCore:
         self.engine_id = f"pd-{uuid.uuid4().hex[:12]}"
         self.kv_events = self._kv_events()
         context = ConnectorContext(self.engine_id, config, self.compat_hash(), self.kv_cache_config.block_sizes)
-        scheduler_connector, worker_connector = KV_CONNECTORS.get(config.kv_connector)(context)
+        connector = KV_CONNECTORS.get(config.kv_connector)
+        worker_connector = connector.build_worker(context)
         self.runner = ModelRunner(self.model, self.kv_cache_config, max_num_reqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, device=device,
                                   layout=config.kv_layout, keep_logits=keep_logits,
@@ -75,7 +76,7 @@ class EngineCore:
                                   logprobs_mode=config.logprobs_mode)
         grammars = GrammarMatchers(lambda: Tokenizer(config.model).json(), self.model_config.eos_token_ids)
         self.scheduler = Scheduler(self._scheduler_config(), self.kv_cache_manager,
-                                   scheduler_connector, grammars)
+                                   connector.build_scheduler(context, worker_connector), grammars)
         self.logits: dict[str, list[torch.Tensor]] = {}
 
     @property

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import compare, deployments, serve
-from benchmarks.serve_targets import free_port, pd_command, start_process, stop_server
+from launch import free_port, pd_command, running
 from pd.models.make_model import make_model
 
 SMALL = ["--dataset", "prefix-repetition", "--prefix-repetition-prefix-len", "160",
@@ -86,14 +86,11 @@ def check_metrics(m: dict, num_prompts: int) -> None:
 def test_bench_serve_against_a_real_server_saves_every_figure(bamba, tmp_path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start_process(pd_command("serve", "--model", str(bamba), "--port", str(port), "--num-threads", "1"), url,
-                         tmp_path / "server.log")
-    try:
-        result_file = tmp_path / "result.json"
+    result_file = tmp_path / "result.json"
+    with running(pd_command("serve", "--model", str(bamba), "--port", str(port), "--num-threads", "1"), url,
+                 tmp_path / "server.log"):
         serve.main(["--base-url", url, "--num-prompts", "6", "--max-concurrency", "3", *SMALL,
                     "--result-file", str(result_file)])
-    finally:
-        stop_server(proc)
     saved = json.loads(result_file.read_text())
     check_metrics(saved["metrics"], 6)
     assert saved["metrics"]["total_output_tokens"] == 6 * 6

@@ -1,44 +1,23 @@
-"""Real `pd serve` processes for the server tests: started on free loopback ports, waited
-for, and always stopped (SIGTERM, then SIGKILL) by `running_server`'s `finally`."""
+"""Real `pd serve` processes for the server tests: started on free loopback ports by the
+project's one launcher (launch/), waited for, and always stopped (SIGTERM, then SIGKILL,
+then whatever is left of the process group) by `running_server`'s `finally`."""
 
 from __future__ import annotations
 
 import contextlib
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from launch import Launched, free_port, pd_command, running, stop_process  # noqa: F401  (free_port, stop_process: for the tests)
+
 ARCHS = ["qwen3", "gemma3", "bamba", "granitehybrid"]
-STARTUP_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 20.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class ServerProcess:
-    """A running `pd serve`: its base URL, process and log file."""
-
-    url: str
-    process: subprocess.Popen
-    log_path: Path
-
-    def log_tail(self, chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def health(self) -> httpx.Response:
-        return httpx.get(f"{self.url}/health", timeout=5)
+class ServerProcess(Launched):
+    """A running `pd serve` or `pd proxy`: its base URL, process and log file."""
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics, keyed by its name and labels as written."""
@@ -60,43 +39,16 @@ class ServerProcess:
             time.sleep(0.05)
 
 
-def _wait_ready(server: ServerProcess, name: str, ready: Callable[[int], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"pd {name} exited with {server.process.returncode}:\n{server.log_tail()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if ready(server.health().status_code):
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"pd {name} not ready after {timeout} s:\n{server.log_tail()}")
-
-
-def stop_process(process: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 @contextlib.contextmanager
-def _running(name: str, log_path: Path, ready: Callable[[int], bool], *args: str,
+def _running(name: str, log_path: Path, ready: Callable[[int | None], bool], *args: str,
              port: int | None = None) -> Iterator[ServerProcess]:
-    """Start `pd NAME --host 127.0.0.1 --port P *args` on port P (a free one unless
-    given); yield it once `ready(status of /health)`; always stop it."""
+    """`pd NAME --host 127.0.0.1 --port P *args` on port P (a free one unless given),
+    yielded once `ready(status of /health)`; always stopped."""
     port = port or free_port()
-    cmd = [str(Path(sys.executable).parent / "pd"), name, "--host", "127.0.0.1", "--port", str(port), *args]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            server = ServerProcess(f"http://127.0.0.1:{port}", process, log_path)
-            _wait_ready(server, name, ready, STARTUP_TIMEOUT_S)
-            yield server
-        finally:
-            stop_process(process)
+    url = f"http://127.0.0.1:{port}"
+    with running(pd_command(name, "--host", "127.0.0.1", "--port", str(port), *args), url, log_path,
+                 ready=ready) as launched:
+        yield ServerProcess(launched.url, launched.process, launched.log_path)
 
 
 def running_server(model_dir: Path, log_path: Path, *args: str,

@@ -1,0 +1,10 @@
+"""One way to start a process: `pd serve` and `pd proxy` (or anything with a /health
+route) are started, health-waited and stopped by PID here, for deploy/, benchmarks/ and
+the tests alike. Standard library and httpx only; nothing of `pd` is imported.
+"""
+
+from launch.process import (LaunchError, Launched, end_group, exited, free_port, health_status, keep_running, log_tail,
+                            pd_command, running, start, start_logged, stop_process, wait_ready)
+
+__all__ = ["LaunchError", "Launched", "end_group", "exited", "free_port", "health_status", "keep_running", "log_tail",
+           "pd_command", "running", "start", "start_logged", "stop_process", "wait_ready"]
