@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from pd.kv_transfer_signing import DEFAULT_ALLOWED_PEERS, SECRET_ENV, secret_from_env
@@ -139,37 +139,41 @@ class EngineConfig:
         return cls(**{k: v for k, v in vars(args).items() if k in names and v is not None})
 
 
+# What a flag defaults to is the field's default: one place for both.
+ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.init and f.default is not MISSING}
+
+
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """The flags that fill an EngineConfig (shared by `pd generate` and `pd serve`)."""
     parser.add_argument("--model", required=True, type=Path, help="HF-format model directory (config.json, safetensors, tokenizer.json) or a .gguf file (config, tokenizer and weights read from it, dequantized at load)")
     parser.add_argument("--dtype", choices=(AUTO_DTYPE, *SUPPORTED_DTYPES), default=AUTO_DTYPE, help="weights and KV cache dtype; auto: the checkpoint's own (torch_dtype in config.json), and for a quantized .gguf bfloat16 where the device computes in it natively, else float32 (default auto)")
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="int8: every linear layer, the lm_head included, with int8 weights (per output channel) and its input rows quantized to int8 at run time; half the weight bytes of bfloat16 and, on CPUs with AVX-512 VNNI, twice the multiplies per instruction (Gemma 3 270M on 2 cores: 1.4x the output tok/s of bfloat16, top-1 agreement with transformers' bfloat16 97.5%%, against 98.9%% unquantized; README); none: weights in --dtype (default none)")
-    parser.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="processed", help="the logits a sampled token's logprobs come from: processed, those it was chosen from (after a grammar's mask, logit_bias, the penalties and the min_tokens hold-back; before temperature, top-k/p and min-p); raw, the model's after a grammar's mask only (vLLM's default, raw_logprobs). The two agree for requests without bias or penalties; prefill and decode servers must share it (default processed)")
-    parser.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda:0 (default: cuda if present, else cpu)")
-    parser.add_argument("--max-model-len", type=int, default=None, help="longest sequence (prompt + output) served; default: the model's max_position_embeddings")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (raised for Mamba hybrids so a block holds a Mamba state; default 16)")
-    parser.add_argument("--kv-cache-memory", type=int, default=DEFAULT_KV_CACHE_MEMORY, help=f"bytes of KV cache memory (default {DEFAULT_KV_CACHE_MEMORY})")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one batch (default 64)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024, help="most tokens computed in one step; longer prompts are prefilled in chunks. Smaller: requests arriving together see their first token sooner and decodes wait less behind prefills; larger: fewer steps per prefill (default 1024)")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV blocks of shared prompt prefixes (default on)")
-    parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default="canonical", help="canonical: one cross-layer buffer, one byte range per block per group; per-layer: one buffer per layer slot (default canonical)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=ENGINE_DEFAULTS["quantization"], help="int8: every linear layer, the lm_head included, with int8 weights (per output channel) and its input rows quantized to int8 at run time; half the weight bytes of bfloat16 and, on CPUs with AVX-512 VNNI, twice the multiplies per instruction (Gemma 3 270M on 2 cores: 1.4x the output tok/s of bfloat16, top-1 agreement with transformers' bfloat16 97.5%%, against 98.9%% unquantized; README); none: weights in --dtype (default %(default)s)")
+    parser.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=ENGINE_DEFAULTS["logprobs_mode"], help="the logits a sampled token's logprobs come from: processed, those it was chosen from (after a grammar's mask, logit_bias, the penalties and the min_tokens hold-back; before temperature, top-k/p and min-p); raw, the model's after a grammar's mask only (vLLM's default, raw_logprobs). The two agree for requests without bias or penalties; prefill and decode servers must share it (default %(default)s)")
+    parser.add_argument("--device", default=ENGINE_DEFAULTS["device"], help="torch device, e.g. cpu or cuda:0 (default: cuda if present, else cpu)")
+    parser.add_argument("--max-model-len", type=int, default=ENGINE_DEFAULTS["max_model_len"], help="longest sequence (prompt + output) served; default: the model's max_position_embeddings")
+    parser.add_argument("--block-size", type=int, default=ENGINE_DEFAULTS["block_size"], help="tokens per KV cache block (raised for Mamba hybrids so a block holds a Mamba state; default 16)")
+    parser.add_argument("--kv-cache-memory", type=int, default=ENGINE_DEFAULTS["kv_cache_memory"], help=f"bytes of KV cache memory (default %(default)s)")
+    parser.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS["max_num_seqs"], help="most requests in one batch (default %(default)s)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS["max_num_batched_tokens"], help="most tokens computed in one step; longer prompts are prefilled in chunks. Smaller: requests arriving together see their first token sooner and decodes wait less behind prefills; larger: fewer steps per prefill (default %(default)s)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=ENGINE_DEFAULTS["enable_prefix_caching"], help="reuse KV blocks of shared prompt prefixes (default on)")
+    parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default=ENGINE_DEFAULTS["kv_layout"], help="canonical: one cross-layer buffer, one byte range per block per group; per-layer: one buffer per layer slot (default %(default)s)")
     parser.add_argument("--no-hybrid-kv-cache", dest="hybrid_kv_cache", action="store_false", help="attention-only models: keep every attention layer's KV for all tokens in one group (sliding layers still attend within their window); refused for Mamba hybrids")
     parser.add_argument("--kv-connector", choices=[AUTO_CONNECTOR, *KV_CONNECTORS.names()], default=AUTO_CONNECTOR, help="move KV blocks between prefill and decode servers: nixl, or null to serve alone (default auto: nixl for --role prefill/decode, null for --role both)")
-    parser.add_argument("--kv-host", default="127.0.0.1", help="address the KV side channel binds and advertises to decode servers (default 127.0.0.1)")
-    parser.add_argument("--kv-side-channel-port", type=int, default=0, help="TCP port of the KV side channel (handshakes); 0 picks a free one (default 0)")
-    parser.add_argument("--kv-lease-seconds", type=float, default=60.0, help="a prefill server frees KV blocks no decode server read after this long (default 60)")
-    parser.add_argument("--kv-read-timeout", type=float, default=30.0, help="on a decode server, a KV read from the prefill server still under way after this many seconds fails, and --kv-load-failure-policy decides (default 30)")
-    parser.add_argument("--kv-ucx-transports", default="auto", metavar="UCX_TLS", help="UCX transports the NIXL agent may use, as a UCX_TLS list (e.g. rc,ud,sm,self or cuda_ipc,sm,self,tcp); auto: for a loopback --kv-host sm,self,tcp (reads are one process_vm_readv copy), else UCX's own choice; a UCX_TLS environment variable wins over auto (default auto)")
+    parser.add_argument("--kv-host", default=ENGINE_DEFAULTS["kv_host"], help="address the KV side channel binds and advertises to decode servers (default %(default)s)")
+    parser.add_argument("--kv-side-channel-port", type=int, default=ENGINE_DEFAULTS["kv_side_channel_port"], help="TCP port of the KV side channel (handshakes); 0 picks a free one (default %(default)s)")
+    parser.add_argument("--kv-lease-seconds", type=float, default=ENGINE_DEFAULTS["kv_lease_seconds"], help="a prefill server frees KV blocks no decode server read after this long (default %(default)s)")
+    parser.add_argument("--kv-read-timeout", type=float, default=ENGINE_DEFAULTS["kv_read_timeout"], help="on a decode server, a KV read from the prefill server still under way after this many seconds fails, and --kv-load-failure-policy decides (default %(default)s)")
+    parser.add_argument("--kv-ucx-transports", default=ENGINE_DEFAULTS["kv_ucx_transports"], metavar="UCX_TLS", help="UCX transports the NIXL agent may use, as a UCX_TLS list (e.g. rc,ud,sm,self or cuda_ipc,sm,self,tcp); auto: for a loopback --kv-host sm,self,tcp (reads are one process_vm_readv copy), else UCX's own choice; a UCX_TLS environment variable wins over auto (default %(default)s)")
     parser.add_argument("--no-skip-partial-groups-on-remote-prefill", dest="skip_partial_groups_on_remote_prefill", action="store_false", help="on a decode server, keep Mamba and sliding-window groups in the prefix-cache hit search for remote-prefill requests (A/B comparison: their misses collapse the full-attention hit, so D reads more)")
-    parser.add_argument("--kv-load-failure-policy", choices=KV_LOAD_FAILURE_POLICIES, default="recompute", help="when a decode server cannot load a request's KV from the prefill server (P gone, read failed, incompatible pair): recompute the prompt here, or fail the request with an error (default recompute)")
-    parser.add_argument("--kv-events-port", type=int, default=None, help="publish this server's prefix-cache changes (KV events: blocks stored, evicted, all cleared; msgpack, kv_events/) on a ZMQ PUB socket at tcp://--kv-events-host:PORT, for a KV-aware router (pd proxy --policy kv_aware) (default: off)")
-    parser.add_argument("--kv-events-replay-port", type=int, default=None, help="TCP port of the KV events' replay socket (ZMQ ROUTER: a subscriber that missed batches, or starts late, asks for them or for a snapshot) (default: --kv-events-port + 1)")
-    parser.add_argument("--kv-events-host", default="127.0.0.1", help="address the KV events sockets bind (default 127.0.0.1)")
-    parser.add_argument("--kv-max-held-fraction", type=float, default=0.5, help="on a prefill server, the most of its KV cache (0..1] kept for decode servers that have not read it yet; past it, new prefills for decode servers are refused with 503 and Retry-After so the server's own queue is not starved (default 0.5)")
-    parser.add_argument("--kv-transfer-secret", default=None, help=f"secret shared by a deployment's prefill and decode servers: P signs the kv_transfer_params it returns, D acts only on signed, unexpired, unreplayed ones issued for the same prompt (403 otherwise); prefer the {SECRET_ENV} environment variable, which other users cannot read from the process list (default: that variable, else none)")
-    parser.add_argument("--kv-allowed-peers", nargs="+", default=None, metavar="NETWORK", help="without a secret, the prefill servers (IP addresses or networks) a decode server reads KV from; parameters naming another host get 403 and no connection (default: loopback, " + " ".join(DEFAULT_ALLOWED_PEERS) + ")")
-    parser.add_argument("--num-threads", type=int, default=None, help="CPU threads the engine's torch ops use (default: torch's, one per core); when P and D share a machine, split its cores between them: oversubscribed threads spin and slow both")
-    parser.add_argument("--seed", type=int, default=0, help="seed for requests that sample without their own seed (default 0)")
+    parser.add_argument("--kv-load-failure-policy", choices=KV_LOAD_FAILURE_POLICIES, default=ENGINE_DEFAULTS["kv_load_failure_policy"], help="when a decode server cannot load a request's KV from the prefill server (P gone, read failed, incompatible pair): recompute the prompt here, or fail the request with an error (default %(default)s)")
+    parser.add_argument("--kv-events-port", type=int, default=ENGINE_DEFAULTS["kv_events_port"], help="publish this server's prefix-cache changes (KV events: blocks stored, evicted, all cleared; msgpack, kv_events/) on a ZMQ PUB socket at tcp://--kv-events-host:PORT, for a KV-aware router (pd proxy --policy kv_aware) (default: off)")
+    parser.add_argument("--kv-events-replay-port", type=int, default=ENGINE_DEFAULTS["kv_events_replay_port"], help="TCP port of the KV events' replay socket (ZMQ ROUTER: a subscriber that missed batches, or starts late, asks for them or for a snapshot) (default: --kv-events-port + 1)")
+    parser.add_argument("--kv-events-host", default=ENGINE_DEFAULTS["kv_events_host"], help="address the KV events sockets bind (default %(default)s)")
+    parser.add_argument("--kv-max-held-fraction", type=float, default=ENGINE_DEFAULTS["kv_max_held_fraction"], help="on a prefill server, the most of its KV cache (0..1] kept for decode servers that have not read it yet; past it, new prefills for decode servers are refused with 503 and Retry-After so the server's own queue is not starved (default %(default)s)")
+    parser.add_argument("--kv-transfer-secret", default=ENGINE_DEFAULTS["kv_transfer_secret"], help=f"secret shared by a deployment's prefill and decode servers: P signs the kv_transfer_params it returns, D acts only on signed, unexpired, unreplayed ones issued for the same prompt (403 otherwise); prefer the {SECRET_ENV} environment variable, which other users cannot read from the process list (default: that variable, else none)")
+    parser.add_argument("--kv-allowed-peers", nargs="+", default=ENGINE_DEFAULTS["kv_allowed_peers"], metavar="NETWORK", help="without a secret, the prefill servers (IP addresses or networks) a decode server reads KV from; parameters naming another host get 403 and no connection (default: loopback, " + " ".join(DEFAULT_ALLOWED_PEERS) + ")")
+    parser.add_argument("--num-threads", type=int, default=ENGINE_DEFAULTS["num_threads"], help="CPU threads the engine's torch ops use (default: torch's, one per core); when P and D share a machine, split its cores between them: oversubscribed threads spin and slow both")
+    parser.add_argument("--seed", type=int, default=ENGINE_DEFAULTS["seed"], help="seed for requests that sample without their own seed (default %(default)s)")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 
 from proxy.body import MAX_DEPTH, MAX_REQUEST_BYTES
 from proxy.instances import LOAD_SLACK, POLICIES
@@ -71,3 +71,7 @@ class ProxyConfig:
         """The Authorization header towards the servers; None: forward the client's."""
         key = self.server_api_key if self.server_api_key is not None else self.api_key
         return f"Bearer {key}" if key is not None else None
+
+
+# What a `pd proxy` flag defaults to is the field's default: one place for both.
+PROXY_DEFAULTS = {f.name: f.default for f in fields(ProxyConfig) if f.default is not MISSING}

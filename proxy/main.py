@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from proxy.body import MAX_REQUEST_BYTES
-from proxy.config import ProxyConfig
-from proxy.instances import LOAD_SLACK, POLICIES
+from proxy.config import PROXY_DEFAULTS, ProxyConfig
+from proxy.instances import POLICIES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -19,58 +18,58 @@ def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
                         help="decode servers' base URLs, e.g. http://127.0.0.1:8200")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
-    parser.add_argument("--policy", choices=POLICIES, default="round_robin",
+    parser.add_argument("--policy", choices=POLICIES, default=PROXY_DEFAULTS["policy"],
                         help="how a prefill and a decode server are picked per request: in turn, fewest "
                              "outstanding requests, by prompt prefix (shared prefixes stay on one P and one D, "
                              "falling back to load when saturated), or kv_aware: by the blocks each server's KV "
                              "events say it holds (servers started with --kv-events-port) against its load "
-                             "(default round_robin)")
+                             "(default %(default)s)")
     parser.add_argument("--prefill-policy", choices=POLICIES, default=None,
                         help="the policy for prefill servers (default: --policy)")
     parser.add_argument("--decode-policy", choices=POLICIES, default=None,
                         help="the policy for decode servers, which pull only the blocks they lack (default: --policy)")
-    parser.add_argument("--kv-overlap-weight", type=float, default=1.0,
+    parser.add_argument("--kv-overlap-weight", type=float, default=PROXY_DEFAULTS["kv_overlap_weight"],
                         help="kv_aware: what one prompt token a server holds is worth against one token of its "
-                             "load (prompt tokens of requests in flight it still works through) (default 1)")
-    parser.add_argument("--decode-load-tokens", type=int, default=256,
+                             "load (prompt tokens of requests in flight it still works through) (default %(default)s)")
+    parser.add_argument("--decode-load-tokens", type=int, default=PROXY_DEFAULTS["decode_load_tokens"],
                         help="kv_aware: the load, in tokens, one request a decode server is decoding counts for "
-                             "(default 256)")
-    parser.add_argument("--load-slack", type=int, default=LOAD_SLACK, metavar="N",
+                             "(default %(default)s)")
+    parser.add_argument("--load-slack", type=int, default=PROXY_DEFAULTS["load_slack"], metavar="N",
                         help="prefix_aware and kv_aware: a server with more than N requests in flight above the "
-                             f"least loaded one is passed over, whatever it holds (default {LOAD_SLACK})")
+                             "least loaded one is passed over, whatever it holds (default %(default)s)")
     parser.add_argument("--api-key", default=None, metavar="KEY",
                         help="clients must send 'Authorization: Bearer KEY' on every route but /health (else 401); "
                              "also what is sent to the servers unless --server-api-key is given (default: no check)")
     parser.add_argument("--server-api-key", default=None, metavar="KEY",
                         help="sent to the prefill and decode servers as 'Authorization: Bearer KEY' (default: "
                              "--api-key; with neither, the client's own Authorization header is passed on)")
-    parser.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, metavar="N",
+    parser.add_argument("--max-request-bytes", type=int, default=PROXY_DEFAULTS["max_request_bytes"], metavar="N",
                         help="largest request body accepted, in bytes; a larger one is refused with 413 (checked "
-                             f"against Content-Length, and while reading a chunked body) (default {MAX_REQUEST_BYTES})")
-    parser.add_argument("--probe-interval", type=float, default=5.0,
+                             "against Content-Length, and while reading a chunked body) (default %(default)s)")
+    parser.add_argument("--probe-interval", type=float, default=PROXY_DEFAULTS["probe_interval_s"],
                         help="seconds between /health probes of every server; a server whose breaker is open "
-                             "is probed once its cool-down is over, and taken again when it answers (default 5)")
-    parser.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds a request to a server may take (default 600)")
+                             "is probed once its cool-down is over, and taken again when it answers (default %(default)s)")
+    parser.add_argument("--timeout", type=float, default=PROXY_DEFAULTS["timeout_s"],
+                        help="seconds a request to a server may take (default %(default)s)")
     parser.add_argument("--prefill-timeout", type=float, default=None, metavar="S",
                         help="seconds a prefill server may take to answer; past it the request is retried on "
                              "another (default: --timeout)")
     parser.add_argument("--decode-timeout", type=float, default=None, metavar="S",
                         help="seconds a decode server may take to send its headers, or the next piece of its "
                              "answer (default: --timeout)")
-    parser.add_argument("--max-retries", type=int, default=2, metavar="N",
+    parser.add_argument("--max-retries", type=int, default=PROXY_DEFAULTS["max_retries"], metavar="N",
                         help="other prefill servers a request is sent to after one did not take it (no connection, "
-                             "timeout, 5xx, dead engine, too many blocks held); 0: none (default 2)")
-    parser.add_argument("--retry-backoff", type=float, default=0.05, metavar="S",
+                             "timeout, 5xx, dead engine, too many blocks held); 0: none (default %(default)s)")
+    parser.add_argument("--retry-backoff", type=float, default=PROXY_DEFAULTS["retry_backoff_s"], metavar="S",
                         help="seconds before the first retry, doubled for each next one, times a random factor "
-                             "in [1, 2) (default 0.05)")
-    parser.add_argument("--breaker-failures", type=int, default=1, metavar="N",
+                             "in [1, 2) (default %(default)s)")
+    parser.add_argument("--breaker-failures", type=int, default=PROXY_DEFAULTS["breaker_failures"], metavar="N",
                         help="failures in a row (no connection, timeout, 502/504, dead engine) that open a "
-                             "server's circuit breaker: nothing is sent to it until a trial succeeds (default 1)")
-    parser.add_argument("--breaker-cooldown", type=float, default=5.0, metavar="S",
+                             "server's circuit breaker: nothing is sent to it until a trial succeeds (default %(default)s)")
+    parser.add_argument("--breaker-cooldown", type=float, default=PROXY_DEFAULTS["breaker_cooldown_s"], metavar="S",
                         help="seconds an open breaker waits before one trial (a request, or the /health probe) "
-                             "may go; success closes it (default 5)")
-    parser.add_argument("--max-outstanding", type=int, default=0, metavar="N",
+                             "may go; success closes it (default %(default)s)")
+    parser.add_argument("--max-outstanding", type=int, default=PROXY_DEFAULTS["max_outstanding"], metavar="N",
                         help="requests in flight one server takes at most; when every server of a role has "
                              "that many, the client gets 429 with Retry-After (default 0: no limit)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")
