@@ -4,7 +4,7 @@ the tests alike. Standard library and httpx only; nothing of `pd` is imported.
 """
 
 from launch.process import (LaunchError, Launched, end_group, exited, free_port, health_status, keep_running, log_tail,
-                            pd_command, running, start, start_logged, stop_process, wait_ready)
+                            pd_command, running, start, start_logged, stop_process, wait_ready, wait_started)
 
 __all__ = ["LaunchError", "Launched", "end_group", "exited", "free_port", "health_status", "keep_running", "log_tail",
-           "pd_command", "running", "start", "start_logged", "stop_process", "wait_ready"]
+           "pd_command", "running", "start", "start_logged", "stop_process", "wait_ready", "wait_started"]

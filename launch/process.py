@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -46,6 +46,8 @@ class Launched:
     url: str
     process: subprocess.Popen
     log_path: Path
+    # what `wait_started` waits for: the /health predicate, the monotonic deadline, a name for errors
+    readiness: tuple[Callable[[int | None], bool], float, str] | None = field(default=None, repr=False)
 
     @property
     def pid(self) -> int:
@@ -117,16 +119,28 @@ def wait_ready(launched: Launched, ready: Callable[[int | None], bool] = lambda 
 
 def start(cmd: list[str], url: str, log_path: Path, ready: Callable[[int | None], bool] = lambda s: s == 200,
           timeout_s: float = STARTUP_TIMEOUT_S, env: dict[str, str] | None = None,
-          die_with_parent: bool = False) -> Launched:
-    """Start `cmd` (serving at `url`) and return it once ready; a process that fails to
-    become ready is stopped before LaunchError is raised."""
+          die_with_parent: bool = False, wait: bool = True) -> Launched:
+    """Start `cmd` (serving at `url`) and return it once ready (`wait=False`: at once;
+    then call `wait_started` on it, e.g. after starting others alongside). A process that
+    fails to become ready is stopped before LaunchError is raised."""
+    name = " ".join(cmd[2:4]) if cmd[1:3] == ["-m", "pd.cli"] else cmd[0]
     launched = Launched(url, start_logged(cmd, log_path, env, die_with_parent), log_path)
-    try:
-        wait_ready(launched, ready, timeout_s, " ".join(cmd[2:4]) if cmd[1:3] == ["-m", "pd.cli"] else cmd[0])
-    except BaseException:
-        stop_process(launched.process)
-        raise
+    launched.readiness = (ready, time.monotonic() + timeout_s, name)
+    if wait:
+        wait_started(launched)
     return launched
+
+
+def wait_started(*processes: Launched) -> None:
+    """Wait until each process `start`ed is ready (they start meanwhile, side by side); a
+    process that fails is stopped before LaunchError is raised."""
+    for launched in processes:
+        ready, deadline, name = launched.readiness
+        try:
+            wait_ready(launched, ready, max(0.0, deadline - time.monotonic()), name)
+        except BaseException:
+            stop_process(launched.process)
+            raise
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@ reference it is held against: transformers loading the same file with `gguf_file
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -28,7 +29,9 @@ def english_text() -> str:
     return (Path(os.__file__).parent / "LICENSE.txt").read_text()
 
 
+@functools.lru_cache(maxsize=2)  # one per dtype: loading the GGUF in transformers takes ~20 s; nothing changes it
 def hf_gemma(path: Path, dtype):
+    """transformers' model from the GGUF (read-only: callers must not change its weights)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from launch import Launched, free_port, pd_command, running, stop_process  # noqa: F401  (free_port, stop_process: for the tests)
+from launch import Launched, free_port, pd_command, running, stop_process, wait_started  # noqa: F401  (for the tests)
 
 ARCHS = ["qwen3", "gemma3", "bamba", "granitehybrid"]
 
@@ -41,23 +41,24 @@ class ServerProcess(Launched):
 
 @contextlib.contextmanager
 def _running(name: str, log_path: Path, ready: Callable[[int | None], bool], *args: str,
-             port: int | None = None) -> Iterator[ServerProcess]:
+             port: int | None = None, wait: bool = True) -> Iterator[ServerProcess]:
     """`pd NAME --host 127.0.0.1 --port P *args` on port P (a free one unless given),
-    yielded once `ready(status of /health)`; always stopped."""
+    yielded once `ready(status of /health)` (`wait=False`: at once, to start several side
+    by side and then `wait_started(*servers)`); always stopped."""
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     with running(pd_command(name, "--host", "127.0.0.1", "--port", str(port), *args), url, log_path,
-                 ready=ready) as launched:
-        yield ServerProcess(launched.url, launched.process, launched.log_path)
+                 ready=ready, wait=wait) as launched:
+        yield ServerProcess(launched.url, launched.process, launched.log_path, launched.readiness)
 
 
-def running_server(model_dir: Path, log_path: Path, *args: str,
-                   port: int | None = None) -> contextlib.AbstractContextManager[ServerProcess]:
+def running_server(model_dir: Path, log_path: Path, *args: str, port: int | None = None,
+                   wait: bool = True) -> contextlib.AbstractContextManager[ServerProcess]:
     """`pd serve --model model_dir *args`, yielded once healthy (on `port`, or a free
     one). One torch thread each: several servers share this machine's cores, and
     oversubscribed threads spin (the tests check behaviour, not speed)."""
     return _running("serve", log_path, lambda status: status == 200,
-                    "--model", str(model_dir), "--num-threads", "1", *args, port=port)
+                    "--model", str(model_dir), "--num-threads", "1", *args, port=port, wait=wait)
 
 
 def running_proxy(log_path: Path, *args: str) -> contextlib.AbstractContextManager[ServerProcess]:

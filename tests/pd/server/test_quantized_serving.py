@@ -15,8 +15,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_int8_prefill_then_decode_gives_the_colocated_int8_tokens(start) -> None:
-    p = start("p", "--quantization", "int8", "--kv-connector", "nixl")
-    d = start("d", "--quantization", "int8", "--kv-connector", "nixl")
+    p, d = start.all(("p", "--quantization", "int8", "--kv-connector", "nixl"),
+                     ("d", "--quantization", "int8", "--kv-connector", "nixl"))
     assert "quantization int8" in p.log_tail() and "quantization int8" in d.log_tail()
     rng = random.Random("int8")
     for n in (5, 40, 300):

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from pd_client import assert_choices_close, choices, complete, p_then_d, p_then_d_choices, stream
-from server_harness import running_proxy, running_server
+from server_harness import running_proxy, running_server, wait_started
 
 pytestmark = pytest.mark.slow
 PROMPTS = [
@@ -35,8 +35,9 @@ def deployment(tmp_path_factory):
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     with contextlib.ExitStack() as stack:
         start = lambda name, *args: stack.enter_context(  # noqa: E731
-            running_server(model, logs / f"{name}.log", "--max-model-len", "2048", *args))
+            running_server(model, logs / f"{name}.log", "--max-model-len", "2048", *args, wait=False))
         servers = {"p": start("p", "--role", "prefill"), "d": start("d", "--role", "decode"), "c": start("c")}
+        wait_started(*servers.values())
         servers["proxy"] = stack.enter_context(running_proxy(
             logs / "proxy.log", "--prefill", servers["p"].url, "--decode", servers["d"].url))
         yield servers
