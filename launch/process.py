@@ -202,19 +202,34 @@ def end_group(pgid: int, grace_s: float = GROUP_GRACE_S) -> None:
     _signal_group(pgid, signal.SIGKILL)
 
 
+def terminate_all(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM every process now, so that they shut down side by side; `stop_process`
+    then only waits for each (it sends no second SIGTERM, which would cut a graceful
+    shutdown short)."""
+    for process in processes:
+        if not exited(process):
+            os.kill(process.pid, signal.SIGTERM)
+            _terminated.add(process.pid)
+
+
+_terminated: set[int] = set()  # PIDs `terminate_all` sent SIGTERM to (still unreaped)
+
+
 def stop_process(process: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> int:
     """SIGTERM `process` (started in its own session), SIGKILL it after `timeout_s`, end
     the rest of its process group, then reap it; its exit code."""
     if process.returncode is not None:
         return process.returncode
     if not exited(process):
-        # os.kill, not Popen.terminate: that polls first, and could reap the process.
-        os.kill(process.pid, signal.SIGTERM)
+        if process.pid not in _terminated:
+            # os.kill, not Popen.terminate: that polls first, and could reap the process.
+            os.kill(process.pid, signal.SIGTERM)
         if not _wait_exited(process, timeout_s):
             os.kill(process.pid, signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError):
         if process.returncode is None and os.getpgid(process.pid) == process.pid:  # leads its group
             end_group(process.pid)  # still unreaped, so the group id is still ours
+    _terminated.discard(process.pid)
     return process.wait()
 
 

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from conftest_models import tiny_models  # noqa: F401  (the session fixture)
-from server_harness import running_server, wait_started
+from server_harness import running_server, started_together
 
 
 class Starter:
@@ -22,7 +22,7 @@ class Starter:
 
     def all(self, *specs: tuple[str, ...]) -> list:
         servers = [self(name, *args, wait=False) for name, *args in specs]
-        wait_started(*servers)
+        started_together(self.stack, *servers)
         return servers
 
 

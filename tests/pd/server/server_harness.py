@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from launch import Launched, free_port, pd_command, running, stop_process, wait_started  # noqa: F401  (for the tests)
+from launch import Launched, free_port, pd_command, running, stop_process, terminate_all, wait_started  # noqa: F401
 
 ARCHS = ["qwen3", "gemma3", "bamba", "granitehybrid"]
 
@@ -64,3 +64,10 @@ def running_server(model_dir: Path, log_path: Path, *args: str, port: int | None
 def running_proxy(log_path: Path, *args: str) -> contextlib.AbstractContextManager[ServerProcess]:
     """`pd proxy *args`, yielded once it answers /health (200, or 503 with no healthy server)."""
     return _running("proxy", log_path, lambda status: status in (200, 503), *args)
+
+
+def started_together(stack: contextlib.ExitStack, *servers: ServerProcess) -> None:
+    """Wait for servers started with `wait=False`; when `stack` closes, they are all sent
+    SIGTERM at once (then each is waited for and reaped as usual)."""
+    stack.callback(terminate_all, [server.process for server in servers])
+    wait_started(*servers)

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pd_client import assert_choices_close, choices, complete, p_then_d, p_then_d_choices
-from server_harness import ARCHS, running_server, wait_started
+from server_harness import ARCHS, running_server, started_together
 
 pytestmark = pytest.mark.slow
 HYBRIDS = ("bamba", "granitehybrid")
@@ -53,7 +53,7 @@ def servers(arch, tiny_models, tmp_path_factory):
                    "c": start("c")}
         if arch in HYBRIDS:
             servers["noskip"] = start("noskip", "--kv-connector", "nixl", "--no-skip-partial-groups-on-remote-prefill")
-        wait_started(*servers.values())
+        started_together(stack, *servers.values())
         yield servers
 
 

@@ -19,7 +19,7 @@ import zmq
 from connectors.nixl.handshake import HandshakeFailed, fetch_remote_layout
 from connectors.nixl.messages import HandshakeRequest, HandshakeResponse, decode_reply
 from pd_client import complete, p_then_d, prefill
-from server_harness import running_server, wait_started
+from server_harness import running_server, started_together
 
 pytestmark = pytest.mark.slow
 LEASE_S = 10
@@ -43,7 +43,7 @@ def servers(arch, tiny_models, tmp_path_factory):
         servers = {"p": start("p", *nixl), "d": start("d", *nixl),
                    "p_pl": start("p_pl", *nixl, "--kv-layout", "per-layer"),
                    "d_pl": start("d_pl", *nixl, "--kv-layout", "per-layer"), "c": start("c")}
-        wait_started(*servers.values())
+        started_together(stack, *servers.values())
         yield servers
 
 

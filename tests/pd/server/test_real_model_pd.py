@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from pd_client import assert_choices_close, choices, complete, p_then_d, p_then_d_choices, stream
-from server_harness import running_proxy, running_server, wait_started
+from server_harness import running_proxy, running_server, started_together
 
 pytestmark = pytest.mark.slow
 PROMPTS = [
@@ -37,7 +37,7 @@ def deployment(tmp_path_factory):
         start = lambda name, *args: stack.enter_context(  # noqa: E731
             running_server(model, logs / f"{name}.log", "--max-model-len", "2048", *args, wait=False))
         servers = {"p": start("p", "--role", "prefill"), "d": start("d", "--role", "decode"), "c": start("c")}
-        wait_started(*servers.values())
+        started_together(stack, *servers.values())
         servers["proxy"] = stack.enter_context(running_proxy(
             logs / "proxy.log", "--prefill", servers["p"].url, "--decode", servers["d"].url))
         yield servers
