@@ -92,10 +92,10 @@ class GGUFModel:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: no such GGUF file")
-        from gguf import GGUFReader  # the reference reader; imported only for GGUF models
+        from pd.models.gguf_file import GGUFFile  # gguf (numpy) imported only for GGUF models
 
         try:
-            self.reader = GGUFReader(self.path)
+            self.reader = GGUFFile(self.path)
         except Exception as exc:  # the reader raises ValueError, IndexError, struct errors... on bad bytes
             raise GGUFError(f"{self.path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
         self.architecture = str(self._field("general.architecture", ""))
@@ -105,13 +105,7 @@ class GGUFModel:
 
     # --- metadata -------------------------------------------------------------------
     def _field(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        if field is None:
-            return default
-        try:
-            return field.contents()
-        except Exception as exc:
-            raise GGUFError(f"{self.path}: metadata {key!r} is unreadable ({exc})") from None
+        return self.reader.fields.get(key, default)
 
     def _arch(self, key: str, default: Any = None) -> Any:
         value = self._field(f"{self.architecture}.{key}", default)
