@@ -81,6 +81,20 @@ class EngineConfig:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.kv_connector not in KV_CONNECTORS:
             raise ValueError(f"kv_connector must be one of {', '.join(KV_CONNECTORS.names())}, got {self.kv_connector!r}")
+        self._check_kv_transfer()
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        for name in ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        self._check_kv_events()
+
+    def _check_kv_transfer(self) -> None:
+        """The PD settings: leases, timeouts, transports, peers, the held share."""
         if self.kv_lease_seconds <= 0:
             raise ValueError(f"kv_lease_seconds must be positive, got {self.kv_lease_seconds}")
         if self.kv_read_timeout <= 0:
@@ -106,23 +120,17 @@ class EngineConfig:
                 raise ValueError(f"kv_allowed_peers: {peer!r} is not an IP address or network") from None
         if not 0.0 < self.kv_max_held_fraction <= 1.0:
             raise ValueError(f"kv_max_held_fraction must be in (0, 1], got {self.kv_max_held_fraction}")
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
-        for name in ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_threads is not None and self.num_threads <= 0:
-            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.kv_events_port is not None:
-            if self.kv_events_replay_port is None:
-                object.__setattr__(self, "kv_events_replay_port", self.kv_events_port + 1)
-            for name in ("kv_events_port", "kv_events_replay_port"):
-                if not 1 <= getattr(self, name) <= 65535:
-                    raise ValueError(f"{name} must be a TCP port (1-65535), got {getattr(self, name)}")
-            if self.kv_events_port == self.kv_events_replay_port:
-                raise ValueError("kv_events_port and kv_events_replay_port must differ")
+
+    def _check_kv_events(self) -> None:
+        if self.kv_events_port is None:
+            return
+        if self.kv_events_replay_port is None:
+            object.__setattr__(self, "kv_events_replay_port", self.kv_events_port + 1)
+        for name in ("kv_events_port", "kv_events_replay_port"):
+            if not 1 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be a TCP port (1-65535), got {getattr(self, name)}")
+        if self.kv_events_port == self.kv_events_replay_port:
+            raise ValueError("kv_events_port and kv_events_replay_port must differ")
 
     @property
     def torch_device(self) -> str:
@@ -152,7 +160,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=ENGINE_DEFAULTS["device"], help="torch device, e.g. cpu or cuda:0 (default: cuda if present, else cpu)")
     parser.add_argument("--max-model-len", type=int, default=ENGINE_DEFAULTS["max_model_len"], help="longest sequence (prompt + output) served; default: the model's max_position_embeddings")
     parser.add_argument("--block-size", type=int, default=ENGINE_DEFAULTS["block_size"], help="tokens per KV cache block (raised for Mamba hybrids so a block holds a Mamba state; default 16)")
-    parser.add_argument("--kv-cache-memory", type=int, default=ENGINE_DEFAULTS["kv_cache_memory"], help=f"bytes of KV cache memory (default %(default)s)")
+    parser.add_argument("--kv-cache-memory", type=int, default=ENGINE_DEFAULTS["kv_cache_memory"], help="bytes of KV cache memory (default %(default)s)")
     parser.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS["max_num_seqs"], help="most requests in one batch (default %(default)s)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS["max_num_batched_tokens"], help="most tokens computed in one step; longer prompts are prefilled in chunks. Smaller: requests arriving together see their first token sooner and decodes wait less behind prefills; larger: fewer steps per prefill (default %(default)s)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=ENGINE_DEFAULTS["enable_prefix_caching"], help="reuse KV blocks of shared prompt prefixes (default on)")

@@ -18,6 +18,12 @@ def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
                         help="decode servers' base URLs, e.g. http://127.0.0.1:8200")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
+    _add_routing_flags(parser)
+    _add_fault_flags(parser)
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")
+
+
+def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=POLICIES, default=PROXY_DEFAULTS["policy"],
                         help="how a prefill and a decode server are picked per request: in turn, fewest "
                              "outstanding requests, by prompt prefix (shared prefixes stay on one P and one D, "
@@ -37,6 +43,10 @@ def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-slack", type=int, default=PROXY_DEFAULTS["load_slack"], metavar="N",
                         help="prefix_aware and kv_aware: a server with more than N requests in flight above the "
                              "least loaded one is passed over, whatever it holds (default %(default)s)")
+
+
+def _add_fault_flags(parser: argparse.ArgumentParser) -> None:
+    """Access, limits, timeouts, retries and circuit breakers."""
     parser.add_argument("--api-key", default=None, metavar="KEY",
                         help="clients must send 'Authorization: Bearer KEY' on every route but /health (else 401); "
                              "also what is sent to the servers unless --server-api-key is given (default: no check)")
@@ -72,7 +82,6 @@ def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-outstanding", type=int, default=PROXY_DEFAULTS["max_outstanding"], metavar="N",
                         help="requests in flight one server takes at most; when every server of a role has "
                              "that many, the client gets 429 with Retry-After (default 0: no limit)")
-    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")
 
 
 def proxy_config(args: argparse.Namespace) -> ProxyConfig:

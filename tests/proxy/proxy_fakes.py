@@ -11,7 +11,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from proxy.app import build_proxy_app
+from server_harness import wait_until  # noqa: F401  (the proxy tests' too)
 from proxy.config import ProxyConfig
 
 START_TIMEOUT_S = 10.0
@@ -193,16 +194,6 @@ def hanging_up() -> Iterator[str]:
         stop.set()
         thread.join(START_TIMEOUT_S)
         listener.close()
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = START_TIMEOUT_S) -> bool:
-    """Poll `predicate` until it holds or `timeout` passes; whether it held."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 @contextlib.contextmanager

@@ -66,6 +66,17 @@ def running_proxy(log_path: Path, *args: str) -> contextlib.AbstractContextManag
     return _running("proxy", log_path, lambda status: status in (200, 503), *args)
 
 
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Poll `predicate` until it holds or `timeout` passes; whether it held (a bound on
+    waiting, not a measurement)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def started_together(stack: contextlib.ExitStack, *servers: ServerProcess) -> None:
     """Wait for servers started with `wait=False`; when `stack` closes, they are all sent
     SIGTERM at once (then each is waited for and reaped as usual)."""

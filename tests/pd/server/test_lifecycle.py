@@ -15,21 +15,11 @@ import httpx
 import pytest
 
 from pd.cli import main
-from server_harness import running_server, stop_process
+from server_harness import running_server, stop_process, wait_until
 
 pytestmark = pytest.mark.slow
 
 DEATH_DEADLINE_S = 5.0
-
-
-def wait_for(condition, timeout_s: float) -> bool:
-    """Whether `condition()` came true within `timeout_s` (a bound on waiting, not a measurement)."""
-    stop = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > stop:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def process_gone(pid: int, timeout: float) -> bool:
@@ -68,7 +58,7 @@ def test_engine_death_fails_requests_and_health_promptly(tiny_models, tmp_path) 
         assert events[-1] == "data: [DONE]"
         assert json.loads(events[-2][len("data: "):])["error"]["code"] == 503
 
-        assert wait_for(lambda: server.health().status_code == 503, DEATH_DEADLINE_S), "/health still 200"
+        assert wait_until(lambda: server.health().status_code == 503, DEATH_DEADLINE_S), "/health still 200"
         assert server.health().json()["status"] == "engine dead"
         for stream in (False, True):
             response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": stream},
