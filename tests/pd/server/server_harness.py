@@ -14,6 +14,9 @@ import httpx
 from launch import Launched, free_port, pd_command, running, stop_process, terminate_all, wait_started  # noqa: F401
 
 ARCHS = ["qwen3", "gemma3", "bamba", "granitehybrid"]
+# A bound on waiting for a server to reach a state, generous: the suite runs on two
+# workers of a 2-core machine, and a state that holds is seen at once anyway.
+METRIC_WAIT_S = 30.0
 
 
 class ServerProcess(Launched):
@@ -29,7 +32,7 @@ class ServerProcess(Launched):
                 samples[key] = float(value)
         return samples
 
-    def wait_for_metric(self, name: str, predicate, timeout: float = 5.0) -> float:
+    def wait_for_metric(self, name: str, predicate, timeout: float = METRIC_WAIT_S) -> float:
         """Poll /metrics until `predicate(value)`; the last value either way."""
         deadline = time.monotonic() + timeout
         while True:
@@ -66,7 +69,7 @@ def running_proxy(log_path: Path, *args: str) -> contextlib.AbstractContextManag
     return _running("proxy", log_path, lambda status: status in (200, 503), *args)
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+def wait_until(predicate: Callable[[], bool], timeout: float = METRIC_WAIT_S) -> bool:
     """Poll `predicate` until it holds or `timeout` passes; whether it held (a bound on
     waiting, not a measurement)."""
     deadline = time.monotonic() + timeout
