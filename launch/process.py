@@ -123,7 +123,7 @@ def start(cmd: list[str], url: str, log_path: Path, ready: Callable[[int | None]
     """Start `cmd` (serving at `url`) and return it once ready (`wait=False`: at once;
     then call `wait_started` on it, e.g. after starting others alongside). A process that
     fails to become ready is stopped before LaunchError is raised."""
-    name = " ".join(cmd[2:4]) if cmd[1:3] == ["-m", "pd.cli"] else cmd[0]
+    name = f"pd {cmd[3]}" if cmd[1:3] == ["-m", "pd.cli"] and len(cmd) > 3 else cmd[0]
     launched = Launched(url, start_logged(cmd, log_path, env, die_with_parent), log_path)
     launched.readiness = (ready, time.monotonic() + timeout_s, name)
     if wait:

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from launch import free_port
 from pd.models.make_model import make_model
 
 pytestmark = pytest.mark.slow
@@ -25,11 +26,6 @@ ROOT = Path(__file__).parents[2]
 READY_TIMEOUT_S = 240.0
 EXIT_TIMEOUT_S = 120.0
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

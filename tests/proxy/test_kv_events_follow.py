@@ -5,24 +5,19 @@ routes by what it learned (the X-PD-Prefill header names the overlap expected)."
 
 from __future__ import annotations
 
-import socket
 
 import httpx
 import pytest
 import zmq
 
+from launch import free_port
 from kv_events.hashing import HASH_NAME, extend_block_hashes
-from kv_events.messages import (BlockStored, EventBatch, ReplayReply, ReplayRequest, encode, replay_request_decoder)
+from kv_events.messages import BlockStored, EventBatch, ReplayReply, encode, replay_request_decoder
 from proxy_fakes import fake, fake_tokens, proxy_health, proxy_in_front, proxy_metric, wait_until
 
 BLOCK = 4
 PROMPT = "The lighthouse keeper counted ships, every night of the year."
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

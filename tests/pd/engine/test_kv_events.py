@@ -4,23 +4,18 @@ that are not replay requests dropped without an answer."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 import zmq
 
+from launch import free_port
 from kv_events.messages import (AllBlocksCleared, BlockRemoved, BlockStored, ReplayRequest, batch_decoder, encode,
                                 replay_reply_decoder)
 from pd.engine.kv_events import KVEventPublisher
 
 HASHES = [bytes([k]) * 32 for k in range(8)]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
