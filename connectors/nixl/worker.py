@@ -38,6 +38,9 @@ from connectors.nixl.stats import TransferStats
 logger = logging.getLogger(__name__)
 
 LATE_READ_GRACE_S = 10.0  # P polls this long after a lease expired, so a read already posted ends
+# The sender polls this long after a notification: without a progress thread UCX sends it
+# (and wires up a new peer's endpoint) only while the sender's agent is polled.
+NOTIF_FLUSH_S = 5.0
 
 
 @dataclass
@@ -78,7 +81,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.failed: dict[str, str] = {}  # failed before a read could be posted -> why
         self.leases: dict[str, float] = {}  # P: request id -> monotonic deadline
         self.released: set[str] = set()  # P: leases ended by a release, reported next poll
-        self._poll_until = 0.0  # P: keep progressing transfers until then (a late read of an expired lease)
+        self._poll_until = 0.0  # keep progressing NIXL until then (a late read; a notification on its way)
         self.stats = TransferStats()
 
     # --- set-up -------------------------------------------------------------------
@@ -178,6 +181,8 @@ class NixlConnectorWorker(KVConnectorWorker):
                 self.transport.send_notif(remote.engine_id, encode_notif(notif))
             except Exception as exc:
                 unreachable(str(exc))
+                return
+            self._poll_for(NOTIF_FLUSH_S)
 
         def unreachable(why: str) -> None:
             logger.info("could not send %s to %s: %s", notif, remote.engine_id, why)
@@ -242,16 +247,20 @@ class NixlConnectorWorker(KVConnectorWorker):
         for req_id, deadline in list(self.leases.items()):
             if now >= deadline:
                 logger.warning("lease of %s expired before a decode server read it: freeing its blocks", req_id)
-                self._poll_until = now + LATE_READ_GRACE_S
+                self._poll_for(LATE_READ_GRACE_S)
                 del self.leases[req_id]
                 output.finished_sending.add(req_id)
                 self.stats.leases_expired += 1
+
+    def _poll_for(self, seconds: float) -> None:
+        self._poll_until = max(self._poll_until, self.config.clock() + seconds)
 
     @property
     def wants_polling(self) -> bool:
         """Reads, handshakes and leases in progress, and for a while after a lease expired:
         a decode server may still be reading, and without a progress thread its read
-        moves only while both sides poll (it then ends, as a failure, on D)."""
+        moves only while both sides poll (it then ends, as a failure, on D); and for a
+        while after a notification was sent, which moves only while the sender polls."""
         busy = self.leases or self.loading or self.handshakes.num_pending or self.waiting_for_peer
         return bool(busy) or self.config.clock() < self._poll_until
 

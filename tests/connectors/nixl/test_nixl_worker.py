@@ -55,8 +55,9 @@ class Poller:
     """Polls every worker like an engine step does (without progress threads a transfer
     moves only while both agents are polled) and accumulates what each reported."""
 
-    def __init__(self, *workers) -> None:
+    def __init__(self, *workers, as_engines: bool = False) -> None:
         self.workers = workers
+        self.as_engines = as_engines  # poll a worker only while it wants polling, as its engine's loop does
         self.sent = {w.config.engine_id: set() for w in workers}
         self.recved = {w.config.engine_id: set() for w in workers}
         self.failed = {w.config.engine_id: set() for w in workers}
@@ -65,6 +66,8 @@ class Poller:
         end = time.monotonic() + deadline_s
         while time.monotonic() < end:
             for w in self.workers:
+                if self.as_engines and not w.wants_polling:
+                    continue
                 out = w.get_finished(set())
                 name = w.config.engine_id
                 self.sent[name] |= out.finished_sending
@@ -113,6 +116,20 @@ def test_a_reject_frees_at_once_and_a_lease_expiry_frees_later(pair) -> None:
     assert poller.sent["P"] == {"p1"} and p.num_requests_held == 1
     p.config.clock.now += 61
     assert p.get_finished(set()).finished_sending == {"p2"} and p.stats.leases_expired == 1
+
+
+@pytest.mark.parametrize("notif", ["reject", "keep-alive"])
+def test_a_notification_to_a_new_peer_arrives_though_d_has_nothing_else_to_poll(pair, notif) -> None:
+    """Without a progress thread, UCX delivers a notification (and wires up a new peer's
+    endpoint) only while the sender polls: D, with nothing else under way, must keep
+    polling for a while after it sent one, or P never hears of it."""
+    p, _, d, _ = pair
+    p.start_load_kv(NixlConnectorMetadata(reqs_to_send=[ReqToSend("p1", p.config.clock() + 60)]))
+    remote = RemotePrefill("P", "127.0.0.1", p.side_channel_port, "p1")
+    d.start_load_kv(NixlConnectorMetadata(reqs_to_reject=[(remote, "aborted")]) if notif == "reject"
+                    else NixlConnectorMetadata(reqs_to_keep_alive=[remote]))
+    Poller(p, d, as_engines=True).until(lambda x: p.stats.rejects_received + p.stats.keep_alives_received == 1)
+    assert p.num_requests_held == (notif == "keep-alive")
 
 
 def test_a_release_frees_at_once_and_only_what_is_held(pair) -> None:
