@@ -99,6 +99,7 @@ class GGUFModel:
         except Exception as exc:  # the reader raises ValueError, IndexError, struct errors... on bad bytes
             raise GGUFError(f"{self.path} is not a readable GGUF file ({type(exc).__name__}: {exc})") from None
         self.architecture = str(self._field("general.architecture", ""))
+        self._tokenizer: tuple[str, dict[str, Any]] | None = None  # tokenizer.json text, tokenizer_config
         if self.architecture not in _FAMILIES:
             raise UnsupportedGGUF(f"{self.path}: GGUF architecture {self.architecture or '(none)'!r} is not "
                                   f"supported (supported: {', '.join(sorted(_FAMILIES))})")
@@ -161,7 +162,19 @@ class GGUFModel:
 
     # --- tokenizer ------------------------------------------------------------------
     def tokenizer(self):
-        """(tokenizers.Tokenizer, tokenizer_config dict) from the GGUF's vocabulary."""
+        """(tokenizers.Tokenizer, tokenizer_config dict) from the GGUF's vocabulary. It is
+        converted once per GGUFModel (open_gguf keeps one per file and process): 3.4 s for
+        Gemma 3's 262k tokens; later calls get a fresh copy in 0.75 s."""
+        from tokenizers import Tokenizer
+
+        if self._tokenizer is None:
+            tokenizer, config = self._convert_tokenizer()
+            self._tokenizer = tokenizer.to_str(), config
+            return tokenizer, dict(config)
+        text, config = self._tokenizer
+        return Tokenizer.from_str(text), dict(config)
+
+    def _convert_tokenizer(self):
         from tokenizers import processors
         from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 

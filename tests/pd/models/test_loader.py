@@ -54,6 +54,21 @@ def test_tied_embeddings_share_the_embedding(qwen3: Path) -> None:
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "bamba"])
+def test_loading_draws_no_random_numbers_and_every_parameter_is_the_checkpoints(arch: str, tmp_path: Path) -> None:
+    """Layers are built without random fills (every parameter is loaded or the load
+    fails): torch's random state is untouched, and torch.nn.init works afterwards."""
+    model_dir = make_model(arch, tmp_path / arch, seed=3)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    state = torch.random.get_rng_state()
+    model = load_model(ModelConfig.from_dir(model_dir))
+    assert torch.equal(torch.random.get_rng_state(), state)
+    loaded = {name: p for name, p in model.named_parameters()}
+    assert all(torch.equal(loaded[name], tensor.to(loaded[name].dtype)) for name, tensor in weights.items()
+               if name in loaded)
+    assert torch.nn.init.normal_(torch.zeros(64)).abs().sum() > 0
+
+
 def test_a_missing_weight_is_named(qwen3: Path, tmp_path: Path) -> None:
     weights = load_file(str(qwen3 / "model.safetensors"))
     del weights["model.layers.1.self_attn.k_proj.weight"]

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+from gguf import GGUFReader
 
 PROMPTS = [
     "The capital of France is",
@@ -32,9 +33,25 @@ def english_text() -> str:
 @functools.lru_cache(maxsize=2)  # one per dtype: loading the GGUF in transformers takes ~20 s; nothing changes it
 def hf_gemma(path: Path, dtype):
     """transformers' model from the GGUF (read-only: callers must not change its weights)."""
+    from unittest import mock
+
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+    with mock.patch("gguf.GGUFReader", _gguf_reader):
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
     packed = [type(m).__name__ for m in model.modules() if "gguf" in type(m).__name__.lower()]
     assert not packed, f"transformers kept GGUF-packed modules ({packed[:3]}): the reference must be dense"
     return model
+
+
+
+def _gguf_reader(path, mode: str = "r"):
+    """gguf's own reader, made once per file: transformers makes one for the config and
+    another for the weights of every model it loads, ~10 s each for Gemma's 262k-token
+    vocabulary. The reader maps the file read-only; what it reads is unchanged."""
+    return _reader(str(path), mode)
+
+
+@functools.lru_cache(maxsize=1)
+def _reader(path: str, mode: str):
+    return GGUFReader(path, mode)

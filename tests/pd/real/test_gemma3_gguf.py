@@ -43,6 +43,15 @@ def test_float32_greedy_tokens_equal_transformers(gemma_gguf) -> None:
     assert "France" in outputs[0].text  # a base model's continuation, in English
 
 
+def test_each_tokenizer_of_the_gguf_is_its_own_and_encodes_alike(gemma_gguf, english_text) -> None:
+    """The vocabulary is converted once per process; every Tokenizer gets its own copy."""
+    first, second = Tokenizer(gemma_gguf), Tokenizer(gemma_gguf)
+    assert first._tokenizer is not second._tokenizer and first.config is not second.config
+    first.config["bos_token"] = "changed"
+    assert Tokenizer(gemma_gguf).config.get("bos_token") != "changed"
+    assert first.encode(english_text) == second.encode(english_text)
+
+
 @pytest.fixture(scope="module")
 def english_tokens(gemma_gguf, english_text) -> list[int]:
     tokens = Tokenizer(gemma_gguf).encode(english_text)[:512]
