@@ -14,7 +14,7 @@ from pd.request import SamplingParams
 from pd.tokenizer import Tokenizer
 from tests.pd.real.conftest import PROMPTS, hf_gemma
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 # A disagreement with transformers' bfloat16 top-1 is rounding, not a bug, where float32's
 # top-2 margin is under this: two bfloat16 computations of a logit differ by up to ~1.2

@@ -29,12 +29,25 @@ BODY = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 MAX_MODEL_LEN = 1024
 
 
+def _starter(stack: contextlib.ExitStack, tiny_models, logs):
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    return lambda name, arch, *args: stack.enter_context(running_server(
+        tiny_models[arch], logs / f"{name}.log", "--max-model-len", str(MAX_MODEL_LEN), *args))
+
+
 @pytest.fixture
 def start(tiny_models, tmp_path):
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    """Servers for one test (it kills them or gives them flags of their own)."""
     with contextlib.ExitStack() as stack:
-        yield lambda name, arch, *args: stack.enter_context(running_server(
-            tiny_models[arch], tmp_path / f"{name}.log", "--max-model-len", str(MAX_MODEL_LEN), *args))
+        yield _starter(stack, tiny_models, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def prefill_server(tiny_models, tmp_path_factory):
+    """One qwen3 `--role prefill` server for the tests that leave it as they found it
+    (each checks that it holds nothing afterwards)."""
+    with contextlib.ExitStack() as stack:
+        yield _starter(stack, tiny_models, tmp_path_factory.mktemp("faults"))("p", "qwen3", "--role", "prefill")
 
 
 def engine_pid(server) -> int:
@@ -102,8 +115,8 @@ def test_malformed_pd_parameters_get_a_400_naming_the_field_and_the_decode_engin
     assert p.metrics()["pd_kv_requests_held"] == 2 * len(BAD_PARAMS)
 
 
-def test_a_chat_template_kwarg_that_collides_is_a_400_and_huge_integers_are_refused_or_clamped(start) -> None:
-    server = start("c", "qwen3")
+def test_a_chat_template_kwarg_that_collides_is_a_400_and_huge_integers_are_refused_or_clamped(prefill_server) -> None:
+    server = prefill_server  # serves requests of its own too
     pid = engine_pid(server)
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for kwargs in ({"messages": 1}, {"add_generation_prompt": "x"}):
@@ -173,8 +186,8 @@ def test_p_caps_the_blocks_it_holds_for_decode_servers_and_releases_them_on_requ
 @pytest.mark.parametrize("refused", [{"max_tokens": MAX_MODEL_LEN}, {"min_tokens": 7}, {"max_tokens": -1},
                                      {"stream_options": {"include_usage": "yes"}}, {"n": 129},
                                      {"logprobs": 21}])
-def test_p_refuses_what_d_would_refuse_before_it_prefills(start, refused) -> None:
-    p = start("p", "qwen3", "--role", "prefill")
+def test_p_refuses_what_d_would_refuse_before_it_prefills(prefill_server, refused) -> None:
+    p = prefill_server
     response = post(p, BODY | refused | {"kv_transfer_params": {"do_remote_decode": True}})
     assert response.status_code == 400, response.text
     assert p.metrics()["pd_kv_requests_held"] == 0 and p.metrics()["pd_kv_cache_usage"] == 0

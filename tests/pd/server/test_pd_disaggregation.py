@@ -21,7 +21,7 @@ import pytest
 from pd_client import assert_choices_close, choices, complete, p_then_d, p_then_d_choices
 from server_harness import ARCHS, running_server, started_together
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 HYBRIDS = ("bamba", "granitehybrid")
 NUM_PROMPTS = 32
 MAX_TOKENS = 8

@@ -18,7 +18,7 @@ import pytest
 from pd_client import assert_choices_close, choices, complete, p_then_d, p_then_d_choices, stream
 from server_harness import running_proxy, running_server, started_together
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a small village by the sea,",
