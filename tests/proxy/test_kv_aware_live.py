@@ -117,6 +117,7 @@ def test_a_proxy_started_late_catches_up_and_a_restarted_server_starts_empty(ser
     with proxy(servers, "kv_aware", "warm") as front:
         _, home, _ = chat(front, prompt)
     with proxy(servers, "kv_aware", "late") as front:  # its subscriptions replay what was published before
+        assert wait_until(lambda: instances(front)[home]["kv_index"]["blocks"] > 0, 30)  # (a replay takes a moment)
         _, index, held = chat(front, prompt)
         assert index == home and held > 0
         p = servers["p"][home]

@@ -31,10 +31,10 @@ class Clock:
         return self.now
 
 
-def make_worker(engine_id: str, compat: str = "h", clock=None, wall_clock=time.time):
+def make_worker(engine_id: str, compat: str = "h", clock=None, wall_clock=time.time, **config):
     alloc = allocate_kv_caches(CONFIG, "cpu", "canonical")
     worker = NixlConnectorWorker(NixlWorkerConfig(engine_id, "127.0.0.1", 0, compat,
-                                                  clock=clock or time.monotonic, wall_clock=wall_clock))
+                                                  clock=clock or time.monotonic, wall_clock=wall_clock, **config))
     worker.register_kv_caches(alloc.describe())
     return worker, alloc.buffers[0]
 
@@ -165,7 +165,7 @@ def test_a_read_ending_after_the_lease_is_a_failure(pair) -> None:
 
 def test_an_incompatible_peer_or_unreachable_p_fails_the_request_only(pair) -> None:
     p, _, _, _ = pair
-    other, _ = make_worker("D2", compat="other-model")
+    other, _ = make_worker("D2", compat="other-model", handshake_timeout_s=1.0)  # (port 1: fails at the timeout)
     try:
         other.start_load_kv(NixlConnectorMetadata(reqs_to_recv=[recv(p, [[1], [2]], [[3], [4]])]))
         Poller(other).until(lambda x: x.failed["D2"] == {"d1"})  # the handshake ran off the step
