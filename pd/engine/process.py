@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from typing import TYPE_CHECKING, NoReturn
 
 import msgspec
@@ -63,6 +64,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     code = 1
     try:
         code = _run(config, input_address, output_address)
+    except BaseException:
+        traceback.print_exc()  # os._exit below would drop what Python prints on the way out
     finally:
         _exit_now(code)
 

@@ -33,7 +33,8 @@ _RANDOM_INITS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "ka
 def _no_random_init() -> Iterator[None]:
     """Build layers without filling their parameters with random numbers: every
     parameter is then loaded from the checkpoint, or load_weights raises. The fills cost
-    1.8 s of Gemma 3 270M's load, for numbers that are all overwritten."""
+    1.8 s of Gemma 3 270M's load, for numbers that are all overwritten. (The fills are
+    replaced process-wide while the model is built.)"""
     saved = {name: getattr(torch.nn.init, name) for name in _RANDOM_INITS}
     for name in _RANDOM_INITS:
         setattr(torch.nn.init, name, _keep)
