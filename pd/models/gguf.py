@@ -3,8 +3,9 @@
 `--model` may name a GGUF file instead of an HF folder. From the file's metadata come
 the architecture and its hyper-parameters (turned into the config.json the HF model
 would have) and the tokenizer (transformers' GGUF converter builds a `tokenizers`
-tokenizer from the vocabulary, scores and token types). The weights are dequantized
-one tensor at a time with `gguf`'s dequantizers (F32, F16, BF16, Q4_0..Q8_0, K-quants)
+tokenizer from the vocabulary, scores and token types; the result is kept on disk, see
+`GGUFModel.tokenizer`). The weights are dequantized one tensor at a time with `gguf`'s
+dequantizers (F32, F16, BF16, Q4_0..Q8_0, K-quants; Q8_0 in torch, to the same values)
 and renamed to the published HF names; the model's `load_weights` casts each into the
 serving dtype as it copies it, so at no point is the whole model held in float32.
 
@@ -15,7 +16,12 @@ refused with its name (`UnsupportedGGUF`).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
+import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -26,7 +32,10 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
+logger = logging.getLogger(__name__)
+
 GGUF_SUFFIX = ".gguf"
+TOKENIZER_CACHE_ENV = "PD_TOKENIZER_CACHE"
 
 
 class GGUFError(ValueError):
@@ -138,7 +147,6 @@ class GGUFModel:
     def iterate_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, float32 tensor) per weight, dequantized one at a time."""
         import torch
-        from gguf import dequantize
 
         family = _FAMILIES[self.architecture]
         for tensor in self.reader.tensors:
@@ -146,7 +154,7 @@ class GGUFModel:
             if name is None:
                 continue
             try:
-                values = dequantize(tensor.data, tensor.tensor_type)
+                values = _dequantize(tensor.data, tensor.tensor_type)
             except Exception as exc:
                 raise GGUFError(f"{self.path}: tensor {tensor.name} ({tensor.tensor_type.name}) could not be "
                                 f"dequantized ({type(exc).__name__}: {exc})") from None
@@ -162,17 +170,42 @@ class GGUFModel:
 
     # --- tokenizer ------------------------------------------------------------------
     def tokenizer(self):
-        """(tokenizers.Tokenizer, tokenizer_config dict) from the GGUF's vocabulary. It is
-        converted once per GGUFModel (open_gguf keeps one per file and process): 3.4 s for
-        Gemma 3's 262k tokens; later calls get a fresh copy in 0.75 s."""
+        """(tokenizers.Tokenizer, tokenizer_config dict) from the GGUF's vocabulary.
+        Converting Gemma 3's 262k tokens takes ~3.7 s, so the result is kept twice: per
+        GGUFModel (open_gguf keeps one per file and process), and on disk under
+        `$PD_TOKENIZER_CACHE` (default `~/.cache/pd-tokenizers`), keyed by the file
+        (path, size, mtime), this module's source and the converter's versions, so that
+        the servers of a deployment convert once. Each call gets its own copy (0.75 s)."""
         from tokenizers import Tokenizer
 
         if self._tokenizer is None:
-            tokenizer, config = self._convert_tokenizer()
-            self._tokenizer = tokenizer.to_str(), config
-            return tokenizer, dict(config)
+            self._tokenizer = self._cached_tokenizer()
         text, config = self._tokenizer
         return Tokenizer.from_str(text), dict(config)
+
+    def _cached_tokenizer(self) -> tuple[str, dict[str, Any]]:
+        """(tokenizer.json text, tokenizer_config) from the disk cache, else converted and
+        written there (aside, then renamed in: racing servers are safe). A cache that
+        cannot be read or written costs a conversion, nothing else."""
+        path = _tokenizer_cache_path(self.path)
+        try:
+            cached = json.loads(path.read_text())
+            return cached["tokenizer"], cached["config"]
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("ignoring the unreadable tokenizer cache %s (%s)", path, exc)
+        tokenizer, config = self._convert_tokenizer()
+        text = tokenizer.to_str()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as aside:
+                written = Path(aside) / path.name
+                written.write_text(json.dumps({"tokenizer": text, "config": config}))
+                os.replace(written, path)
+        except (OSError, TypeError) as exc:
+            logger.warning("could not keep the converted tokenizer in %s (%s)", path.parent, exc)
+        return text, config
 
     def _convert_tokenizer(self):
         from tokenizers import processors
@@ -212,6 +245,34 @@ class GGUFModel:
         (out / "tokenizer_config.json").write_text(json.dumps(
             {**tokenizer_config, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
         return out
+
+
+def _dequantize(data: np.ndarray, kind) -> np.ndarray:
+    """`gguf.dequantize(data, kind)`, with Q8_0 (blocks of a float16 scale and 32 int8
+    values) done in torch: 3.6x faster on Gemma 3's 262k x 640 embedding (1.8 s to 0.5 s
+    of its load), and bitwise the same products."""
+    import torch
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
+
+    if kind != GGMLQuantizationType.Q8_0 or data.dtype != np.uint8:
+        return dequantize(data, kind)
+    with warnings.catch_warnings():  # the file's read-only map: only read here, as torch warns it must be
+        warnings.simplefilter("ignore", UserWarning)
+        blocks = torch.from_numpy(data).reshape(-1, GGML_QUANT_SIZES[kind][1])
+    scales = blocks[:, :2].contiguous().view(torch.float16).float()
+    values = blocks[:, 2:].view(torch.int8).float() * scales
+    return values.numpy().reshape(*data.shape[:-1], -1)
+
+
+def _tokenizer_cache_path(gguf_path: Path) -> Path:
+    from importlib.metadata import version
+
+    stat = gguf_path.stat()
+    key = hashlib.sha256("\0".join([
+        str(gguf_path.resolve()), str(stat.st_size), str(stat.st_mtime_ns), Path(__file__).read_text(),
+        version("transformers"), version("tokenizers")]).encode()).hexdigest()
+    cache = Path(os.environ.get(TOKENIZER_CACHE_ENV) or Path.home() / ".cache" / "pd-tokenizers")
+    return cache / f"{gguf_path.stem}-{key[:16]}.json"
 
 
 class _Family:

@@ -138,3 +138,93 @@ def test_a_qwen3_gguf_loads_the_same_model_as_its_hf_folder(tmp_path, quantized)
             assert torch.allclose(param, reference[name], atol=2e-2 * reference[name].abs().max().item()), name
         else:
             assert torch.equal(param, reference[name]), name
+
+
+def test_the_tokenizer_cache_key_follows_the_file(tmp_path) -> None:
+    """A converted tokenizer is looked up by the file's path, size and mtime: a file
+    changed in place or found elsewhere is converted again."""
+    import os
+
+    from pd.models.gguf import _tokenizer_cache_path
+
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"x" * 10)
+    first = _tokenizer_cache_path(path)
+    assert _tokenizer_cache_path(path) == first
+    mtime = path.stat().st_mtime_ns + 1
+    os.utime(path, ns=(0, mtime))
+    touched = _tokenizer_cache_path(path)
+    path.write_bytes(b"x" * 11)
+    os.utime(path, ns=(0, mtime))  # only the size differs
+    grown = _tokenizer_cache_path(path)
+    moved = path.rename(tmp_path / "n.gguf")
+    assert len({first, touched, grown, _tokenizer_cache_path(moved)}) == 4
+
+
+def test_q8_0_dequantizes_bitwise_as_gguf_does(tmp_path) -> None:
+    """Q8_0 is dequantized in torch (the others by gguf): the same float32 values, from
+    the file's read-only map, for a tensor of several rows."""
+    import gguf
+    import torch
+
+    from pd.models.gguf import _dequantize
+
+    values = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32) * 3
+    values[2, :32] = 0  # a block of zeros: scale 0
+    quantized = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
+    path = tmp_path / "q.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_tensor("t", quantized, raw_shape=quantized.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    finish(writer)
+    [tensor] = gguf.GGUFReader(path).tensors
+    ours = _dequantize(tensor.data, tensor.tensor_type)
+    expected = gguf.dequantize(tensor.data, tensor.tensor_type)
+    assert ours.dtype == np.float32 and ours.shape == expected.shape == (6, 96)
+    assert torch.equal(torch.from_numpy(ours), torch.from_numpy(expected))
+    assert np.abs(ours - values).max() < 0.05
+
+
+def write_tokenizer_gguf(path: Path) -> Path:
+    """A Gemma 3 GGUF holding only a small sentencepiece vocabulary (converts in ~0.1 s)."""
+    import gguf
+
+    words = ["▁the", "▁a", "▁cat", "▁sat", "▁on", "▁mat", "at", "▁", *"acehmnost"]
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<pad>", "<eos>", "<bos>", "<unk>", *(f"<0x{i:02X}>" for i in range(256)), *words])
+    writer.add_token_scores([0.0] * 260 + [-float(i) for i in range(len(words))])
+    writer.add_token_types([3, 3, 3, 2] + [6] * 256 + [1] * len(words))
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_add_bos_token(True)
+    finish(writer)
+    return path
+
+
+def test_a_converted_tokenizer_is_kept_on_disk_and_read_back_alike(tmp_path, monkeypatch) -> None:
+    """One conversion per file and version: a new process (here a new GGUFModel) reads
+    the converted tokenizer from $PD_TOKENIZER_CACHE; a cache file that does not parse
+    is converted again and rewritten; a folder that cannot be written costs nothing."""
+    import json
+
+    from pd.models.gguf import GGUFModel
+
+    conversions, convert = [], GGUFModel._convert_tokenizer
+    monkeypatch.setattr(GGUFModel, "_convert_tokenizer", lambda self: conversions.append(self.path) or convert(self))
+    monkeypatch.setenv("PD_TOKENIZER_CACHE", str(tmp_path / "cache"))
+    path = write_tokenizer_gguf(tmp_path / "tok.gguf")
+    converted, config = GGUFModel(path).tokenizer()
+    [kept] = (tmp_path / "cache").iterdir()
+    read, read_config = GGUFModel(path).tokenizer()
+    assert len(conversions) == 1
+    assert read.to_str() == converted.to_str() and read_config == config and config["bos_token"] == "<bos>"
+    assert read.encode("the cat sat on the mat").ids == converted.encode("the cat sat on the mat").ids
+
+    kept.write_text(kept.read_text()[:100])  # cut short, as a full disk would leave it
+    assert GGUFModel(path).tokenizer()[0].to_str() == converted.to_str()
+    assert len(conversions) == 2 and json.loads(kept.read_text())["config"] == config
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("PD_TOKENIZER_CACHE", str(tmp_path / "a-file" / "cache"))
+    assert GGUFModel(path).tokenizer()[0].to_str() == converted.to_str()
+    assert len(conversions) == 3
