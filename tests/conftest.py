@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+
+_SESSION_DIRS: list[str] = []
 
 
 def pytest_configure(config) -> None:
@@ -13,7 +17,14 @@ def pytest_configure(config) -> None:
     thread, and so do the processes it starts (OMP_NUM_THREADS; servers also get
     --num-threads 1). Two threads per worker on two cores spin on each other's barriers
     whenever the other worker or a server runs: the cached-prefix Gemma test took 62 s
-    that way instead of 11 s."""
+    that way instead of 11 s.
+
+    The run keeps converted GGUF tokenizers in one fresh folder, shared by its workers
+    and every server they start (the run's first conversion is the only one; a
+    leftover from another run or another version of the code is never read)."""
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist), before workers start
+        _SESSION_DIRS.append(tempfile.mkdtemp(prefix="pd-test-tokenizers-"))
+        os.environ["PD_TOKENIZER_CACHE"] = _SESSION_DIRS[-1]
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
     if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
@@ -21,6 +32,11 @@ def pytest_configure(config) -> None:
 
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+
+
+def pytest_unconfigure(config) -> None:
+    for path in _SESSION_DIRS:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from launch import free_port
+from launch import free_port, http_client
 from pd.models.make_model import make_model
 
 pytestmark = pytest.mark.slow
@@ -136,8 +136,8 @@ def test_ray_pd_serves_through_the_proxy_and_a_signal_stops_every_server(tmp_pat
         urls = wait_for_urls(process, urls_file, log_path)
         print(f"ray_pd.py up in {time.monotonic() - started:.1f} s")
         assert len(urls["prefill"]) == 1 and len(urls["decode"]) == 1
-        response = httpx.post(f"{urls['proxy']}/v1/completions", timeout=120,
-                              json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+        response = http_client().post(f"{urls['proxy']}/v1/completions", timeout=120,
+                                      json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] == 4
         servers = urls["servers"]

@@ -13,8 +13,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
+
+from launch import http_client
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
@@ -59,8 +60,8 @@ def ports() -> list[str]:
 
 
 def complete(port: str) -> dict:
-    response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                          json={"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    response = http_client().post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                                  json={"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -76,7 +77,7 @@ def test_xpyd_detached_serves_through_the_proxy_and_stop_ends_everything(tmp_pat
         pids = [int(p) for p in pids_file.read_text().split()]
         assert len(pids) == 4 and all(alive(p) for p in pids)  # 2 P, 1 D, the proxy
         assert complete(flags[1])["usage"]["completion_tokens"] == 4
-        health = httpx.get(f"http://127.0.0.1:{flags[1]}/health", timeout=5).json()
+        health = http_client().get(f"http://127.0.0.1:{flags[1]}/health", timeout=5).json()
         assert len(health["prefill"]) == 2 and len(health["decode"]) == 1
         again = subprocess.run([str(ROOT / "deploy/xpyd.sh"), *flags], env=env, capture_output=True, text=True)
         assert again.returncode == 1 and "is running" in again.stderr  # one deployment per state dir

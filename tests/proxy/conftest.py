@@ -7,4 +7,4 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "pd" / "server"))
 
-from conftest_models import tiny_models  # noqa: E402,F401  (the session fixture)
+from conftest_models import colocated, tiny_models  # noqa: E402,F401  (the session fixtures)

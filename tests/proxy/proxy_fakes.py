@@ -15,11 +15,11 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from launch import http_client
 from proxy.app import build_proxy_app
 from server_harness import wait_until  # noqa: F401  (the proxy tests' too)
 from proxy.config import ProxyConfig
@@ -218,13 +218,13 @@ def proxy_in_front(prefill: list[str], decode: list[str], **config: Any) -> Iter
 
 def proxy_health(url: str) -> dict[str, dict[str, Any]]:
     """The proxy's per-instance state, keyed by instance URL."""
-    health = httpx.get(f"{url}/health", timeout=5).json()
+    health = http_client().get(f"{url}/health", timeout=5).json()
     return {i["url"]: i for i in health["prefill"] + health["decode"]}
 
 
 def proxy_metric(url: str, sample: str, headers: dict[str, str] | None = None) -> float:
     """One sample of the proxy's /metrics, by its name and labels as written."""
-    for line in httpx.get(f"{url}/metrics", headers=headers, timeout=5).text.splitlines():
+    for line in http_client().get(f"{url}/metrics", headers=headers, timeout=5).text.splitlines():
         if line.startswith(sample + " "):
             return float(line.rpartition(" ")[2])
     raise AssertionError(f"{sample} is not in /metrics")

@@ -10,9 +10,9 @@ from __future__ import annotations
 import contextlib
 import os
 
-import httpx
 import pytest
 
+from launch import http_client
 from proxy_fakes import wait_until
 from server_harness import free_port, running_proxy, running_server
 
@@ -56,14 +56,14 @@ def proxy(servers, policy: str, name: str | None = None):
 
 
 def instances(front) -> list[dict]:
-    health = httpx.get(f"{front.url}/health", timeout=5).json()
+    health = http_client().get(f"{front.url}/health", timeout=5).json()
     return health["prefill"] + health["decode"]
 
 
 def chat(front, messages: list[dict]) -> tuple[str, int, int]:
     """The answer, the prefill server picked and the prompt tokens it was expected to hold."""
-    response = httpx.post(f"{front.url}/v1/chat/completions", timeout=120,
-                          json={"messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+    response = http_client().post(f"{front.url}/v1/chat/completions", timeout=120,
+                                  json={"messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
     assert response.status_code == 200, response.text
     index, _, held = response.headers["x-pd-prefill"].partition("; overlap=")
     return response.json()["choices"][0]["message"]["content"], int(index), int(held)
@@ -73,7 +73,7 @@ def warm_system_prompt(servers) -> None:
     """Have every prefill server hold the system prompt (asked directly, not through a
     proxy): then no server is preferred for a new conversation, and load spreads them."""
     for server in servers["p"]:
-        response = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+        response = http_client().post(f"{server.url}/v1/chat/completions", timeout=120, json={
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello."}],
             "max_tokens": 1})
         assert response.status_code == 200, response.text

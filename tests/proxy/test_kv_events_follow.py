@@ -5,12 +5,10 @@ routes by what it learned (the X-PD-Prefill header names the overlap expected)."
 
 from __future__ import annotations
 
-
-import httpx
 import pytest
 import zmq
 
-from launch import free_port
+from launch import free_port, http_client
 from kv_events.hashing import HASH_NAME, extend_block_hashes
 from kv_events.messages import BlockStored, EventBatch, ReplayReply, encode, replay_request_decoder
 from proxy_fakes import fake, fake_tokens, proxy_health, proxy_in_front, proxy_metric, wait_until
@@ -63,7 +61,8 @@ def test_a_servers_events_are_followed_through_replays_gaps_and_garbage(publishe
             pub.send(encode(EventBatch("e1", 6, [BlockStored(hashes[6:8], hashes[5], 8, 0)])))  # 5 is missing
             envelope, start = replay_asked(router)
             assert start == 5
-            response = httpx.post(f"{proxy}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=30)
+            response = http_client().post(f"{proxy}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
+                                          timeout=30)
             assert response.status_code == 200
             assert response.headers["x-pd-prefill"] == f"0; overlap={6 * BLOCK}"
             assert response.headers["x-pd-decode"] == "0; overlap=0"  # it publishes nothing

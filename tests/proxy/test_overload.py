@@ -19,6 +19,7 @@ import time
 import httpx
 import pytest
 
+from launch import http_client
 from server_harness import running_proxy, running_server
 
 pytestmark = pytest.mark.slow
@@ -50,7 +51,7 @@ def deployment(tiny_models, tmp_path_factory):
 def reference_texts(server) -> dict[str, str]:
     out = {}
     for prompt in PROMPTS:
-        response = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+        response = http_client().post(f"{server.url}/v1/completions", timeout=120, json={
             "prompt": prompt, "max_tokens": KEEP_TOKENS, "temperature": 0, "ignore_eos": True})
         assert response.status_code == 200, response.text
         out[prompt] = response.json()["choices"][0]["text"]

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from launch import http_client
 from proxy_fakes import wait_until
 from server_harness import free_port, running_proxy, running_server
 
@@ -46,8 +47,8 @@ def deployment(tiny_models, tmp_path_factory):
 
 
 def complete(front, prompt: str, max_tokens: int = 8) -> httpx.Response:
-    return httpx.post(f"{front.url}/v1/completions", timeout=120,
-                      json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    return http_client().post(f"{front.url}/v1/completions", timeout=120,
+                              json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
 
 
 def text(response: httpx.Response) -> str:
@@ -56,12 +57,12 @@ def text(response: httpx.Response) -> str:
 
 
 def instance(front, url: str) -> dict:
-    health = httpx.get(f"{front.url}/health", timeout=5).json()
+    health = http_client().get(f"{front.url}/health", timeout=5).json()
     return next(i for i in health["prefill"] + health["decode"] if i["url"] == url)
 
 
 def metric(front, sample: str) -> float:
-    for line in httpx.get(f"{front.url}/metrics", timeout=5).text.splitlines():
+    for line in http_client().get(f"{front.url}/metrics", timeout=5).text.splitlines():
         if line.startswith(sample + " "):
             return float(line.rpartition(" ")[2])
     raise AssertionError(f"{sample} is not in the proxy's /metrics")
@@ -111,7 +112,7 @@ def test_four_times_max_outstanding_at_once_the_excess_get_429_and_the_rest_comp
     assert len(done) + len(refused) == 8 and len(done) >= 2 and refused, [a.status_code for a in answers]
     assert all(a.json()["usage"]["completion_tokens"] == 96 for a in done)
     assert all(a.headers["retry-after"] == "1" and a.json()["error"]["code"] == "overloaded" for a in refused)
-    health = httpx.get(f"{front.url}/health", timeout=5).json()
+    health = http_client().get(f"{front.url}/health", timeout=5).json()
     assert all(i["outstanding"] == 0 for i in health["prefill"] + health["decode"])
     assert wait_until(lambda: d.metrics()["pd_kv_cache_usage"] == 0, 60)
     assert complete(front, PROMPTS[0]).status_code == 200

@@ -9,6 +9,7 @@ import contextlib
 import httpx
 import pytest
 
+from launch import http_client
 from proxy_fakes import (FakeServer, Reply, error, fake, hanging_up, proxy_health, proxy_in_front, proxy_metric,
                          refusing_port, wait_until)
 
@@ -16,7 +17,7 @@ BODY = {"prompt": "Hello there", "max_tokens": 4}
 
 
 def post(proxy: str, body: dict | None = None, **kwargs) -> httpx.Response:
-    return httpx.post(f"{proxy}/v1/completions", json=body or BODY, timeout=kwargs.pop("timeout", 30), **kwargs)
+    return http_client().post(f"{proxy}/v1/completions", json=body or BODY, timeout=kwargs.pop("timeout", 30), **kwargs)
 
 
 def releases(proxy: str, result: str = "released") -> float:
@@ -233,7 +234,7 @@ def test_prefill_servers_answers_are_parsed_strictly(servers) -> None:
 
 def fake_servers_are_stopped(server: FakeServer) -> bool:
     try:
-        httpx.get(f"{server.url}/health", timeout=1)
+        http_client().get(f"{server.url}/health", timeout=1)
     except httpx.ConnectError:
         return True
     return False
@@ -241,5 +242,5 @@ def fake_servers_are_stopped(server: FakeServer) -> bool:
 
 def test_the_fakes_are_stopped_when_their_fixture_ends() -> None:
     with fake("decode") as d:
-        assert httpx.get(f"{d.url}/health", timeout=5).status_code == 200
+        assert http_client().get(f"{d.url}/health", timeout=5).status_code == 200
     assert fake_servers_are_stopped(d)

@@ -8,10 +8,10 @@ import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import openai
 import pytest
 
+from launch import http_client
 from malformed import BAD_REQUESTS
 from server_harness import free_port, running_proxy, running_server, stop_process
 
@@ -22,7 +22,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 
 @pytest.fixture(scope="module")
-def deployment(tiny_models, tmp_path_factory):
+def deployment(tiny_models, colocated, tmp_path_factory):
     logs = tmp_path_factory.mktemp("proxy")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     model = tiny_models[MODEL]
@@ -30,7 +30,7 @@ def deployment(tiny_models, tmp_path_factory):
         start = lambda name, *args: stack.enter_context(  # noqa: E731
             running_server(model, logs / f"{name}.log", *args))
         servers = {"p1": start("p1", "--role", "prefill"), "p2": start("p2", "--role", "prefill"),
-                   "d": start("d", "--role", "decode"), "c": start("c")}
+                   "d": start("d", "--role", "decode"), "c": colocated[MODEL]}
         proxy = stack.enter_context(running_proxy(
             logs / "proxy.log", "--prefill", servers["p1"].url, servers["p2"].url,
             "--decode", servers["d"].url, "--probe-interval", "0.5"))
@@ -72,21 +72,21 @@ def test_models_health_and_request_id(deployment) -> None:
     health = proxy.health().json()
     assert health["status"] == "ok" and [i["role"] for i in health["prefill"] + health["decode"]] == [
         "prefill", "prefill", "decode"]
-    response = httpx.post(f"{proxy.url}/v1/completions", headers={"X-Request-Id": "proxy-test-1"},
-                          json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    response = http_client().post(f"{proxy.url}/v1/completions", headers={"X-Request-Id": "proxy-test-1"},
+                                  json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert response.status_code == 200 and response.headers["x-request-id"] == "proxy-test-1"
     assert response.json()["id"] == "proxy-test-1"  # what D answered under: the same id
 
 
 def test_a_bad_request_gets_the_servers_4xx_and_the_proxy_keeps_serving(deployment) -> None:
     proxy = deployment["proxy"]
-    response = httpx.post(f"{proxy.url}/v1/completions", json={"prompt": "Hi", "temperature": 7}, timeout=60)
+    response = http_client().post(f"{proxy.url}/v1/completions", json={"prompt": "Hi", "temperature": 7}, timeout=60)
     assert response.status_code == 400 and "temperature" in response.json()["error"]["message"]
-    response = httpx.post(f"{proxy.url}/v1/completions", content=b"{not json", timeout=60)
+    response = http_client().post(f"{proxy.url}/v1/completions", content=b"{not json", timeout=60)
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
     assert all(i["healthy"] for i in proxy.health().json()["prefill"])
-    assert httpx.post(f"{proxy.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
-                      timeout=60).status_code == 200
+    assert http_client().post(f"{proxy.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                              timeout=60).status_code == 200
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +103,8 @@ def test_every_malformed_request_through_the_proxy_is_a_4xx_and_nothing_is_held(
                                                                                name) -> None:
     path, body, headers = BAD_REQUESTS[name]
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
-    response = httpx.post(f"{deployment['proxy'].url}{path}", headers={"Content-Type": "application/json"} | headers,
-                          timeout=60, **kwargs)
+    response = http_client().post(f"{deployment['proxy'].url}{path}", timeout=60,
+                                  headers={"Content-Type": "application/json"} | headers, **kwargs)
     assert 400 <= response.status_code < 500, (response.status_code, response.text)
     error = response.json()["error"]
     assert set(error) >= {"message", "type", "param", "code"} and error["message"], error
@@ -119,7 +119,7 @@ def test_a_client_that_disconnects_frees_the_decode_servers_blocks(deployment) -
     proxy, d = deployment["proxy"], deployment["d"]
     generated = d.metrics()["pd_generation_tokens_total"]
     body = {"prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{proxy.url}/v1/completions", json=body, timeout=60) as response:
+    with http_client().stream("POST", f"{proxy.url}/v1/completions", json=body, timeout=60) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 break  # one chunk, then hang up
@@ -131,7 +131,7 @@ def test_a_client_that_disconnects_frees_the_decode_servers_blocks(deployment) -
 def test_with_no_prefill_server_reachable_the_proxy_answers_503(deployment, tmp_path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     with running_proxy(tmp_path / "proxy.log", "--prefill", dead, "--decode", deployment["d"].url) as proxy:
-        response = httpx.post(f"{proxy.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        response = http_client().post(f"{proxy.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
         assert response.status_code == 503, response.text
         assert "no healthy prefill instance" in response.json()["error"]["message"]
         assert proxy.health().status_code == 503
@@ -141,10 +141,11 @@ def test_killing_one_prefill_server_mid_run_the_rest_complete_through_the_other(
     """Last in the module: it stops p2."""
     proxy, p2 = deployment["proxy"], deployment["p2"]
     body = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-    expected = httpx.post(f"{deployment['c'].url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    expected = http_client().post(f"{deployment['c'].url}/v1/completions", json=body,
+                                  timeout=60).json()["choices"][0]["text"]
 
     def send(i: int) -> str:
-        response = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=120)
+        response = http_client().post(f"{proxy.url}/v1/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text
         return response.json()["choices"][0]["text"]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import contextlib
 import os
 
-import httpx
 import pytest
 
+from launch import http_client
 from server_harness import running_proxy, running_server
 
 pytestmark = pytest.mark.slow
@@ -45,8 +45,8 @@ def counts(servers) -> list[float]:
 
 
 def send(proxy, prompt: str) -> None:
-    response = httpx.post(f"{proxy.url}/v1/completions", timeout=60,
-                          json={"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+    response = http_client().post(f"{proxy.url}/v1/completions", timeout=60,
+                                  json={"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True})
     assert response.status_code == 200, response.text
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import contextlib
 import os
 
-import httpx
 import pytest
 
+from launch import http_client
 from server_harness import running_proxy, running_server
 
 pytestmark = pytest.mark.slow
@@ -23,13 +23,13 @@ def test_p_frees_at_once_what_d_refused(tiny_models, tmp_path) -> None:
                                                "--max-model-len", "128"))
         proxy = stack.enter_context(running_proxy(tmp_path / "proxy.log", "--prefill", p.url, "--decode", d.url))
         body = {"prompt": list(range(10, 210)), "max_tokens": 4}  # fits P's context, not D's
-        response = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=60)
+        response = http_client().post(f"{proxy.url}/v1/completions", json=body, timeout=60)
         assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
         assert p.wait_for_metric("pd_kv_requests_held", lambda v: v == 0) == 0
         assert p.metrics()["pd_kv_transfer_released_total"] == 1
         assert p.metrics()["pd_kv_transfer_leases_expired_total"] == 0
         assert p.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
-        metrics = httpx.get(f"{proxy.url}/metrics", timeout=10).text
+        metrics = http_client().get(f"{proxy.url}/metrics", timeout=10).text
         assert 'pd_proxy_kv_releases_total{result="released"} 1.0' in metrics
-        ok = httpx.post(f"{proxy.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        ok = http_client().post(f"{proxy.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
         assert ok.status_code == 200, ok.text

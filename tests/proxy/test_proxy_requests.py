@@ -11,6 +11,7 @@ import socket
 import httpx
 import pytest
 
+from launch import http_client
 from proxy.body import MAX_REQUEST_BYTES
 from proxy.main import add_proxy_flags, proxy_config
 from proxy.body import prefill_body
@@ -31,7 +32,7 @@ def servers():
 
 def send(proxy: str, method: str, path: str, body: dict | None, auth: str | None) -> httpx.Response:
     headers = {"Authorization": auth} if auth is not None else {}
-    return httpx.request(method, proxy + path, json=body, headers=headers, timeout=30)
+    return http_client().request(method, proxy + path, json=body, headers=headers, timeout=30)
 
 
 # ---- the API key ---------------------------------------------------------------------
@@ -47,7 +48,7 @@ def test_every_route_but_health_needs_the_key(servers, method, path, body) -> No
             assert response.json()["error"]["code"] == "invalid_api_key"
         assert p.received == d.received == []
         assert send(proxy, method, path, body, f"Bearer {KEY}").status_code == 200
-        assert httpx.get(f"{proxy}/health", timeout=5).status_code == 200  # open without a key
+        assert http_client().get(f"{proxy}/health", timeout=5).status_code == 200  # open without a key
 
 
 def test_the_servers_get_the_server_key_not_the_clients(servers) -> None:
@@ -92,8 +93,8 @@ def test_what_authorization_the_servers_get(servers, api_key, server_api_key, cl
 def test_a_body_that_is_not_strict_json_is_a_400_and_reaches_no_server(servers, raw, code) -> None:
     p, d = servers
     with proxy_in_front([p.url], [d.url]) as proxy:
-        response = httpx.post(f"{proxy}/v1/chat/completions", content=raw, timeout=30,
-                              headers={"Content-Type": "application/json"})
+        response = http_client().post(f"{proxy}/v1/chat/completions", content=raw, timeout=30,
+                                      headers={"Content-Type": "application/json"})
         assert response.status_code == 400 and response.headers["content-type"] == "application/json"
         assert response.json()["error"]["type"] == "invalid_request_error"
         assert response.json()["error"]["code"] == code
@@ -112,14 +113,14 @@ def test_a_body_over_the_limit_is_a_413_by_content_length_or_while_chunked(serve
     limit = 1024
     with proxy_in_front([p.url], [d.url], max_request_bytes=limit) as proxy:
         big = padded(limit + 1)
-        by_length = httpx.post(f"{proxy}/v1/completions", content=big, timeout=30)
-        chunked = httpx.post(f"{proxy}/v1/completions", content=iter([big[:600], big[600:]]), timeout=30)
+        by_length = http_client().post(f"{proxy}/v1/completions", content=big, timeout=30)
+        chunked = http_client().post(f"{proxy}/v1/completions", content=iter([big[:600], big[600:]]), timeout=30)
         for response in (by_length, chunked):
             assert response.status_code == 413
             assert response.json()["error"]["code"] == "request_too_large"
         assert "content-length" not in chunked.request.headers  # it was sent chunked
         assert p.received == d.received == []
-        assert httpx.post(f"{proxy}/v1/completions", content=padded(limit), timeout=30).status_code == 200
+        assert http_client().post(f"{proxy}/v1/completions", content=padded(limit), timeout=30).status_code == 200
 
 
 def test_a_declared_length_over_the_limit_is_refused_before_the_body_is_read(servers) -> None:
@@ -144,8 +145,8 @@ def test_p_gets_the_original_body_unstreamed_and_d_gets_it_with_ps_params(server
     body = {"prompt": "caf\u00e9 \U0001f600", "max_tokens": 50, "min_tokens": 3, "stream": True,
             "stream_options": {"include_usage": True}, "seed": 2**80, "temperature": 0.5, "extra": [1, {"a": None}]}
     with proxy_in_front([p.url], [d.url]) as proxy:
-        with httpx.stream("POST", f"{proxy}/v1/completions", json=body, timeout=30,
-                          headers={"X-Request-Id": "rid-7"}) as response:
+        with http_client().stream("POST", f"{proxy}/v1/completions", json=body, timeout=30,
+                                  headers={"X-Request-Id": "rid-7"}) as response:
             raw = b"".join(response.iter_raw())
             assert response.status_code == 200 and response.headers["x-request-id"] == "rid-7"
     assert raw == b"".join(STREAM_CHUNKS)  # byte for byte
@@ -158,7 +159,7 @@ def test_p_gets_the_original_body_unstreamed_and_d_gets_it_with_ps_params(server
 def test_an_unstreamed_answer_is_ds_body(servers) -> None:
     p, d = servers
     with proxy_in_front([p.url], [d.url]) as proxy:
-        response = httpx.post(f"{proxy}/v1/chat/completions", json=CHAT, timeout=30)
+        response = http_client().post(f"{proxy}/v1/chat/completions", json=CHAT, timeout=30)
         assert response.status_code == 200 and response.json()["choices"][0]["text"] == "fake answer"
         assert response.headers["x-request-id"].startswith("pdx-")
         assert p.received[0].path == d.received[0].path == "/v1/chat/completions"
@@ -207,7 +208,8 @@ def test_invalid_flags_stop_the_proxy_with_a_message(argv) -> None:
 def test_unknown_routes_and_methods_answer_an_openai_error_object(servers) -> None:
     p, d = servers
     with proxy_in_front([p.url], [d.url]) as proxy:
-        for response in (httpx.get(f"{proxy}/nowhere", timeout=5), httpx.get(f"{proxy}/v1/completions", timeout=5)):
+        for path in ("/nowhere", "/v1/completions"):
+            response = http_client().get(f"{proxy}{path}", timeout=5)
             assert response.status_code in (404, 405)
             assert response.json()["error"]["message"] in ("Not Found", "Method Not Allowed")
 

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from launch import http_client
 from proxy.answers import MAX_BACKOFF_S, backoff_s
 from proxy_fakes import (Reply, error, fake, hanging_up, proxy_health, proxy_in_front, proxy_metric, refusing_port,
                          wait_until)
@@ -18,7 +19,7 @@ BODY = {"prompt": "Hello there", "max_tokens": 4}
 
 
 def post(proxy: str) -> httpx.Response:
-    return httpx.post(f"{proxy}/v1/completions", json=BODY, timeout=60)
+    return http_client().post(f"{proxy}/v1/completions", json=BODY, timeout=60)
 
 
 def retries(proxy: str, role: str = "prefill") -> float:

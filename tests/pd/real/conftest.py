@@ -37,7 +37,7 @@ def hf_gemma(path: Path, dtype):
 
     from transformers import AutoModelForCausalLM
 
-    with mock.patch("gguf.GGUFReader", _gguf_reader):
+    with mock.patch("gguf.GGUFReader", gguf_reader):
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
     packed = [type(m).__name__ for m in model.modules() if "gguf" in type(m).__name__.lower()]
     assert not packed, f"transformers kept GGUF-packed modules ({packed[:3]}): the reference must be dense"
@@ -45,11 +45,11 @@ def hf_gemma(path: Path, dtype):
 
 
 
-def _gguf_reader(path, mode: str = "r"):
+def gguf_reader(path, mode: str = "r") -> GGUFReader:
     """gguf's own reader, made once per file: transformers makes one for the config and
     another for the weights of every model it loads, ~10 s each for Gemma's 262k-token
     vocabulary. The reader maps the file read-only; what it reads is unchanged."""
-    return _reader(str(path), mode)
+    return _reader(str(Path(path).resolve()), mode)
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,7 +1,8 @@
 """pd.LLM on the real Gemma 3 270M GGUF against transformers on the same file: greedy
 tokens equal in float32; teacher-forced top-1 agreement in bfloat16 over real English
 (one forward, and one request per prefix through the prefix cache);
-the weights we read equal the weights transformers reads, tensor by tensor."""
+the weights we read equal the weights transformers reads, tensor by tensor, and our GGUF
+reader reads the file as gguf's own does."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pd.llm import LLM
 from pd.models.gguf import GGUFModel
 from pd.request import SamplingParams
 from pd.tokenizer import Tokenizer
-from tests.pd.real.conftest import PROMPTS, hf_gemma
+from tests.pd.models.test_gguf_file import assert_same_as_the_reference
+from tests.pd.real.conftest import PROMPTS, gguf_reader, hf_gemma
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
@@ -29,6 +31,10 @@ def test_every_weight_equals_what_transformers_reads(gemma_gguf) -> None:
         assert torch.equal(tensor, reference[name]), name
         seen += 1
     assert seen == len(reference) - 1  # all but lm_head.weight, tied to the embedding
+
+
+def test_our_reader_reads_the_real_gemma_as_gguf_s_own_reader_does(gemma_gguf) -> None:
+    assert_same_as_the_reference(gemma_gguf, gguf_reader(gemma_gguf))  # the reader transformers got
 
 
 def test_float32_greedy_tokens_equal_transformers(gemma_gguf) -> None:
@@ -69,8 +75,20 @@ def reference_logits(gemma_gguf, english_tokens) -> tuple[torch.Tensor, torch.Te
     return logits[torch.float32], logits[torch.bfloat16]
 
 
+@pytest.fixture(scope="module")
+def bfloat16_llm(gemma_gguf) -> LLM:
+    """One bfloat16 engine for the tests below (a load is ~3 s); `fresh` empties its
+    prefix cache, so that each test computes what it says it does."""
+    return LLM(str(gemma_gguf), dtype="bfloat16", max_model_len=1024, keep_logits=True)
+
+
+def fresh(llm: LLM) -> LLM:
+    assert llm.engine.kv_cache_manager.reset_prefix_cache(), "a request still holds blocks"
+    return llm
+
+
 @pytest.mark.parametrize("kernels", ["torch", "native"])
-def test_bfloat16_teacher_forced_top1_agrees_with_transformers(gemma_gguf, english_tokens, reference_logits,
+def test_bfloat16_teacher_forced_top1_agrees_with_transformers(bfloat16_llm, english_tokens, reference_logits,
                                                                kernels, monkeypatch) -> None:
     """The text teacher-forced in one request: the prompt's own logprobs score every
     position in one prefill, held against transformers' forward of the same text.
@@ -93,8 +111,7 @@ def test_bfloat16_teacher_forced_top1_agrees_with_transformers(gemma_gguf, engli
 
         monkeypatch.setattr(cpu_kernels, "supports", lambda *args: False)
         monkeypatch.setattr(fused, "supports", lambda *args: False)
-    llm = LLM(str(gemma_gguf), dtype="bfloat16", max_model_len=1024)
-    scored = llm.generate([english_tokens], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5))[0]
+    scored = fresh(bfloat16_llm).generate([english_tokens], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5))[0]
     ids, ours = torch.tensor(scored.prompt_logprobs.token_ids), torch.tensor(scored.prompt_logprobs.logprobs)
     exact, rounded = (logits[:-1].log_softmax(-1) for logits in reference_logits)  # row p scores token p + 1
 
@@ -121,7 +138,7 @@ def test_bfloat16_teacher_forced_top1_agrees_with_transformers(gemma_gguf, engli
     assert (margins < NEAR_TIE).all(), f"a disagreement that is not a near-tie ({margins.max():.3f})"
 
 
-def test_bfloat16_cached_prefixes_differ_from_transformers_only_at_near_ties(gemma_gguf, english_tokens,
+def test_bfloat16_cached_prefixes_differ_from_transformers_only_at_near_ties(bfloat16_llm, english_tokens,
                                                                           reference_logits) -> None:
     """Position by position, one request per prefix: they share the prefix cache, so each
     computes a few tokens against cached KV in mixed batches, a different order of
@@ -133,8 +150,7 @@ def test_bfloat16_cached_prefixes_differ_from_transformers_only_at_near_ties(gem
     computations may differ (here ~97 %). So: >= 96 % agreement, and every disagreement
     must be such a near-tie in float32 (top-2 margin under NEAR_TIE)."""
     tokens = english_tokens
-    llm = LLM(str(gemma_gguf), dtype="bfloat16", max_model_len=1024, keep_logits=True)
-    outputs = llm.generate([tokens[:k] for k in range(1, len(tokens) + 1)], SamplingParams(max_tokens=1, temperature=0))
+    outputs = fresh(bfloat16_llm).generate([tokens[:k] for k in range(1, len(tokens) + 1)], SamplingParams(max_tokens=1, temperature=0))
     ours = torch.stack([out.logits[0] for out in outputs]).float()
     exact, reference = reference_logits
     agree = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from conftest_models import tiny_models  # noqa: F401  (the session fixture)
+from conftest_models import colocated, tiny_models  # noqa: F401  (the session fixtures)
 from server_harness import running_server, started_together
 
 

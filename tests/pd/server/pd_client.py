@@ -9,8 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
+from launch import http_client
 from proxy.body import prefill_body
 
 TIMEOUT_S = 120
@@ -27,7 +26,8 @@ class Answer:
 
 
 def complete(server, body: dict[str, Any], endpoint: str = "completions") -> Answer:
-    response = httpx.post(f"{server.url}/v1/{endpoint}", json=body | {"return_token_ids": True}, timeout=TIMEOUT_S)
+    response = http_client().post(f"{server.url}/v1/{endpoint}", json=body | {"return_token_ids": True},
+                                  timeout=TIMEOUT_S)
     assert response.status_code == 200, response.text
     out = response.json()
     choice = out["choices"][0]
@@ -37,8 +37,8 @@ def complete(server, body: dict[str, Any], endpoint: str = "completions") -> Ans
 
 def stream(server, body: dict[str, Any], endpoint: str = "completions") -> Answer:
     token_ids, text, finish_reason, last = [], "", None, {}
-    with httpx.stream("POST", f"{server.url}/v1/{endpoint}", json=body | {"stream": True, "return_token_ids": True},
-                      timeout=TIMEOUT_S) as response:
+    with http_client().stream("POST", f"{server.url}/v1/{endpoint}",
+                              json=body | {"stream": True, "return_token_ids": True}, timeout=TIMEOUT_S) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             if not line.startswith("data: {"):
@@ -71,11 +71,12 @@ def choices(server, body: dict[str, Any], endpoint: str = "completions", streame
     """The answer's choices, by index; streamed, each choice's chunks merged into the
     shape of an unstreamed choice (texts and token ids joined, logprobs lists joined)."""
     if not streamed:
-        response = httpx.post(f"{server.url}/v1/{endpoint}", json=body, timeout=TIMEOUT_S)
+        response = http_client().post(f"{server.url}/v1/{endpoint}", json=body, timeout=TIMEOUT_S)
         assert response.status_code == 200, response.text
         return response.json()["choices"]
     merged: dict[int, dict] = {}
-    with httpx.stream("POST", f"{server.url}/v1/{endpoint}", json=body | {"stream": True}, timeout=TIMEOUT_S) as response:
+    with http_client().stream("POST", f"{server.url}/v1/{endpoint}", json=body | {"stream": True},
+                              timeout=TIMEOUT_S) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             if line.startswith("data: {"):

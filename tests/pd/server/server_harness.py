@@ -9,9 +9,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
-
-from launch import Launched, free_port, pd_command, running, stop_process, terminate_all, wait_started  # noqa: F401
+from launch import (Launched, free_port, http_client, pd_command, running, stop_process,  # noqa: F401
+                    terminate_all, wait_started)
 
 ARCHS = ["qwen3", "gemma3", "bamba", "granitehybrid"]
 # A bound on waiting for a server to reach a state, generous: the suite runs on two
@@ -24,7 +23,7 @@ class ServerProcess(Launched):
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics, keyed by its name and labels as written."""
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        text = http_client().get(f"{self.url}/metrics", timeout=5).text
         samples = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):

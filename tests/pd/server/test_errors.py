@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from launch import http_client
 from malformed import BAD_REQUESTS, MAX_MODEL_LEN
 from server_harness import running_server
 
@@ -67,13 +68,13 @@ def test_api_key_guards_v1_only(server) -> None:
     body = {"model": "qwen3", "prompt": "x", "max_tokens": 1}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models")):
-            response = httpx.request(method, f"{server.url}{path}", json=body, headers=headers, timeout=30)
+            response = http_client().request(method, f"{server.url}{path}", json=body, headers=headers, timeout=30)
             assert response.status_code == 401, (headers, path)
             assert response.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=30).status_code == 200
-    assert httpx.get(f"{server.url}/v1/models", headers=AUTH, timeout=30).status_code == 200
-    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
-    assert "pd_kv_cache_usage" in httpx.get(f"{server.url}/metrics", timeout=30).text
+    assert http_client().post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=30).status_code == 200
+    assert http_client().get(f"{server.url}/v1/models", headers=AUTH, timeout=30).status_code == 200
+    assert http_client().get(f"{server.url}/health", timeout=30).status_code == 200
+    assert "pd_kv_cache_usage" in http_client().get(f"{server.url}/metrics", timeout=30).text
 
 
 def wait_until_running(server, timeout: float = 10.0) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from launch import http_client
 from pd.server.protocol import IGNORED_FIELDS, ChatCompletionRequest, CompletionRequest
 from pd_client import TIMEOUT_S
 
@@ -43,8 +44,8 @@ class Client:
 
     def post(self, **fields) -> httpx.Response:
         base = {"messages": MESSAGES} if self.chat else {"prompt": PROMPT}
-        return httpx.post(f"{self.server.url}/v1/{self.endpoint}", json=base | {"return_token_ids": True} | fields,
-                          timeout=TIMEOUT_S)
+        return http_client().post(f"{self.server.url}/v1/{self.endpoint}",
+                                  json=base | {"return_token_ids": True} | fields, timeout=TIMEOUT_S)
 
     def answer(self, **fields) -> dict:
         response = self.post(**fields)
@@ -73,7 +74,7 @@ def token_id(server, text: str) -> int:
 
 def model(c: Client) -> None:
     assert c.post(model="another-model").status_code == 404
-    served = httpx.get(f"{c.server.url}/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
+    served = http_client().get(f"{c.server.url}/v1/models", timeout=TIMEOUT_S).json()["data"][0]["id"]
     assert c.tokens(model=served, **GREEDY) == c.tokens(**GREEDY)
 
 
@@ -159,8 +160,8 @@ def user(c: Client) -> None:
 def kv_transfer_params(c: Client) -> None:
     answer = c.answer(**GREEDY, kv_transfer_params={"do_remote_decode": True})
     assert answer["usage"]["completion_tokens"] == 1 and answer["kv_transfer_params"]["do_remote_prefill"]
-    httpx.post(f"{c.server.url}/v1/kv/release",
-               json={"remote_request_id": answer["kv_transfer_params"]["remote_request_id"]}, timeout=TIMEOUT_S)
+    http_client().post(f"{c.server.url}/v1/kv/release",
+                       json={"remote_request_id": answer["kv_transfer_params"]["remote_request_id"]}, timeout=TIMEOUT_S)
 
 
 def cache_salt(c: Client) -> None:

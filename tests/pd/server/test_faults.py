@@ -21,6 +21,7 @@ import time
 import httpx
 import pytest
 
+from launch import http_client
 from server_harness import running_server
 
 pytestmark = pytest.mark.slow
@@ -57,7 +58,7 @@ def engine_pid(server) -> int:
 
 
 def post(server, body: dict, path: str = "/v1/completions", **kwargs) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json=body, timeout=60, **kwargs)
+    return http_client().post(f"{server.url}{path}", json=body, timeout=60, **kwargs)
 
 
 def assert_serving(server, pid: int) -> None:
@@ -144,8 +145,9 @@ def test_oversized_bodies_are_refused_before_they_cost_cpu_or_memory(start) -> N
     big = "lorem ipsum " * ((20 << 20) // 12)  # 20 MB
     response = post(server, {"prompt": big, "max_tokens": 1})
     assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
-    chunked = httpx.post(f"{server.url}/v1/completions", content=iter([b'{"prompt": "', b"x" * (4 << 20), b'"}']),
-                         headers={"Content-Type": "application/json"}, timeout=60)  # no Content-Length
+    chunked = http_client().post(f"{server.url}/v1/completions",
+                                 content=iter([b'{"prompt": "', b"x" * (4 << 20), b'"}']),
+                                 headers={"Content-Type": "application/json"}, timeout=60)  # no Content-Length
     assert chunked.status_code == 413
     for _ in range(3):  # just under the body limit, far past what the context can hold
         response = post(server, {"prompt": "lorem ipsum " * ((3 << 20) // 13), "max_tokens": 1})

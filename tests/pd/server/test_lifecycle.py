@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
+from launch import http_client
 from pd.cli import main
 from server_harness import running_server, stop_process, wait_until
 
@@ -50,7 +50,8 @@ def test_engine_death_fails_requests_and_health_promptly(tiny_models, tmp_path) 
         engine_pid = server.health().json()["engine_pid"]
         body = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True}
         # the client's read timeout bounds how long the stream may go on after the kill
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=DEATH_DEADLINE_S) as response:
+        with http_client().stream("POST", f"{server.url}/v1/completions", json=body,
+                                  timeout=DEATH_DEADLINE_S) as response:
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
             os.kill(engine_pid, signal.SIGKILL)  # a child of the server this test started
@@ -61,8 +62,9 @@ def test_engine_death_fails_requests_and_health_promptly(tiny_models, tmp_path) 
         assert wait_until(lambda: server.health().status_code == 503, DEATH_DEADLINE_S), "/health still 200"
         assert server.health().json()["status"] == "engine dead"
         for stream in (False, True):
-            response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": stream},
-                                  timeout=DEATH_DEADLINE_S)
+            response = http_client().post(f"{server.url}/v1/completions",
+                                          json={"prompt": "x", "max_tokens": 2, "stream": stream},
+                                          timeout=DEATH_DEADLINE_S)
             assert response.status_code == 503, response.text
             assert response.json()["error"]["code"] == "engine_dead"
         assert server.process.poll() is None  # the server itself stays up to say so

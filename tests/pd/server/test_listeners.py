@@ -8,9 +8,9 @@ import ipaddress
 import os
 from pathlib import Path
 
-import httpx
 import pytest
 
+from launch import http_client
 from server_harness import running_server
 
 pytestmark = pytest.mark.slow
@@ -59,10 +59,10 @@ def test_a_pd_pair_listens_on_loopback_only(tiny_models, tmp_path) -> None:
         p = stack.enter_context(running_server(tiny_models["qwen3"], tmp_path / "p.log", "--role", "prefill"))
         d = stack.enter_context(running_server(tiny_models["qwen3"], tmp_path / "d.log", "--role", "decode"))
         body = {"prompt": "The keeper counted ships. " * 4, "max_tokens": 3}
-        params = httpx.post(f"{p.url}/v1/completions", timeout=60,
-                            json=body | {"kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
-        assert httpx.post(f"{d.url}/v1/completions", json=body | {"kv_transfer_params": params},
-                          timeout=60).status_code == 200
+        params = http_client().post(f"{p.url}/v1/completions", timeout=60, json=body | {
+            "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+        assert http_client().post(f"{d.url}/v1/completions", json=body | {"kv_transfer_params": params},
+                                  timeout=60).status_code == 200
         assert d.metrics()["pd_kv_transfer_reads_total"] == 1  # the transfer ran over loopback
         for server in (p, d):
             pids = {server.process.pid} | children(server.process.pid)

@@ -7,21 +7,18 @@ from __future__ import annotations
 
 import math
 
-import httpx
 import pytest
 import torch
 
+from launch import http_client
 from pd_client import TIMEOUT_S, assert_choices_close, choices
 
 PROMPT = "The lighthouse keeper counted the ships that passed the rocks each night"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models, tmp_path_factory):
-    from server_harness import running_server
-
-    with running_server(tiny_models["qwen3"], tmp_path_factory.mktemp("logprobs") / "s.log") as s:
-        yield s
+def server(colocated):
+    return colocated["qwen3"]  # the worker's plain qwen3 server: these tests leave it as they found it
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +35,7 @@ def hf(tiny_models):
 
 
 def post(server, body: dict, endpoint: str = "completions") -> dict:
-    response = httpx.post(f"{server.url}/v1/{endpoint}", json=body, timeout=TIMEOUT_S)
+    response = http_client().post(f"{server.url}/v1/{endpoint}", json=body, timeout=TIMEOUT_S)
     assert response.status_code == 200, response.text
     return response.json()
 

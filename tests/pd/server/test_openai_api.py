@@ -5,10 +5,10 @@ sampling fields (seed, top_k, top_p, stop, ignore_eos) reach the engine."""
 from __future__ import annotations
 
 import json
-import httpx
 import openai
 import pytest
 
+from launch import http_client
 from pd.engine.core import group_names
 from pd.llm import LLM
 from pd.request import SamplingParams
@@ -101,17 +101,18 @@ def test_return_token_ids_gives_the_llm_token_ids(server, greedy, arch, tiny_mod
     prompt = {"prompt": PROMPT} if endpoint == "completions" else {"messages": MESSAGES}
     expected = greedy(PROMPT if endpoint == "completions" else chat_prompt_ids(tiny_models[arch]))
     body = prompt | {"max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
-    out = httpx.post(f"{server.url}/v1/{endpoint}", json=body, timeout=60).json()
+    out = http_client().post(f"{server.url}/v1/{endpoint}", json=body, timeout=60).json()
     assert out["choices"][0]["token_ids"] == expected.token_ids
     assert out["choices"][0]["prompt_token_ids"] == expected.prompt_token_ids
     streamed = []
-    with httpx.stream("POST", f"{server.url}/v1/{endpoint}", json=body | {"stream": True}, timeout=60) as response:
+    with http_client().stream("POST", f"{server.url}/v1/{endpoint}", json=body | {"stream": True},
+                              timeout=60) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 streamed += json.loads(line[6:])["choices"][0].get("token_ids", [])
     assert streamed == expected.token_ids
-    assert "token_ids" not in httpx.post(f"{server.url}/v1/{endpoint}", json=prompt | {"max_tokens": 2},
-                                         timeout=60).json()["choices"][0]
+    assert "token_ids" not in http_client().post(f"{server.url}/v1/{endpoint}", json=prompt | {"max_tokens": 2},
+                                                 timeout=60).json()["choices"][0]
 
 
 def test_chat_equals_llm_on_the_rendered_template(client, greedy, arch, tiny_models) -> None:
@@ -177,15 +178,15 @@ def test_default_max_tokens_is_the_remaining_context(server, arch) -> None:
     # at once, so only acceptance (no 400 for a missing max_tokens) is checked.
     body = {"model": arch, "prompt": TOKEN_PROMPT, "temperature": 0,
             "stop_token_ids": list(range(4096))}
-    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    response = http_client().post(f"{server.url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 1
 
 
 def test_request_id_header_and_kv_transfer_params_round_trip(server, arch) -> None:
     body = {"model": arch, "prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": {"do_remote_decode": False}}
-    response = httpx.post(f"{server.url}/v1/completions", json=body, headers={"X-Request-Id": f"req-{arch}-1"},
-                          timeout=60)
+    response = http_client().post(f"{server.url}/v1/completions", json=body, headers={"X-Request-Id": f"req-{arch}-1"},
+                                  timeout=60)
     assert response.status_code == 200, response.text
     assert response.headers["x-request-id"] == f"req-{arch}-1"
     data = response.json()
@@ -196,7 +197,7 @@ def test_request_id_header_and_kv_transfer_params_round_trip(server, arch) -> No
 def test_chat_template_refusal_is_a_400(server, arch) -> None:
     body = {"model": arch, "max_tokens": 1,
             "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
-    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    response = http_client().post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
     if arch == "gemma3":  # the only template here that insists on alternating roles
         assert response.status_code == 400
         assert "alternate" in response.json()["error"]["message"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import pytest
 
+from launch import http_client
 from server_harness import stop_process
 
 pytestmark = pytest.mark.slow
@@ -16,7 +16,7 @@ BODY = {"prompt": "An old lighthouse keeper kept a log of every ship that passed
 
 
 def complete(server, body: dict) -> dict:
-    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    response = http_client().post(f"{server.url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -25,8 +25,9 @@ def prefill(p) -> dict:
     return complete(p, BODY | {"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"]
 
 
-def test_p_gone_before_d_reads_d_recomputes_the_right_tokens(start) -> None:
-    p, d, c = start.all(("p", "--kv-connector", "nixl"), ("d", "--kv-connector", "nixl"), ("c",))
+def test_p_gone_before_d_reads_d_recomputes_the_right_tokens(start, colocated) -> None:
+    p, d = start.all(("p", "--kv-connector", "nixl"), ("d", "--kv-connector", "nixl"))
+    c = colocated["qwen3"]
     params = prefill(p)
     stop_process(p.process)
     out = complete(d, BODY | {"kv_transfer_params": params})
@@ -44,12 +45,12 @@ def test_p_gone_before_d_reads_with_the_fail_policy_d_answers_a_clear_error(star
     assert d.metrics()["pd_kv_transfer_reads_total"] == 0  # connector metrics exist from start-up
     params = [prefill(p), prefill(p)]
     stop_process(p.process)
-    response = httpx.post(f"{d.url}/v1/completions", json=BODY | {"kv_transfer_params": params[0]}, timeout=60)
+    response = http_client().post(f"{d.url}/v1/completions", json=BODY | {"kv_transfer_params": params[0]}, timeout=60)
     assert response.status_code == 502, response.text
     error = response.json()["error"]
     assert error["code"] == "kv_load_failed" and "could not be loaded from the prefill server" in error["message"]
-    with httpx.stream("POST", f"{d.url}/v1/completions", timeout=60,
-                      json=BODY | {"kv_transfer_params": params[1], "stream": True}) as streamed:
+    with http_client().stream("POST", f"{d.url}/v1/completions", timeout=60,
+                              json=BODY | {"kv_transfer_params": params[1], "stream": True}) as streamed:
         events = [line for line in streamed.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and '"code":502' in events[-2] and "could not be loaded" in events[-2]
     metrics = d.metrics()
@@ -69,8 +70,9 @@ def test_blocks_nobody_reads_are_freed_when_the_lease_ends(start) -> None:
     assert p.metrics()["pd_kv_cache_usage"] == 0
 
 
-def test_a_request_d_cannot_load_is_computed_there_and_p_frees_at_once(start) -> None:
-    p, d, c = start.all(("p", "--kv-connector", "nixl"), ("d", "--kv-connector", "nixl"), ("c",))
+def test_a_request_d_cannot_load_is_computed_there_and_p_frees_at_once(start, colocated) -> None:
+    p, d = start.all(("p", "--kv-connector", "nixl"), ("d", "--kv-connector", "nixl"))
+    c = colocated["qwen3"]
     params = prefill(p)
     other = BODY | {"prompt": BODY["prompt"] + " And more."}  # not the prompt P prefilled
     out = complete(d, other | {"kv_transfer_params": params})
@@ -88,9 +90,10 @@ def test_a_request_waiting_in_d_s_queue_past_the_lease_still_reads_p_s_kv(start)
     params = prefill(p)
     result = {}
     sender = threading.Thread(target=lambda: result.update(
-        response=httpx.post(f"{d.url}/v1/completions", json=BODY | {"kv_transfer_params": params}, timeout=120)))
+        response=http_client().post(f"{d.url}/v1/completions", json=BODY | {"kv_transfer_params": params},
+                                    timeout=120)))
     hog = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{d.url}/v1/completions", json=hog, timeout=60) as stream:
+    with http_client().stream("POST", f"{d.url}/v1/completions", json=hog, timeout=60) as stream:
         lines = stream.iter_lines()
         next(line for line in lines if line.startswith("data: {"))  # the slot is taken
         sender.start()

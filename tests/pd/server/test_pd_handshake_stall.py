@@ -10,9 +10,9 @@ import os
 import threading
 import time
 
-import httpx
 import pytest
 
+from launch import http_client
 from server_harness import running_server
 from test_pd_signing import ConnectionRecorder
 
@@ -29,18 +29,18 @@ def test_a_peer_that_never_answers_does_not_stall_other_streams(tiny_models, tmp
         p = stack.enter_context(running_server(tiny_models["qwen3"], tmp_path / "p.log", "--role", "prefill"))
         d = stack.enter_context(running_server(tiny_models["qwen3"], tmp_path / "d.log", "--role", "decode"))
         body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-        params = httpx.post(f"{p.url}/v1/completions", timeout=60,
-                            json=body | {"kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+        params = http_client().post(f"{p.url}/v1/completions", timeout=60, json=body | {
+            "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
         silent = params | {"remote_engine_id": "pd-silent", "remote_port": recorder.port}
         stalled: dict = {}
 
         def send_stalled() -> None:
-            stalled["response"] = httpx.post(f"{d.url}/v1/completions", timeout=60,
-                                             json=body | {"kv_transfer_params": silent})
+            stalled["response"] = http_client().post(f"{d.url}/v1/completions", timeout=60,
+                                                     json=body | {"kv_transfer_params": silent})
 
         arrivals = []
         long = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{d.url}/v1/completions", json=long, timeout=60) as stream:
+        with http_client().stream("POST", f"{d.url}/v1/completions", json=long, timeout=60) as stream:
             sender = threading.Thread(target=send_stalled)
             for line in stream.iter_lines():
                 if not line.startswith("data: {"):

@@ -7,9 +7,9 @@ from __future__ import annotations
 import contextlib
 import os
 
-import httpx
 import pytest
 
+from launch import http_client
 from server_harness import running_server
 
 pytestmark = pytest.mark.slow
@@ -17,9 +17,9 @@ BODY = {"prompt": "The keeper counted ships until the lamp went out. " * 6, "max
 
 
 def pd_request(p, d) -> dict:
-    params = httpx.post(f"{p.url}/v1/completions", timeout=60,
-                        json=BODY | {"kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
-    response = httpx.post(f"{d.url}/v1/completions", json=BODY | {"kv_transfer_params": params}, timeout=60)
+    params = http_client().post(f"{p.url}/v1/completions", timeout=60, json=BODY | {
+        "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+    response = http_client().post(f"{d.url}/v1/completions", json=BODY | {"kv_transfer_params": params}, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()["usage"]
 

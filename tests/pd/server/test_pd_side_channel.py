@@ -33,7 +33,7 @@ def arch(request) -> str:
 
 
 @pytest.fixture(scope="module")
-def servers(arch, tiny_models, tmp_path_factory):
+def servers(arch, tiny_models, colocated, tmp_path_factory):
     logs = tmp_path_factory.mktemp(f"side-channel-{arch}")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     nixl = ("--kv-connector", "nixl", "--kv-lease-seconds", str(LEASE_S))
@@ -42,9 +42,10 @@ def servers(arch, tiny_models, tmp_path_factory):
             running_server(tiny_models[arch], logs / f"{name}.log", *args, wait=False))
         servers = {"p": start("p", *nixl), "d": start("d", *nixl),
                    "p_pl": start("p_pl", *nixl, "--kv-layout", "per-layer"),
-                   "d_pl": start("d_pl", *nixl, "--kv-layout", "per-layer"), "c": start("c")}
+                   "d_pl": start("d_pl", *nixl, "--kv-layout", "per-layer")}
+        reference = colocated[arch]
         started_together(stack, *servers.values())
-        yield servers
+        yield servers | {"c": reference}
 
 
 def ask(port: int, frames: list[bytes]) -> bytes:

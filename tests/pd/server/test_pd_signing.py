@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 
+from launch import http_client
+
 pytestmark = pytest.mark.slow
 SECRET = "test-deployment-secret"
 BODY = {"prompt": "The keeper counted ships until the lamp went out. " * 3, "max_tokens": 4, "temperature": 0,
@@ -51,7 +53,7 @@ def recorder():
 
 
 def post(server, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    return http_client().post(f"{server.url}/v1/completions", json=body, timeout=60)
 
 
 def prefill(p, body: dict = BODY) -> dict:

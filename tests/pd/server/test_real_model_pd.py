@@ -12,9 +12,9 @@ import json
 import os
 from pathlib import Path
 
-import httpx
 import pytest
 
+from launch import http_client
 from pd_client import assert_choices_close, choices, complete, p_then_d, p_then_d_choices, stream
 from server_harness import running_proxy, running_server, started_together
 
@@ -60,13 +60,13 @@ def test_a_prompt_longer_than_the_sliding_window_matches_under_pd(deployment) ->
     reference = complete(deployment["c"], body(text, 16))
     assert reference.body["usage"]["prompt_tokens"] > 512
     assert p_then_d(deployment["p"], deployment["d"], body(text, 16)).token_ids == reference.token_ids
-    metrics = httpx.get(f"{deployment['d'].url}/metrics", timeout=10).text
+    metrics = http_client().get(f"{deployment['d'].url}/metrics", timeout=10).text
     assert "pd_kv_transfer_reads_total" in metrics
 
 
 def test_chat_on_a_base_model_is_a_clear_400(deployment) -> None:
-    response = httpx.post(f"{deployment['c'].url}/v1/chat/completions", timeout=30,
-                          json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    response = http_client().post(f"{deployment['c'].url}/v1/chat/completions", timeout=30,
+                                  json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
     assert response.status_code == 400 and "no chat template" in response.json()["error"]["message"]
     assert complete(deployment["c"], body("Hello", 2)).token_ids  # completions still work
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import re
 
-import httpx
 import pytest
 
+from launch import http_client
 from pd_client import TIMEOUT_S, assert_choices_close, choices
 
 SCHEMA = {"type": "object",
@@ -21,11 +21,8 @@ SCHEMA = {"type": "object",
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models, tmp_path_factory):
-    from server_harness import running_server
-
-    with running_server(tiny_models["qwen3"], tmp_path_factory.mktemp("structured") / "s.log") as s:
-        yield s
+def server(colocated):
+    return colocated["qwen3"]  # the worker's plain qwen3 server: these tests leave it as they found it
 
 
 def valid(value: dict) -> bool:
@@ -74,8 +71,8 @@ def test_a_grammar_that_cannot_be_enforced_is_refused_before_anything_runs(serve
     for bad in ({"guided_json": {"type": "array", "uniqueItems": True}}, {"guided_regex": "(("},
                 {"response_format": {"type": "structural_tag"}}):
         for stream in (False, True):
-            response = httpx.post(f"{server.url}/v1/completions",
-                                  json={"prompt": "x", "stream": stream} | bad, timeout=TIMEOUT_S)
+            response = http_client().post(f"{server.url}/v1/completions",
+                                          json={"prompt": "x", "stream": stream} | bad, timeout=TIMEOUT_S)
             assert response.status_code == 400, response.text
             assert response.json()["error"]["param"] in {*bad, "response_format.type"}
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
+from launch import http_client
 from pd_client import TIMEOUT_S, choices
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "A city's weather", "parameters": {
@@ -23,11 +23,8 @@ BODY = {"messages": [{"role": "user", "content": "Weather in Paris, and the time
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models, tmp_path_factory):
-    from server_harness import running_server
-
-    with running_server(tiny_models["qwen3"], tmp_path_factory.mktemp("tools") / "s.log") as s:
-        yield s
+def server(colocated):
+    return colocated["qwen3"]  # the worker's plain qwen3 server: these tests leave it as they found it
 
 
 def calls(choice: dict) -> list[tuple[str, dict]]:
@@ -67,8 +64,8 @@ def test_forced_calls_name_a_tool_and_follow_its_schema(server, tool_choice, fin
 def streamed_calls(server, body: dict) -> list[list[tuple[str, dict]]]:
     """Each choice's calls as streamed (one delta per call, indexed within the choice)."""
     found: dict[int, list] = {}
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body | {"stream": True},
-                      timeout=TIMEOUT_S) as response:
+    with http_client().stream("POST", f"{server.url}/v1/chat/completions", json=body | {"stream": True},
+                              timeout=TIMEOUT_S) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 for choice in json.loads(line[6:])["choices"]:
@@ -93,12 +90,12 @@ def test_a_conversation_with_earlier_calls_and_results_is_taken(server) -> None:
             {"id": "call_1", "type": "function", "function": {"name": "get_weather",
                                                               "arguments": '{"city": "Paris", "unit": "C"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
-    response = httpx.post(f"{server.url}/v1/chat/completions",
-                          json=BODY | {"messages": messages, "n": 1, "return_token_ids": True}, timeout=TIMEOUT_S)
+    response = http_client().post(f"{server.url}/v1/chat/completions", timeout=TIMEOUT_S,
+                                  json=BODY | {"messages": messages, "n": 1, "return_token_ids": True})
     assert response.status_code == 200, response.text
-    plain = httpx.post(f"{server.url}/v1/chat/completions", json=BODY | {"n": 1, "return_token_ids": True},
-                       timeout=TIMEOUT_S).json()
+    plain = http_client().post(f"{server.url}/v1/chat/completions", json=BODY | {"n": 1, "return_token_ids": True},
+                               timeout=TIMEOUT_S).json()
     assert len(response.json()["choices"][0]["prompt_token_ids"]) > len(plain["choices"][0]["prompt_token_ids"])
-    bad = httpx.post(f"{server.url}/v1/chat/completions",
-                     json=BODY | {"messages": [{"role": "assistant", "content": None}]}, timeout=TIMEOUT_S)
+    bad = http_client().post(f"{server.url}/v1/chat/completions",
+                             json=BODY | {"messages": [{"role": "assistant", "content": None}]}, timeout=TIMEOUT_S)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages.0.content"
