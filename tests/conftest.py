@@ -40,12 +40,16 @@ def pytest_unconfigure(config) -> None:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Files marked `heavy` (a minute or more of one worker) first, then those marked
-    `slow` (real servers), then the others; each kind by its number of tests, most first.
-    A long file started last would leave the other worker idle at the end."""
+    """Files marked `heavy` (a minute or more of one worker) first, then those with a test
+    marked `slow` (real servers), then the others; each kind by its number of tests, most
+    first. A long file started last would leave the other workers idle at the end."""
     files: dict[str, list] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
-    order = sorted(files.values(), key=lambda tests: (not tests[0].get_closest_marker("heavy"),
-                                                        not tests[0].get_closest_marker("slow"), -len(tests)))
+
+    def marked(tests: list, name: str) -> bool:
+        return any(test.get_closest_marker(name) for test in tests)
+
+    order = sorted(files.values(), key=lambda tests: (not marked(tests, "heavy"), not marked(tests, "slow"),
+                                                        -len(tests)))
     items[:] = [item for tests in order for item in tests]

@@ -19,6 +19,7 @@ from proxy.upstream import token_id_prompt
 from proxy_fakes import STREAM_CHUNKS, fake, proxy_in_front, proxy_metric
 
 KEY, SERVER_KEY = "client-secret", "server-secret"
+pytestmark = pytest.mark.slow  # seconds per test of real sockets, servers and timeouts
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 9}
 ROUTES = [("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2}), ("POST", "/v1/chat/completions", CHAT),
           ("GET", "/v1/models", None), ("GET", "/metrics", None)]

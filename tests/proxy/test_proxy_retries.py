@@ -15,6 +15,7 @@ from proxy.answers import MAX_BACKOFF_S, backoff_s
 from proxy_fakes import (Reply, error, fake, hanging_up, proxy_health, proxy_in_front, proxy_metric, refusing_port,
                          wait_until)
 
+pytestmark = pytest.mark.slow  # seconds per test of real sockets, servers and timeouts
 BODY = {"prompt": "Hello there", "max_tokens": 4}
 
 

@@ -38,6 +38,7 @@ from connectors.nixl.ucx import configure_ucx
 from pd.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, MambaSpec, SlidingWindowSpec
 from pd.kv_cache.allocation import KVCacheAllocation, allocate_kv_caches
 
+pytestmark = pytest.mark.slow  # seconds per test of real sockets, servers and timeouts
 NUM_BLOCKS = 64
 P_SEED, D_SEED = 1, 2
 DEADLINE_S = 10.0

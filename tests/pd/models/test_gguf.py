@@ -13,6 +13,7 @@ import pytest
 from pd.models.config import resolve_dtype
 from pd.models.make_model import make_model
 
+pytestmark = pytest.mark.slow  # seconds per test of real sockets, servers and timeouts
 PD = str(Path(sys.executable).parent / "pd")
 
 
