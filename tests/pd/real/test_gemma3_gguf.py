@@ -111,7 +111,8 @@ def test_bfloat16_teacher_forced_top1_agrees_with_transformers(bfloat16_llm, eng
 
         monkeypatch.setattr(cpu_kernels, "supports", lambda *args: False)
         monkeypatch.setattr(fused, "supports", lambda *args: False)
-    scored = fresh(bfloat16_llm).generate([english_tokens], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5))[0]
+    scored = fresh(bfloat16_llm).generate([english_tokens],
+                                          SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5))[0]
     ids, ours = torch.tensor(scored.prompt_logprobs.token_ids), torch.tensor(scored.prompt_logprobs.logprobs)
     exact, rounded = (logits[:-1].log_softmax(-1) for logits in reference_logits)  # row p scores token p + 1
 
@@ -150,7 +151,8 @@ def test_bfloat16_cached_prefixes_differ_from_transformers_only_at_near_ties(bfl
     computations may differ (here ~97 %). So: >= 96 % agreement, and every disagreement
     must be such a near-tie in float32 (top-2 margin under NEAR_TIE)."""
     tokens = english_tokens
-    outputs = fresh(bfloat16_llm).generate([tokens[:k] for k in range(1, len(tokens) + 1)], SamplingParams(max_tokens=1, temperature=0))
+    outputs = fresh(bfloat16_llm).generate([tokens[:k] for k in range(1, len(tokens) + 1)],
+                                           SamplingParams(max_tokens=1, temperature=0))
     ours = torch.stack([out.logits[0] for out in outputs]).float()
     exact, reference = reference_logits
     agree = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()
