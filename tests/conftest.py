@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
+
+# The server harness (tests/pd/server) is shared by the server, proxy and other live tests;
+# its session fixtures are registered here, once, so a worker has one set of tiny models
+# and one pool of colocated servers (imported into two conftests they were two of each).
+sys.path.insert(0, str(Path(__file__).parent / "pd" / "server"))
+
+from conftest_models import colocated, tiny_models  # noqa: E402,F401  (the session fixtures)
 
 _SESSION_DIRS: list[str] = []
 

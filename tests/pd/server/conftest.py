@@ -5,7 +5,6 @@ import os
 
 import pytest
 
-from conftest_models import colocated, tiny_models  # noqa: F401  (the session fixtures)
 from server_harness import running_server, started_together
 
 
@@ -27,7 +26,7 @@ class Starter:
 
 
 @pytest.fixture
-def start(tiny_models, tmp_path):  # noqa: F811
+def start(tiny_models, tmp_path):
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     with contextlib.ExitStack() as stack:
         yield Starter(tiny_models["qwen3"], tmp_path, stack)

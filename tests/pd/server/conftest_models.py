@@ -1,5 +1,5 @@
-"""The session fixtures shared by the server tests and the proxy tests: the tiny models,
-and plain colocated servers of them."""
+"""The session fixtures of the live tests (registered once, by tests/conftest.py): the
+tiny models, and plain colocated servers of them."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from pd.models.make_model import make_model
 from server_harness import ARCHS, ServerProcess, running_server
 
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from pd.models.make_model import make_model
+
     root = tmp_path_factory.mktemp("server-models")
     return {arch: make_model(arch, root / arch, seed=1) for arch in ARCHS}
 
