@@ -77,6 +77,19 @@ def test_every_flag_of_every_command_has_help_text() -> None:
             assert action.help, f"pd {name} {action.option_strings or action.dest} has no help text"
 
 
+def test_a_command_builds_only_its_own_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """`pd serve` starts without importing the proxy's and the benchmarks' modules (their
+    flags are not its); `pd serve --help` still lists serve's flags."""
+    code = ("import sys; from pd.cli import build_parser; parser = build_parser('serve'); "
+            "parser.parse_args(['serve', '--model', 'm', '--port', '1']); "
+            "print(sorted(m for m in sys.modules if m.startswith(('proxy', 'benchmarks'))))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--help"])
+    assert exc.value.code == 0 and "--kv-connector" in capsys.readouterr().out
+
+
 def test_proxy_needs_prefill_and_decode_servers(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["proxy", "--decode", "http://127.0.0.1:1"])
