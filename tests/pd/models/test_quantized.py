@@ -17,7 +17,7 @@ from pd.models import quantized
 from pd.models.config import ModelConfig
 from pd.models.loader import load_model
 from pd.models.make_model import make_model
-from pd.models.quantized import hadamard, quantize_linears, quantize_weight, reference, rotation_block
+from pd.models.quantized import HADAMARD_ROWS, hadamard, quantize_linears, quantize_weight, reference, rotation_block
 from tests.pd.models.test_model_files import run_prompt
 
 
@@ -51,6 +51,15 @@ def test_hadamard_is_the_block_sylvester_matrix(block) -> None:
     expected = (x.reshape(3, 4, block) @ sylvester(block)).reshape(3, 4 * block)
     torch.testing.assert_close(hadamard(x, block), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(hadamard(hadamard(x, block), block) / block, x, rtol=1e-5, atol=1e-5)
+
+
+def test_hadamard_of_many_rows_with_leading_dims_leaves_its_input_alone() -> None:
+    """Rows past HADAMARD_ROWS (rotated in place, a slice at a time) and leading dims."""
+    x = torch.randn(2, HADAMARD_ROWS + 7, 64)
+    before = x.clone()
+    expected = (x.reshape(-1, 2, 32) @ sylvester(32)).reshape(x.shape)
+    torch.testing.assert_close(hadamard(x, 32), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(x, before)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
