@@ -6,6 +6,12 @@ import ipaddress
 import os
 
 ONE_HOST_UCX_TLS = "sm,self,tcp"  # shared memory (cma: one process_vm_readv per run); tcp for wire-up
+# NIXL hands UCX the registered memory handle of every transfer, so UCX's registration
+# cache, and the malloc and mmap hooks that keep that cache true, serve nothing here
+# (ai-dynamo/nixl#1762 turns the caches off for the same reason). Installing the hooks
+# took 0.4 s of CPU at every agent's creation (0.02 s without) on the CPU machine, and
+# the READ speed of `benchmarks/transfer.py` is the same either way.
+NO_MEMORY_HOOKS = {"UCX_MEM_EVENTS": "no", "UCX_RCACHE_ENABLE": "n"}
 
 
 def configure_ucx(host: str, transports: str = "auto") -> None:
@@ -19,7 +25,11 @@ def configure_ucx(host: str, transports: str = "auto") -> None:
     - Listening: UCX's TCP transport listens on every network interface unless told
       otherwise; for a loopback `host` it stays on loopback (`UCX_NET_DEVICES=lo`, unless
       the operator set it). Other hosts keep UCX's choice: narrowing it there could
-      exclude the RDMA devices."""
+      exclude the RDMA devices.
+    - No memory hooks nor registration cache (NO_MEMORY_HOOKS), unless the operator set
+      those variables."""
+    for name, value in NO_MEMORY_HOOKS.items():
+        os.environ.setdefault(name, value)
     try:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:

@@ -377,9 +377,11 @@ def test_device_kind_follows_the_tensors() -> None:
     ("10.1.2.3", "auto", {}, {"UCX_TLS": None, "UCX_NET_DEVICES": None}),  # UCX's own choice (rc, ud, ...)
     ("10.1.2.3", "rc,ud,sm,self", {"UCX_TLS": "tcp"}, {"UCX_TLS": "rc,ud,sm,self", "UCX_NET_DEVICES": None}),
     ("127.0.0.1", "auto", {"UCX_NET_DEVICES": "eth1"}, {"UCX_TLS": "sm,self,tcp", "UCX_NET_DEVICES": "eth1"}),
+    ("10.1.2.3", "auto", {}, {"UCX_MEM_EVENTS": "no", "UCX_RCACHE_ENABLE": "n"}),  # NIXL passes memory handles
+    ("127.0.0.1", "auto", {"UCX_RCACHE_ENABLE": "y"}, {"UCX_MEM_EVENTS": "no", "UCX_RCACHE_ENABLE": "y"}),
 ])
 def test_configure_ucx_picks_transports_per_deployment(monkeypatch, host, transports, env, expected) -> None:
-    for name in ("UCX_TLS", "UCX_NET_DEVICES"):
+    for name in ("UCX_TLS", "UCX_NET_DEVICES", "UCX_MEM_EVENTS", "UCX_RCACHE_ENABLE"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
