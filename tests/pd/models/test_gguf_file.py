@@ -5,6 +5,7 @@ GGUF file are refused."""
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import gguf
@@ -69,4 +70,20 @@ def test_bytes_that_are_not_a_gguf_file_are_refused(tmp_path, content) -> None:
     path.write_bytes(content)
     with pytest.raises((ValueError, IndexError)):
         GGUFFile(path)
+
+
+def test_a_file_cut_inside_a_string_array_is_refused(tmp_path) -> None:
+    """The array's last string claims more bytes than are left; any cut before it too."""
+    path = tmp_path / "cut.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_array("t.strings", ["a", "bc", "def" * 40])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    whole = path.read_bytes()
+    assert GGUFFile(path).fields["t.strings"] == ["a", "bc", "def" * 40]
+    for cut in (1, 50, len(whole) - len(b"def" * 40) - 4):
+        path.write_bytes(whole[:-cut])
+        with pytest.raises((ValueError, struct.error)):
+            GGUFFile(path)
 
