@@ -16,6 +16,8 @@ refused with its name (`UnsupportedGGUF`).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -185,16 +187,18 @@ class GGUFModel:
 
     def _cached_tokenizer(self) -> tuple[str, dict[str, Any]]:
         """(tokenizer.json text, tokenizer_config) from the disk cache, else converted and
-        written there (aside, then renamed in: racing servers are safe). A cache that
-        cannot be read or written costs a conversion, nothing else."""
+        written there (aside, then renamed in). Processes that miss the cache together (a
+        deployment's servers starting at once) take turns through a lock file beside it:
+        the first converts, the others then read what it wrote. A cache that cannot be
+        read or written costs a conversion, nothing else."""
         path = _tokenizer_cache_path(self.path)
-        try:
-            cached = json.loads(path.read_text())
-            return cached["tokenizer"], cached["config"]
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            logger.warning("ignoring the unreadable tokenizer cache %s (%s)", path, exc)
+        cached = _read_tokenizer_cache(path)
+        if cached is None:
+            with _cache_lock(path):
+                cached = _read_tokenizer_cache(path) or self._convert_and_keep(path)
+        return cached
+
+    def _convert_and_keep(self, path: Path) -> tuple[str, dict[str, Any]]:
         tokenizer, config = self._convert_tokenizer()
         text = tokenizer.to_str()
         try:
@@ -262,6 +266,34 @@ def _dequantize(data: np.ndarray, kind) -> np.ndarray:
     scales = blocks[:, :2].contiguous().view(torch.float16).float()
     values = blocks[:, 2:].view(torch.int8).float() * scales
     return values.numpy().reshape(*data.shape[:-1], -1)
+
+
+def _read_tokenizer_cache(path: Path) -> tuple[str, dict[str, Any]] | None:
+    """(tokenizer.json text, tokenizer_config) kept at `path`; None if it is not there or
+    does not read (then it is converted again and rewritten)."""
+    try:
+        cached = json.loads(path.read_text())
+        return cached["tokenizer"], cached["config"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        logger.warning("ignoring the unreadable tokenizer cache %s (%s)", path, exc)
+        return None
+
+
+@contextlib.contextmanager
+def _cache_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on PATH.lock for the block (the kernel drops it if its holder
+    dies); no lock where the folder cannot be written (each process then converts)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix(".lock"), "a")  # noqa: SIM115  (closed below: that unlocks it)
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _tokenizer_cache_path(gguf_path: Path) -> Path:

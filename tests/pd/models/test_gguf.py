@@ -215,7 +215,7 @@ def test_a_converted_tokenizer_is_kept_on_disk_and_read_back_alike(tmp_path, mon
     monkeypatch.setenv("PD_TOKENIZER_CACHE", str(tmp_path / "cache"))
     path = write_tokenizer_gguf(tmp_path / "tok.gguf")
     converted, config = GGUFModel(path).tokenizer()
-    [kept] = (tmp_path / "cache").iterdir()
+    [kept] = (tmp_path / "cache").glob("*.json")
     read, read_config = GGUFModel(path).tokenizer()
     assert len(conversions) == 1
     assert read.to_str() == converted.to_str() and read_config == config and config["bos_token"] == "<bos>"
@@ -229,3 +229,30 @@ def test_a_converted_tokenizer_is_kept_on_disk_and_read_back_alike(tmp_path, mon
     monkeypatch.setenv("PD_TOKENIZER_CACHE", str(tmp_path / "a-file" / "cache"))
     assert GGUFModel(path).tokenizer()[0].to_str() == converted.to_str()
     assert len(conversions) == 3
+
+
+def test_a_process_that_misses_the_cache_while_another_converts_waits_and_reads_its_result(
+        tmp_path, monkeypatch) -> None:
+    """Servers starting together convert a vocabulary once: while one holds the cache
+    entry's lock (converting), another that finds no entry waits for it, then reads
+    what the first wrote instead of converting too."""
+    import json
+    import threading
+
+    from pd.models.gguf import GGUFModel, _cache_lock, _tokenizer_cache_path
+
+    conversions, convert = [], GGUFModel._convert_tokenizer
+    monkeypatch.setattr(GGUFModel, "_convert_tokenizer", lambda self: conversions.append(self.path) or convert(self))
+    monkeypatch.setenv("PD_TOKENIZER_CACHE", str(tmp_path / "cache"))
+    path = write_tokenizer_gguf(tmp_path / "tok.gguf")
+    text = convert(GGUFModel(path))[0].to_str()
+    entry, result = _tokenizer_cache_path(path), {}
+    waiter = threading.Thread(target=lambda: result.update(config=GGUFModel(path).tokenizer()[1]))
+    with _cache_lock(entry):  # "another process" converting (a lock file is per open file, threads too)
+        waiter.start()
+        waiter.join(2.0)
+        assert waiter.is_alive() and not conversions  # waiting, not converting
+        entry.write_text(json.dumps({"tokenizer": text, "config": {"written_by": "the first"}}))
+    waiter.join(30)
+    assert result["config"] == {"written_by": "the first"} and not conversions
+
