@@ -1,14 +1,20 @@
 """PD failure paths on real servers with real NIXL: P gone before D reads, a lease that
-runs out, and a decode request D cannot serve from P's blocks (a reject)."""
+runs out, and a decode request D cannot serve from P's blocks (a reject).
+
+A decode server, a prefill server and a prefill server with a 1 s lease are shared by
+the tests that leave them as they found them (holding nothing; counters are compared
+before and after); a test that stops a server or needs other flags starts its own."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 
 import pytest
 
 from launch import http_client
-from server_harness import stop_process
+from server_harness import running_server, started_together, stop_process
 
 pytestmark = pytest.mark.slow
 BODY = {"prompt": "An old lighthouse keeper kept a log of every ship that passed. " * 4,
@@ -25,16 +31,35 @@ def prefill(p) -> dict:
     return complete(p, BODY | {"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"]
 
 
-def test_p_gone_before_d_reads_d_recomputes_the_right_tokens(start, colocated) -> None:
-    p, d = start.all(("p", "--kv-connector", "nixl"), ("d", "--kv-connector", "nixl"))
-    c = colocated["qwen3"]
+@pytest.fixture(scope="module")
+def shared(tiny_models, tmp_path_factory):
+    """{"d": --role decode, "p": --role prefill, "p_short": --role prefill with a 1 s lease}."""
+    logs = tmp_path_factory.mktemp("pd-failures")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    flags = {"d": ["--role", "decode"], "p": ["--role", "prefill"],
+             "p_short": ["--role", "prefill", "--kv-lease-seconds", "1"]}
+    with contextlib.ExitStack() as stack:
+        servers = {name: stack.enter_context(running_server(tiny_models["qwen3"], logs / f"{name}.log", *args,
+                                                            wait=False)) for name, args in flags.items()}
+        started_together(stack, *servers.values())
+        yield servers
+
+
+def changes(server, before: dict[str, float]) -> dict[str, float]:
+    """How much each counter of `server` moved since `before` (its metrics then)."""
+    return {name: value - before.get(name, 0.0) for name, value in server.metrics().items()}
+
+
+def test_p_gone_before_d_reads_d_recomputes_the_right_tokens(start, shared, colocated) -> None:
+    p, d, c = start("p", "--kv-connector", "nixl"), shared["d"], colocated["qwen3"]
     params = prefill(p)
     stop_process(p.process)
+    before = d.metrics()
     out = complete(d, BODY | {"kv_transfer_params": params})
     assert out["choices"][0]["text"] == complete(c, BODY)["choices"][0]["text"]
-    metrics = d.metrics()
-    assert metrics["pd_kv_transfer_failures_total"] == 1 and metrics["pd_kv_transfer_reads_total"] == 0
-    assert metrics['pd_kv_load_failures_total{policy="recompute"}'] == 1
+    moved = changes(d, before)
+    assert moved["pd_kv_transfer_failures_total"] == 1 and moved["pd_kv_transfer_reads_total"] == 0
+    assert moved['pd_kv_load_failures_total{policy="recompute"}'] == 1
     assert d.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
 
 
@@ -60,25 +85,26 @@ def test_p_gone_before_d_reads_with_the_fail_policy_d_answers_a_clear_error(star
     assert complete(d, BODY)["usage"]["completion_tokens"] == BODY["max_tokens"]  # still serving
 
 
-def test_blocks_nobody_reads_are_freed_when_the_lease_ends(start) -> None:
-    p = start("p", "--kv-connector", "nixl", "--kv-lease-seconds", "1")
+def test_blocks_nobody_reads_are_freed_when_the_lease_ends(shared) -> None:
+    p = shared["p_short"]
+    before = p.metrics()
     prefill(p)
     assert p.metrics()["pd_kv_requests_held"] == 1 and p.metrics()["pd_kv_cache_usage"] > 0
     time.sleep(1.0)
     assert p.wait_for_metric("pd_kv_requests_held", lambda v: v == 0) == 0
-    assert p.metrics()["pd_kv_transfer_leases_expired_total"] == 1
+    assert changes(p, before)["pd_kv_transfer_leases_expired_total"] == 1
     assert p.metrics()["pd_kv_cache_usage"] == 0
 
 
-def test_a_request_d_cannot_load_is_computed_there_and_p_frees_at_once(start, colocated) -> None:
-    p, d = start.all(("p", "--kv-connector", "nixl"), ("d", "--kv-connector", "nixl"))
-    c = colocated["qwen3"]
+def test_a_request_d_cannot_load_is_computed_there_and_p_frees_at_once(shared, colocated) -> None:
+    p, d, c = shared["p"], shared["d"], colocated["qwen3"]
+    before = p.metrics()
     params = prefill(p)
     other = BODY | {"prompt": BODY["prompt"] + " And more."}  # not the prompt P prefilled
     out = complete(d, other | {"kv_transfer_params": params})
     assert out["choices"][0]["text"] == complete(c, other)["choices"][0]["text"]
     assert p.wait_for_metric("pd_kv_requests_held", lambda v: v == 0) == 0  # before the 60 s lease
-    assert p.metrics()["pd_kv_transfer_rejects_total"] == 1
+    assert changes(p, before)["pd_kv_transfer_rejects_total"] == 1
 
 
 def test_a_request_waiting_in_d_s_queue_past_the_lease_still_reads_p_s_kv(start) -> None:
@@ -111,15 +137,17 @@ def test_a_request_waiting_in_d_s_queue_past_the_lease_still_reads_p_s_kv(start)
     assert p.wait_for_metric("pd_kv_requests_held", lambda v: v == 0) == 0
 
 
-def test_a_read_of_an_expired_lease_ends_as_a_failure_and_d_recomputes(start) -> None:
+def test_a_read_of_an_expired_lease_ends_as_a_failure_and_d_recomputes(shared) -> None:
     """P freed the blocks and went idle; it still progresses transfers for a while, so
     D's late read ends (as a failure: after the lease) instead of hanging the request."""
-    p, d = start.all(("p", "--role", "prefill", "--kv-lease-seconds", "1"), ("d", "--role", "decode"))
+    p, d = shared["p_short"], shared["d"]
+    expired = p.metrics()["pd_kv_transfer_leases_expired_total"]
     params = prefill(p)
-    assert p.wait_for_metric("pd_kv_transfer_leases_expired_total", lambda v: v == 1) == 1
+    assert p.wait_for_metric("pd_kv_transfer_leases_expired_total", lambda v: v == expired + 1) == expired + 1
+    before = d.metrics()
     out = complete(d, BODY | {"kv_transfer_params": params})
     assert out["choices"][0]["text"] == complete(d, BODY)["choices"][0]["text"]
-    metrics = d.metrics()
-    assert metrics["pd_kv_transfer_failures_total"] == 1 and metrics["pd_kv_transfer_reads_total"] == 0
-    assert metrics['pd_kv_load_failures_total{policy="recompute"}'] == 1
+    moved = changes(d, before)
+    assert moved["pd_kv_transfer_failures_total"] == 1 and moved["pd_kv_transfer_reads_total"] == 0
+    assert moved['pd_kv_load_failures_total{policy="recompute"}'] == 1
     assert d.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
