@@ -10,12 +10,10 @@ from __future__ import annotations
 import math
 import random
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from transformers import BambaConfig
-from transformers.cache_utils import DynamicCache
-from transformers.models.bamba.modeling_bamba import BambaMixer
 
 from pd.attention.backend import CommonAttentionMetadata
 from pd.attention.mamba_metadata import build_mamba_metadata
@@ -23,6 +21,10 @@ from pd.forward_context import ForwardContext, set_forward_context
 from pd.kv_cache.spec import KVCacheConfig, KVCacheGroup
 from pd.models.mamba2 import Mamba2Mixer, chunk_ends
 from pd.kv_cache.allocation import MambaCache, allocate_kv_caches
+
+if TYPE_CHECKING:  # imported where used: transformers' Bamba costs 1.6 s at every worker's collection
+    from transformers import BambaConfig
+    from transformers.models.bamba.modeling_bamba import BambaMixer
 
 NAME, NEIGHBOUR = "layers.0.mixer", "layers.1.mixer"
 BS = 16  # block size
@@ -39,6 +41,8 @@ def _record(kind: str, diff: float) -> float:
 
 def _config() -> BambaConfig:
     """One Mamba layer; transformers' chunk size differs from ours so the chunkings differ."""
+    from transformers import BambaConfig
+
     return BambaConfig(hidden_size=HIDDEN, num_hidden_layers=1, attn_layer_indices=[], mamba_n_heads=HEADS,
                        mamba_d_head=HEAD_DIM, mamba_n_groups=GROUPS, mamba_d_state=D_STATE, mamba_d_conv=D_CONV,
                        mamba_chunk_size=32, mamba_expand=HEADS * HEAD_DIM // HIDDEN, num_attention_heads=4,
@@ -46,6 +50,8 @@ def _config() -> BambaConfig:
 
 
 def _reference(seed: int = 0) -> BambaMixer:
+    from transformers.models.bamba.modeling_bamba import BambaMixer
+
     ref = BambaMixer(_config(), 0).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # Mamba2's init ranges, plus noise where it initialises constants
@@ -57,6 +63,12 @@ def _reference(seed: int = 0) -> BambaMixer:
         ref.D.copy_(torch.randn(HEADS, generator=g))
         ref.norm.weight.copy_(1 + 0.2 * torch.randn(HEADS * HEAD_DIM, generator=g))
     return ref
+
+
+def _dynamic_cache():
+    from transformers.cache_utils import DynamicCache
+
+    return DynamicCache(config=_config())
 
 
 def _ours(ref: BambaMixer) -> Mamba2Mixer:
@@ -88,7 +100,7 @@ def ref_out(ref: BambaMixer, tokens: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def ref_state(ref: BambaMixer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' (conv, ssm) state after `tokens`, conv cut to our last d_conv - 1 inputs."""
-    cache = DynamicCache(config=_config())
+    cache = _dynamic_cache()
     ref(tokens[None], cache_params=cache)
     return cache.get_conv_state(0)[0, :, 1:], cache.get_recurrent_state(0)[0]
 
@@ -191,7 +203,7 @@ def test_decode_matches_transformers_cache_path(ours, ref):
     pool = Pool(ours, "canonical")
     tokens = _tokens(24, seed=2)
     ours_out = pool.run(tokens, [19] + [1] * 5)
-    cache = DynamicCache(config=_config())
+    cache = _dynamic_cache()
     with torch.no_grad():
         ref_outs = [ref(tokens[None, :19], cache_params=cache)[0]]
         ref_outs += [ref(tokens[None, t:t + 1], cache_params=cache)[0] for t in range(19, 24)]

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from pd.attention import get_attention_backend
 from pd.attention.backend import CommonAttentionMetadata
@@ -107,6 +106,8 @@ def _prompt(vocab_size: int) -> torch.Tensor:
 
 def _max_logit_diff(path: Path, hybrid: bool = True) -> float:
     """Ours against transformers on one random prompt, every position, float32."""
+    from transformers import AutoModelForCausalLM
+
     model = load_model(ModelConfig.from_dir(path, dtype="float32"))
     assert PROMPT_LEN > max(model.config.get("sliding_window", 0), model.config.get("mamba_chunk_size", 0))
     tokens = _prompt(model.config.vocab_size)
