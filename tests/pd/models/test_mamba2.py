@@ -101,7 +101,7 @@ def ref_out(ref: BambaMixer, tokens: torch.Tensor) -> torch.Tensor:
 def ref_state(ref: BambaMixer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' (conv, ssm) state after `tokens`, conv cut to our last d_conv - 1 inputs."""
     cache = _dynamic_cache()
-    ref(tokens[None], cache_params=cache)
+    ref(tokens[None], cache=cache)
     return cache.get_conv_state(0)[0, :, 1:], cache.get_recurrent_state(0)[0]
 
 
@@ -205,8 +205,8 @@ def test_decode_matches_transformers_cache_path(ours, ref):
     ours_out = pool.run(tokens, [19] + [1] * 5)
     cache = _dynamic_cache()
     with torch.no_grad():
-        ref_outs = [ref(tokens[None, :19], cache_params=cache)[0]]
-        ref_outs += [ref(tokens[None, t:t + 1], cache_params=cache)[0] for t in range(19, 24)]
+        ref_outs = [ref(tokens[None, :19], cache=cache)[0]]
+        ref_outs += [ref(tokens[None, t:t + 1], cache=cache)[0] for t in range(19, 24)]
     assert_close("output", ours_out, torch.cat(ref_outs))
 
 
