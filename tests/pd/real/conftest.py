@@ -45,9 +45,10 @@ def hf_gemma(path: Path, dtype):
     from transformers.initialization import no_init_weights
 
     if dtype != torch.float32:
+        loaded = hf_gemma(path, torch.float32)
         with no_init_weights():
-            model = AutoModelForCausalLM.from_config(hf_gemma(path, torch.float32).config, dtype=dtype).eval()
-        model.load_state_dict(hf_gemma(path, torch.float32).state_dict())
+            model = AutoModelForCausalLM.from_config(loaded.config, dtype=dtype).eval()
+        model.load_state_dict(loaded.state_dict())
         return model
     with mock.patch("gguf.GGUFReader", gguf_reader):
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()

@@ -86,3 +86,20 @@ def started_together(stack: contextlib.ExitStack, *servers: ServerProcess) -> No
     SIGTERM at once (then each is waited for and reaped as usual)."""
     stack.callback(terminate_all, [server.process for server in servers])
     wait_started(*servers)
+
+
+class Starter:
+    """`start(name, *flags)`: a `pd serve` of `model` with those flags, logged to NAME.log
+    and stopped when `stack` closes; `start.all((name, *flags), ...)`: several, started
+    side by side, returned once all are ready."""
+
+    def __init__(self, model, logs, stack: contextlib.ExitStack) -> None:
+        self.model, self.logs, self.stack = model, logs, stack
+
+    def __call__(self, name: str, *args: str, wait: bool = True):
+        return self.stack.enter_context(running_server(self.model, self.logs / f"{name}.log", *args, wait=wait))
+
+    def all(self, *specs: tuple[str, ...]) -> list:
+        servers = [self(name, *args, wait=False) for name, *args in specs]
+        started_together(self.stack, *servers)
+        return servers

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from launch import http_client
-from server_harness import running_server, started_together, stop_process
+from server_harness import Starter, stop_process
 
 pytestmark = pytest.mark.slow
 BODY = {"prompt": "An old lighthouse keeper kept a log of every ship that passed. " * 4,
@@ -36,13 +36,11 @@ def shared(tiny_models, tmp_path_factory):
     """{"d": --role decode, "p": --role prefill, "p_short": --role prefill with a 1 s lease}."""
     logs = tmp_path_factory.mktemp("pd-failures")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    flags = {"d": ["--role", "decode"], "p": ["--role", "prefill"],
-             "p_short": ["--role", "prefill", "--kv-lease-seconds", "1"]}
     with contextlib.ExitStack() as stack:
-        servers = {name: stack.enter_context(running_server(tiny_models["qwen3"], logs / f"{name}.log", *args,
-                                                            wait=False)) for name, args in flags.items()}
-        started_together(stack, *servers.values())
-        yield servers
+        d, p, p_short = Starter(tiny_models["qwen3"], logs, stack).all(
+            ("d", "--role", "decode"), ("p", "--role", "prefill"),
+            ("p_short", "--role", "prefill", "--kv-lease-seconds", "1"))
+        yield {"d": d, "p": p, "p_short": p_short}
 
 
 def changes(server, before: dict[str, float]) -> dict[str, float]:
