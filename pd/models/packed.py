@@ -14,6 +14,7 @@ that shares it).
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 
@@ -27,7 +28,19 @@ BATCH_HINT = 8  # rows oneDNN tunes the layout for; any row count works
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+    """Whether oneDNN packs `dtype` weights on this device (bfloat16 needs AVX-512 or
+    AVX-NE-CONVERT; on an AVX2-only CPU it is refused)."""
+    return device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available() \
+        and _packs(dtype)
+
+
+@functools.cache
+def _packs(dtype: torch.dtype) -> bool:
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), BATCH_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack_linears(model: nn.Module) -> int:
