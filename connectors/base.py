@@ -137,6 +137,10 @@ class KVConnectorWorker(ABC):
         `get_finished` (no progress thread): the engine then steps even with no request."""
         return False
 
+    def malformed_messages(self) -> dict[str, int]:
+        """Messages from peers dropped as malformed so far, by listener (for metrics)."""
+        return {}
+
     def shutdown(self) -> None:
         """Release transfer resources; called once at engine shutdown."""
 

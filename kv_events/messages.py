@@ -60,6 +60,12 @@ class ReplayReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     batches: list[EventBatch]
 
 
+class MalformedMessage(ValueError):
+    """Bytes that are not a message of the type expected (whatever the decoder raised:
+    msgspec's DecodeError and ValidationError, but also UnicodeDecodeError for a string
+    that is not UTF-8, and anything else a decoder may raise)."""
+
+
 _encoder = msgspec.msgpack.Encoder()
 batch_decoder = msgspec.msgpack.Decoder(EventBatch)
 replay_request_decoder = msgspec.msgpack.Decoder(ReplayRequest)
@@ -68,3 +74,11 @@ replay_reply_decoder = msgspec.msgpack.Decoder(ReplayReply)
 
 def encode(message: EventBatch | ReplayRequest | ReplayReply) -> bytes:
     return _encoder.encode(message)
+
+
+def decode(decoder: msgspec.msgpack.Decoder, raw: bytes):
+    """`decoder.decode(raw)`; MalformedMessage for any failure to decode."""
+    try:
+        return decoder.decode(raw)
+    except Exception as exc:  # not one type: msgspec raises UnicodeDecodeError too
+        raise MalformedMessage(f"{type(exc).__name__}: {exc}") from None

@@ -18,11 +18,11 @@ import time
 from typing import Any
 
 import httpx
-import msgspec
 import zmq
 import zmq.asyncio
 
-from kv_events.messages import ReplayRequest, batch_decoder, encode, replay_reply_decoder
+from kv_events.messages import (MalformedMessage, ReplayRequest, batch_decoder, decode, encode,
+                                replay_reply_decoder)
 from proxy.instances import Instance
 from proxy.kv_index import Applied, KVIndex
 
@@ -107,8 +107,8 @@ async def _ask(dealer: zmq.asyncio.Socket, index: KVIndex) -> float:
 
 def _apply_batch(index: KVIndex, raw: bytes, on_malformed: Any) -> Applied | None:
     try:
-        batch = batch_decoder.decode(raw)
-    except msgspec.DecodeError:  # ValidationError included
+        batch = decode(batch_decoder, raw)
+    except MalformedMessage:
         on_malformed()
         return None
     return index.apply(batch)
@@ -116,8 +116,8 @@ def _apply_batch(index: KVIndex, raw: bytes, on_malformed: Any) -> Applied | Non
 
 def _apply_reply(index: KVIndex, raw: bytes, on_malformed: Any) -> None:
     try:
-        reply = replay_reply_decoder.decode(raw)
-    except msgspec.DecodeError:
+        reply = decode(replay_reply_decoder, raw)
+    except MalformedMessage:
         on_malformed()
         return
     for batch in reply.batches:

@@ -3,7 +3,9 @@
 The worker owns a `SideChannelServer` (ZMQ ROUTER, one background thread that blocks in
 `poll` with a timeout, so it never spins). Each request is one msgpack `HandshakeRequest`;
 each reply one `HandshakeResponse` or `HandshakeError`. A malformed or oversized request
-gets a `HandshakeError` and is logged; the server keeps serving. Peers call
+gets a `HandshakeError` and is logged and counted (`malformed`); the server keeps
+serving. A client that does not read its replies has at most `REPLY_HWM` queued; the
+next ones are dropped, never waited for. Peers call
 `fetch_remote_layout`, which raises `HandshakeFailed` on an error reply, a timeout, or an
 undecodable reply.
 
@@ -35,6 +37,7 @@ logger = logging.getLogger(__name__)
 MAX_REQUEST_BYTES = 1 << 20  # larger requests get a HandshakeError reply
 MAX_WIRE_BYTES = 16 << 20  # ZMQ drops the connection of a peer sending more than this
 POLL_INTERVAL_MS = 100  # how long the server thread blocks before checking for close()
+REPLY_HWM = 4  # replies queued for one client before its next ones are dropped
 
 Responder = Callable[[HandshakeRequest], HandshakeReply]
 
@@ -64,7 +67,8 @@ class SideChannelServer:
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_WIRE_BYTES)
-        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises, not blocks
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished or full peer raises, not blocks
+        self._socket.setsockopt(zmq.SNDHWM, REPLY_HWM)
         if ":" in host:
             self._socket.setsockopt(zmq.IPV6, 1)
         try:
@@ -76,6 +80,7 @@ class SideChannelServer:
         endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.host = host
         self.port = int(endpoint.rsplit(":", 1)[1])
+        self.malformed = 0  # requests refused as malformed or oversized
         self._stop = threading.Event()
         # The socket is used only by the thread from here on (ZMQ sockets are not thread-safe;
         # starting the thread is the memory barrier that hands it over).
@@ -111,8 +116,8 @@ class SideChannelServer:
         frames = self._socket.recv_multipart()
         reply = self._reply_to(frames[1:])
         try:
-            self._socket.send_multipart([frames[0], b"", encode(reply)])
-        except zmq.ZMQError as exc:  # the client left before its reply
+            self._socket.send_multipart([frames[0], b"", encode(reply)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the client left before its reply, or does not read them
             logger.info("side channel: could not reply to a client: %s", exc)
 
     def _reply_to(self, body: list[bytes]) -> HandshakeReply:
@@ -138,8 +143,8 @@ class SideChannelServer:
             return HandshakeError("internal error answering the handshake")
         return reply
 
-    @staticmethod
-    def _refuse(reason: str) -> HandshakeError:
+    def _refuse(self, reason: str) -> HandshakeError:
+        self.malformed += 1
         logger.warning("side channel: %s", reason)
         return HandshakeError(reason)
 

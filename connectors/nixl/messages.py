@@ -160,8 +160,8 @@ def decode_notif(data: bytes) -> Notif:
 def _decode(decoder: msgspec.msgpack.Decoder, data: bytes, error: type[MessageDecodeError]):
     try:
         return decoder.decode(data)
-    except (msgspec.DecodeError, ValueError, TypeError) as exc:  # ValidationError is a DecodeError
-        raise error(f"malformed message ({len(data)} bytes): {exc}") from None
+    except Exception as exc:  # whatever the decoder raises (UnicodeDecodeError too), not one type
+        raise error(f"malformed message ({len(data)} bytes): {type(exc).__name__}: {exc}") from None
 
 
 # --- compatibility ---------------------------------------------------------------------

@@ -51,6 +51,7 @@ class TransferStats:
     keep_alives_received: int = 0
     handshakes: int = 0
     handshake_failures: int = 0
+    malformed_notifications: int = 0  # NIXL notifications that were not ReadDone, Reject or KeepAlive
     xfer_time: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))
     post_time: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))
     bytes_per_read: Histogram = field(default_factory=lambda: Histogram(BYTES_BUCKETS))

@@ -230,6 +230,7 @@ class NixlConnectorWorker(KVConnectorWorker):
                     notif = decode_notif(payload)
                 except NotifDecodeError as exc:
                     logger.warning("ignoring a malformed notification from %s: %s", peer, exc)
+                    self.stats.malformed_notifications += 1
                     continue
                 if notif.request_id not in self.leases:
                     continue
@@ -263,6 +264,10 @@ class NixlConnectorWorker(KVConnectorWorker):
         while after a notification was sent, which moves only while the sender polls."""
         busy = self.leases or self.loading or self.handshakes.num_pending or self.waiting_for_peer
         return bool(busy) or self.config.clock() < self._poll_until
+
+    def malformed_messages(self) -> dict[str, int]:
+        return {"nixl_notification": self.stats.malformed_notifications,
+                "side_channel": self.side_channel.malformed if self.side_channel is not None else 0}
 
     @property
     def num_requests_held(self) -> int:

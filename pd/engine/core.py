@@ -182,7 +182,13 @@ class EngineCore:
             kv_transfer=self._transfer_counters(), kv_load_failures=dict(self.scheduler.kv_load_failures),
             kv_transfer_histograms=self._transfer_histograms(),
             prompt_tokens_by_source=dict(self.scheduler.prompt_sources.counts),
+            malformed_messages=self._malformed_messages(), kv_events_replies_dropped=self.kv_events.dropped_replies,
             num_steps=self.num_steps, step_seconds=dict(self.step_seconds))
+
+    def _malformed_messages(self) -> dict[str, int]:
+        """Messages dropped as malformed, by the listener that received them (the engine
+        loop adds its input's)."""
+        return {"kv_events_replay": self.kv_events.malformed_requests} | self.runner.connector.malformed_messages()
 
     def _transfer_counters(self) -> dict[str, float]:
         connector = self.runner.connector

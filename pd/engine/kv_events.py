@@ -5,22 +5,34 @@ socket; the last `buffer_steps` batches are kept, and a ROUTER socket answers re
 requests from them, or with a snapshot of every block cached now when the range asked
 for is gone. The engine loop calls `serve_replays` every turn (it never blocks), and the
 core `publish`es after each step.
+
+Whoever can reach the ports may send anything, and may never read: nothing received
+stops the engine, and what the publisher keeps for others is bounded. A request that is
+not a replay request (any bytes, any frames) is dropped and counted. Each replay client
+has at most `REPLAY_HWM` replies queued; past that its replies are dropped (it does not
+read) and counted. A reply holds at most `MAX_REPLY_BYTES` of batches (a client asks
+again from where it ended), and at most `MAX_REPLAY_CLIENTS` clients are answered per
+`CLIENT_WINDOW_S`. A subscriber that falls `PUB_HWM` batches behind loses batches (it
+sees the gap and asks for a replay).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
-import msgspec
 import zmq
 
 from kv_events.messages import (
     AllBlocksCleared,
     EventBatch,
     KVEvent,
+    MalformedMessage,
     ReplayReply,
+    decode,
     encode,
     replay_request_decoder,
 )
@@ -28,10 +40,19 @@ from kv_events.messages import (
 logger = logging.getLogger(__name__)
 
 BUFFER_STEPS = 10_000  # batches kept for replays
+PUB_HWM = 10_000  # batches queued per subscriber before it loses some
+REPLAY_HWM = 2  # replies queued per replay client before its next ones are dropped
+MAX_REPLY_BYTES = 4 << 20  # of batches in one reply (one batch at least)
+MAX_REQUEST_BYTES = 1024  # ZMQ drops the connection of a peer sending a larger message
+MAX_REPLAY_CLIENTS = 64  # clients answered per CLIENT_WINDOW_S; others' requests are dropped
+CLIENT_WINDOW_S = 10.0
 
 
 class NoKVEvents:
     """An engine without `--kv-events-port`: publishes nothing."""
+
+    malformed_requests = 0
+    dropped_replies = 0
 
     def publish(self, events: list[KVEvent]) -> None:
         pass
@@ -47,17 +68,25 @@ class KVEventPublisher(NoKVEvents):
     """`snapshot()` gives the events that store every block cached now."""
 
     def __init__(self, engine_id: str, host: str, port: int, replay_port: int,
-                 snapshot: Callable[[], list[KVEvent]], buffer_steps: int = BUFFER_STEPS) -> None:
+                 snapshot: Callable[[], list[KVEvent]], buffer_steps: int = BUFFER_STEPS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.engine_id = engine_id
         self.snapshot = snapshot
+        self.clock = clock
         self.seq = 0
-        self.buffer: deque[EventBatch] = deque(maxlen=buffer_steps)
+        self.buffer: deque[tuple[EventBatch, int]] = deque(maxlen=buffer_steps)  # (batch, its encoded bytes)
         self.malformed_requests = 0
+        self.dropped_replies = 0  # to clients that do not read, or past MAX_REPLAY_CLIENTS
+        self._clients: OrderedDict[bytes, float] = OrderedDict()  # routing id -> last answered
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, 100_000)  # a slow subscriber loses batches (and asks again), never blocks a step
+        self._pub.setsockopt(zmq.SNDHWM, PUB_HWM)  # a slow subscriber loses batches (and asks again), never blocks a step
+        self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)  # subscriptions only come in
         self._pub.bind(f"tcp://{host}:{port}")
         self._replay = self._context.socket(zmq.ROUTER)
+        self._replay.setsockopt(zmq.SNDHWM, REPLAY_HWM)
+        self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or vanished client raises Again, never blocks
         self._replay.bind(f"tcp://{host}:{replay_port}")
 
     def publish(self, events: list[KVEvent]) -> None:
@@ -65,9 +94,10 @@ class KVEventPublisher(NoKVEvents):
             return
         self.seq += 1
         batch = EventBatch(self.engine_id, self.seq, events)
-        self.buffer.append(batch)
+        raw = encode(batch)
+        self.buffer.append((batch, len(raw)))
         try:
-            self._pub.send(encode(batch), zmq.NOBLOCK)
+            self._pub.send(raw, zmq.NOBLOCK)
         except zmq.Again:  # past the high-water mark: subscribers see the gap and replay
             pass
 
@@ -76,18 +106,46 @@ class KVEventPublisher(NoKVEvents):
         while self._replay.poll(0, zmq.POLLIN):
             frames = self._replay.recv_multipart()
             try:
-                request = replay_request_decoder.decode(frames[-1])
-            except (msgspec.DecodeError, IndexError):  # not a replay request: dropped, never answered
+                if len(frames) not in (2, 3) or (len(frames) == 3 and frames[1]):  # DEALER or REQ envelope
+                    raise MalformedMessage(f"{len(frames)} frames")
+                request = decode(replay_request_decoder, frames[-1])
+            except MalformedMessage:  # not a replay request: dropped, never answered
                 self.malformed_requests += 1
                 continue
+            if not self._admit_client(frames[0]):
+                self.dropped_replies += 1
+                continue
             reply = ReplayReply(self._batches_from(request.start_seq))
-            self._replay.send_multipart([*frames[:-1], encode(reply)])
+            try:
+                self._replay.send_multipart([*frames[:-1], encode(reply)], zmq.NOBLOCK)
+            except zmq.ZMQError:  # Again: it has REPLAY_HWM replies unread; or it left
+                self.dropped_replies += 1
+
+    def _admit_client(self, routing_id: bytes) -> bool:
+        """Whether to answer this client: one answered lately, or a new one while fewer than
+        MAX_REPLAY_CLIENTS were."""
+        now = self.clock()
+        while self._clients and next(iter(self._clients.values())) < now - CLIENT_WINDOW_S:
+            self._clients.popitem(last=False)
+        if routing_id not in self._clients and len(self._clients) >= MAX_REPLAY_CLIENTS:
+            return False
+        self._clients[routing_id] = now
+        self._clients.move_to_end(routing_id)
+        return True
 
     def _batches_from(self, start_seq: int) -> list[EventBatch]:
+        """The kept batches from `start_seq` on, up to MAX_REPLY_BYTES of them (one at least),
+        or a snapshot when they are gone."""
         if start_seq > self.seq:
             return []
-        if self.buffer and self.buffer[0].seq <= start_seq:
-            return [b for b in self.buffer if b.seq >= start_seq]
+        if self.buffer and self.buffer[0][0].seq <= start_seq:
+            batches, size = [], 0
+            for batch, num_bytes in itertools.islice(self.buffer, start_seq - self.buffer[0][0].seq, None):
+                size += num_bytes
+                if batches and size > MAX_REPLY_BYTES:
+                    break
+                batches.append(batch)
+            return batches
         return [EventBatch(self.engine_id, self.seq, [AllBlocksCleared(), *self.snapshot()], snapshot=True)]
 
     def close(self) -> None:

@@ -160,6 +160,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_transfer_histograms: dict[str, HistogramSnapshot] = {}  # the connector's histograms
     kv_load_failures: dict[str, int] = {}  # by policy action: recompute / fail
     prompt_tokens_by_source: dict[str, int] = {}  # computed / local_cache / remote
+    malformed_messages: dict[str, int] = {}  # dropped as malformed, by listener (pd.server.metrics.LISTENERS)
+    kv_events_replies_dropped: int = 0  # replay replies to clients that did not read them
     num_steps: int = 0
     step_seconds: dict[str, float] = {}  # the core's STEP_PARTS -> seconds since start; "ipc": the loop's messaging
 

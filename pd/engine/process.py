@@ -24,7 +24,6 @@ import time
 import traceback
 from typing import TYPE_CHECKING, NoReturn
 
-import msgspec
 import zmq
 
 from pd.config import EngineConfig
@@ -120,6 +119,7 @@ class EngineLoop:
         self.parent_pid = os.getppid()
         self.last_stats: EngineStats | None = None  # the last sent, without its step counters
         self.ipc_seconds = 0.0  # decoding and applying inputs, encoding and sending outputs (not waiting)
+        self.malformed_inputs = 0
 
     def run(self) -> None:
         while not self.stop.is_set:
@@ -131,10 +131,9 @@ class EngineLoop:
             stepped = self.core.has_work()
             if stepped:
                 outputs += self.core.step()
-            if stepped or outputs:
-                sending = time.perf_counter()
-                self.send(outputs)
-                self.ipc_seconds += time.perf_counter() - sending
+            sending = time.perf_counter()  # also idle: stats may change without a step (a malformed message)
+            self.send(outputs)
+            self.ipc_seconds += time.perf_counter() - sending
             if os.getppid() != self.parent_pid:  # orphaned: nobody will read our outputs
                 logger.warning("engine core: parent process died, stopping")
                 self.stop.set()
@@ -144,6 +143,7 @@ class EngineLoop:
         the server sees (a core waiting on remote KV steps without pause)."""
         stats = self.core.stats()
         stats.step_seconds["ipc"] = self.ipc_seconds
+        stats.malformed_messages["engine_input"] = self.malformed_inputs
         comparable = stats.without_timing()
         if outputs or comparable != self.last_stats:
             self.outbox.send(encode(StepOutputs(outputs, stats)))
@@ -163,8 +163,9 @@ class EngineLoop:
             frame = self.inbox.recv()
             try:
                 messages.append(self.decoder.decode(frame))
-            except msgspec.DecodeError:  # not from our client; it cannot be answered
+            except Exception:  # not from our client (any decode failure); it cannot be answered
                 logger.exception("engine core: dropped a malformed input message")
+                self.malformed_inputs += 1
             self.ipc_seconds += time.perf_counter() - start
         return messages
 

@@ -66,6 +66,7 @@ class EngineStatsCollector(Collector):
                 family.add_metric([], 0)
         yield from (running, waiting, usage, preemptions, queries, hits)
         yield prompt_source_metric(stats.prompt_tokens_by_source if stats is not None else {})
+        yield from listener_metrics(stats)
         yield from step_metrics(stats)
         if stats is not None and stats.kv_transfer:  # a connector is configured
             yield from kv_transfer_metrics(stats.kv_transfer)
@@ -146,6 +147,27 @@ def prompt_source_metric(values: dict[str, int]) -> Metric:
     for source in ("computed", "local_cache", "remote"):
         family.add_metric([source], values.get(source, 0))
     return family
+
+
+# where the engine receives messages from outside its server: its IPC input, the KV events
+# replay socket, the KV side channel, NIXL notifications
+LISTENERS = ("engine_input", "kv_events_replay", "side_channel", "nixl_notification")
+
+
+def listener_metrics(stats: Any) -> Iterator[Metric]:
+    """pd_malformed_messages_total{listener}: messages the engine dropped as malformed, by
+    where they came in; pd_kv_events_replies_dropped_total: replay replies not queued
+    for clients that do not read theirs (or past the number of clients answered)."""
+    malformed = CounterMetricFamily("pd_malformed_messages", "Messages the engine dropped as malformed, by the "
+                                    "listener that received them.", labels=["listener"])
+    counts = stats.malformed_messages if stats is not None else {}
+    for listener in LISTENERS:
+        malformed.add_metric([listener], counts.get(listener, 0))
+    dropped = CounterMetricFamily("pd_kv_events_replies_dropped", "KV events replay replies dropped: the client "
+                                  "did not read earlier ones, or too many clients asked.")
+    dropped.add_metric([], stats.kv_events_replies_dropped if stats is not None else 0)
+    yield malformed
+    yield dropped
 
 
 def kv_load_failure_metrics(values: dict[str, int]) -> Iterator[Metric]:

@@ -72,3 +72,53 @@ def test_a_request_that_is_not_a_replay_request_is_dropped(publisher) -> None:
     assert publisher.malformed_requests == 1 and not dealer.poll(50)
     publisher.publish([BlockStored(HASHES[:1], None, 16, 0)])
     assert [b.seq for b in replay(publisher, dealer, 1)] == [1]  # still answering
+
+
+@pytest.mark.parametrize("raw", [bytes.fromhex("81a1ff01"), b"\xc1", b"\x91" * 500 + b"\x01", b""])
+def test_any_bytes_to_the_replay_socket_are_dropped_and_counted(publisher, raw) -> None:
+    """A map whose key is not UTF-8 raised UnicodeDecodeError, not msgspec's DecodeError,
+    out of serve_replays (it stopped the engine)."""
+    publisher, sub, dealer = publisher
+    dealer.send(raw)
+    dealer.send_multipart([b"two", b"frames", b"more"])
+    deadline = time.monotonic() + 30
+    while publisher.malformed_requests < 2 and time.monotonic() < deadline:
+        publisher.serve_replays()
+        time.sleep(0.01)
+    assert publisher.malformed_requests == 2 and not dealer.poll(50)
+    publisher.publish([BlockStored(HASHES[:1], None, 16, 0)])
+    assert [b.seq for b in replay(publisher, dealer, 1)] == [1]
+
+
+def test_a_replay_client_that_does_not_read_has_its_replies_dropped(publisher) -> None:
+    """Replies to a client that never reads are bounded (REPLAY_HWM queued, the rest
+    dropped and counted): unbounded, 8 such clients grew the engine by 1.1 GB."""
+    publisher, sub, _ = publisher
+    dealer = sub.context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVHWM, 1)  # its ZMQ reads no further ahead than one reply either
+    dealer.connect(publisher._replay.getsockopt_string(zmq.LAST_ENDPOINT))
+    many = [bytes([k % 256, k // 256]) * 16 for k in range(20_000)]  # 640 kB of hashes per snapshot
+    publisher.snapshot = lambda: [BlockStored(many, None, 16 * len(many), 0)]
+    publisher.publish([AllBlocksCleared()])
+    publisher.buffer.clear()  # batch 1 gone: each reply is a snapshot
+    for _ in range(200):  # 128 MB of replies, were they all queued
+        dealer.send(encode(ReplayRequest(1)))
+    deadline = time.monotonic() + 30
+    while publisher.dropped_replies < 150 and time.monotonic() < deadline:
+        publisher.serve_replays()
+        time.sleep(0.01)
+    dealer.close(linger=0)
+    assert publisher.dropped_replies >= 150  # REPLAY_HWM queued, plus what the kernel buffers hold
+
+
+def test_a_reply_holds_a_bounded_run_of_batches_and_the_client_asks_on(publisher, monkeypatch) -> None:
+    from pd.engine import kv_events
+
+    publisher, sub, dealer = publisher
+    publisher.buffer = type(publisher.buffer)(maxlen=100)
+    for k in range(10):
+        publisher.publish([BlockStored(HASHES[:1], None, 16, 0)])
+    size = len(encode(publisher.buffer[0][0]))
+    monkeypatch.setattr(kv_events, "MAX_REPLY_BYTES", 3 * size)
+    assert [b.seq for b in replay(publisher, dealer, 2)] == [2, 3, 4]
+    assert [b.seq for b in replay(publisher, dealer, 5)] == [5, 6, 7]

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from launch import http_client
-from server_harness import running_server
+from server_harness import running_server, wait_until
 
 pytestmark = pytest.mark.slow
 PROMPT = "A lighthouse keeper wrote down every ship that passed the rocks. " * 3
@@ -223,4 +223,41 @@ def test_one_both_server_is_p_and_d_of_the_same_request_id(start) -> None:
     # its own blocks: released, then hit in its prefix cache rather than read over NIXL
     assert server.wait_for_metric("pd_kv_requests_held", lambda v: v == 0) == 0
     assert server.metrics()["pd_kv_transfer_released_total"] == 1
+    assert_serving(server, pid)
+
+
+def test_any_bytes_to_the_kv_events_and_side_channel_ports_leave_the_engine_serving(start) -> None:
+    """Row 2 of issue 31: four bytes (a msgpack map whose key is not UTF-8) to the KV
+    events replay port killed the engine (UnicodeDecodeError escaped a handler that
+    caught msgspec.DecodeError only). Now every listener drops and counts them."""
+    import socket
+
+    import zmq
+
+    from launch import free_port
+
+    events, replay, side = free_port(), free_port(), free_port()
+    server = start("p", "qwen3", "--role", "prefill", "--kv-events-port", str(events), "--kv-events-replay-port",
+                   str(replay), "--kv-side-channel-port", str(side))
+    pid = engine_pid(server)
+    context = zmq.Context()
+    try:
+        for port, payloads in ((replay, [bytes.fromhex("81a1ff01"), b"\xc1", b"\x91" * 300]),
+                               (side, [bytes.fromhex("81a1ff01"), b"\x00" * 2048])):
+            dealer = context.socket(zmq.DEALER)
+            dealer.connect(f"tcp://127.0.0.1:{port}")
+            for payload in payloads:
+                dealer.send_multipart([b"", payload] if port == side else [payload])
+            dealer.close(linger=1000)
+        for port in (events, replay, side):  # not ZMTP at all
+            with socket.create_connection(("127.0.0.1", port)) as raw:
+                raw.sendall(bytes(range(256)) * 4)
+    finally:
+        context.term()
+    label = 'pd_malformed_messages_total{listener="%s"}'
+    counted = lambda: server.metrics().get(label % "kv_events_replay", 0) + server.metrics().get(  # noqa: E731
+        label % "side_channel", 0) == 5
+    assert wait_until(lambda: server.health().status_code != 200 or counted())
+    assert engine_pid(server) == pid, "the engine died"
+    assert server.metrics()[label % "kv_events_replay"] == 3 and server.metrics()[label % "side_channel"] == 2
     assert_serving(server, pid)
