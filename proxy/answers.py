@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse, Response
 from proxy.errors import error_response
 from proxy.instances import Instance
 
-ENGINE_DEAD = "engine_dead"
+ENGINE_DEAD = "engine_dead"  # the engine was dead before the request reached the server
+ENGINE_DIED = "engine_died"  # it died while serving the request
 KV_HELD_LIMIT = "kv_held_limit"
 GATEWAY_FAILURES = (502, 504)  # without a server's error code: a gateway in front of it failed
 DEFAULT_RETRY_AFTER_S = 1.0
@@ -35,10 +36,10 @@ def error_code(response: httpx.Response) -> str | None:
 
 def is_server_failure(response: httpx.Response) -> bool:
     """Whether an answer (read already) says the server failed, not that it refuses this
-    request: its engine is dead, or a gateway in front of it answered 502 or 504 (a
-    server's own 502, e.g. "kv_load_failed", names its error code)."""
+    request: its engine is or went dead, or a gateway in front of it answered 502 or 504
+    (a server's own 502, e.g. "kv_load_failed", names its error code)."""
     code = error_code(response)
-    return code == ENGINE_DEAD or (response.status_code in GATEWAY_FAILURES and code is None)
+    return code in (ENGINE_DEAD, ENGINE_DIED) or (response.status_code in GATEWAY_FAILURES and code is None)
 
 
 def retry_after_s(response: httpx.Response) -> float:

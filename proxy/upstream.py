@@ -3,15 +3,21 @@ prefill on a P, open the decode on a D, and release P's blocks when no D will re
 
 What counts against an instance's circuit breaker (`breaker.py`): a transport failure
 (cannot connect, timeout, connection broken), a 502 or 504 without a server's error code
-(a gateway in front of it failed) and a 503 whose error code is "engine_dead"; any other
-answer is a success for the breaker. When P does not take the request (a failure as
-above, a 5xx of its own, or a 503 "kv_held_limit": it holds too many blocks for unread
-requests) it is sent to another P, at most `max_retries` times, each after an
-exponential backoff with jitter; when none takes it the client gets the soonest
-kv_held_limit 503 with its Retry-After, else the last P's 5xx, else 503. A 4xx is the
-server's verdict on this request, passed back as it is. When every instance of a role
-has `max_outstanding` requests in flight the client gets 429 "overloaded" with a
-Retry-After (nothing queues without bound).
+(a gateway in front of it failed) and an error code "engine_dead" (503: its engine was
+dead before the request reached it) or "engine_died" (it died serving the request); any
+other answer is a success for the breaker.
+
+A request is sent to another P (at most `max_retries` times, each after an exponential
+backoff with jitter) only when the failure is known to be the instance's, not the
+request's: it could not be reached (nothing was sent), its engine was dead already
+(503 "engine_dead"), or it holds too many blocks for unread requests (503
+"kv_held_limit"). A P that took the request and then dropped the connection, timed
+out, answered a 5xx of its own or died serving it may have been failed by the request
+itself (a poison request would otherwise walk the fleet): the client gets 502 or that
+answer. When no P takes it the client gets the soonest kv_held_limit 503 with its
+Retry-After, else 503. A 4xx is the server's verdict on this request, passed back as it
+is. When every instance of a role has `max_outstanding` requests in flight the client
+gets 429 "overloaded" with a Retry-After (nothing queues without bound).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response
 
-from proxy.answers import (KV_HELD_LIMIT, backoff_s, cached_tokens, error_code, is_server_failure, kv_held_response,
+from proxy.answers import (ENGINE_DEAD, KV_HELD_LIMIT, backoff_s, cached_tokens, error_code, is_server_failure, kv_held_response,
                            overloaded_response, passed_back, retry_after_s)
 from proxy.body import BodyError, parse_body, prefill_body
 from proxy.config import ProxyConfig
@@ -116,12 +122,10 @@ class Opened:
 @dataclass(frozen=True)
 class TryAnother:
     """This P did not take the request and another may: `retry_after_s` when it
-    refused for the KV it holds; `answer`, what the client gets if no other P takes it
-    (a 5xx of the server's own); otherwise it could not be reached or its engine is dead
-    (a failure counted against its breaker)."""
+    refused for the KV it holds; otherwise it could not be reached or its engine was
+    dead (a failure counted against its breaker)."""
 
     retry_after_s: float | None = None
-    answer: Response | None = None
 
 
 def token_id_prompt(body: dict[str, Any]) -> list[int] | None:
@@ -203,7 +207,6 @@ class Upstream:
         P is left or every P holds too much; 429 when every P is full)."""
         tried: set[str] = set()
         held: list[float] = []  # Retry-After of each P that refused for kv_held_limit
-        last: Response | None = None  # the last P's own 5xx
         for attempt in range(self.config.max_retries + 1):
             try:
                 instance = self.prefill.pick(call.route, tried)
@@ -221,11 +224,10 @@ class Upstream:
                 return answer
             if answer.retry_after_s is not None:
                 held.append(answer.retry_after_s)
-            last = answer.answer or last
         if held:
             return kv_held_response(min(held))
-        return last or error_response(f"no healthy prefill instance took the request after {len(tried)} tries",
-                                      503, "service_unavailable")
+        return error_response(f"no healthy prefill instance took the request after {len(tried)} tries",
+                              503, "service_unavailable")
 
     async def _prefill_at(self, instance: Instance, call: Call) -> Prefilled | Response | TryAnother:
         work = call.work_tokens(instance)
@@ -236,9 +238,13 @@ class Upstream:
         try:
             response = await self.client.post(instance.url + call.endpoint, json=prefill_body(call.body),
                                               headers=call.headers, timeout=self.prefill_timeout)
-        except httpx.TransportError as exc:
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing reached it
             self.failed(instance, f"{type(exc).__name__}: {exc}")
             return TryAnother()
+        except httpx.TransportError as exc:  # it had the request: the request may be what failed it
+            self.failed(instance, f"{type(exc).__name__}: {exc}")
+            return error_response(f"the prefill server {instance.url} failed while serving the request "
+                                  f"({type(exc).__name__}: {exc}); it is not tried on another", 502)
         except httpx.HTTPError as exc:  # e.g. an undecodable content encoding: not the transport
             return error_response(f"the prefill server {instance.url} failed: {exc}", 502)
         finally:
@@ -250,13 +256,11 @@ class Upstream:
             return self._prefilled(instance, response)
         if is_server_failure(response):
             self.failed(instance, f"HTTP {response.status_code}: {response.text[:200]}")
-            return TryAnother(answer=passed_back(instance, response))
+            return TryAnother() if error_code(response) == ENGINE_DEAD else passed_back(instance, response)
         instance.mark_succeeded()  # it answered, whatever it answered
         if response.status_code == 503 and error_code(response) == KV_HELD_LIMIT:
             logger.info("prefill server %s holds too many blocks; trying another", instance.url)
             return TryAnother(retry_after_s(response))
-        if response.status_code >= 500:  # its verdict, but another P may not fail the same way
-            return TryAnother(answer=passed_back(instance, response))
         return passed_back(instance, response)
 
     def _prefilled(self, instance: Instance, response: httpx.Response) -> Prefilled | Response:

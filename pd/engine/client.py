@@ -2,9 +2,12 @@
 
 `EngineClient.start(config)` (synchronous, before the server's event loop runs) spawns
 `run_engine_core` in a fresh process, binds the two ZMQ sockets it connects to (ipc://
-paths in a temp dir of this engine's own, so engines never collide) and waits for
-`Ready`. Requests then go out as msgspec messages and their outputs come back through
-one reader task, routed to a queue per request.
+paths in a temp dir of this engine's own, `pd-engine-<server pid>-*`, so engines never
+collide) and waits for `Ready`. Requests then go out as msgspec messages and their
+outputs come back through one reader task, routed to a queue per request. `restart()`
+puts a new engine-core process in place of a dead one (the server's supervisor decides
+whether to). Folders of servers that died without removing theirs (kill -9) are removed
+when the next one starts.
 
 Event loop: the client works in whichever asyncio loop uses it. Its two background
 tasks (the output reader, and the watcher that fails every pending request with
@@ -22,11 +25,15 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import os
+import re
 import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -85,6 +92,11 @@ class EngineDeadError(RuntimeError):
     """The engine-core process is gone; no request can be served any more."""
 
 
+class EngineNotRunningError(EngineDeadError):
+    """The engine was not running when the request was to be sent: nothing of it reached
+    the engine (so it cannot be what killed it)."""
+
+
 class _Dead:
     """Put in a request's queue when the engine dies."""
 
@@ -92,32 +104,23 @@ class _Dead:
 _DEAD = _Dead()
 
 
-class EngineClient:
-    """Talks to one engine-core process. Create with `EngineClient.start`."""
+@dataclass
+class _EngineProcess:
+    """One engine-core process and the sockets and folder the client keeps for it."""
 
-    def __init__(self, process: BaseProcess, context: zmq.Context, input_socket: zmq.Socket,
-                 output_socket: zmq.asyncio.Socket, ipc_dir: str, info: EngineInfo) -> None:
-        self.info = info
-        self._process = process
-        self._context = context
-        self._input = input_socket
-        self._output = output_socket
-        self._ipc_dir = ipc_dir
-        self._decoder = output_decoder()
-        self._stats = info.stats
-        self._queues: dict[str, asyncio.Queue[RequestOutput | _Dead]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-        self._dead_error: str | None = None
-        self._closed = False
-
-    # ---- lifecycle ----------------------------------------------------------------
+    process: BaseProcess
+    context: zmq.Context
+    input: zmq.Socket
+    output: zmq.asyncio.Socket
+    ipc_dir: str
+    info: EngineInfo
 
     @classmethod
-    def start(cls, config: EngineConfig, startup_timeout: float = 120.0) -> EngineClient:
-        """Spawn the engine-core process and wait until it is ready; EngineStartupError
-        if it reports a failure, dies or is not ready within `startup_timeout` seconds."""
-        ipc_dir = tempfile.mkdtemp(prefix="pd-engine-")
+    def spawn(cls, config: EngineConfig, startup_timeout: float) -> _EngineProcess:
+        """Start the process and wait until it is ready; EngineStartupError if it reports
+        a failure, dies or is not ready within `startup_timeout` seconds."""
+        remove_stale_ipc_dirs()
+        ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}-")
         input_address, output_address = f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output"
         context = zmq.Context()
         input_socket = context.socket(zmq.PUSH)
@@ -138,8 +141,58 @@ class EngineClient:
             raise
         return cls(process, context, input_socket, output_socket, ipc_dir, info)
 
+    def stop(self, timeout: float) -> None:
+        """Ask the process to stop, then terminate / kill it; close the sockets, remove the folder."""
+        if self.process.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                self.input.send(encode(Shutdown()), zmq.NOBLOCK)
+        _stop_process(self.process, timeout)
+        _close(self.context, self.input, self.output, self.ipc_dir)
+
+
+class EngineClient:
+    """Talks to one engine-core process at a time. Create with `EngineClient.start`."""
+
+    def __init__(self, engine: _EngineProcess, config: EngineConfig | None = None,
+                 startup_timeout: float = 120.0) -> None:
+        self._engine = engine
+        self._config = config  # what `restart` starts again
+        self._startup_timeout = startup_timeout
+        self._decoder = output_decoder()
+        self._stats = engine.info.stats
+        self._queues: dict[str, asyncio.Queue[RequestOutput | _Dead]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._dead_error: str | None = None
+        self._closed = False
+        self.restarts = 0
+
+    # ---- lifecycle ----------------------------------------------------------------
+
+    @classmethod
+    def start(cls, config: EngineConfig, startup_timeout: float = 120.0) -> EngineClient:
+        """Spawn the engine-core process and wait until it is ready; EngineStartupError
+        if it reports a failure, dies or is not ready within `startup_timeout` seconds."""
+        return cls(_EngineProcess.spawn(config, startup_timeout), config, startup_timeout)
+
     async def attach(self) -> None:
         """Start the background tasks in the running loop now (else on first use)."""
+        self._attach()
+
+    async def restart(self) -> None:
+        """Put a new engine-core process in place of the dead one (its requests have failed
+        with EngineDeadError); EngineStartupError if the new one does not start. The new
+        one is built in a thread: the server's event loop keeps answering meanwhile."""
+        if self._config is None or self._closed:
+            raise EngineStartupError("this client cannot restart its engine")
+        engine = await asyncio.to_thread(_EngineProcess.spawn, self._config, self._startup_timeout)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        old, self._engine = self._engine, engine
+        old.stop(timeout=0.0)  # it is dead: nothing to wait for, its sockets closed on this thread
+        self._stats, self._dead_error, self._loop = engine.info.stats, None, None
+        self.restarts += 1
         self._attach()
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -148,36 +201,36 @@ class EngineClient:
         if self._closed:
             return
         self._closed = True
-        if self._process.is_alive():
-            with contextlib.suppress(zmq.ZMQError):
-                self._input.send(encode(Shutdown()), zmq.NOBLOCK)
-        _stop_process(self._process, timeout)
-        self._mark_dead("the engine was shut down")
         for task in self._tasks:
             with contextlib.suppress(RuntimeError):  # its loop may be closed already
                 task.cancel()
-        _close(self._context, self._input, self._output, self._ipc_dir)
+        self._engine.stop(timeout)
+        self._mark_dead("the engine was shut down")
 
     # ---- state --------------------------------------------------------------------
 
     @property
+    def info(self) -> EngineInfo:
+        return self._engine.info
+
+    @property
     def pid(self) -> int | None:
-        return self._process.pid
+        return self._engine.process.pid
 
     @property
     def exitcode(self) -> int | None:
         """The process's exit code (negative: killed by that signal); None while it runs."""
-        return self._process.exitcode
+        return self._engine.process.exitcode
 
     @property
     def is_alive(self) -> bool:
-        return self._dead_error is None and self._process.is_alive()
+        return self._dead_error is None and self._engine.process.is_alive()
 
     @property
     def dead_error(self) -> str | None:
         """Why the engine is dead (None while it is alive)."""
-        if self._dead_error is None and not self._process.is_alive():
-            return _exit_message(self._process)
+        if self._dead_error is None and not self._engine.process.is_alive():
+            return _exit_message(self._engine.process)
         return self._dead_error
 
     @property
@@ -242,7 +295,7 @@ class EngineClient:
     def _register(self, request_id: str) -> asyncio.Queue[RequestOutput | _Dead]:
         self._attach()
         if self._closed or not self.is_alive:
-            raise EngineDeadError(self.dead_error)
+            raise EngineNotRunningError(self.dead_error)
         if request_id in self._queues:
             raise RequestRefusedError(f"request id {request_id!r} is already in flight", ERROR_INVALID)
         queue: asyncio.Queue[RequestOutput | _Dead] = asyncio.Queue()
@@ -251,11 +304,11 @@ class EngineClient:
 
     def _send(self, message: Any) -> None:
         if self._dead_error is not None:
-            raise EngineDeadError(self._dead_error)
+            raise EngineNotRunningError(self._dead_error)
         try:
-            self._input.send(encode(message), zmq.NOBLOCK)
+            self._engine.input.send(encode(message), zmq.NOBLOCK)
         except zmq.Again:  # unbounded queue: only a core that disconnected refuses
-            raise EngineDeadError("the engine core is not connected") from None
+            raise EngineNotRunningError("the engine core is not connected") from None
 
     def _abort_quietly(self, request_ids: list[str]) -> None:
         if self._dead_error is None and not self._closed:
@@ -263,15 +316,16 @@ class EngineClient:
                 self._send(AbortRequests(list(request_ids)))
 
     async def _read_outputs(self) -> None:
+        output = self._engine.output
         try:
             while True:
-                message = self._decoder.decode(await self._output.recv())
+                message = self._decoder.decode(await output.recv())
                 if isinstance(message, StepOutputs):
                     self._route(message)
                 elif isinstance(message, EngineFailed):
                     self._mark_dead(f"the engine core failed: {message.error}")
         except Exception as e:  # a broken socket or message: nothing more will arrive
-            if not self._closed:
+            if not self._closed and output is self._engine.output:
                 logger.exception("reading engine outputs failed")
                 self._mark_dead(f"reading engine outputs failed: {e!r}")
 
@@ -283,9 +337,11 @@ class EngineClient:
                 queue.put_nowait(output)
 
     async def _watch_process(self) -> None:
-        while self._process.is_alive():
+        process = self._engine.process
+        while process.is_alive():
             await asyncio.sleep(WATCH_INTERVAL_S)
-        self._mark_dead(_exit_message(self._process))
+        if process is self._engine.process:
+            self._mark_dead(_exit_message(process))
 
     def _mark_dead(self, reason: str) -> None:
         if self._dead_error is not None:
@@ -329,6 +385,46 @@ def _stop_process(process: BaseProcess, timeout: float) -> None:
     if process.is_alive():
         process.kill()
         process.join()
+
+
+IPC_DIR_PREFIX = "pd-engine-"  # then the server's pid and a random part
+STALE_AFTER_S = 60.0  # a folder without a pid in its name is removed once this old and unused
+
+
+def remove_stale_ipc_dirs(temp_dir: str | None = None) -> list[str]:
+    """Remove the IPC folders of servers that are gone (killed with SIGKILL, they could not
+    remove their own): the server's pid in the name is not a live process, or, for a
+    folder named otherwise, no socket in it is bound and it is older than STALE_AFTER_S.
+    The folders removed."""
+    base = Path(temp_dir or tempfile.gettempdir())
+    removed = []
+    for folder in base.glob(f"{IPC_DIR_PREFIX}*"):
+        if folder.is_dir() and _stale(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(str(folder))
+    return removed
+
+
+def _stale(folder: Path) -> bool:
+    match = re.match(rf"{IPC_DIR_PREFIX}(\d+)-", folder.name)
+    if match is not None:
+        return not _pid_alive(int(match.group(1)))
+    try:
+        old = time.time() - folder.stat().st_mtime > STALE_AFTER_S
+        bound = Path("/proc/net/unix").read_text()
+    except OSError:
+        return False
+    return old and f"{folder}/" not in bound
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _close(context: zmq.Context, input_socket: zmq.Socket, output_socket: zmq.Socket, ipc_dir: str) -> None:

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pd.kv_transfer_signing import TransferParamsGuard
-from pd.engine.client import EngineDeadError, RequestFailedError, RequestRefusedError
+from pd.engine.client import EngineDeadError, EngineNotRunningError, RequestFailedError, RequestRefusedError
 from pd.config import DEFAULT_MAX_REQUEST_BYTES
 from pd.errors import ERROR_INTERNAL, ERROR_INVALID, ERROR_KV_HELD_LIMIT, ERROR_KV_LOAD_FAILED
 from pd.server.chat import ChatTemplate
@@ -51,7 +51,7 @@ def build_app(client: Any, tokenizer: Any, served_model_name: str, api_key: str 
     loopback peer)."""
     template = chat_template or ChatTemplate.from_config(tokenizer.config)
     server = Server(client, tokenizer, served_model_name, template, role, transfer_guard)
-    metrics = ServerMetrics(lambda: client.stats, lambda: client.is_alive)
+    metrics = ServerMetrics(lambda: client.stats, lambda: client.is_alive, lambda: client.restarts)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -156,9 +156,10 @@ def _v1_router(server: Server, metrics: ServerMetrics, api_key: str | None, max_
     @router.post("/kv/release")
     async def release(request: Request) -> dict[str, bool]:
         """Free now the blocks kept for a prefilled request no decode server will read."""
+        raw = await read_body(request, 4096)
         try:
-            body = msgspec.json.decode(await read_body(request, 4096), type=ReleaseBody)
-        except msgspec.DecodeError as e:
+            body = msgspec.json.decode(raw, type=ReleaseBody)
+        except Exception as e:  # any decode failure (a string that is not UTF-8 raises UnicodeDecodeError)
             raise RequestError(f"the body must be {{\"remote_request_id\": <string>}}: {e}",
                                param="remote_request_id") from None
         return {"released": await server.release_held(body.remote_request_id)}
@@ -191,8 +192,7 @@ def _open_router(server: Server, metrics: ServerMetrics) -> APIRouter:
 async def _serve(server: Server, metrics: ServerMetrics, request: Request, prepared: Prepared,
                  shape: Shape) -> Response:
     if not server.client.is_alive:
-        raise RequestError(f"the engine is not running: {server.client.dead_error}", type="service_unavailable",
-                           code="engine_dead", status=503)
+        raise engine_not_running(server.client.dead_error)
     server.claim(prepared.request_id)
     if prepared.release_first is not None:
         await server.release_held(prepared.release_first)
@@ -234,10 +234,19 @@ ENGINE_ERROR_STATUS = {
 RETRY_AFTER_S = 1  # what a client refused for the held-blocks limit is told to wait
 
 
+def engine_not_running(why: str | None) -> RequestError:
+    """503 engine_dead: nothing of the request reached the engine (another server may take it)."""
+    return RequestError(f"the engine is not running: {why}", type="service_unavailable", code="engine_dead",
+                        status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 def engine_error(exc: Exception) -> RequestError:
     """The client's answer to an engine that died, refused or failed its request."""
-    if isinstance(exc, EngineDeadError):
-        return RequestError(f"the engine died: {exc}", type="service_unavailable", code="engine_dead", status=503)
+    if isinstance(exc, EngineNotRunningError):
+        return engine_not_running(str(exc))
+    if isinstance(exc, EngineDeadError):  # while serving this request: it may be what killed it
+        return RequestError(f"the engine died while serving this request: {exc}", type="internal_error",
+                            code="engine_died", status=500)
     code = getattr(exc, "code", None) or ERROR_INVALID
     status, kind = ENGINE_ERROR_STATUS.get(code, (500, "internal_error"))
     headers = {"Retry-After": str(RETRY_AFTER_S)} if code == ERROR_KV_HELD_LIMIT else None

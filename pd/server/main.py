@@ -40,6 +40,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help="largest request body accepted; a larger one is refused with 413 before it is "
                              f"read whole (default {DEFAULT_MAX_REQUEST_BYTES})")
+    parser.add_argument("--restart-engine", type=int, default=0, metavar="N",
+                        help="when the engine-core process dies (killed, or a crash in native code), start a new "
+                             "one, at most N times over the server's life; past that, and with 0, the server "
+                             "exits with code 1 so that its supervisor restarts it (default 0)")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")
 
 
@@ -50,7 +54,8 @@ def _exit_on_sigterm(signum: int, frame: Any) -> NoReturn:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Serve until SIGINT / SIGTERM; 0 then, 1 if the engine failed to start."""
+    """Serve until SIGINT / SIGTERM; 0 then, 1 if the engine failed to start or died past
+    its restarts (pd/server/supervisor.py)."""
     from pd.models.files import check_model
     from pd.tokenizer import Tokenizer
 
@@ -58,6 +63,8 @@ def run_serve(args: argparse.Namespace) -> int:
         config = EngineConfig.from_args(args)
         if args.max_request_bytes <= 0:
             raise ValueError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
+        if args.restart_engine < 0:
+            raise ValueError(f"--restart-engine must be 0 or more, got {args.restart_engine}")
         check_model(config.model)
         tokenizer = Tokenizer(config.model)
     except (ValueError, OSError) as e:
@@ -72,7 +79,8 @@ def run_serve(args: argparse.Namespace) -> int:
     client = None
     try:
         client = EngineClient.start(config)
-        asyncio.run(_serve(client, tokenizer, name, config, args, listener))
+        if not asyncio.run(_serve(client, tokenizer, name, config, args, listener)):
+            return 1
     except EngineStartupError as e:
         print(f"pd serve: {e}", file=sys.stderr)
         return 1
@@ -100,12 +108,14 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, args: argparse.Namespace,
-                 listener: socket.socket) -> None:
+                 listener: socket.socket) -> bool:
+    """Serve until stopped; False if stopped because the engine died past its restarts."""
     import uvicorn
 
     from pd.kv_transfer_signing import TransferParamsGuard
     from pd.server.app import build_app
     from pd.server.chat import ChatTemplate
+    from pd.server.supervisor import supervise
 
     template = ChatTemplate.from_model_dir(config.model, tokenizer.config)
     app = build_app(client, tokenizer, name, api_key=args.api_key, chat_template=template,
@@ -114,10 +124,19 @@ async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, a
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5, timeout_keep_alive=KEEPALIVE_S))
     announce = asyncio.create_task(_announce(server, f"http://{args.host}:{args.port}", name, config.role))
+    engine_gone = []
+
+    def stop() -> None:
+        engine_gone.append(True)
+        server.should_exit = True
+
+    supervisor = asyncio.create_task(supervise(client, args.restart_engine, stop, app.state.server.engine_restarted))
     try:
         await server.serve(sockets=[listener])
     finally:
         announce.cancel()
+        supervisor.cancel()
+    return not engine_gone
 
 
 async def _announce(server: Any, url: str, name: str, role: str) -> None:

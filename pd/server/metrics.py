@@ -31,14 +31,20 @@ class EngineStatsCollector(Collector):
     or None before the first step). A dead engine's last figures are not shown: they
     would describe requests and blocks that no longer exist."""
 
-    def __init__(self, get_stats: Callable[[], Any], is_alive: Callable[[], bool]) -> None:
+    def __init__(self, get_stats: Callable[[], Any], is_alive: Callable[[], bool],
+                 get_restarts: Callable[[], int] = lambda: 0) -> None:
         self.get_stats = get_stats
         self.is_alive = is_alive
+        self.get_restarts = get_restarts
 
     def collect(self) -> Iterator[Metric]:
         alive = GaugeMetricFamily("pd_engine_alive", "1 while the engine core process serves, 0 once it died.")
         alive.add_metric([], int(self.is_alive()))
         yield alive
+        restarts = CounterMetricFamily("pd_engine_restarts", "Engine core processes started in place of one "
+                                       "that died (--restart-engine).")
+        restarts.add_metric([], self.get_restarts())
+        yield restarts
         if self.is_alive():
             yield from self._engine_metrics(self.get_stats())
 
@@ -183,9 +189,10 @@ def kv_load_failure_metrics(values: dict[str, int]) -> Iterator[Metric]:
 class ServerMetrics:
     """Every metric of one server; `render()` is the /metrics body."""
 
-    def __init__(self, get_stats: Callable[[], Any], is_alive: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, get_stats: Callable[[], Any], is_alive: Callable[[], bool] = lambda: True,
+                 get_restarts: Callable[[], int] = lambda: 0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(EngineStatsCollector(get_stats, is_alive))
+        self.registry.register(EngineStatsCollector(get_stats, is_alive, get_restarts))
         r = self.registry
         self.time_to_first_token = Histogram("pd_time_to_first_token_seconds",
                                              "Seconds from arrival to the first output token.",

@@ -23,6 +23,7 @@ from pd.request import MAX_LOGIT_BIAS, MAX_N, MAX_PENALTY, SamplingParams
 from pd.server.chat import ChatTemplate, ChatTemplateError
 from pd.server.structured import one_grammar, request_grammar
 from pd.server.tools import CLOSE, OPEN, ToolUse, request_tools
+from pd.structured.checker import GrammarChecker
 from pd.structured.grammar import Grammar
 from pd.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, RequestError, SamplingFields,
                                 refuse_unsupported)
@@ -81,6 +82,11 @@ class Server:
         self.chat_template = chat_template
         self.in_flight: set[str] = set()
         self.held = UntilExpiry()  # engine request ids of params answered, until their lease ends
+        self.grammars = GrammarChecker()  # llguidance runs in a process of its own: a grammar may crash it
+
+    def engine_restarted(self) -> None:
+        """A new engine serves: the blocks the old one kept are gone with it."""
+        self.held = UntilExpiry()
 
     def note_held(self, params: RemotePrefillParams) -> None:
         """This server answered `params`: its engine keeps their blocks until the lease ends."""
@@ -153,7 +159,8 @@ class Server:
         messages = [_template_message(i, m) for i, m in enumerate(body.messages)]
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         tags_are_tokens = all(self.tokenizer.token_id(tag) is not None for tag in (OPEN, CLOSE))
-        tools, tool_use, tool_grammar = request_tools(body, self.chat_template.renders_tools, tags_are_tokens)
+        tools, tool_use, tool_grammar = request_tools(body, self.chat_template.renders_tools, tags_are_tokens,
+                                                      self.grammars.check)
         try:
             ids = self.chat_template.encode(self.tokenizer, messages, body.add_generation_prompt,
                                             body.chat_template_kwargs, tools)
@@ -203,7 +210,8 @@ class Server:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
                                f"{self.max_model_len} tokens, prompt and output together",
                                param=prompt_param, code="context_length_exceeded")
-        params = self._sampling_params(body, len(prompt_ids), one_grammar(request_grammar(body), tool_grammar))
+        params = self._sampling_params(body, len(prompt_ids), one_grammar(request_grammar(body, self.grammars.check),
+                                                                          tool_grammar))
         if body.cache_salt is not None and not body.cache_salt:
             raise RequestError("cache_salt must be a non-empty string", param="cache_salt")
         stop = body.stop_strings

@@ -16,6 +16,7 @@ a request that runs unconstrained.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from pd.server.protocol import RequestError, SamplingFields
@@ -25,8 +26,9 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def request_grammar(body: SamplingFields) -> Grammar | None:
-    """The request's grammar (checked by llguidance), or None; RequestError otherwise."""
+def request_grammar(body: SamplingFields, check: Callable[[Grammar], None]) -> Grammar | None:
+    """The request's grammar, or None; RequestError otherwise (`check` raises GrammarError
+    for a grammar that cannot be enforced: checker.py)."""
     found: list[tuple[str, Grammar]] = []
     if body.response_format is not None:
         grammar = _response_format(body.response_format)
@@ -45,7 +47,7 @@ def request_grammar(body: SamplingFields) -> Grammar | None:
                            f"{found[1][0]}", param=found[1][0])
     param, grammar = found[0]
     try:
-        grammar.check()
+        check(grammar)
     except GrammarError as e:
         raise RequestError(f"{param} cannot be enforced: {e}", param=param, code="invalid_grammar") from None
     return grammar

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +37,12 @@ class ToolUse:
     named: bool = False
 
 
-def request_tools(body: ChatCompletionRequest, renders_tools: bool, tags_are_tokens: bool
-                  ) -> tuple[list[dict[str, Any]] | None, ToolUse, Grammar | None]:
+def request_tools(body: ChatCompletionRequest, renders_tools: bool, tags_are_tokens: bool,
+                  check: Callable[[Grammar], None]) -> tuple[list[dict[str, Any]] | None, ToolUse, Grammar | None]:
     """The request's tools as the template reads them, how its answer is read, and the
-    grammar its tool_choice imposes; RequestError for tools the template cannot show, a
-    tool_choice without tools or naming none of them, or parameters that cannot be enforced."""
+    grammar its tool_choice imposes (held to `check`, which raises GrammarError: checker.py);
+    RequestError for tools the template cannot show, a tool_choice without tools or naming
+    none of them, or parameters that cannot be enforced."""
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none"):
@@ -60,7 +62,7 @@ def request_tools(body: ChatCompletionRequest, renders_tools: bool, tags_are_tok
     if choice == "required" or named is not None:
         grammar = tool_grammar(tools, named, body.parallel_tool_calls and named is None, tags_are_tokens)
         try:
-            grammar.check()
+            check(grammar)
         except GrammarError as e:
             raise RequestError(f"the tools' parameters cannot be enforced: {e}", param="tools",
                                code="invalid_grammar") from None

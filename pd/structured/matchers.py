@@ -1,8 +1,10 @@
 """The engine's grammar matchers (llguidance), one per request with a grammar.
 
 A grammar is compiled off the step, in a thread of its own (llguidance releases the GIL
-while compiling), once per distinct grammar: later requests with the same one start from
-a copy of the compiled matcher. The tokenizer llguidance needs is built in that thread
+while compiling) with a 256 MiB stack, 16 times what the server's checker validated it
+with (checker.py: a grammar deep enough to overflow one crashes the process), once per
+distinct grammar: later requests with the same one start from a copy of the compiled
+matcher. The tokenizer llguidance needs is built in that thread
 too, at the first grammar. Each step the scheduler takes the requests whose grammar is
 ready (`ready`), asks for the mask of the tokens allowed next for each request about to
 sample (`masks`, one bit per token), and hands every token sampled to its matcher
@@ -13,6 +15,7 @@ request. A request forking into n sequences gives each a copy of its matcher (`f
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +27,7 @@ from pd.structured.grammar import Grammar, GrammarError
 logger = logging.getLogger(__name__)
 
 MAX_COMPILED = 64  # distinct grammars kept compiled (least recently used dropped first)
+COMPILE_STACK_BYTES = 256 << 20  # reserved, not committed: only what recursion touches is used
 
 
 class GrammarMatchers:
@@ -46,7 +50,7 @@ class GrammarMatchers:
         future = self._compiled.get(grammar)
         if future is None:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="pd-grammar")
+                self._pool = _pool_with_stack(COMPILE_STACK_BYTES)
             future = self._pool.submit(self._compile, grammar)
             self._compiled[grammar] = future
             while len(self._compiled) > MAX_COMPILED:
@@ -126,3 +130,15 @@ class GrammarMatchers:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _pool_with_stack(stack_bytes: int) -> ThreadPoolExecutor:
+    """A one-thread pool whose thread has a stack of `stack_bytes` (the size applies to
+    threads started while it is set: the pool's is started here, by a first task)."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="pd-grammar")
+    previous = threading.stack_size(stack_bytes)
+    try:
+        pool.submit(lambda: None).result()
+    finally:
+        threading.stack_size(previous)
+    return pool

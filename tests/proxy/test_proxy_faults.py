@@ -48,17 +48,22 @@ def test_a_prefill_verdict_is_passed_back_and_leaves_every_server_healthy(server
         assert all(i["healthy"] for i in proxy_health(proxy).values())
 
 
-def test_a_prefill_500_is_retried_on_the_other_p_and_the_last_is_passed_back(servers) -> None:
+@pytest.mark.parametrize(("reply", "healthy"), [(error("internal_error", 500), True),
+                                               (error("engine_died", 500), False)])
+def test_a_prefill_5xx_is_passed_back_and_not_tried_on_another_p(servers, reply, healthy) -> None:
+    """Issue 31 row 1: a request that crashed a P (the server answers 500 engine_died, or
+    drops the connection) was retried on the next P, and crashed it too: one request
+    took down both prefill servers of a 2P1D. A P's failure serving a request may be the
+    request's doing, so it is not retried elsewhere."""
     p1, p2, d = servers
-    p1.default = error("internal_error", 500)
-    p2.default = error("internal_error_2", 500)
+    p1.default = reply
     with proxy_in_front([p1.url, p2.url], [d.url]) as proxy:
         response = post(proxy)
-        assert response.status_code == 500 and response.json() == p2.default.body  # the last P's own body
-        assert len(p1.received) == len(p2.received) == 1 and d.received == []
-        assert all(i["healthy"] and i["breaker"] == "closed" for i in proxy_health(proxy).values())
-        assert proxy_metric(proxy, 'pd_proxy_retries_total{role="prefill"}') == 1
-        p2.default = Reply()  # the other P takes the next one
+        assert response.status_code == 500 and response.json() == reply.body  # the P's own body
+        assert len(p1.received) == 1 and p2.received == [] and d.received == []
+        assert proxy_health(proxy)[p1.url]["healthy"] is healthy  # engine_died counts against its breaker
+        assert proxy_metric(proxy, 'pd_proxy_retries_total{role="prefill"}') == 0
+        p1.default = Reply()
         assert post(proxy).status_code == 200 and len(d.received) == 1
 
 
@@ -101,14 +106,26 @@ def slow_prefill():
         yield p.url
 
 
-@pytest.mark.parametrize("broken", [refusing_port, hanging_up, slow_prefill], ids=["refused", "hang-up", "timeout"])
-def test_a_transport_failure_marks_the_prefill_server_unhealthy_and_the_next_serves(servers, broken) -> None:
+def test_an_unreachable_prefill_server_is_marked_unhealthy_and_the_next_serves(servers) -> None:
     p1, _, d = servers
-    with broken() as dead, proxy_in_front([dead, p1.url], [d.url], timeout_s=1.0) as proxy:
+    with refusing_port() as dead, proxy_in_front([dead, p1.url], [d.url], timeout_s=1.0) as proxy:
         assert post(proxy).status_code == 200
         state = proxy_health(proxy)
         assert not state[dead]["healthy"] and state[dead]["failures"] == 1
         assert state[p1.url]["healthy"] and len(p1.received) == len(d.received) == 1
+
+
+@pytest.mark.parametrize("broken", [hanging_up, slow_prefill], ids=["hang-up", "timeout"])
+def test_a_prefill_server_failing_with_the_request_is_a_502_not_retried_and_the_next_goes_elsewhere(
+        servers, broken) -> None:
+    p1, _, d = servers
+    with broken() as dead, proxy_in_front([dead, p1.url], [d.url], timeout_s=1.0) as proxy:
+        response = post(proxy)
+        assert response.status_code == 502 and "not tried on another" in response.json()["error"]["message"]
+        assert p1.received == [] and d.received == []
+        state = proxy_health(proxy)
+        assert not state[dead]["healthy"] and state[dead]["failures"] == 1
+        assert post(proxy).status_code == 200 and len(p1.received) == len(d.received) == 1
 
 
 def test_with_every_prefill_server_unreachable_the_answer_is_503(servers) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from launch import http_client
 from proxy.answers import MAX_BACKOFF_S, backoff_s
-from proxy_fakes import (Reply, error, fake, hanging_up, proxy_health, proxy_in_front, proxy_metric, refusing_port,
+from proxy_fakes import (Reply, error, fake, proxy_health, proxy_in_front, proxy_metric, refusing_port,
                          wait_until)
 
 pytestmark = pytest.mark.slow  # seconds per test of real sockets, servers and timeouts
@@ -36,15 +36,17 @@ def test_the_backoff_doubles_with_jitter_and_is_capped() -> None:
 
 
 def test_a_prefill_failing_before_answering_is_retried_on_each_other_p() -> None:
-    with fake("prefill") as p, fake("decode") as d, refusing_port() as refused, hanging_up() as hung, \
-            proxy_in_front([refused, hung, p.url], [d.url], max_retries=2) as proxy:
-        response = post(proxy)
-        assert response.status_code == 200 and response.json()["choices"][0]["text"] == "fake answer"
-        state = proxy_health(proxy)
-        failed = [url for url in (refused, hung) if state[url]["failures"]]
-        assert retries(proxy) == len(failed)  # one retry per P that failed before p took it
-        assert all(state[url]["breaker"] == "open" and not state[url]["healthy"] for url in failed)
-        assert len(p.received) == len(d.received) == 1
+    with fake("prefill") as p, fake("decode") as d, refusing_port() as refused, refusing_port() as dead, \
+            fake("prefill") as gone:
+        gone.default = error("engine_dead", 503)  # its engine was dead before the request came
+        with proxy_in_front([refused, dead, gone.url, p.url], [d.url], max_retries=3) as proxy:
+            response = post(proxy)
+            assert response.status_code == 200 and response.json()["choices"][0]["text"] == "fake answer"
+            state = proxy_health(proxy)
+            failed = [url for url in (refused, dead, gone.url) if state[url]["failures"]]
+            assert retries(proxy) == len(failed)  # one retry per P that failed before p took it
+            assert all(state[url]["breaker"] == "open" and not state[url]["healthy"] for url in failed)
+            assert len(p.received) == len(d.received) == 1
 
 
 def test_max_retries_bounds_the_prefill_servers_tried() -> None:

@@ -1,5 +1,6 @@
-"""`pd serve` as a process: it stops its engine on SIGTERM, reports a dead engine (503s
-within seconds, in-flight streams end with an error), and fails cleanly at startup."""
+"""`pd serve` as a process: it stops its engine on SIGTERM; when its engine dies it fails
+what was in flight and exits 1, or starts a new engine (`--restart-engine`); it removes
+IPC folders of servers killed before it; and it fails cleanly at startup."""
 
 from __future__ import annotations
 
@@ -45,7 +46,11 @@ def test_sigterm_stops_the_server_and_its_engine(tiny_models, tmp_path) -> None:
         assert process_gone(engine_pid, 5.0), "the engine core outlived its server"
 
 
-def test_engine_death_fails_requests_and_health_promptly(tiny_models, tmp_path) -> None:
+def test_engine_death_fails_its_requests_and_the_server_exits_1(tiny_models, tmp_path) -> None:
+    """Row 8 of issue 31: with its engine killed the server stayed up answering 503
+    forever, so no supervisor restarted it. Now it fails what was in flight (500
+    engine_died: the request may be what killed it, so the proxy does not retry it
+    elsewhere) and exits 1."""
     with running_server(tiny_models["qwen3"], tmp_path / "server.log") as server:
         engine_pid = server.health().json()["engine_pid"]
         body = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True}
@@ -57,17 +62,42 @@ def test_engine_death_fails_requests_and_health_promptly(tiny_models, tmp_path) 
             os.kill(engine_pid, signal.SIGKILL)  # a child of the server this test started
             events = [line for line in lines if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"
-        assert json.loads(events[-2][len("data: "):])["error"]["code"] == 503
+        assert json.loads(events[-2][len("data: "):])["error"]["code"] == 500
+        assert server.process.wait(30) == 1, server.log_tail()
+        assert "stopping the server (exit code 1)" in server.log_tail()
 
-        assert wait_until(lambda: server.health().status_code == 503, DEATH_DEADLINE_S), "/health still 200"
-        assert server.health().json()["status"] == "engine dead"
-        for stream in (False, True):
-            response = http_client().post(f"{server.url}/v1/completions",
-                                          json={"prompt": "x", "max_tokens": 2, "stream": stream},
-                                          timeout=DEATH_DEADLINE_S)
-            assert response.status_code == 503, response.text
-            assert response.json()["error"]["code"] == "engine_dead"
-        assert server.process.poll() is None  # the server itself stays up to say so
+
+def test_with_restart_engine_a_new_engine_serves_and_past_the_limit_the_server_exits_1(tiny_models, tmp_path) -> None:
+    with running_server(tiny_models["qwen3"], tmp_path / "server.log", "--restart-engine", "1") as server:
+        body = {"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+        expected = http_client().post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        first = server.health().json()["engine_pid"]
+        os.kill(first, signal.SIGKILL)
+        assert wait_until(lambda: server.health().status_code == 200 and server.health().json()["engine_pid"] != first,
+                          60), server.log_tail()
+        answer = http_client().post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        assert answer["choices"] == expected["choices"]
+        assert server.metrics()["pd_engine_restarts_total"] == 1
+        assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+        os.kill(server.health().json()["engine_pid"], signal.SIGKILL)  # past its one restart
+        assert server.process.wait(30) == 1, server.log_tail()
+
+
+def test_an_ipc_folder_left_by_a_killed_server_is_removed_when_the_next_starts(tiny_models, tmp_path) -> None:
+    import tempfile
+
+    def folders(pid: int) -> list[Path]:
+        return list(Path(tempfile.gettempdir()).glob(f"pd-engine-{pid}-*"))
+
+    with running_server(tiny_models["qwen3"], tmp_path / "a.log") as killed:
+        assert len(folders(killed.process.pid)) == 1
+        engine_pid = killed.health().json()["engine_pid"]
+        killed.process.kill()  # no chance to remove its folder; its engine exits as an orphan
+        killed.process.wait(10)
+        assert process_gone(engine_pid, 10)
+        assert len(folders(killed.process.pid)) == 1
+    with running_server(tiny_models["qwen3"], tmp_path / "b.log") as server:
+        assert folders(killed.process.pid) == [] and len(folders(server.process.pid)) == 1
 
 
 def test_engine_startup_failure_exits_1_with_the_reason(tiny_models, tmp_path) -> None:

@@ -86,3 +86,32 @@ def test_json_object_starts_an_object_with_no_loose_whitespace(server) -> None:
         assert text.startswith("{") and not re.search(r"\s{2}|\n|\t", text), choice
         if choice["finish_reason"] == "stop":
             assert isinstance(json.loads(text), dict)
+
+
+def chained_lark(rules: int) -> str:
+    return "\n".join(["start: r0", *(f"r{i}: r{i + 1}" for i in range(rules)), f'r{rules}: "a"'])
+
+
+def chained_refs(refs: int) -> dict:
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(refs)} | {f"d{refs}": {"type": "string"}}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+@pytest.mark.parametrize("constraint, limit", [
+    ({"structured_outputs": {"grammar": chained_lark(2750)}}, "rules"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": chained_refs(2500)}}}, "$refs"),
+    ({"guided_regex": "a" * 300_000}, "characters"),
+])
+def test_a_grammar_past_a_limit_is_a_400_naming_it_and_the_server_lives(server, constraint, limit) -> None:
+    """Issue 31 row 1: a Lark grammar of 2,750 chained rules, or a JSON schema with a
+    chain of 2,500 $refs, segfaulted the API process inside llguidance."""
+    pid = server.process.pid
+    response = http_client().post(f"{server.url}/v1/completions", json={"prompt": "x"} | constraint,
+                                  timeout=TIMEOUT_S)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "invalid_grammar" and limit in error["message"] and "limit" in error["message"]
+    assert server.process.poll() is None and server.process.pid == pid and server.health().status_code == 200
+    good = {"prompt": "Answer:", "max_tokens": 8, "guided_choice": ["yes", "no"]}
+    assert http_client().post(f"{server.url}/v1/completions", json=good, timeout=TIMEOUT_S).json()[
+        "choices"][0]["text"] in ("yes", "no")

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from pd.models.tiny_tokenizer import FAMILIES, build_tokenizer
 from pd.server.protocol import ChatCompletionRequest, RequestError, parse_body
 from pd.server.tools import ToolCallStream, parse_tool_calls, request_tools, tool_grammar
+from pd.structured.grammar import Grammar
 from pd.structured.matchers import GrammarMatchers
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -107,14 +108,14 @@ def body(**fields) -> ChatCompletionRequest:
 
 
 def test_tool_choice_decides_the_reading_and_the_grammar() -> None:
-    tools, use, grammar = request_tools(body(tools=[WEATHER]), True, True)
+    tools, use, grammar = request_tools(body(tools=[WEATHER]), True, True, Grammar.check)
     assert tools == [WEATHER] and use.parse and not use.named and grammar is None  # auto
-    assert request_tools(body(tools=[WEATHER], tool_choice="none"), True, True)[1].parse is False
-    assert request_tools(body(tools=[WEATHER], tool_choice="required"), True, True)[2] is not None
+    assert request_tools(body(tools=[WEATHER], tool_choice="none"), True, True, Grammar.check)[1].parse is False
+    assert request_tools(body(tools=[WEATHER], tool_choice="required"), True, True, Grammar.check)[2] is not None
     _, use, grammar = request_tools(body(tools=[WEATHER, TIME], tool_choice={
-        "type": "function", "function": {"name": "get_time"}}), True, True)
+        "type": "function", "function": {"name": "get_time"}}), True, True, Grammar.check)
     assert use.named and "get_weather" not in grammar.value
-    assert request_tools(body(), False, True) == (None, use.__class__(), None)
+    assert request_tools(body(), False, True, Grammar.check) == (None, use.__class__(), None)
 
 
 @pytest.mark.parametrize("fields, renders, param", [
@@ -127,5 +128,5 @@ def test_tool_choice_decides_the_reading_and_the_grammar() -> None:
 ])
 def test_tools_that_cannot_be_honoured_are_refused(fields, renders, param) -> None:
     with pytest.raises(RequestError) as e:
-        request_tools(body(**fields), renders, True)
+        request_tools(body(**fields), renders, True, Grammar.check)
     assert e.value.param == param and e.value.status == 400
