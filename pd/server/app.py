@@ -141,16 +141,18 @@ def _v1_router(server: Server, metrics: ServerMetrics, api_key: str | None, max_
 
     @router.post("/completions")
     async def completions(request: Request) -> Response:
-        body = parse_body(await read_body(request, max_request_bytes), CompletionRequest)
+        raw = await read_body(request, max_request_bytes)
         request_id = server.request_id(request.headers.get("x-request-id"), "cmpl")
-        prepared = await anyio.to_thread.run_sync(server.prepare_completion, body, request_id)
+        prepared = await server.off_loop(lambda: server.prepare_completion(parse_body(raw, CompletionRequest),
+                                                                           request_id))
         return await _serve(server, metrics, request, prepared, COMPLETION)
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = parse_body(await read_body(request, max_request_bytes), ChatCompletionRequest)
+        raw = await read_body(request, max_request_bytes)
         request_id = server.request_id(request.headers.get("x-request-id"), "chatcmpl")
-        prepared = await anyio.to_thread.run_sync(server.prepare_chat, body, request_id)
+        prepared = await server.off_loop(lambda: server.prepare_chat(parse_body(raw, ChatCompletionRequest),
+                                                                     request_id))
         return await _serve(server, metrics, request, prepared, CHAT)
 
     @router.post("/kv/release")

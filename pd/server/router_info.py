@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import anyio
 from fastapi import APIRouter, Request
 
 from kv_events.hashing import HASH_NAME
@@ -35,11 +34,14 @@ def router_info_routes(server: Server, read_body: Any, max_request_bytes: int) -
     @router.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         raw = await read_body(request, max_request_bytes)
-        peeked = _peek(raw)
-        chat = isinstance(peeked, dict) and "messages" in peeked
-        body = parse_body(raw, ChatCompletionRequest if chat else CompletionRequest)
-        tokens = await anyio.to_thread.run_sync(server.tokenize, body)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": server.max_model_len}
+
+        def tokens() -> list[int]:
+            peeked = _peek(raw)
+            chat = isinstance(peeked, dict) and "messages" in peeked
+            return server.tokenize(parse_body(raw, ChatCompletionRequest if chat else CompletionRequest))
+
+        ids = await server.off_loop(tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": server.max_model_len}
 
     return router
 

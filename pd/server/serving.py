@@ -9,10 +9,14 @@ they produce into responses.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+import anyio
 
 from pd.kv_transfer_params import RemoteDecodeParams, RemotePrefillParams, TransferParamsError, parse_transfer_params
 from pd.kv_transfer_signing import TransferParamsGuard, TransferParamsRefused, UntilExpiry
@@ -32,6 +36,12 @@ MAX_SEED = 2**63
 # A token's text is at most `tokenizer.max_token_chars` characters, so a text longer than
 # that times the context cannot fit; the slack covers normalizers that merge characters.
 CHARS_PER_TOKEN_SLACK = 4
+# A text longer than this many characters per token of the context has its start tokenized
+# first: past the context (with a margin for the token the cut splits) it is refused there.
+PEEK_CHARS_PER_TOKEN = 8
+PEEK_MARGIN_TOKENS = 16
+PREPARE_THREADS = max(2, os.cpu_count() or 2)  # requests prepared at once, off the event loop
+T = TypeVar("T")
 
 
 @dataclass
@@ -83,6 +93,14 @@ class Server:
         self.in_flight: set[str] = set()
         self.held = UntilExpiry()  # engine request ids of params answered, until their lease ends
         self.grammars = GrammarChecker()  # llguidance runs in a process of its own: a grammar may crash it
+        self._prepare_limiter = anyio.CapacityLimiter(PREPARE_THREADS)
+
+    async def off_loop(self, work: Callable[[], T]) -> T:
+        """`work()` (parsing, templates, tokenizing, grammar checks) in a worker thread, at
+        most PREPARE_THREADS at once: the event loop keeps answering (/health, streams)
+        while a large body is read, and the threads of big requests cannot crowd it out
+        of the GIL."""
+        return await anyio.to_thread.run_sync(work, limiter=self._prepare_limiter)
 
     def engine_restarted(self) -> None:
         """A new engine serves: the blocks the old one kept are gone with it."""
@@ -158,15 +176,18 @@ class Server:
             raise RequestError("messages must be a non-empty list", param="messages")
         messages = [_template_message(i, m) for i, m in enumerate(body.messages)]
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        for param in ("tools", "chat_template_kwargs"):  # rendered into the prompt too
+            if getattr(body, param):
+                self._check_chars(len(body.model_dump_json(include={param})), param)
         tags_are_tokens = all(self.tokenizer.token_id(tag) is not None for tag in (OPEN, CLOSE))
         tools, tool_use, tool_grammar = request_tools(body, self.chat_template.renders_tools, tags_are_tokens,
                                                       self.grammars.check)
         try:
-            ids = self.chat_template.encode(self.tokenizer, messages, body.add_generation_prompt,
-                                            body.chat_template_kwargs, tools)
+            text = self.chat_template.render(messages, body.add_generation_prompt, body.chat_template_kwargs, tools)
         except ChatTemplateError as e:
             raise RequestError(str(e), param="messages") from None
-        return ids, tool_use, tool_grammar
+        self._check_chars(len(text), "messages")  # as rendered: a template may repeat what it is given
+        return self._encode(text, "messages", add_special_tokens=False), tool_use, tool_grammar
 
     def _check_common(self, body: SamplingFields) -> None:
         if body.model is not None and body.model != self.served_model_name:
@@ -183,7 +204,7 @@ class Server:
             prompt = prompt[0]
         if isinstance(prompt, str):
             self._check_chars(len(prompt), "prompt")
-            return self.tokenizer.encode(prompt) if prompt else []
+            return self._encode(prompt, "prompt") if prompt else []
         self._check_vocab(prompt, "prompt")
         return list(prompt)
 
@@ -195,6 +216,21 @@ class Server:
             raise RequestError(f"the {param} has {num_chars} characters, more than any text of "
                                f"{self.max_model_len} tokens (this model's context) can have",
                                param=param, code="context_length_exceeded")
+
+    def _encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """The text's token ids; a text far longer than the context is refused from the
+        tokens of its start (PEEK_CHARS_PER_TOKEN characters per token of context), so
+        the work a request can ask of the tokenizer is bounded by the context, not by
+        the characters it sends."""
+        peek = PEEK_CHARS_PER_TOKEN * self.max_model_len
+        if len(text) > peek:
+            start = len(self.tokenizer.encode(text[:peek], add_special_tokens=add_special_tokens))
+            if start > self.max_model_len + PEEK_MARGIN_TOKENS:
+                raise RequestError(f"the {param} has more than {self.max_model_len} tokens (its first {peek} "
+                                   f"characters alone have {start}); this model's context is {self.max_model_len} "
+                                   "tokens, prompt and output together", param=param,
+                                   code="context_length_exceeded")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _check_vocab(self, token_ids: list[int], param: str) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]

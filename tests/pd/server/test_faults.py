@@ -14,6 +14,7 @@ serving, with its KV back to 0.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import time
@@ -266,3 +267,37 @@ def test_any_bytes_to_the_kv_events_and_side_channel_ports_leave_the_engine_serv
     assert engine_pid(server) == pid, "the engine died"
     assert server.metrics()[label % "kv_events_replay"] == 3 and server.metrics()[label % "side_channel"] == 2
     assert_serving(server, pid)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_everything_rendered_into_a_prompt_is_held_to_the_character_cap_before_it_is_tokenized(prefill_server) -> None:
+    """Issue 31 row 5: a 3.99 MB tools schema (under the 4 MiB body cap) was rendered and
+    tokenized in full (3.35 M tokens, seconds of CPU) before the prompt was refused."""
+    server = prefill_server
+    pid = engine_pid(server)
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "lorem ipsum " * 4}
+                                               for i in range(40_000)}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]}
+    assert 3 << 20 < len(json.dumps(body)) < 4 << 20
+    before = cpu_seconds(server.process.pid)
+    for _ in range(3):
+        response = post(server, body, "/v1/chat/completions")
+        assert response.status_code == 400 and response.json()["error"]["param"] == "tools", response.text[:300]
+        assert response.json()["error"]["code"] == "context_length_exceeded"
+    assert cpu_seconds(server.process.pid) - before < 2.0  # reading and parsing 12 MB of bodies, no tokenizing
+    kwargs = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": "y" * (3 << 20)}}
+    response = post(server, kwargs, "/v1/chat/completions")
+    assert response.status_code == 400 and response.json()["error"]["param"] == "chat_template_kwargs"
+    assert_serving(server, pid)
+
+
+def test_a_prompt_far_past_the_context_is_refused_from_the_tokens_of_its_start(prefill_server) -> None:
+    server = prefill_server
+    text = "ab " * 20_000  # under the character cap, ~20,000 tokens
+    response = post(server, {"prompt": text, "max_tokens": 1})
+    assert response.status_code == 400 and "its first 8192 characters alone have" in response.json()["error"]["message"]
