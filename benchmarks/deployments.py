@@ -51,7 +51,9 @@ class Deployment:
 
 @contextlib.contextmanager
 def deploy(config: str, args: argparse.Namespace, workdir: Path) -> Iterator[Deployment]:
-    """Launch one configuration; everything it started is stopped on exit."""
+    """Launch one configuration (its prefill and decode servers sharing a transfer
+    secret); everything it started is stopped on exit."""
+    launch.deployment_secret()
     common = ["--model", str(args.model), "--dtype", args.dtype, "--host", "127.0.0.1", *shlex.split(args.server_args)]
     with contextlib.ExitStack() as stack:
         def start(name: str, *extra: str, command: str = "serve", shared: list[str] = common) -> str:

@@ -24,7 +24,7 @@ from typing import Sequence
 
 from benchmarks import serve
 from benchmarks.serve_targets import ARCHS, start_server
-from launch import free_port, pd_command, stop_process
+from launch import deployment_secret, free_port, pd_command, stop_process
 
 IDLE_WINDOW_S = 5.0
 
@@ -79,6 +79,7 @@ def row(label: str, result: dict, idle_before: dict[str, float], idle_after: dic
 
 
 def bench_pd(args: argparse.Namespace, model_dir: Path, workdir: Path) -> dict:
+    deployment_secret()  # shared by P and D
     p_port, d_port = free_port(), free_port()
     threads = ("--num-threads", str(max(1, (os.cpu_count() or 2) // 2)))  # the machine split between P and D
     p, _ = start_server(model_dir, p_port, args.dtype, workdir / "p.log", "--role", "prefill", *threads)

@@ -67,11 +67,15 @@ class KVConnectorMetadata:
 class KVConnectorOutput:
     """What the worker half reports back after a step: requests whose blocks finished
     sending (their delayed free may happen) or receiving (they may be scheduled), and
-    requests whose load failed (request id -> why, for logs and error messages)."""
+    requests whose load failed (request id -> why, for logs and error messages).
+    `unverified`: received requests whose KV could not be verified as the holder's for
+    their prompt (parameters not signed with the deployment's secret): they may use it,
+    but nothing of theirs enters the prefix cache."""
 
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: dict[str, str] = field(default_factory=dict)
+    unverified: set[str] = field(default_factory=set)
 
 
 class KVConnectorScheduler(ABC):

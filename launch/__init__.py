@@ -3,10 +3,10 @@ route) are started, health-waited and stopped by PID here, for deploy/, benchmar
 the tests alike. Standard library and httpx only; nothing of `pd` is imported.
 """
 
-from launch.process import (LaunchError, Launched, end_group, exited, free_port, health_status, http_client,
+from launch.process import (LaunchError, Launched, deployment_secret, end_group, exited, free_port, health_status, http_client,
                             keep_running, log_tail, pd_command, running, start, start_logged, stop_process,
                             terminate_all, wait_ready, wait_started)
 
-__all__ = ["LaunchError", "Launched", "end_group", "exited", "free_port", "health_status", "http_client",
+__all__ = ["LaunchError", "Launched", "deployment_secret", "end_group", "exited", "free_port", "health_status", "http_client",
            "keep_running", "log_tail", "pd_command", "running", "start", "start_logged", "stop_process",
            "terminate_all", "wait_ready", "wait_started"]

@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -74,6 +75,17 @@ def http_client() -> httpx.Client:
 def pd_command(*args: str) -> list[str]:
     """`pd ARGS` run by this Python (no reliance on the `pd` script being on PATH)."""
     return [sys.executable, "-m", "pd.cli", *args]
+
+
+SECRET_ENV = "PD_KV_TRANSFER_SECRET"  # as pd/kv_transfer_signing.py reads it
+
+
+def deployment_secret() -> str:
+    """The secret the prefill and decode servers this process starts share (they inherit
+    the environment): PD_KV_TRANSFER_SECRET if set, else a new random one, set now."""
+    if not os.environ.get(SECRET_ENV):
+        os.environ[SECRET_ENV] = secrets.token_hex(32)
+    return os.environ[SECRET_ENV]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -54,7 +54,8 @@ class EngineConfig:
     skip_partial_groups_on_remote_prefill: bool = True  # D: see --no-skip-partial-groups-on-remote-prefill
     kv_load_failure_policy: str = "recompute"
     kv_max_held_fraction: float = 0.5  # P: share of blocks kept for unread requests before refusing more
-    kv_transfer_secret: str | None = field(default=None, repr=False)  # signs / verifies kv_transfer_params
+    kv_transfer_secret: str | None = field(default=None, repr=False)  # signs / verifies kv_transfer_params; "": none
+    allow_unsigned_kv_params: bool = False  # a NIXL server without a secret: refused unless this says so
     kv_allowed_peers: tuple[str, ...] = DEFAULT_ALLOWED_PEERS  # without a secret: the P hosts D trusts
     num_threads: int | None = None  # torch intra-op threads; None: torch's default (all cores)
     kv_events_port: int | None = None  # publish KV events (kv_events/) on tcp://kv_events_host:port; None: off
@@ -113,6 +114,13 @@ class EngineConfig:
         object.__setattr__(self, "kv_allowed_peers", tuple(self.kv_allowed_peers))
         if self.kv_transfer_secret is None:
             object.__setattr__(self, "kv_transfer_secret", secret_from_env())
+        elif not self.kv_transfer_secret:  # "": none, whatever the environment says
+            object.__setattr__(self, "kv_transfer_secret", None)
+        if self.kv_connector != NULL_CONNECTOR and self.kv_transfer_secret is None and not self.allow_unsigned_kv_params:
+            raise ValueError(f"a server with the {self.kv_connector} connector needs a transfer secret shared by the "
+                             f"deployment ({SECRET_ENV}, or --kv-transfer-secret; the deploy scripts make one): without "
+                             "it, any client that reaches a decode server can make it read any blocks of a prefill "
+                             "server. --allow-unsigned-kv-params serves without one, trusting --kv-allowed-peers")
         for peer in self.kv_allowed_peers:
             try:
                 ipaddress.ip_network(peer, strict=False)
@@ -178,7 +186,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-events-replay-port", type=int, default=ENGINE_DEFAULTS["kv_events_replay_port"], help="TCP port of the KV events' replay socket (ZMQ ROUTER: a subscriber that missed batches, or starts late, asks for them or for a snapshot) (default: --kv-events-port + 1)")
     parser.add_argument("--kv-events-host", default=ENGINE_DEFAULTS["kv_events_host"], help="address the KV events sockets bind (default %(default)s)")
     parser.add_argument("--kv-max-held-fraction", type=float, default=ENGINE_DEFAULTS["kv_max_held_fraction"], help="on a prefill server, the most of its KV cache (0..1] kept for decode servers that have not read it yet; past it, new prefills for decode servers are refused with 503 and Retry-After so the server's own queue is not starved (default %(default)s)")
-    parser.add_argument("--kv-transfer-secret", default=ENGINE_DEFAULTS["kv_transfer_secret"], help=f"secret shared by a deployment's prefill and decode servers: P signs the kv_transfer_params it returns, D acts only on signed, unexpired, unreplayed ones issued for the same prompt (403 otherwise); prefer the {SECRET_ENV} environment variable, which other users cannot read from the process list (default: that variable, else none)")
+    parser.add_argument("--kv-transfer-secret", default=ENGINE_DEFAULTS["kv_transfer_secret"], help=f"secret shared by a deployment's prefill and decode servers: P signs the kv_transfer_params it returns, D acts only on signed, unexpired, unreplayed ones issued for the same prompt (403 otherwise); prefer the {SECRET_ENV} environment variable, which other users cannot read from the process list; an empty value means none, whatever the variable says (default: that variable; a prefill or decode server without one refuses to start unless --allow-unsigned-kv-params)")
+    parser.add_argument("--allow-unsigned-kv-params", action="store_true", help="let a prefill or decode server start without a transfer secret: D then acts on unsigned kv_transfer_params naming a peer in --kv-allowed-peers, and keeps KV read under them out of its prefix cache (any client that reaches D can make it read any blocks of an allowed P); without this flag such a server refuses to start")
     parser.add_argument("--kv-allowed-peers", nargs="+", default=ENGINE_DEFAULTS["kv_allowed_peers"], metavar="NETWORK", help="without a secret, the prefill servers (IP addresses or networks) a decode server reads KV from; parameters naming another host get 403 and no connection (default: loopback, " + " ".join(DEFAULT_ALLOWED_PEERS) + ")")
     parser.add_argument("--num-threads", type=int, default=ENGINE_DEFAULTS["num_threads"], help="CPU threads the engine's torch ops use (default: torch's, one per core); when P and D share a machine, split its cores between them: oversubscribed threads spin and slow both")
     parser.add_argument("--seed", type=int, default=ENGINE_DEFAULTS["seed"], help="seed for requests that sample without their own seed (default %(default)s)")

@@ -63,8 +63,10 @@ class RemotePrefillParams(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     channel `remote_host:remote_port`) under P's request id, positional per KV cache
     group (0: P holds no block there); P sampled `first_token_ids`, one per sequence of
     the request (n), scored in `first_logprobs` when it asks for logprobs; with echo and
-    logprobs P scored the prompt, `prompt_logprobs`. With a deployment secret P signs
-    them (`signature`), and D acts only on signed ones; see signing.py."""
+    logprobs P scored the prompt, `prompt_logprobs`. P's lease word `lease_slot` holds
+    `lease_token` while P holds the blocks (connectors/nixl/leases.py): D checks it after
+    its read. With a deployment secret P signs them (`signature`), and D acts only on
+    signed ones; see signing.py."""
 
     do_remote_prefill: Literal[True]
     remote_engine_id: Name
@@ -79,6 +81,8 @@ class RemotePrefillParams(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     lease_expires_at: WallClock | None = None  # a read ending later is a failure
     lease_seconds: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)] | None = None  # what a KeepAlive extends by
     prompt_digest: HexDigest | None = None  # of the prompt P prefilled (pd/kv_transfer_signing.py)
+    lease_slot: Annotated[int, msgspec.Meta(ge=0, lt=INT32)] | None = None  # P's lease word for the blocks
+    lease_token: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)] | None = None  # it holds while they are held
     signature: HexDigest | None = None  # HMAC over every other field, with the deployment's secret
     first_logprobs: Logprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None

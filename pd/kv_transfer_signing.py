@@ -12,8 +12,10 @@ prompt's token ids and the lease's end. D refuses, before it connects anywhere:
 - parameters presented with another prompt than the one P prefilled (the digest), so a
   client holding valid parameters of request X cannot read X's KV under its own prompt.
 
-Without a secret, D trusts parameters only when they name a peer in its allowed networks
-(`--kv-allowed-peers`, default loopback): it never connects elsewhere.
+Without a secret (`--allow-unsigned-kv-params`), D trusts parameters only when they name a
+peer in its allowed networks (`--kv-allowed-peers`, default loopback): it never connects
+elsewhere; and it keeps what it reads under them out of its prefix cache. In every mode D
+refuses parameters whose prompt digest is not its request's prompt's.
 """
 
 from __future__ import annotations
@@ -36,27 +38,30 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 class UntilExpiry:
-    """Keys remembered until a wall-clock end (a lease's). Expired keys are dropped
-    oldest first as keys are added: leases share one length, so ends come in about the
-    order keys do, and no call walks every key."""
+    """Keys (each with a value) remembered until a wall-clock end (a lease's). Expired
+    keys are dropped oldest first as keys are added: leases share one length, so ends
+    come in about the order keys do, and no call walks every key."""
 
     def __init__(self) -> None:
-        self._ends: dict[str, float] = {}  # in insertion order
+        self._ends: dict[str, tuple[float, str | None]] = {}  # in insertion order
 
-    def add(self, key: str, end: float, now: float) -> None:
+    def add(self, key: str, end: float, now: float, value: str | None = None) -> None:
         while self._ends:
-            oldest, oldest_end = next(iter(self._ends.items()))
+            oldest, (oldest_end, _) = next(iter(self._ends.items()))
             if oldest_end > now:
                 break
             del self._ends[oldest]
-        self._ends[key] = end
+        self._ends[key] = (end, value)
 
     def holds(self, key: str, now: float) -> bool:
-        return self._ends.get(key, now) > now
+        return self._ends.get(key, (now, None))[0] > now
+
+    def value(self, key: str) -> str | None:
+        return self._ends.get(key, (0.0, None))[1]
 
     def pop(self, key: str, now: float) -> bool:
         """Forget `key`; whether it was held (and not expired)."""
-        return self._ends.pop(key, now) > now
+        return self._ends.pop(key, (now, None))[0] > now
 
     def __len__(self) -> int:
         return len(self._ends)
@@ -106,6 +111,8 @@ class TransferParamsGuard:
             self._check(params, prompt_token_ids)
 
     def _check(self, params: RemotePrefillParams, prompt_token_ids: Sequence[int]) -> None:
+        if params.prompt_digest != prompt_digest(prompt_token_ids):  # in every mode: never another prompt's KV
+            raise TransferParamsRefused("kv_transfer_params were issued for another prompt")
         if self.secret is None:
             self._check_peer(params.remote_host)
             return
@@ -116,8 +123,6 @@ class TransferParamsGuard:
         now = self.wall_clock()
         if params.lease_expires_at is None or params.lease_expires_at <= now:
             raise TransferParamsRefused("kv_transfer_params have expired (the prefill server's lease ended)")
-        if params.prompt_digest != prompt_digest(prompt_token_ids):
-            raise TransferParamsRefused("kv_transfer_params were issued for another prompt")
         if self._seen.holds(params.signature, now):
             raise TransferParamsRefused("kv_transfer_params were used already (a replay)")
         self._seen.add(params.signature, params.lease_expires_at, now)

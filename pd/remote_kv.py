@@ -81,6 +81,8 @@ class RemoteKV:
                     self.kv.free(request)
                     request.num_computed_tokens = 0
                 continue
+            if req_id in connector_output.unverified:  # it may use this KV; nobody else may hit it
+                request.writes_prefix_cache = False
             self.kv.cache_blocks(request, request.num_computed_tokens)
             outputs += self._continue_from_first_token(request)
             request.kv_transfer_params = None  # a local request from now on (P frees its blocks)

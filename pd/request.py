@@ -147,6 +147,7 @@ class Request:
     index: int = 0
     fork_token_ids: list[int] = field(default_factory=list)  # first tokens of sequences 1.. when it forked
     fork_logprobs: Logprobs | None = None  # and their logprobs, if asked for
+    writes_prefix_cache: bool = True  # False: its blocks hold KV not verified as its prompt's (unsigned remote KV)
     _block_hashes: dict[int, list[BlockHash]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -212,7 +213,8 @@ class Request:
         """Its sequence `index` (a request of its own, with the first token `token_id`)."""
         child = Request(sequence_id(self.request_id, index), self.prompt_token_ids,
                         self.sampling_params.for_sequence(index), cache_salt=self.cache_salt,
-                        num_cached_tokens=self.num_cached_tokens, parent_id=self.request_id, index=index)
+                        num_cached_tokens=self.num_cached_tokens, parent_id=self.request_id, index=index,
+                        writes_prefix_cache=self.writes_prefix_cache)
         child.append_output_token_ids(token_id)
         child.add_output_logprobs(logprobs)
         return child

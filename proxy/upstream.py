@@ -349,8 +349,9 @@ class Upstream:
         try:
             if not isinstance(remote_id, str):
                 raise ValueError(f"P's kv_transfer_params name no remote_request_id: {prefilled.params}")
-            response = await self.client.post(url, json={"remote_request_id": remote_id}, headers=headers,
-                                              timeout=self.config.release_timeout_s)
+            signature = prefilled.params.get("signature")  # proves the proxy holds the parameters
+            response = await self.client.post(url, json={"remote_request_id": remote_id, "signature": signature},
+                                              headers=headers, timeout=self.config.release_timeout_s)
             response.raise_for_status()
             result = "released" if response.json().get("released") is True else "unknown"
         except (httpx.HTTPError, ValueError, AttributeError) as exc:

@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent / "pd" / "server"))
 
 from conftest_models import colocated, tiny_models  # noqa: E402,F401  (the session fixtures)
+from launch import deployment_secret  # noqa: E402
 
 _SESSION_DIRS: list[str] = []
 
@@ -30,10 +31,14 @@ def pytest_configure(config) -> None:
 
     The run keeps converted GGUF tokenizers in one fresh folder, shared by its workers
     and every server they start (the run's first conversion is the only one; a
-    leftover from another run or another version of the code is never read)."""
+    leftover from another run or another version of the code is never read). Its
+    servers share one transfer secret, as a deployment's do (the deploy scripts make
+    one); a test of unsigned parameters starts its servers with
+    `--kv-transfer-secret "" --allow-unsigned-kv-params`."""
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist), before workers start
         _SESSION_DIRS.append(tempfile.mkdtemp(prefix="pd-test-tokenizers-"))
         os.environ["PD_TOKENIZER_CACHE"] = _SESSION_DIRS[-1]
+        deployment_secret()  # prefill and decode servers refuse to start without one
         _assemble_real_gemma()
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False

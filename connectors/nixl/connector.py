@@ -22,4 +22,5 @@ class NixlConnector(KVConnector):
         """After `worker.register_kv_caches`: its side channel is listening by then."""
         config = context.config
         return NixlConnectorScheduler(context.engine_id, config.kv_host, worker.side_channel_port,
-                                      context.block_sizes, config.kv_lease_seconds, secret=config.kv_transfer_secret)
+                                      context.block_sizes, config.kv_lease_seconds, secret=config.kv_transfer_secret,
+                                      leases=worker.leases)

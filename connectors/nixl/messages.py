@@ -6,8 +6,8 @@ unpickled: a decoder accepts exactly these types, and any other bytes raise a
 
 - Side channel (ZMQ, see `handshake.py`): D sends a `HandshakeRequest`; P answers with a
   `HandshakeResponse` (its NIXL agent metadata and KV layout) or a `HandshakeError`.
-- Notifications (bytes carried by NIXL, see `transport.py`): `ReadDone` rides on D's READ
-  and reaches P after the data moved; `Reject` tells P that D will not read; `KeepAlive`
+- Notifications (bytes carried by NIXL, see `transport.py`): `ReadDone` tells P that D
+  read the blocks and checked P's lease word (leases.py); `Reject` that D will not read; `KeepAlive`
   tells P that D still will (the request waits in D's queue): P extends the lease.
 """
 
@@ -66,6 +66,7 @@ class KVLayoutInfo(msgspec.Struct, frozen=True):
     block_sizes: list[Positive]
     compat_hash: str
     device_kind: DeviceKind = "DRAM"
+    lease_words: TensorInfo | None = None  # its lease table (leases.py), host memory, one 8-byte word a row
 
     def __post_init__(self) -> None:
         # Runs on decode too: a layout from the network that names a missing tensor or

@@ -1,11 +1,14 @@
 """Side-channel handshakes with prefill servers, off the engine step.
 
 A handshake is a network round trip that may take up to its timeout (a peer that
-accepts TCP and never answers), so it runs on a small thread pool; the engine thread
-only starts them and collects what finished, once per step. Handshakes with different
-peers proceed in parallel; one peer gets one handshake at a time, however many requests
-wait for it. A peer whose handshake failed is remembered for `backoff_s`: requests naming
-it meanwhile fail at once instead of each trying again.
+accepts TCP and never answers), so each runs on a thread of its own; the engine thread
+only starts them and collects what finished, once per step. Handshakes never queue
+behind one another: with `MAX_PENDING` under way (forged parameters naming 40 engine
+ids that never answer once made a request behind them wait 49 s), or
+`MAX_PENDING_PER_ADDRESS` with one host and port, another is refused at once instead.
+One engine id gets one handshake at a time, however many requests wait for it. A peer
+whose handshake failed is remembered for `backoff_s`: requests naming it meanwhile fail
+at once instead of each trying again.
 
 Only the side-channel exchange runs on the pool: loading the peer's NIXL agent (which
 touches the engine's agent) is left to the caller, on the engine thread.
@@ -20,7 +23,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from connectors.nixl.handshake import fetch_remote_layout
 from connectors.nixl.messages import HandshakeRequest, HandshakeResponse
 
-MAX_PARALLEL_HANDSHAKES = 4
+MAX_PENDING = 64  # handshakes under way at once (each on a thread of its own)
+MAX_PENDING_PER_ADDRESS = 2  # of them with one host and port
 
 
 class PeerHandshakes:
@@ -32,14 +36,23 @@ class PeerHandshakes:
         self.backoff_s = backoff_s
         self.clock = clock
         self.fetch = fetch
-        self._pool = ThreadPoolExecutor(MAX_PARALLEL_HANDSHAKES, thread_name_prefix="pd-handshake")
+        self._pool = ThreadPoolExecutor(MAX_PENDING, thread_name_prefix="pd-handshake")  # never queues: see start
         self._pending: dict[str, Future[HandshakeResponse]] = {}  # engine id -> its handshake
+        self._addresses: dict[str, tuple[str, int]] = {}  # engine id -> where its pending handshake goes
         self._failed: dict[str, tuple[float, str]] = {}  # engine id -> (retry no sooner than, why)
 
-    def start(self, engine_id: str, host: str, port: int) -> None:
-        """Start a handshake with the peer unless one is under way."""
-        if engine_id not in self._pending:
-            self._pending[engine_id] = self._pool.submit(self._timed_fetch, host, port)
+    def start(self, engine_id: str, host: str, port: int) -> str | None:
+        """Start a handshake with the peer unless one is under way; why it cannot start
+        now (too many under way, in all or with that address), or None."""
+        if engine_id in self._pending:
+            return None
+        if len(self._pending) >= MAX_PENDING:
+            return f"{MAX_PENDING} handshakes with prefill servers are under way"
+        if sum(address == (host, port) for address in self._addresses.values()) >= MAX_PENDING_PER_ADDRESS:
+            return f"{MAX_PENDING_PER_ADDRESS} handshakes with {host}:{port} are under way"
+        self._addresses[engine_id] = (host, port)
+        self._pending[engine_id] = self._pool.submit(self._timed_fetch, host, port)
+        return None
 
     def _timed_fetch(self, host: str, port: int) -> tuple[HandshakeResponse, float]:
         started = time.monotonic()
@@ -54,7 +67,10 @@ class PeerHandshakes:
         return failed[1]
 
     def mark_failed(self, engine_id: str, why: str) -> None:
-        self._failed[engine_id] = (self.clock() + self.backoff_s, why)
+        now = self.clock()
+        if len(self._failed) > 4 * MAX_PENDING:  # forged engine ids must not grow it without bound
+            self._failed = {k: v for k, v in self._failed.items() if v[0] > now}
+        self._failed[engine_id] = (now + self.backoff_s, why)
 
     def completed(self) -> list[tuple[str, HandshakeResponse | Exception, float]]:
         """The handshakes that ended since the last call: (peer, its response or the
@@ -63,6 +79,7 @@ class PeerHandshakes:
         outcomes: list[tuple[str, HandshakeResponse | Exception, float]] = []
         for engine_id, future in done:
             del self._pending[engine_id]
+            self._addresses.pop(engine_id, None)
             error = future.exception()
             if error is not None:
                 self.mark_failed(engine_id, str(error))

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from connectors.base import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, KVLoadRefused
+from connectors.nixl.leases import LeaseTable
 from pd.kv_transfer_params import RemotePrefillParams
 from pd.kv_transfer_signing import prompt_digest, sign
 from pd.kv_cache.spec import cdiv
@@ -49,29 +50,35 @@ KEEP_ALIVE_MARGIN = 0.1  # of a lease: how much earlier than P's lease D counts 
 
 @dataclass(frozen=True)
 class RemotePrefill:
-    """Where a D request's KV lives on P."""
+    """Where a D request's KV lives on P; P's lease word `lease_slot` holds `lease_token`
+    while P holds the blocks (leases.py; None: P did not say, nothing to check)."""
 
     engine_id: str
     host: str
     port: int
     request_id: str
     lease_expires_at: float | None = None  # wall clock; a read ending later is a failure
+    lease_slot: int | None = None
+    lease_token: int | None = None
 
     @classmethod
     def of(cls, params: RemotePrefillParams) -> RemotePrefill:
         return cls(params.remote_engine_id, params.remote_host, params.remote_port, params.remote_request_id,
-                   params.lease_expires_at)
+                   params.lease_expires_at, params.lease_slot, params.lease_token)
 
 
 @dataclass(frozen=True)
 class ReqToRecv:
     """Read `remote_block_ids[g][i]` into `local_block_ids[g][i]` wherever the local id
-    is not 0 (0: nothing to read at that position)."""
+    is not 0 (0: nothing to read at that position). `trusted`: the parameters were
+    signed with this deployment's secret, so blocks read and checked against P's lease
+    word are P's for this prompt and may enter the prefix cache."""
 
     request_id: str
     remote: RemotePrefill
     local_block_ids: list[list[int]]
     remote_block_ids: list[list[int]]
+    trusted: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,7 +105,8 @@ class KVTransferParamsError(ValueError):
 class NixlConnectorScheduler(KVConnectorScheduler):
     def __init__(self, engine_id: str, host: str, side_channel_port: int, block_sizes: list[int],
                  lease_seconds: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time, secret: str | None = None) -> None:
+                 wall_clock: Callable[[], float] = time.time, secret: str | None = None,
+                 leases: LeaseTable | None = None) -> None:
         if len(set(block_sizes)) != 1:
             raise ValueError(f"the NIXL connector needs one block size across KV cache groups, got {block_sizes}")
         self.engine_id = engine_id
@@ -109,6 +117,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.clock = clock
         self.wall_clock = wall_clock
         self.secret = secret  # signs the parameters P hands out (pd/kv_transfer_signing.py)
+        self.leases = leases  # P: the worker half's lease table (None: parameters name no lease word)
         self._meta = NixlConnectorMetadata()
         self.num_rejected = 0
         self._lease_end: dict[str, float] = {}  # D: waiting request -> wall-clock end of P's lease, as known here
@@ -135,7 +144,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         if lease_end is not None:  # kept alive while it waited
             remote = dataclasses.replace(remote, lease_expires_at=lease_end)
         self._meta.reqs_to_recv.append(ReqToRecv(request.request_id, remote, blocks.get_unfilled_block_ids(),
-                                                 [list(ids) for ids in params.remote_block_ids]))
+                                                 [list(ids) for ids in params.remote_block_ids],
+                                                 trusted=self.secret is not None))
 
     def requests_waiting(self, requests: Iterable[Request]) -> None:
         """Keep P's lease alive for remote-prefill requests that wait in this queue: once
@@ -164,16 +174,23 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         finished_well = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
         if not request.do_remote_decode or not finished_well or not request.output_token_ids:
             return False, None
+        slot, token = self.leases.hold(request.request_id) if self.leases is not None else (None, None)
+        try:
+            params = RemotePrefillParams(
+                do_remote_prefill=True, remote_engine_id=self.engine_id, remote_host=self.host,
+                remote_port=self.side_channel_port, remote_request_id=request.request_id,
+                remote_block_ids=block_ids, num_prompt_tokens=request.num_prompt_tokens,
+                first_token_ids=request.first_token_ids, block_size=self.block_sizes[0],
+                lease_expires_at=self.wall_clock() + self.lease_seconds, lease_seconds=self.lease_seconds,
+                prompt_digest=prompt_digest(request.prompt_token_ids), lease_slot=slot, lease_token=token,
+                first_logprobs=request.first_logprobs, prompt_logprobs=request.prompt_logprobs)
+            params = sign(params, self.secret) if self.secret else params
+        except BaseException:  # the blocks are freed now: their slot must read 0 first
+            if self.leases is not None:
+                self.leases.release(request.request_id)
+            raise
         self._meta.reqs_to_send.append(ReqToSend(request.request_id, self.clock() + self.lease_seconds))
-        params = RemotePrefillParams(
-            do_remote_prefill=True, remote_engine_id=self.engine_id, remote_host=self.host,
-            remote_port=self.side_channel_port, remote_request_id=request.request_id,
-            remote_block_ids=block_ids, num_prompt_tokens=request.num_prompt_tokens,
-            first_token_ids=request.first_token_ids, block_size=self.block_sizes[0],
-            lease_expires_at=self.wall_clock() + self.lease_seconds, lease_seconds=self.lease_seconds,
-            prompt_digest=prompt_digest(request.prompt_token_ids), first_logprobs=request.first_logprobs,
-            prompt_logprobs=request.prompt_logprobs)
-        return True, sign(params, self.secret) if self.secret else params
+        return True, params
 
     def release(self, request_id: str) -> None:
         self._meta.reqs_to_release.append(request_id)

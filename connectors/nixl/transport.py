@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+import torch
 
 from pd.kv_cache.canonical import CanonicalKVCaches, KVCacheBlockTensor
 from connectors.nixl.messages import DataRefInfo, DeviceKind, HandshakeResponse, KVLayoutInfo, TensorInfo
@@ -100,9 +101,12 @@ class NixlTransport:
         kv_caches: CanonicalKVCaches,
         device_kind: DeviceKind | None = None,
         block_sizes: Sequence[int] = (),
+        lease_words: torch.Tensor | None = None,
     ) -> None:
         """`block_sizes` (tokens per block per group), when given, travel in the layout
-        and are checked against a peer's; empty means unknown (not checked)."""
+        and are checked against a peer's; empty means unknown (not checked).
+        `lease_words` (int64, host memory: leases.py) are registered too, for peers to
+        read one word of (`start_word_read`)."""
         self.engine_id = engine_id
         self.kv_caches = kv_caches  # keeps the registered memory alive as long as we are
         self.device_kind = _device_kind(kv_caches.tensors, device_kind)
@@ -116,7 +120,13 @@ class NixlTransport:
         config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         self._agent = api.nixl_agent(engine_id, config)
         regions = [(t.base_address, t.num_blocks * t.row_bytes, t.device_id, "") for t in self._tensors]
-        self._registered = self._agent.register_memory(regions, self.device_kind)
+        self._registered = [self._agent.register_memory(regions, self.device_kind)]
+        self._lease_words = _word_info(lease_words) if lease_words is not None else None
+        if self._lease_words is not None:
+            words = self._lease_words
+            self._registered.append(self._agent.register_memory(
+                [(words.base_address, words.num_blocks * words.row_bytes, 0, "")], "DRAM"))
+        self._lease_tensor = lease_words  # kept alive as long as it is registered
         self._peers: dict[str, _Peer] = {}
         self._live: set[TransferHandle] = set()
 
@@ -126,7 +136,7 @@ class NixlTransport:
 
     def local_layout(self, compat_hash: str) -> KVLayoutInfo:
         return KVLayoutInfo(self.engine_id, list(self._tensors), [list(refs) for refs in self._refs],
-                            list(self._block_sizes), compat_hash, self.device_kind)
+                            list(self._block_sizes), compat_hash, self.device_kind, self._lease_words)
 
     def add_peer(self, response: HandshakeResponse, expected_compat_hash: str | None = None) -> str:
         """Load a peer's agent metadata and remember its layout; returns its agent name
@@ -209,11 +219,16 @@ class NixlTransport:
         handle = TransferHandle(peer_engine_id, len(local), int(local[:, 1].sum()))
         if not len(local):
             return self._notify_only(handle, peer, notif)
+        return self._post(handle, peer, local, remote, self.device_kind, notif, peer.layout.device_kind)
+
+    def _post(self, handle: TransferHandle, peer: _Peer, local: np.ndarray, remote: np.ndarray,
+              local_kind: DeviceKind, notif: bytes, remote_kind: DeviceKind = "DRAM") -> TransferHandle:
+        """Post a READ of `remote` descriptors into `local` ones (rows aligned)."""
         try:
             xfer = self._agent.initialize_xfer(
                 "READ",
-                self._agent.get_xfer_descs(local, self.device_kind),
-                self._agent.get_xfer_descs(remote, peer.layout.device_kind),
+                self._agent.get_xfer_descs(local, local_kind),
+                self._agent.get_xfer_descs(remote, remote_kind),
                 peer.name,
                 notif,
             )
@@ -228,6 +243,24 @@ class NixlTransport:
             state = "ERR"
         self._settle(handle, state)
         return handle
+
+    def start_word_read(self, peer_engine_id: str, remote_index: int, local_index: int,
+                        notif: bytes = b"") -> TransferHandle:
+        """Post one READ of the peer's lease word `remote_index` into our lease word
+        `local_index` (leases.py), carrying `notif`. ValueError for an unknown peer, one
+        without lease words, or an index out of range; a failure of NIXL or the peer
+        leaves the handle in state ERR."""
+        peer = self._peer(peer_engine_id)
+        theirs, ours = peer.layout.lease_words, self._lease_words
+        if theirs is None or ours is None:
+            raise ValueError(f"{'peer ' + repr(peer_engine_id) if theirs is None else 'this engine'} has no lease words")
+        for index, words, whose in ((remote_index, theirs, "remote"), (local_index, ours, "local")):
+            if not 0 <= index < words.num_blocks:
+                raise ValueError(f"{whose} lease word {index} out of range [0, {words.num_blocks})")
+        local = np.array([[ours.base_address + local_index * ours.row_bytes, ours.row_bytes, 0]], dtype=np.uint64)
+        remote = np.array([[theirs.base_address + remote_index * theirs.row_bytes, theirs.row_bytes, 0]],
+                          dtype=np.uint64)
+        return self._post(TransferHandle(peer_engine_id, 1, ours.row_bytes), peer, local, remote, "DRAM", notif)
 
     def poll(self, handle: TransferHandle) -> XferState:
         """PROC, DONE or ERR; progresses the transfer. The NIXL request is released as
@@ -284,12 +317,13 @@ class NixlTransport:
             self._settle(handle, "ERR")
         for engine_id in list(self._peers):
             self.remove_peer(engine_id)
-        try:
-            self._agent.deregister_memory(self._registered)
-        except self._errors as exc:
-            logger.warning("deregistering KV memory failed: %s", exc)
+        for registered in self._registered:
+            try:
+                self._agent.deregister_memory(registered)
+            except self._errors as exc:
+                logger.warning("deregistering KV memory failed: %s", exc)
         self._agent = None
-        self.kv_caches = None
+        self.kv_caches = self._lease_tensor = None
 
     # --- helpers --------------------------------------------------------------------
     def _peer(self, engine_id: str) -> _Peer:
@@ -362,6 +396,12 @@ def _run_ranges(tensor: TensorInfo, ref: DataRefInfo, starts: np.ndarray, length
     ranges[:, 1] = (lengths - 1) * row + ref.page_size_bytes
     ranges[:, 2] = tensor.device_id
     return ranges
+
+
+def _word_info(words: torch.Tensor) -> TensorInfo:
+    if words.device.type != "cpu" or words.dtype != torch.int64 or words.dim() != 1 or not words.is_contiguous():
+        raise ValueError("lease words must be a contiguous 1-D int64 CPU tensor")
+    return TensorInfo(words.data_ptr(), words.numel(), words.element_size())
 
 
 def _tensor_info(tensor: KVCacheBlockTensor) -> TensorInfo:

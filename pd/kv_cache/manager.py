@@ -177,8 +177,10 @@ class KVCacheManager:
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Enter the request's full blocks among its first `num_computed_tokens` tokens in
         the prefix cache. Call after the step that wrote them (or after their remote KV
-        landed); blocks already cached are skipped, so calling every step is cheap."""
-        if self.enable_caching:
+        landed); blocks already cached are skipped, so calling every step is cheap. A
+        request that does not write the prefix cache (`Request.writes_prefix_cache`)
+        enters nothing."""
+        if self.enable_caching and request.writes_prefix_cache:
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
     def fork(self, request: Request, child: Request) -> list[tuple[int, int]] | None:

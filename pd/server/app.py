@@ -124,9 +124,11 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 class ReleaseBody(msgspec.Struct, forbid_unknown_fields=True):
     """POST /v1/kv/release: the `remote_request_id` of kv_transfer_params this prefill
-    server answered, whose decode request failed or was refused."""
+    server answered, whose decode request failed or was refused, and their `signature`
+    (required when they were signed: only their holder may release them)."""
 
     remote_request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+    signature: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")] | None = None
 
 
 def _v1_router(server: Server, metrics: ServerMetrics, api_key: str | None, max_request_bytes: int) -> APIRouter:
@@ -162,8 +164,9 @@ def _v1_router(server: Server, metrics: ServerMetrics, api_key: str | None, max_
         try:
             body = msgspec.json.decode(raw, type=ReleaseBody)
         except Exception as e:  # any decode failure (a string that is not UTF-8 raises UnicodeDecodeError)
-            raise RequestError(f"the body must be {{\"remote_request_id\": <string>}}: {e}",
-                               param="remote_request_id") from None
+            raise RequestError(f"the body must be {{\"remote_request_id\": <string>, \"signature\": <hex or "
+                               f"null>}}: {e}", param="remote_request_id") from None
+        server.check_holder(body.remote_request_id, body.signature)
         return {"released": await server.release_held(body.remote_request_id)}
 
     return router

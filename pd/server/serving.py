@@ -9,6 +9,7 @@ they produce into responses.
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import os
 import time
 import uuid
@@ -109,7 +110,20 @@ class Server:
     def note_held(self, params: RemotePrefillParams) -> None:
         """This server answered `params`: its engine keeps their blocks until the lease ends."""
         now = time.time()
-        self.held.add(params.remote_request_id, params.lease_expires_at or now, now)
+        self.held.add(params.remote_request_id, params.lease_expires_at or now, now, params.signature)
+
+    def check_holder(self, remote_request_id: str, signature: str | None) -> None:
+        """RequestError 403 unless the caller holds the parameters answered for the request:
+        with a deployment secret, their signature (a client cannot free blocks that a decode
+        server is to read; the proxy that routed the request has it); without one, their
+        request id, which only they were told."""
+        expected = self.held.value(remote_request_id)
+        if expected is None:
+            return  # held by no signed parameters (or not held: nothing to release)
+        if signature is None or not hmac.compare_digest(signature, expected):
+            raise RequestError("only the holder of the request's kv_transfer_params may release its blocks: send "
+                               "their signature", param="signature", code="not_the_holder", status=403,
+                               type="permission_error")
 
     async def release_held(self, remote_request_id: str) -> bool:
         """Have the engine free now the blocks kept for `remote_request_id`; False if this

@@ -32,6 +32,22 @@ def test_bad_settings_are_refused_with_the_reason(kwargs: dict, message: str) ->
         EngineConfig(model="m", **kwargs)
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode", "both"])
+def test_a_nixl_server_needs_a_transfer_secret_unless_unsigned_parameters_are_allowed(role, monkeypatch) -> None:
+    """Issue 31 row 6: secure by default. An empty secret means none, whatever the
+    environment says."""
+    monkeypatch.setenv("PD_KV_TRANSFER_SECRET", "from-the-environment")
+    assert EngineConfig(model="m", role=role, kv_connector="nixl").kv_transfer_secret == "from-the-environment"
+    with pytest.raises(ValueError, match="needs a transfer secret"):
+        EngineConfig(model="m", role=role, kv_connector="nixl", kv_transfer_secret="")
+    monkeypatch.delenv("PD_KV_TRANSFER_SECRET")
+    with pytest.raises(ValueError, match="--allow-unsigned-kv-params"):
+        EngineConfig(model="m", role=role, kv_connector="nixl")
+    assert EngineConfig(model="m", role=role, kv_connector="nixl", allow_unsigned_kv_params=True).kv_transfer_secret \
+        is None
+    assert EngineConfig(model="m", role="both").kv_transfer_secret is None  # serving alone: nothing to sign
+
+
 def test_num_threads_sets_the_engines_torch_threads(tmp_path) -> None:
     model = make_model("qwen3", tmp_path / "qwen3", seed=1)
     before = torch.get_num_threads()

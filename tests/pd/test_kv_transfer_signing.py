@@ -51,6 +51,13 @@ def test_unsigned_expired_other_prompt_and_other_secret_are_refused() -> None:
         guard().check(sign(params(), "another"), PROMPT)
 
 
+def test_without_a_secret_parameters_of_another_prompt_are_refused_too() -> None:
+    with pytest.raises(TransferParamsRefused, match="another prompt"):
+        guard(None).check(params(), PROMPT[:-1] + [5])
+    with pytest.raises(TransferParamsRefused, match="another prompt"):
+        guard(None).check(params(prompt_digest=None), PROMPT)
+
+
 def test_without_a_secret_only_allowed_peers_are_trusted() -> None:
     guard(None).check(params(), PROMPT)  # loopback by default
     guard(None).check(params(remote_host="::1"), PROMPT)

@@ -236,11 +236,11 @@ class ToyRemoteConnector:
     """A connector whose 'remote' KV arrives after a given number of steps (the scheduler
     contract only; real transfers are tested with NIXL)."""
 
-    def __init__(self, num_external: int, delay_steps: int, fail: bool = False) -> None:
+    def __init__(self, num_external: int, delay_steps: int, fail: bool = False, verified: bool = True) -> None:
         from connectors.base import KVConnectorMetadata, KVConnectorOutput
 
         self.meta, self.output = KVConnectorMetadata, KVConnectorOutput
-        self.num_external, self.delay, self.fail = num_external, delay_steps, fail
+        self.num_external, self.delay, self.fail, self.verified = num_external, delay_steps, fail, verified
         self.loading: dict[str, int] = {}
         self.finished_calls: list[str] = []
 
@@ -268,7 +268,9 @@ class ToyRemoteConnector:
     def tick(self):
         done = {r for r, left in self.loading.items() if left <= 1}
         self.loading = {r: left - 1 for r, left in self.loading.items() if left > 1}
-        return self.output(failed_recving=dict.fromkeys(done, "toy failure")) if self.fail else self.output(finished_recving=done)
+        if self.fail:
+            return self.output(failed_recving=dict.fromkeys(done, "toy failure"))
+        return self.output(finished_recving=done, unverified=set() if self.verified else done)
 
 
 @pytest.mark.parametrize("fail", [False, True])
@@ -298,6 +300,26 @@ def test_remote_kv_parks_the_request_until_it_lands(fail: bool) -> None:
     assert request.output_token_ids == reference_outputs(prompt, 3)
     assert connector.finished_calls == ["d"] and kv.usage == 0.0
     assert scheduler.kv_load_failures == {"recompute": int(fail), "fail": 0}
+
+
+@pytest.mark.parametrize("verified", [True, False])
+def test_remote_kv_not_verified_as_the_prompts_serves_its_request_but_enters_no_prefix_cache(verified) -> None:
+    kv = KVCacheManager(make_kv_cache_config({"l0": attn()}, 10**7, 512), True, 512)
+    connector = ToyRemoteConnector(num_external=40, delay_steps=1, verified=verified)
+    scheduler = Scheduler(SchedulerConfig(8, 64, 512, frozenset()), kv, connector)
+    runner = ToyRunner(kv, scheduler.config)
+    prompt = list(range(10, 50)) + [99]
+    request = Request("d", prompt, SamplingParams(max_tokens=3),
+                      kv_transfer_params=remote_prefill(len(prompt), toy_next_token(prompt)))
+    scheduler.add_request(request)
+    while scheduler.has_work:
+        so = scheduler.schedule()
+        out = runner.execute(so)
+        out.kv_connector_output = connector.tick()
+        scheduler.update_from_output(so, out)
+    assert request.output_token_ids == reference_outputs(prompt, 3)
+    _, hit = kv.get_computed_blocks(Request("again", prompt, SamplingParams(max_tokens=1)))
+    assert hit == (32 if verified else 0)  # two full blocks of 16 (a hit leaves a token to compute)
 
 
 def test_fail_policy_ends_a_request_whose_remote_kv_failed_with_an_error() -> None:

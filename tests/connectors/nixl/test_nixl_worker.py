@@ -61,6 +61,7 @@ class Poller:
         self.sent = {w.config.engine_id: set() for w in workers}
         self.recved = {w.config.engine_id: set() for w in workers}
         self.failed = {w.config.engine_id: set() for w in workers}
+        self.unverified = {w.config.engine_id: set() for w in workers}
 
     def until(self, predicate, deadline_s: float = 10.0) -> None:
         end = time.monotonic() + deadline_s
@@ -73,6 +74,7 @@ class Poller:
                 self.sent[name] |= out.finished_sending
                 self.recved[name] |= out.finished_recving
                 self.failed[name] |= out.failed_recving.keys()
+                self.unverified[name] |= out.unverified
             if predicate(self):
                 return
             time.sleep(0.002)
@@ -219,3 +221,39 @@ def test_a_read_still_under_way_after_the_timeout_is_cancelled_and_fails() -> No
     done = subprocess.run([sys.executable, "-c", TIMEOUT_SCENARIO], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr
+
+
+def held(p, request_id: str = "p1") -> RemotePrefill:
+    """P keeps blocks for `request_id` (a lease slot and a lease); where D finds them."""
+    slot, token = p.leases.hold(request_id)
+    p.start_load_kv(NixlConnectorMetadata(reqs_to_send=[ReqToSend(request_id, p.config.clock() + 60)]))
+    return RemotePrefill("P", "127.0.0.1", p.side_channel_port, request_id, lease_slot=slot, lease_token=token)
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+def test_d_checks_p_s_lease_word_after_its_read_then_p_frees(pair, trusted) -> None:
+    p, p_buf, d, d_buf = pair
+    remote = held(p)
+    d.start_load_kv(NixlConnectorMetadata(reqs_to_recv=[ReqToRecv("d1", remote, [[5, 6], [0, 7]], [[3, 4], [0, 9]],
+                                                                  trusted=trusted)]))
+    poller = Poller(p, d)
+    poller.until(lambda x: x.recved["D"] and x.sent["P"])
+    assert torch.equal(d_buf[[5, 6, 7]], p_buf[[3, 4, 9]])
+    assert p.num_requests_held == 0 and p.leases.num_held == 0
+    assert int(p.leases.words[remote.lease_slot]) == 0  # freed: a later reader sees the slot changed
+    assert d.stats.reads == 1 and d.stats.failures == 0
+    assert poller.unverified["D"] == (set() if trusted else {"d1"})  # unsigned: not for the prefix cache
+
+
+def test_blocks_p_freed_before_the_read_ended_fail_the_read(pair) -> None:
+    """Issue 31 row 3: P released the request (its slot now reads 0) and may reuse the
+    blocks: whatever D read from them is not the request's KV."""
+    p, _, d, _ = pair
+    remote = held(p)
+    p.start_load_kv(NixlConnectorMetadata(reqs_to_release=["p1"]))
+    assert p.get_finished(set()).finished_sending == {"p1"}
+    d.start_load_kv(NixlConnectorMetadata(reqs_to_recv=[ReqToRecv("d1", remote, [[5], [0]], [[3], [0]],
+                                                                  trusted=True)]))
+    poller = Poller(p, d)
+    poller.until(lambda x: x.failed["D"])
+    assert poller.recved["D"] == set() and d.stats.failures == 1 and d.stats.reads == 0

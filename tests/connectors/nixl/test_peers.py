@@ -60,3 +60,29 @@ def test_handshakes_run_in_parallel_once_per_peer_and_failures_back_off() -> Non
         assert handshakes.failed_recently("P9") is None  # the back-off is over
     finally:
         handshakes.close()
+
+
+def test_handshakes_never_queue_past_their_bounds_they_are_refused_at_once(monkeypatch) -> None:
+    """Issue 31 row 6: 40 forged engine ids that never answer queued every other
+    handshake behind them (4 at a time): a request behind a restarted P waited 49 s."""
+    from connectors.nixl import peers
+
+    monkeypatch.setattr(peers, "MAX_PENDING", 6)
+    gate = Gate()
+    handshakes = PeerHandshakes(HandshakeRequest("D", "h"), 5.0, backoff_s=10.0, fetch=gate)
+    try:
+        assert handshakes.start("F1", "127.0.0.1", 7) is None and handshakes.start("F2", "127.0.0.1", 7) is None
+        assert "127.0.0.1:7 are under way" in handshakes.start("F3", "127.0.0.1", 7)  # per address
+        for k in range(4):
+            assert handshakes.start(f"G{k}", "127.0.0.1", 100 + k) is None
+        assert "6 handshakes" in handshakes.start("P", "127.0.0.1", 1)  # in all: refused, not queued
+        end = time.monotonic() + 5
+        while len(gate.calls) < 6 and time.monotonic() < end:
+            time.sleep(0.005)
+        assert len(gate.calls) == 6  # every one started at once, none waits for a thread
+        gate.open.set()
+        wait_completed(handshakes, 6)
+        assert handshakes.num_pending == 0 and handshakes.start("P", "127.0.0.1", 1) is None
+    finally:
+        gate.open.set()
+        handshakes.close()

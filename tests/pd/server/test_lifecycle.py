@@ -133,3 +133,10 @@ def test_a_port_in_use_fails_before_any_engine_starts(tiny_models, tmp_path) -> 
     assert done.returncode != 0
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
     assert "engine" not in done.stderr.lower()
+
+
+def test_a_prefill_or_decode_server_without_a_transfer_secret_is_refused_before_anything_starts(tiny_models) -> None:
+    """Issue 31 row 6: secure by default (the deploy scripts and benchmarks make a secret)."""
+    for role in ("prefill", "decode"):
+        with pytest.raises(SystemExit, match="needs a transfer secret"):
+            main(["serve", "--model", str(tiny_models["qwen3"]), "--role", role, "--kv-transfer-secret", ""])

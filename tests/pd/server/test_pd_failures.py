@@ -17,6 +17,7 @@ from launch import http_client
 from server_harness import Starter, stop_process
 
 pytestmark = pytest.mark.slow
+UNSIGNED = ("--kv-transfer-secret", "", "--allow-unsigned-kv-params")
 BODY = {"prompt": "An old lighthouse keeper kept a log of every ship that passed. " * 4,
         "max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
@@ -33,13 +34,15 @@ def prefill(p) -> dict:
 
 @pytest.fixture(scope="module")
 def shared(tiny_models, tmp_path_factory):
-    """{"d": --role decode, "p": --role prefill, "p_short": --role prefill with a 1 s lease}."""
+    """{"d": --role decode, "p": --role prefill, "p_short": --role prefill with a 1 s lease},
+    without a transfer secret: a test here presents parameters a signed deployment refuses
+    at once (expired, or altered), to reach what D does with them."""
     logs = tmp_path_factory.mktemp("pd-failures")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     with contextlib.ExitStack() as stack:
         d, p, p_short = Starter(tiny_models["qwen3"], logs, stack).all(
-            ("d", "--role", "decode"), ("p", "--role", "prefill"),
-            ("p_short", "--role", "prefill", "--kv-lease-seconds", "1"))
+            ("d", "--role", "decode", *UNSIGNED), ("p", "--role", "prefill", *UNSIGNED),
+            ("p_short", "--role", "prefill", "--kv-lease-seconds", "1", *UNSIGNED))
         yield {"d": d, "p": p, "p_short": p_short}
 
 
@@ -98,9 +101,9 @@ def test_a_request_d_cannot_load_is_computed_there_and_p_frees_at_once(shared, c
     p, d, c = shared["p"], shared["d"], colocated["qwen3"]
     before = p.metrics()
     params = prefill(p)
-    other = BODY | {"prompt": BODY["prompt"] + " And more."}  # not the prompt P prefilled
-    out = complete(d, other | {"kv_transfer_params": params})
-    assert out["choices"][0]["text"] == complete(c, other)["choices"][0]["text"]
+    misfit = params | {"remote_block_ids": [ids[:-1] for ids in params["remote_block_ids"]]}  # one block short
+    out = complete(d, BODY | {"kv_transfer_params": misfit})
+    assert out["choices"][0]["text"] == complete(c, BODY)["choices"][0]["text"]
     assert p.wait_for_metric("pd_kv_requests_held", lambda v: v == 0) == 0  # before the 60 s lease
     assert changes(p, before)["pd_kv_transfer_rejects_total"] == 1
 
@@ -149,3 +152,41 @@ def test_a_read_of_an_expired_lease_ends_as_a_failure_and_d_recomputes(shared) -
     assert moved["pd_kv_transfer_failures_total"] == 1 and moved["pd_kv_transfer_reads_total"] == 0
     assert moved['pd_kv_load_failures_total{policy="recompute"}'] == 1
     assert d.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+
+
+def test_blocks_p_released_and_reused_before_d_read_them_are_never_answered_nor_cached(start) -> None:
+    """Issue 31 row 3: P freed a request's blocks (a release) and reused them for other
+    prompts; D then read them and answered 200 with wrong tokens, and kept the wrong KV
+    in its prefix cache for later requests of that prompt. D now checks P's lease word
+    after its read: the load fails (and is recomputed), nothing wrong is cached. (P holds
+    another request meanwhile, so it polls NIXL: a READ carrying a notification to a P
+    that does not poll never ended, and failed at the read timeout.)"""
+    secret = ("--kv-transfer-secret", "row-3-secret")
+    small = ("--kv-cache-memory", str(4 << 20), "--max-model-len", "512")  # 63 blocks of 16 tokens
+    p, d, c = start.all(("p", "--role", "prefill", *secret, *small), ("d", "--role", "decode", *secret),
+                        ("c", "--max-model-len", "512"))
+    prompts = [list(range(100 * k + 1, 100 * k + 321)) for k in range(4)]  # 20 blocks each, nothing shared
+    body = {"prompt": prompts[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    answer = lambda out: (out["choices"][0]["text"], out["choices"][0]["logprobs"]["token_logprobs"])  # noqa: E731
+    reference = answer(complete(c, body))
+    pd = {"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    params = complete(p, body | pd)["kv_transfer_params"]
+    kept = complete(p, body | pd | {"prompt": [t + 2000 for t in prompts[0]]})["kv_transfer_params"]  # P polls
+    release = {"remote_request_id": params["remote_request_id"], "signature": params["signature"]}
+    released = http_client().post(f"{p.url}/v1/kv/release", json=release, timeout=10)
+    if released.status_code == 400 and "signature" in released.text:  # a server from before the holder's proof
+        released = http_client().post(f"{p.url}/v1/kv/release", json={"remote_request_id": release["remote_request_id"]})
+    assert released.json() == {"released": True}
+    for other in prompts[1:]:  # the third evicts and overwrites the released blocks
+        complete(p, body | {"prompt": other})
+    before = d.metrics()
+    text, logprobs = answer(complete(d, body | {"kv_transfer_params": params}))
+    assert text == reference[0] and logprobs == pytest.approx(reference[1], abs=1e-4)  # not another prompt's KV
+    moved = changes(d, before)
+    assert moved['pd_kv_load_failures_total{policy="recompute"}'] == 1 and moved["pd_kv_transfer_reads_total"] == 0
+    text, logprobs = answer(complete(d, body))  # from D's prefix cache: its own KV
+    assert text == reference[0] and logprobs == pytest.approx(reference[1], abs=1e-4)
+    assert d.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+    http_client().post(f"{p.url}/v1/kv/release", json={"remote_request_id": kept["remote_request_id"],
+                                                       "signature": kept["signature"]}, timeout=10)
+    assert p.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0

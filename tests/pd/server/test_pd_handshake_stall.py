@@ -26,8 +26,11 @@ def test_a_peer_that_never_answers_does_not_stall_other_streams(tiny_models, tmp
     recorder = ConnectionRecorder()
     with contextlib.ExitStack() as stack:
         stack.callback(recorder.close)
-        p = stack.enter_context(running_server(tiny_models["qwen3"], tmp_path / "p.log", "--role", "prefill"))
-        d = stack.enter_context(running_server(tiny_models["qwen3"], tmp_path / "d.log", "--role", "decode"))
+        unsigned = ("--kv-transfer-secret", "", "--allow-unsigned-kv-params")  # parameters re-pointed below
+        p = stack.enter_context(running_server(tiny_models["qwen3"], tmp_path / "p.log", "--role", "prefill",
+                                               *unsigned))
+        d = stack.enter_context(running_server(tiny_models["qwen3"], tmp_path / "d.log", "--role", "decode",
+                                               *unsigned))
         body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
         params = http_client().post(f"{p.url}/v1/completions", timeout=60, json=body | {
             "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]

@@ -14,9 +14,11 @@ import httpx
 import pytest
 
 from launch import http_client
+from server_harness import wait_until
 
 pytestmark = pytest.mark.slow
 SECRET = "test-deployment-secret"
+UNSIGNED = ("--kv-transfer-secret", "", "--allow-unsigned-kv-params")  # not the run's secret: none
 BODY = {"prompt": "The keeper counted ships until the lamp went out. " * 3, "max_tokens": 4, "temperature": 0,
         "ignore_eos": True}
 
@@ -103,7 +105,8 @@ def test_expired_parameters_are_refused(start) -> None:
 def test_without_a_secret_d_reads_only_from_allowed_peers(start) -> None:
     recorder = ConnectionRecorder("127.0.0.2")
     try:
-        p, d = start.all(("p", "--role", "prefill"), ("d", "--role", "decode", "--kv-allowed-peers", "127.0.0.1/32"))
+        p, d = start.all(("p", "--role", "prefill", *UNSIGNED),
+                         ("d", "--role", "decode", *UNSIGNED, "--kv-allowed-peers", "127.0.0.1/32"))
         params = prefill(p)
         elsewhere = params | {"remote_host": "127.0.0.2", "remote_port": recorder.port}
         assert_refused(d, BODY | {"kv_transfer_params": elsewhere}, "not an allowed peer")
@@ -112,3 +115,73 @@ def test_without_a_secret_d_reads_only_from_allowed_peers(start) -> None:
         assert response.status_code == 200 and d.metrics()["pd_kv_transfer_reads_total"] == 1
     finally:
         recorder.close()
+
+
+def test_only_the_holder_of_the_parameters_may_release_their_blocks(start) -> None:
+    """Issue 31 row 3: POST /v1/kv/release from anyone with the request id freed blocks a
+    decode server was still to read. With a secret, it takes the parameters' signature."""
+    p = start("p", "--role", "prefill", "--kv-transfer-secret", SECRET)
+    params = prefill(p)
+    release = lambda body: http_client().post(f"{p.url}/v1/kv/release", json=body, timeout=10)  # noqa: E731
+    for body in ({"remote_request_id": params["remote_request_id"]},
+                 {"remote_request_id": params["remote_request_id"], "signature": "0" * 64}):
+        response = release(body)
+        assert response.status_code == 403 and response.json()["error"]["code"] == "not_the_holder", response.text
+    assert p.metrics()["pd_kv_requests_held"] == 1
+    bad = http_client().post(f"{p.url}/v1/kv/release", content=b'{"remote_request_id": "\xff"}', timeout=10)
+    assert bad.status_code == 400  # a string that is not UTF-8 was a 500
+    response = release({"remote_request_id": params["remote_request_id"], "signature": params["signature"]})
+    assert response.status_code == 200 and response.json() == {"released": True}
+    assert p.wait_for_metric("pd_kv_requests_held", lambda v: v == 0) == 0
+
+
+def test_unsigned_parameters_naming_other_blocks_never_reach_d_s_prefix_cache(start) -> None:
+    """Issue 31 row 6: parameters sent straight to a D without a secret, naming other
+    blocks of P (held under another request), made D cache them under the attacker's
+    prompt: a later ordinary request for that prompt answered wrongly."""
+    p, d, c = start.all(("p", "--role", "prefill", *UNSIGNED), ("d", "--role", "decode", *UNSIGNED), ("c",))
+    body = BODY | {"logprobs": 0}
+    other = body | {"prompt": BODY["prompt"].replace("keeper", "sailor").replace("lamp", "moon")}
+    answer = lambda r: (r.json()["choices"][0]["text"], r.json()["choices"][0]["logprobs"]["token_logprobs"])  # noqa
+    reference = answer(post(c, body))
+    params, victim = prefill(p, body), prefill(p, other)
+    forged = params | {"remote_block_ids": victim["remote_block_ids"]}  # the other prompt's KV under this one's
+    assert post(d, body | {"kv_transfer_params": forged}).status_code == 200  # its own answer: whatever it asked
+    text, logprobs = answer(post(d, body))  # an ordinary request of that prompt, served by D alone
+    assert text == reference[0] and logprobs == pytest.approx(reference[1], abs=1e-4)
+    post(d, other | {"kv_transfer_params": victim})  # reads, and frees, the other's blocks
+    assert p.wait_for_metric("pd_kv_requests_held", lambda v: v == 0) == 0
+    assert d.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+
+
+def test_forged_parameters_naming_many_engines_that_never_answer_do_not_delay_a_real_one(start) -> None:
+    """Issue 31 row 6: 40 forged engine ids, each at a listener that never answers,
+    queued the handshakes 4 at a time: a request from a real P behind them waited 49 s.
+    Handshakes now never queue: the real one is answered while the forged ones still
+    wait for their handshakes' timeout."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    p, d = start.all(("p", "--role", "prefill", *UNSIGNED), ("d", "--role", "decode", *UNSIGNED))
+    holes = [ConnectionRecorder() for _ in range(40)]
+    try:
+        params = prefill(p)
+        forged = [params | {"remote_engine_id": f"pd-forged-{k}", "remote_port": hole.port}
+                  for k, hole in enumerate(holes)]
+        real_body = BODY | {"prompt": BODY["prompt"] + " Again."}
+        finished: list[str] = []
+
+        def send(kind: str, body: dict) -> None:
+            post(d, body)
+            finished.append(kind)
+
+        with ThreadPoolExecutor(len(holes) + 1) as pool:
+            for kv in forged:
+                pool.submit(send, "forged", BODY | {"kv_transfer_params": kv})
+            assert wait_until(lambda: sum(h.accepted for h in holes) == len(holes), 30), "not all under way"
+            real = real_body | {"kv_transfer_params": prefill(p, real_body)}
+            pool.submit(send, "real", real).result(timeout=120)
+            assert finished == ["real"]  # the forged ones still wait for their handshakes
+        assert finished.count("forged") == len(holes) and d.metrics()["pd_kv_transfer_reads_total"] == 1
+    finally:
+        for hole in holes:
+            hole.close()
