@@ -2,10 +2,12 @@
 
 Each step: running requests first (oldest first), each gets the tokens it still needs
 up to the step's token budget (`max_num_batched_tokens`), so a long prompt is prefilled
-in chunks; when the pool is short the newest running request is preempted (its blocks
-freed, recomputed later). Then waiting requests are admitted, oldest first, with their
-prefix-cache hit plus whatever the connector can load, while the budget, `max_num_seqs`
-and the pool allow; none are admitted in a step that preempted. A request whose KV
+in chunks; when the pool is short a running sequence is preempted (its blocks freed,
+recomputed later). Then waiting requests are admitted with their prefix-cache hit plus
+whatever the connector can load, while the budget, `max_num_seqs` and the pool allow;
+none are admitted in a step that preempted for growth. Which request is admitted first
+and which sequence is preempted follow `fair_share.py`: the batch is shared max-min
+fairly between requests, so that one request's n sequences cannot starve the others. A request whose KV
 arrives asynchronously is parked until the connector reports it received (`remote_kv.py`
 holds the scheduler's part in PD). A request with a grammar waits for it to compile
 first (WAITING_FOR_GRAMMAR); the masks of its next tokens go out with each step that
@@ -30,6 +32,7 @@ from collections import deque
 
 from connectors.base import KVConnectorScheduler, KVLoadRefused
 from pd.kv_transfer_params import RemotePrefillParams
+from pd import fair_share
 from pd.config import SchedulerConfig
 from pd.errors import ERROR_INTERNAL, ERROR_INVALID, HeldBlocksLimitError
 from pd.kv_cache.manager import KVCacheManager
@@ -112,7 +115,7 @@ class Scheduler(RemoteKV):
                 continue  # preempted earlier in this loop, or no budget left
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
             while (blocks := self.kv.allocate_slots(request, num_new)) is None:
-                victim = self.running[-1]
+                victim = fair_share.growth_victim(self.running, fair_share.running_counts(self.running))
                 self._preempt(victim, out)
                 preempted = True
                 if victim is request:
@@ -162,8 +165,15 @@ class Scheduler(RemoteKV):
         return num_new
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        """Admit waiting requests, fairest first, while the budget lasts and the batch and
+        the pool have room, or can be made room in by preempting a request past its
+        fair share (fair_share.py)."""
+        while self.waiting and budget > 0:
+            request = fair_share.next_waiting(self.waiting, fair_share.running_counts(self.running))
+            if len(self.running) >= self.config.max_num_seqs and not self._displace_for(request, out):
+                return
+            self.waiting.remove(request)
+            self.waiting.appendleft(request)  # at the front: where _admit takes it from
             try:
                 scheduled = self._admit(request, out, budget)
             except Exception as exc:  # a fault serving one request fails that request alone
@@ -171,8 +181,19 @@ class Scheduler(RemoteKV):
                 self._fail(request, ERROR_INTERNAL, f"internal error admitting the request: {type(exc).__name__}: {exc}")
                 continue
             if scheduled is None:
+                if self._displace_for(request, out):
+                    continue  # its blocks may be enough now
                 return
             budget -= scheduled
+
+    def _displace_for(self, request: Request, out: SchedulerOutput) -> bool:
+        """Preempt a sequence of a request past its fair share so that `request` can run;
+        whether one was."""
+        victim = fair_share.displaced_for(request, self.running, fair_share.running_counts(self.running))
+        if victim is None:
+            return False
+        self._preempt(victim, out)
+        return True
 
     def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> int | None:
         """Admit the request at the queue's front: the tokens scheduled for it (0 if it

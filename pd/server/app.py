@@ -33,6 +33,7 @@ from pd.server.protocol import ChatCompletionRequest, CompletionRequest, Request
 from pd.server.generation import Delta, Generation
 from pd.server.responses import CHAT, COMPLETION, Answer, Shape
 from pd.server.router_info import router_info_routes
+from pd.server.sampling import RequestLimits
 from pd.server.serving import Prepared, Server
 
 logger = logging.getLogger(__name__)
@@ -43,14 +44,14 @@ DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its cli
 def build_app(client: Any, tokenizer: Any, served_model_name: str, api_key: str | None = None,
               chat_template: ChatTemplate | None = None, role: str = "both",
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              transfer_guard: TransferParamsGuard | None = None) -> FastAPI:
+              transfer_guard: TransferParamsGuard | None = None, limits: RequestLimits = RequestLimits()) -> FastAPI:
     """The app serving `client`'s engine as `served_model_name`. `chat_template` defaults
     to the one in the tokenizer's config; `role` is reported by /health; a request body
     over `max_request_bytes` is refused (413) before it is read whole; `transfer_guard`
     decides which remote-prefill parameters are acted on (default: unsigned ones naming a
-    loopback peer)."""
+    loopback peer); `limits` bound what one request may cost."""
     template = chat_template or ChatTemplate.from_config(tokenizer.config)
-    server = Server(client, tokenizer, served_model_name, template, role, transfer_guard)
+    server = Server(client, tokenizer, served_model_name, template, role, transfer_guard, limits)
     metrics = ServerMetrics(lambda: client.stats, lambda: client.is_alive, lambda: client.restarts)
 
     @contextlib.asynccontextmanager

@@ -40,6 +40,15 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help="largest request body accepted; a larger one is refused with 413 before it is "
                              f"read whole (default {DEFAULT_MAX_REQUEST_BYTES})")
+    parser.add_argument("--max-sequences-per-request", type=int, default=128, metavar="N",
+                        help="the most sequences (n, best_of) one request may ask for (default 128)")
+    parser.add_argument("--max-logprobs", type=int, default=20, metavar="K",
+                        help="the most alternatives per position (logprobs, top_logprobs) a request may ask for "
+                             "(default 20)")
+    parser.add_argument("--max-request-tokens", type=int, default=1 << 20, metavar="T",
+                        help="the most tokens one request may claim: its sequences times (prompt + max_tokens); "
+                             "past it, 400. However big a request, the batch is shared fairly between requests "
+                             "(default %(default)s)")
     parser.add_argument("--restart-engine", type=int, default=0, metavar="N",
                         help="when the engine-core process dies (killed, or a crash in native code), start a new "
                              "one, at most N times over the server's life; past that, and with 0, the server "
@@ -65,6 +74,9 @@ def run_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
         if args.restart_engine < 0:
             raise ValueError(f"--restart-engine must be 0 or more, got {args.restart_engine}")
+        from pd.server.sampling import RequestLimits
+
+        limits = RequestLimits(args.max_sequences_per_request, args.max_logprobs, args.max_request_tokens)
         check_model(config.model)
         tokenizer = Tokenizer(config.model)
     except (ValueError, OSError) as e:
@@ -79,7 +91,7 @@ def run_serve(args: argparse.Namespace) -> int:
     client = None
     try:
         client = EngineClient.start(config)
-        if not asyncio.run(_serve(client, tokenizer, name, config, args, listener)):
+        if not asyncio.run(_serve(client, tokenizer, name, config, args, listener, limits)):
             return 1
     except EngineStartupError as e:
         print(f"pd serve: {e}", file=sys.stderr)
@@ -108,7 +120,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, args: argparse.Namespace,
-                 listener: socket.socket) -> bool:
+                 listener: socket.socket, limits: Any) -> bool:
     """Serve until stopped; False if stopped because the engine died past its restarts."""
     import uvicorn
 
@@ -120,7 +132,8 @@ async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, a
     template = ChatTemplate.from_model_dir(config.model, tokenizer.config)
     app = build_app(client, tokenizer, name, api_key=args.api_key, chat_template=template,
                     role=config.role, max_request_bytes=args.max_request_bytes,
-                    transfer_guard=TransferParamsGuard(config.kv_transfer_secret, config.kv_allowed_peers))
+                    transfer_guard=TransferParamsGuard(config.kv_transfer_secret, config.kv_allowed_peers),
+                    limits=limits)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5, timeout_keep_alive=KEEPALIVE_S))
     announce = asyncio.create_task(_announce(server, f"http://{args.host}:{args.port}", name, config.role))

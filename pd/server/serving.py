@@ -23,9 +23,9 @@ from pd.kv_transfer_params import RemoteDecodeParams, RemotePrefillParams, Trans
 from pd.kv_transfer_signing import TransferParamsGuard, TransferParamsRefused, UntilExpiry
 from pd.engine.messages import EngineRequest
 from pd.kv_connectors import NULL_CONNECTOR
-from pd.logprobs import MAX_LOGPROBS
-from pd.request import MAX_LOGIT_BIAS, MAX_N, MAX_PENALTY, SamplingParams
 from pd.server.chat import ChatTemplate, ChatTemplateError
+from pd.request import SamplingParams
+from pd.server.sampling import RequestLimits, SamplingChecker, check_vocab
 from pd.server.structured import one_grammar, request_grammar
 from pd.server.tools import CLOSE, OPEN, ToolUse, request_tools
 from pd.structured.checker import GrammarChecker
@@ -33,7 +33,6 @@ from pd.structured.grammar import Grammar
 from pd.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, RequestError, SamplingFields,
                                 refuse_unsupported)
 
-MAX_SEED = 2**63
 # A token's text is at most `tokenizer.max_token_chars` characters, so a text longer than
 # that times the context cannot fit; the slack covers normalizers that merge characters.
 CHARS_PER_TOKEN_SLACK = 4
@@ -84,7 +83,9 @@ class Server:
     """The model-facing half of the app: one tokenizer, one engine, one model name."""
 
     def __init__(self, client: Any, tokenizer: Any, served_model_name: str, chat_template: ChatTemplate,
-                 role: str = "both", transfer_guard: TransferParamsGuard | None = None) -> None:
+                 role: str = "both", transfer_guard: TransferParamsGuard | None = None,
+                 limits: RequestLimits = RequestLimits()) -> None:
+        self.limits = limits
         self.client = client
         self.role = role
         self.transfer_guard = transfer_guard or TransferParamsGuard(None)
@@ -247,10 +248,7 @@ class Server:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _check_vocab(self, token_ids: list[int], param: str) -> None:
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"{param} holds token ids outside the vocabulary [0, {self.vocab_size}): "
-                               f"{bad[:5]}", param=param)
+        check_vocab(self.vocab_size, token_ids, param)
 
     def _prepare(self, body: SamplingFields, request_id: str, prompt_ids: list[int], prompt_param: str,
                  tool_grammar: Grammar | None = None) -> Prepared:
@@ -260,8 +258,10 @@ class Server:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
                                f"{self.max_model_len} tokens, prompt and output together",
                                param=prompt_param, code="context_length_exceeded")
-        params = self._sampling_params(body, len(prompt_ids), one_grammar(request_grammar(body, self.grammars.check),
-                                                                          tool_grammar))
+        sampling = SamplingChecker(self.limits, self.max_model_len, self.vocab_size)
+        params = sampling.sampling_params(body, len(prompt_ids), one_grammar(request_grammar(body, self.grammars.check),
+                                                                             tool_grammar))
+        sampling.check_cost(params, len(prompt_ids))
         if body.cache_salt is not None and not body.cache_salt:
             raise RequestError("cache_salt must be a non-empty string", param="cache_salt")
         stop = body.stop_strings
@@ -312,96 +312,6 @@ class Server:
                 raise RequestError(str(e), param="kv_transfer_params", code="kv_transfer_params_refused",
                                    status=403, type="permission_error") from None
         return transfer
-
-    def _logit_bias(self, bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
-        """OpenAI's {"token id": bias} as (id, bias) pairs: ids in the vocabulary, biases
-        in [-100, 100]."""
-        if len(bias) > self.vocab_size:
-            raise RequestError("logit_bias names more tokens than the vocabulary has", param="logit_bias")
-        pairs = []
-        for key, value in bias.items():
-            if not key.isascii() or not key.isdigit() or len(key) > 12:
-                raise RequestError(f"logit_bias keys must be token ids, got {key[:32]!r}", param="logit_bias")
-            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-                raise RequestError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value} "
-                                   f"for token {key}",
-                                   param="logit_bias")
-            pairs.append((int(key), float(value)))
-        self._check_vocab([token for token, _ in pairs], "logit_bias")
-        return tuple(pairs)
-
-    @staticmethod
-    def _logprobs_and_choices(body: SamplingFields) -> tuple[int | None, int | None, int]:
-        """(logprobs, prompt_logprobs, n) of the engine request: the logprobs a client
-        asked for (best_of ranks sequences by theirs, so it asks for the sampled token's),
-        the prompt's when echoing them, and the sequences to sample (best_of of them)."""
-        if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
-            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
-        shown = body.logprobs_shown
-        if shown is not None and not 0 <= shown <= MAX_LOGPROBS:
-            param = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
-            raise RequestError(f"{param} must be in [0, {MAX_LOGPROBS}], got {shown}", param=param)
-        n = 1 if body.n is None else body.n
-        if not 1 <= n <= MAX_N:
-            raise RequestError(f"n must be in [1, {MAX_N}], got {n}", param="n")
-        best_of = n if body.best_of is None else body.best_of
-        if not n <= best_of <= MAX_N:
-            raise RequestError(f"best_of must be in [n={n}, {MAX_N}], got {best_of}", param="best_of")
-        logprobs = 0 if best_of > n and shown is None else shown
-        prompt_logprobs = shown if getattr(body, "echo", False) else None
-        return logprobs, prompt_logprobs, best_of
-
-    def _sampling_params(self, body: SamplingFields, num_prompt_tokens: int, grammar: Grammar | None) -> SamplingParams:
-        room = self.max_model_len - num_prompt_tokens
-        max_tokens = body.output_limit if body.output_limit is not None else room
-        param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
-        if max_tokens == 0 and getattr(body, "echo", False):
-            max_tokens = 1  # the prompt is scored by computing it; the token sampled is not answered
-        if max_tokens <= 0:
-            raise RequestError(f"{param} must be positive (or 0 with echo), got {max_tokens}", param=param)
-        if max_tokens > room:
-            raise RequestError(f"{param}={max_tokens} with a prompt of {num_prompt_tokens} tokens exceeds "
-                               f"the context of {self.max_model_len} tokens", param=param,
-                               code="context_length_exceeded")
-        temperature = 1.0 if body.temperature is None else body.temperature
-        if not 0.0 <= temperature <= 2.0:
-            raise RequestError(f"temperature must be in [0, 2], got {temperature}", param="temperature")
-        top_p = 1.0 if body.top_p is None else body.top_p
-        if not 0.0 < top_p <= 1.0:
-            raise RequestError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
-        if body.top_k is not None and body.top_k < -1:
-            raise RequestError(f"top_k must be positive, or 0 or -1 for no limit; got {body.top_k}", param="top_k")
-        if body.seed is not None and not -MAX_SEED <= body.seed < MAX_SEED:
-            raise RequestError("seed must fit in a signed 64-bit integer", param="seed")
-        stop_token_ids = body.stop_token_ids or []
-        self._check_vocab(stop_token_ids, "stop_token_ids")
-        min_p = 0.0 if body.min_p is None else body.min_p
-        if not 0.0 <= min_p <= 1.0:
-            raise RequestError(f"min_p must be in [0, 1], got {min_p}", param="min_p")
-        logit_bias = self._logit_bias(body.logit_bias or {})
-        min_tokens = body.min_tokens or 0
-        if not 0 <= min_tokens <= max_tokens:
-            raise RequestError(f"min_tokens must be in [0, {param}={max_tokens}], got {min_tokens}", param="min_tokens")
-        penalties = {name: getattr(body, name) for name in ("presence_penalty", "frequency_penalty")
-                     if getattr(body, name) is not None}
-        for name, value in penalties.items():
-            if not -MAX_PENALTY <= value <= MAX_PENALTY:
-                raise RequestError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}", param=name)
-        if body.repetition_penalty is not None:
-            if not 0.0 < body.repetition_penalty <= MAX_PENALTY:
-                raise RequestError(f"repetition_penalty must be in (0, {MAX_PENALTY:g}], got {body.repetition_penalty}",
-                                   param="repetition_penalty")
-            penalties["repetition_penalty"] = body.repetition_penalty
-        logprobs, prompt_logprobs, n = self._logprobs_and_choices(body)
-        try:
-            return SamplingParams(logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=n, grammar=grammar,
-                                  max_tokens=max_tokens, temperature=temperature,
-                                  top_k=body.top_k if body.top_k and 0 < body.top_k < self.vocab_size else None, top_p=top_p,
-                                  seed=body.seed, stop_token_ids=tuple(stop_token_ids), ignore_eos=body.ignore_eos,
-                                  logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens, **penalties)
-        except ValueError as e:  # a range the checks above missed
-            raise RequestError(str(e)) from None
-
 
 def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
     """A message as chat templates read it (transformers' convention): content a string,

@@ -39,6 +39,7 @@ class ToyRunner:
         self.tokens: dict[str, list[int]] = {}
         self.blocks: dict[str, list[list[int]]] = {}
         self.computed: dict[str, int] = {}
+        self.to_fork: dict[str, int] = {}  # request -> sequences it forks into at its first token
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in so.finished_req_ids:
@@ -49,13 +50,15 @@ class ToyRunner:
             self.tokens[new.req_id] = list(new.token_ids)
             self.blocks[new.req_id] = [list(ids) for ids in new.block_ids]
             self.computed[new.req_id] = new.num_computed_tokens
+            if new.sampling_params.n > 1 and len(new.token_ids) == new.num_prompt_tokens:
+                self.to_fork[new.req_id] = new.sampling_params.n
         for cached in so.cached_requests:
             self.computed[cached.req_id] = cached.num_computed_tokens
             for ids, more in zip(self.blocks[cached.req_id], cached.new_block_ids):
                 ids.extend(more)
         assert so.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
         assert len(so.num_scheduled_tokens) <= self.config.max_num_seqs
-        sampled = {}
+        sampled, forks = {}, {}
         for req_id, n in so.num_scheduled_tokens.items():
             assert n > 0
             live = self.kv.get_block_ids(req_id)
@@ -70,7 +73,9 @@ class ToyRunner:
                 token = toy_next_token(self.tokens[req_id])
                 self.tokens[req_id].append(token)
                 sampled[req_id] = token
-        return ModelRunnerOutput(sampled)
+                if req_id in self.to_fork:  # sequences 1..n-1 start from tokens of their own
+                    forks[req_id] = [token + j for j in range(1, self.to_fork.pop(req_id))]
+        return ModelRunnerOutput(sampled, fork_token_ids=forks)
 
 
 def make_scheduler(specs, num_blocks_memory: int, max_num_seqs=8, max_tokens_per_step=64,
@@ -448,3 +453,42 @@ def test_a_fault_admitting_one_request_fails_that_request_alone() -> None:
     failed, = [o for o in outputs if o.request_id == "bad"]
     assert failed.error_code == "internal_error" and "connector bug" in failed.error
     assert good.output_token_ids == reference_outputs(good.prompt_token_ids, 3) and kv.usage == 0.0
+
+
+def run_with_a_latecomer(scheduler: Scheduler, kv: KVCacheManager, big: Request, small: Request,
+                         arrive_at: int) -> dict[str, object]:
+    """Step `big` alone, add `small` at step `arrive_at`, and step until `small` ends: the
+    steps it took and the sequences preempted meanwhile."""
+    runner = ToyRunner(kv, scheduler.config)
+    preempted: list[str] = []
+    preempt = scheduler._preempt
+    scheduler._preempt = lambda request, out: (preempted.append(request.request_id), preempt(request, out))[1]
+    scheduler.add_request(big)
+    steps = 0
+    while small.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
+        if steps == arrive_at:
+            scheduler.add_request(small)
+        so = scheduler.schedule()
+        scheduler.update_from_output(so, runner.execute(so))
+        kv.check_integrity()
+        steps += 1
+        assert steps < 5_000, "the small request never ended"
+    return {"steps": steps - arrive_at, "preempted": preempted, "big_running": len(scheduler.running)}
+
+
+@pytest.mark.parametrize("memory_blocks", [2000, 60])  # room for every sequence; far too little
+def test_one_requests_sequences_cannot_starve_another_request(memory_blocks: int) -> None:
+    """Issue 31 row 4: a request with n = 128 took every slot of the batch (and, as its
+    sequences grew, the pool: the small request was preempted again and again); a
+    4-token request behind it waited for it. Now the small one runs at once, and only
+    the big one's sequences are preempted."""
+    specs = {"l0": attn()}
+    page = make_kv_cache_config(specs, 10**9).cross_layer_page_bytes
+    scheduler, kv = make_scheduler(specs, memory_blocks * page, max_num_seqs=8)
+    big = Request("big", list(range(10, 50)), SamplingParams(max_tokens=400, n=32, ignore_eos=True, temperature=1.0))
+    small = Request("small", list(range(60, 80)), SamplingParams(max_tokens=4, ignore_eos=True))
+    seen = run_with_a_latecomer(scheduler, kv, big, small, arrive_at=30)
+    assert small.output_token_ids == reference_outputs(small.prompt_token_ids, 4)
+    assert seen["steps"] <= 6  # admitted at its first step: its prefill and 3 decode steps, a step of slack
+    assert "small" not in seen["preempted"]
+    assert seen["big_running"] == 7  # the big one goes on (the small one left a slot this step)

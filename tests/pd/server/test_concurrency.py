@@ -67,3 +67,29 @@ def test_concurrent_streams_with_preemption_equal_unbatched_greedy(tiny_models, 
         assert metrics["pd_prompt_tokens_total"] == sum(map(len, all_prompts))
         assert metrics["pd_time_to_first_token_seconds_count"] == NUM_REQUESTS
         assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+
+
+def test_a_request_of_128_long_sequences_does_not_starve_short_ones(tiny_models, tmp_path) -> None:
+    """Issue 31 row 4: while one `n: 128, best_of: 128, max_tokens: 4000` request ran,
+    every 4-token request timed out (6 of 6 at 120 s). The batch is now shared fairly:
+    20 short requests, one after another, all end while the big one still runs; a
+    request past --max-request-tokens is refused, naming the limit."""
+    import threading
+
+    from launch import http_client
+
+    limit = ("--max-request-tokens", "520000")  # 128 x (a short prompt + 4000) fits, 128 x its 4096 context not
+    with running_server(tiny_models["qwen3"], tmp_path / "server.log", *limit) as server:
+        big = {"prompt": "Tell me everything.", "n": 128, "best_of": 128, "max_tokens": 4000, "ignore_eos": True}
+        too_big = http_client().post(f"{server.url}/v1/completions", json=big | {"max_tokens": None}, timeout=60)
+        assert too_big.status_code == 400 and "--max-request-tokens" in too_big.json()["error"]["message"]
+        done = threading.Event()
+        hog = threading.Thread(target=lambda: (http_client().post(f"{server.url}/v1/completions", json=big,
+                                                                  timeout=600), done.set()), daemon=True)
+        hog.start()
+        assert server.wait_for_metric("pd_num_requests_running", lambda v: v >= 64) >= 64  # it fills the batch
+        small = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        for _ in range(20):
+            response = http_client().post(f"{server.url}/v1/completions", json=small, timeout=60)
+            assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+        assert not done.is_set()  # the big one still runs: the short ones did not wait for it

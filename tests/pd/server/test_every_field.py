@@ -160,8 +160,10 @@ def user(c: Client) -> None:
 def kv_transfer_params(c: Client) -> None:
     answer = c.answer(**GREEDY, kv_transfer_params={"do_remote_decode": True})
     assert answer["usage"]["completion_tokens"] == 1 and answer["kv_transfer_params"]["do_remote_prefill"]
-    http_client().post(f"{c.server.url}/v1/kv/release",
-                       json={"remote_request_id": answer["kv_transfer_params"]["remote_request_id"]}, timeout=TIMEOUT_S)
+    held = answer["kv_transfer_params"]
+    released = http_client().post(f"{c.server.url}/v1/kv/release", timeout=TIMEOUT_S, json={
+        "remote_request_id": held["remote_request_id"], "signature": held["signature"]})
+    assert released.json() == {"released": True}
 
 
 def cache_salt(c: Client) -> None:
