@@ -40,6 +40,7 @@ class EngineConfig:
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
+    reserve_growth_tokens: int = 128  # see SchedulerConfig and --reserve-growth-tokens
     enable_prefix_caching: bool = True
     kv_layout: str = "canonical"
     hybrid_kv_cache: bool = True
@@ -171,6 +172,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=int, default=ENGINE_DEFAULTS["kv_cache_memory"], help="bytes of KV cache memory (default %(default)s)")
     parser.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS["max_num_seqs"], help="most requests in one batch (default %(default)s)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS["max_num_batched_tokens"], help="most tokens computed in one step; longer prompts are prefilled in chunks. Smaller: requests arriving together see their first token sooner and decodes wait less behind prefills; larger: fewer steps per prefill (default %(default)s)")
+    parser.add_argument("--reserve-growth-tokens", type=int, default=ENGINE_DEFAULTS["reserve_growth_tokens"], metavar="N", help="admit a request only while the KV cache still holds the next N tokens of every request holding blocks and of its own: with a tight cache, a request admitted only to be preempted as the others grow is recomputed for nothing; 0 admits whenever its prompt fits (default %(default)s)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=ENGINE_DEFAULTS["enable_prefix_caching"], help="reuse KV blocks of shared prompt prefixes (default on)")
     parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default=ENGINE_DEFAULTS["kv_layout"], help="canonical: one cross-layer buffer, one byte range per block per group; per-layer: one buffer per layer slot (default %(default)s)")
     parser.add_argument("--no-hybrid-kv-cache", dest="hybrid_kv_cache", action="store_false", help="attention-only models: keep every attention layer's KV for all tokens in one group (sliding layers still attend within their window); refused for Mamba hybrids")
@@ -205,8 +207,11 @@ class SchedulerConfig:
     kv_load_failure_policy: str = "recompute"  # or "fail": a request whose remote KV fails to load
     kv_max_held_fraction: float = 1.0  # of all blocks, kept for decode servers; past it P refuses more
     skip_partial_groups_on_remote_prefill: bool = True  # D: Mamba / sliding-window groups out of a remote prefill's hit search
+    reserve_growth_tokens: int = 0  # admit only while the pool holds this many more tokens of every request
 
     def __post_init__(self) -> None:
+        if self.reserve_growth_tokens < 0:
+            raise ValueError(f"reserve_growth_tokens must not be negative, got {self.reserve_growth_tokens}")
         if not 0.0 < self.kv_max_held_fraction <= 1.0:
             raise ValueError(f"kv_max_held_fraction must be in (0, 1], got {self.kv_max_held_fraction}")
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:

@@ -1,4 +1,4 @@
-"""How the running batch is shared between requests: max-min fair by sequences.
+"""How the running batch and the KV pool are shared between requests.
 
 A request asking for n sequences (or best_of) forks into n requests of its own; without a
 rule, one request with n = 128 took every slot of the batch and every block of the pool,
@@ -15,6 +15,11 @@ running sequences (`group`: a sequence belongs to the request it forked from):
 3. Growth: when a running sequence needs a block and the pool has none, the newest
    sequence of the request with the most sequences running is preempted (a request that
    outgrows the pool preempts its own sequences, not others').
+4. Room to grow: a request is admitted only while the pool, after it takes its blocks,
+   still holds what it and every request holding blocks will grow into: the rest of their
+   prompts and their next `reserve` outputs (`--reserve-growth-tokens`). With a cache that
+   holds few requests, one admitted only to be preempted as the others grew was
+   recomputed for nothing (a burst did its decode-side work twice).
 
 Requests with one sequence each are FIFO, and the newest is preempted first, as before.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
+from pd.kv_cache.manager import KVCacheManager
 from pd.request import Request
 
 
@@ -56,3 +62,23 @@ def displaced_for(request: Request, running: Sequence[Request], counts: Counter[
     if group(victim) == group(request) or counts[group(victim)] <= counts[group(request)] + 1:
         return None
     return victim
+
+
+def room_to_grow(kv: KVCacheManager, holders: Sequence[Request], request: Request, num_tokens_held: int,
+                 num_blocks_now: int, reserve: int, max_model_len: int) -> bool:
+    """Rule 4: whether `request`, taking `num_blocks_now` blocks to hold `num_tokens_held`
+    tokens, leaves room for `holders` (the requests holding blocks) and itself to grow.
+    Always true with `reserve` 0 or nobody holding blocks (a lone request always runs)."""
+    if not reserve or not holders:
+        return True
+    growth = kv.growth_blocks(_to_grow(request, num_tokens_held, reserve, max_model_len))
+    growth += sum(kv.growth_blocks(_to_grow(r, r.num_computed_tokens, reserve, max_model_len)) for r in holders)
+    return num_blocks_now + growth <= kv.num_free_blocks
+
+
+def _to_grow(request: Request, num_tokens_held: int, reserve: int, max_model_len: int) -> int:
+    """The tokens a request holding `num_tokens_held` has yet to hold: the rest of its known
+    tokens, and of its outputs to come (its budget, its context) `reserve` at most."""
+    outputs = request.sampling_params.max_tokens - len(request.output_token_ids)
+    outputs = max(0, min(outputs, max_model_len - request.num_tokens, reserve))
+    return max(0, request.num_tokens - num_tokens_held) + outputs

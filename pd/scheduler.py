@@ -212,9 +212,16 @@ class Scheduler(RemoteKV):
         else:  # its remote KV has landed; its blocks are already allocated
             hit_blocks, num_hit, num_external, load_async = None, 0, 0, False
         if load_async:
+            if not self._room_to_grow(request, num_hit + num_external, self.kv.num_blocks_to_allocate(
+                    request, 0, num_hit, hit_blocks, num_external)):
+                return None
             return 0 if self._park_for_remote_kv(request, hit_blocks, num_hit, num_external) else None
         computed = request.num_computed_tokens + num_hit + num_external
         num_new = self._num_new_tokens(request, computed, budget)
+        if hit_blocks is not None and not self._room_to_grow(
+                request, computed + num_new, self.kv.num_blocks_to_allocate(request, num_new, num_hit, hit_blocks,
+                                                                            num_external)):
+            return None
         blocks = self.kv.allocate_slots(request, num_new, num_hit, hit_blocks, num_external)
         if blocks is None:
             return None
@@ -224,6 +231,13 @@ class Scheduler(RemoteKV):
         self.prompt_sources.count(request, num_hit, num_external)
         self._start_running(request, computed, num_hit, num_new, out)
         return num_new
+
+    def _room_to_grow(self, request: Request, num_tokens_held: int, num_blocks_now: int) -> bool:
+        """Rule 4 of fair_share.py, for `request` about to take `num_blocks_now` blocks to
+        hold `num_tokens_held` tokens."""
+        return fair_share.room_to_grow(self.kv, [*self.running, *self.waiting_for_remote.values()], request,
+                                       num_tokens_held, num_blocks_now, self.config.reserve_growth_tokens,
+                                       self.config.max_model_len)
 
     def _skipped_groups(self, request: Request) -> frozenset[int]:
         """The KV cache groups left out of the request's prefix-cache hit search: for a

@@ -28,7 +28,9 @@ class ProxyConfig:
     retry_backoff_s: float = 0.05  # before retry k: this x 2^(k-1) x [1, 2)
     breaker_failures: int = 1  # failures in a row that open a server's breaker
     breaker_cooldown_s: float = 5.0  # before an open breaker lets a trial through
-    max_outstanding: int = 0  # requests in flight per server at most; past it on every one: 429 (0: no limit)
+    max_outstanding: int = 0  # requests in flight per server at most; past it on every one: queued (0: no limit)
+    max_queue: int = 1024  # requests waiting for room at most; past it: 429 (0: no queue, no room is a 429 / 503)
+    queue_timeout_s: float = 600.0  # the longest a request waits for room; then 429
     release_timeout_s: float = 5.0  # one `/v1/kv/release` to a prefill server
     max_request_bytes: int = MAX_REQUEST_BYTES
     max_depth: int = MAX_DEPTH  # of a request body's nested objects and arrays
@@ -50,8 +52,10 @@ class ProxyConfig:
         if min(self.probe_interval_s, self.timeout_s, self.release_timeout_s, self.prefill_timeout_s,
                self.decode_timeout_s, self.breaker_cooldown_s) <= 0:
             raise ValueError("the probe interval, the timeouts and the breaker's cool-down must be positive")
-        if self.max_retries < 0 or self.retry_backoff_s < 0 or self.max_outstanding < 0:
-            raise ValueError("max_retries, the retry backoff and max_outstanding must not be negative")
+        if self.max_retries < 0 or self.retry_backoff_s < 0 or self.max_outstanding < 0 or self.max_queue < 0:
+            raise ValueError("max_retries, the retry backoff, max_outstanding and max_queue must not be negative")
+        if self.queue_timeout_s <= 0:
+            raise ValueError(f"the queue timeout must be positive, got {self.queue_timeout_s}")
         if self.breaker_failures < 1:
             raise ValueError(f"breaker_failures must be at least 1, got {self.breaker_failures}")
         if self.max_request_bytes <= 0:

@@ -30,10 +30,12 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from proxy.body import parse_body, read_body
+from proxy.admission import QueueFull, QueueTimeout
+from proxy.answers import overloaded_response
+from proxy.body import BodyError, parse_body, read_body
 from proxy.errors import error_body, error_response
 from proxy.instances import Instance, NoInstanceError, OverloadedError, Route
-from proxy.upstream import Call, Opened, Prefilled, Upstream
+from proxy.upstream import Call, NoRoom, Opened, Prefilled, Upstream
 
 logger = logging.getLogger(__name__)
 
@@ -89,24 +91,74 @@ async def forward(upstream: Upstream, request: Request, endpoint: str) -> Respon
         call.route.tokens = await upstream.tokenize(call)
         call.route.salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
     try:
+        placed = await _place(upstream, request, call, priority(body))
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    if not isinstance(placed, tuple):
+        return placed
+    decode, prefilled = placed
+    try:
+        return await _decode(upstream, request, call, prefilled, decode)
+    finally:
+        call.unbind()
+
+
+async def _place(upstream: Upstream, request: Request, call: Call,
+                 rank: int) -> tuple[Instance, Prefilled] | Response:
+    """The decode server picked (bound to the call) and P's parameters; or the response
+    for the client. When no server has room, the request waits in the queue
+    (admission.py) and tries again as room frees up; ClientGone if the client leaves."""
+    admission = upstream.admission
+    ticket, queued = admission.ticket(rank), False
+    while True:
+        try:
+            await until_disconnected(request, admission.turn(ticket))
+        except QueueFull as exc:
+            return upstream.queue_refused("full", exc)
+        except QueueTimeout as exc:
+            return upstream.queue_refused("timeout", exc)
+        outcome = await _try_place(upstream, request, call)
+        if not isinstance(outcome, NoRoom):
+            admission.placed()
+            return outcome
+        if not admission.enabled:
+            return upstream.refuse(outcome)
+        admission.no_room(outcome.retry_after_s)
+        if not queued:
+            queued = True
+            upstream.metrics.queued.inc()
+
+
+async def _try_place(upstream: Upstream, request: Request, call: Call) -> tuple[Instance, Prefilled] | NoRoom | Response:
+    """One try: pick D, bind it, prefill on a P (P's blocks released if the client left meanwhile)."""
+    try:
         decode = upstream.decode.pick(call.route)
     except OverloadedError as exc:
-        return upstream.overloaded("decode", exc)
+        return NoRoom(overloaded_response(str(exc)), overloaded="decode")
     except NoInstanceError as exc:
         return error_response(f"{exc}: the request is not sent to a prefill server", 503, "service_unavailable")
     call.bind(decode)  # counted against its --max-outstanding from now
     try:
-        try:
-            prefilled = await until_disconnected(request, upstream.prefill_once(call))
-        except ClientGone as gone:
-            if isinstance(gone.result, Prefilled):
-                await upstream.release(gone.result, call.headers)
-            return Response(status_code=CLIENT_CLOSED)
-        if not isinstance(prefilled, Prefilled):
-            return prefilled
-        return await _decode(upstream, request, call, prefilled, decode)
-    finally:
+        prefilled = await until_disconnected(request, upstream.prefill_once(call))
+    except ClientGone as gone:
         call.unbind()
+        if isinstance(gone.result, Prefilled):
+            await upstream.release(gone.result, call.headers)
+        raise
+    if not isinstance(prefilled, Prefilled):
+        call.unbind()
+        return prefilled
+    return decode, prefilled
+
+
+def priority(body: dict[str, Any]) -> int:
+    """The body's `priority` (lower first; 0 when absent). BodyError if not an integer."""
+    value = body.get("priority", 0)
+    if type(value) is not int or not -2**31 <= value < 2**31:
+        error = BodyError("priority must be an integer of 32 bits (lower is served first)", "invalid_type")
+        error.path = ["priority"]
+        raise error.located()
+    return value
 
 
 async def _decode(upstream: Upstream, request: Request, call: Call, prefilled: Prefilled,

@@ -81,7 +81,15 @@ def _add_fault_flags(parser: argparse.ArgumentParser) -> None:
                              "may go; success closes it (default %(default)s)")
     parser.add_argument("--max-outstanding", type=int, default=PROXY_DEFAULTS["max_outstanding"], metavar="N",
                         help="requests in flight one server takes at most; when every server of a role has "
-                             "that many, the client gets 429 with Retry-After (default 0: no limit)")
+                             "that many, the request waits in the queue (--max-queue) (default 0: no limit)")
+    parser.add_argument("--max-queue", type=int, default=PROXY_DEFAULTS["max_queue"], metavar="N",
+                        help="requests that wait for room at most (every server at --max-outstanding, or every "
+                             "prefill server holding too many blocks for unread requests), served in order of "
+                             "their body's priority (lower first) then arrival; past it the client gets 429 with "
+                             "Retry-After; 0: no queue, no room is answered at once (default %(default)s)")
+    parser.add_argument("--queue-timeout", type=float, default=PROXY_DEFAULTS["queue_timeout_s"], metavar="S",
+                        help="the longest a request waits in the queue; then 429 with Retry-After "
+                             "(default %(default)s)")
 
 
 def proxy_config(args: argparse.Namespace) -> ProxyConfig:
@@ -95,6 +103,7 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
                            decode_timeout_s=args.decode_timeout, max_retries=args.max_retries,
                            retry_backoff_s=args.retry_backoff, breaker_failures=args.breaker_failures,
                            breaker_cooldown_s=args.breaker_cooldown, max_outstanding=args.max_outstanding,
+                           max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
                            max_request_bytes=args.max_request_bytes)
     except ValueError as exc:
         raise SystemExit(f"pd proxy: {exc}") from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -78,6 +78,15 @@ class ProxyMetrics:
         for role in ("prefill", "decode"):
             self.retries.labels(role=role)
             self.overloaded.labels(role=role)
+        self.queued = Counter("pd_proxy_queued", "Requests that waited in the proxy's queue for room (every "
+                              "server full, or every prefill server holding too much).", registry=self.registry)
+        self.queue_refused = Counter("pd_proxy_queue_refused", "Requests answered 429 past the queue's bounds, by "
+                                     "reason: full (--max-queue) or timeout (--queue-timeout).", ["reason"],
+                                     registry=self.registry)
+        for reason in ("full", "timeout"):
+            self.queue_refused.labels(reason=reason)
+        self.queue_waiting = Gauge("pd_proxy_queue_waiting", "Requests waiting in the proxy's queue now.",
+                                   registry=self.registry)
 
     def exposition(self) -> bytes:
         """The text /metrics answers."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +32,9 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response
 
-from proxy.answers import (ENGINE_DEAD, KV_HELD_LIMIT, backoff_s, cached_tokens, error_code, is_server_failure, kv_held_response,
-                           overloaded_response, passed_back, retry_after_s)
+from proxy.answers import (ENGINE_DEAD, KV_HELD_LIMIT, OVERLOADED_RETRY_AFTER_S, backoff_s, cached_tokens, error_code,
+                           is_server_failure, kv_held_response, overloaded_response, passed_back, retry_after_s)
+from proxy.admission import Admission
 from proxy.body import BodyError, parse_body, prefill_body
 from proxy.config import ProxyConfig
 from proxy.errors import error_response
@@ -108,6 +110,7 @@ class Opened:
     instance: Instance
     response: httpx.Response
     work_tokens: int = 0
+    on_close: Callable[[], None] = lambda: None
     closed: bool = field(default=False, repr=False)
 
     async def close(self) -> None:
@@ -116,7 +119,18 @@ class Opened:
         self.closed = True
         self.instance.outstanding -= 1
         self.instance.outstanding_tokens -= self.work_tokens
+        self.on_close()
         await self.response.aclose()
+
+
+@dataclass(frozen=True)
+class NoRoom:
+    """No server can take the request now (every P full or holding too much): it may
+    wait in the queue (admission.py); `answer` is what the client gets if it does not."""
+
+    answer: Response
+    retry_after_s: float | None = None
+    overloaded: str | None = None  # the role whose every instance is at --max-outstanding
 
 
 @dataclass(frozen=True)
@@ -158,6 +172,8 @@ class Upstream:
         self.decode_timeout = httpx.Timeout(config.decode_timeout_s,
                                             connect=min(CONNECT_TIMEOUT_S, config.decode_timeout_s))
         self.client: httpx.AsyncClient | None = None
+        self.admission = Admission(config.max_queue, config.queue_timeout_s)
+        self.metrics.queue_waiting.set_function(lambda: self.admission.num_waiting)
 
     def headers(self, request: Request, request_id: str) -> dict[str, str]:
         auth = self.config.server_authorization or request.headers.get("authorization")
@@ -194,24 +210,36 @@ class Upstream:
         self.metrics.overloaded.labels(role=role).inc()
         return overloaded_response(str(exc))
 
+    def queue_refused(self, reason: str, exc: Exception) -> Response:
+        """429 past the queue's bounds: full, or waited too long."""
+        self.metrics.queue_refused.labels(reason=reason).inc()
+        return error_response(f"{exc}; retry later", 429, "rate_limit_error", f"queue_{reason}",
+                              {"Retry-After": str(OVERLOADED_RETRY_AFTER_S)})
+
+    def refuse(self, no_room: NoRoom) -> Response:
+        """The answer for a request that found no room and does not wait for it."""
+        if no_room.overloaded is not None:
+            self.metrics.overloaded.labels(role=no_room.overloaded).inc()
+        return no_room.answer
+
     def failed(self, instance: Instance, why: str) -> None:
         if instance.mark_failed(why):
             logger.warning("%s server %s failed: %s; its breaker opened", instance.role, instance.url, why)
         else:
             logger.warning("%s server %s failed: %s", instance.role, instance.url, why)
 
-    async def prefill_once(self, call: Call) -> Prefilled | Response:
-        """P's parameters from the first P that takes the request, or the response for
-        the client (a server's verdict; when P after P failed, `max_retries` of them,
-        each after an exponential backoff with jitter: the last P's 5xx, or 503 when no
-        P is left or every P holds too much; 429 when every P is full)."""
+    async def prefill_once(self, call: Call) -> Prefilled | NoRoom | Response:
+        """P's parameters from the first P that takes the request; NoRoom when every P is
+        full or holds too many blocks for unread requests; or the response for the client
+        (a server's verdict, 502 for a P that failed serving it, 503 when no P could be
+        reached after `max_retries` tries, each after an exponential backoff with jitter)."""
         tried: set[str] = set()
         held: list[float] = []  # Retry-After of each P that refused for kv_held_limit
         for attempt in range(self.config.max_retries + 1):
             try:
                 instance = self.prefill.pick(call.route, tried)
             except OverloadedError as exc:
-                return self.overloaded("prefill", exc)
+                return NoRoom(overloaded_response(str(exc)), overloaded="prefill")
             except NoInstanceError:
                 break
             if attempt:
@@ -225,7 +253,7 @@ class Upstream:
             if answer.retry_after_s is not None:
                 held.append(answer.retry_after_s)
         if held:
-            return kv_held_response(min(held))
+            return NoRoom(kv_held_response(min(held)), min(held))
         return error_response(f"no healthy prefill instance took the request after {len(tried)} tries",
                               503, "service_unavailable")
 
@@ -251,6 +279,7 @@ class Upstream:
             instance.outstanding -= 1
             instance.outstanding_tokens -= work
             instance.breaker.finish()  # the verdict on it, if any, is given below
+            self.admission.changed()
         if response.status_code == 200:
             instance.mark_succeeded()
             return self._prefilled(instance, response)
@@ -314,7 +343,8 @@ class Upstream:
             response = await self.client.send(request, stream=True)
             if response.status_code == 200:
                 instance.mark_succeeded()
-                opened = Opened(instance, response, work)
+                opened = Opened(instance, response, work, self.admission.changed)
+                self.admission.changed()  # D reads P's blocks now: P may take more
                 return opened
             return await self._refused_by_decode(instance, response)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing reached D
@@ -329,6 +359,7 @@ class Upstream:
             if opened is None:
                 instance.outstanding -= 1
                 instance.outstanding_tokens -= work
+                self.admission.changed()
 
     async def _refused_by_decode(self, instance: Instance, response: httpx.Response) -> Response:
         try:
@@ -358,3 +389,4 @@ class Upstream:
             logger.warning("could not release %s on %s: %s: %s", remote_id, url, type(exc).__name__, exc)
             result = "failed"
         self.metrics.kv_releases.labels(result=result).inc()
+        self.admission.changed()

@@ -109,7 +109,8 @@ class EngineCore:
                                mamba_block_size=mamba[0] if mamba else None,
                                kv_load_failure_policy=self.config.kv_load_failure_policy,
                                kv_max_held_fraction=self.config.kv_max_held_fraction,
-                               skip_partial_groups_on_remote_prefill=self.config.skip_partial_groups_on_remote_prefill)
+                               skip_partial_groups_on_remote_prefill=self.config.skip_partial_groups_on_remote_prefill,
+                               reserve_growth_tokens=self.config.reserve_growth_tokens)
 
     def add_request(self, request: Request) -> None:
         """Queue the request; ValueError if it cannot be served (HeldBlocksLimitError if

@@ -23,7 +23,7 @@ from pd.kv_cache.coordinator import (
     NoPrefixCacheCoordinator,
     UnitaryKVCacheCoordinator,
 )
-from pd.kv_cache.spec import KVCacheConfig, MambaSpec, SlidingWindowSpec
+from pd.kv_cache.spec import FullAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec, cdiv
 from pd.request import Request
 
 
@@ -136,6 +136,22 @@ class KVCacheManager:
             if group_hit is not None:
                 stats.group_queries[group_id] += num_tokens
                 stats.group_hits[group_id] += group_hit
+
+    def growth_blocks(self, num_tokens: int) -> int:
+        """Blocks a request takes to grow by `num_tokens` tokens (at most: a new block per
+        block_size tokens of each full-attention group; sliding windows and Mamba states
+        do not grow)."""
+        return sum(cdiv(num_tokens, g.spec.block_size) + 1 for g in self.config.groups
+                   if type(g.spec) is FullAttentionSpec) if num_tokens > 0 else 0
+
+    def num_blocks_to_allocate(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                               new_computed_blocks: KVCacheBlocks | None = None,
+                               num_external_computed_tokens: int = 0) -> int:
+        """What `allocate_slots` with these arguments would take from the pool (no side effect)."""
+        hit = new_computed_blocks.blocks if new_computed_blocks else self.empty_blocks().blocks
+        num_computed = request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
+        return self.coordinator.get_num_blocks_to_allocate(request.request_id, num_computed + num_new_tokens, hit,
+                                                           num_computed)
 
     def allocate_slots(
         self,

@@ -165,7 +165,7 @@ def test_preemption_under_a_small_kv_budget_keeps_outputs(arch, checkpoints):
     alone = [roomy.generate([p], params)[0].token_ids for p in prompts]
     probe = roomy.engine.kv_cache_config
     small_blocks = 16 if arch == "bamba" else 52
-    tight = LLM(str(checkpoints[arch]), max_model_len=512,
+    tight = LLM(str(checkpoints[arch]), max_model_len=512, reserve_growth_tokens=0,  # admit, then preempt
                 kv_cache_memory=small_blocks * probe.cross_layer_page_bytes)
     outputs = tight.generate(prompts, params)
     assert tight.engine.scheduler.num_preemptions > 0

@@ -492,3 +492,20 @@ def test_one_requests_sequences_cannot_starve_another_request(memory_blocks: int
     assert seen["steps"] <= 6  # admitted at its first step: its prefill and 3 decode steps, a step of slack
     assert "small" not in seen["preempted"]
     assert seen["big_running"] == 7  # the big one goes on (the small one left a slot this step)
+
+
+@pytest.mark.parametrize("reserve", [0, 128])
+def test_admission_keeps_room_for_what_running_requests_will_grow_into(reserve: int) -> None:
+    """Issue 31 row 7: with a cache for ~1.6 requests, each admitted next to another was
+    preempted as both grew and recomputed (a burst did its work twice). Reserving room
+    for the next tokens of every request holding blocks admits it when it can finish."""
+    specs = {"l0": attn()}
+    page = make_kv_cache_config(specs, 10**9).cross_layer_page_bytes
+    kv_config = make_kv_cache_config(specs, 40 * page, 512)
+    kv = KVCacheManager(kv_config, True, 512)
+    config = SchedulerConfig(8, 64, 512, frozenset({EOS}), reserve_growth_tokens=reserve)
+    scheduler = Scheduler(config, kv, NullConnectorScheduler())
+    requests = [Request(f"r{i}", [10 + i] * 300, SamplingParams(max_tokens=100, ignore_eos=True)) for i in range(4)]
+    seen = run_all(scheduler, kv, requests)
+    assert all(r.output_token_ids == reference_outputs(r.prompt_token_ids, 100) for r in requests)
+    assert (seen["preemptions"] == 0) == (reserve > 0), seen

@@ -36,7 +36,7 @@ def deployment(tiny_models, tmp_path_factory):
     logs = tmp_path_factory.mktemp("overload")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     model = tiny_models[MODEL]
-    common = ("--max-model-len", "256", "--log-level", "warning")
+    common = ("--max-model-len", "256", "--log-level", "warning", "--reserve-growth-tokens", "0")  # preempting
     with contextlib.ExitStack() as stack:
         start = lambda name, *args: stack.enter_context(  # noqa: E731
             running_server(model, logs / f"{name}.log", *common, *args))
@@ -131,3 +131,51 @@ def test_overload_with_half_the_clients_leaving_loses_nothing_and_kills_nothing(
         assert metrics["pd_kv_cache_usage"] == 0 and metrics["pd_kv_requests_held"] == 0, metrics
         assert metrics["pd_num_requests_running"] == 0 and metrics["pd_num_requests_waiting"] == 0
     assert d.metrics()["pd_num_preemptions_total"] > 0  # the small cache did preempt
+
+
+def test_a_burst_past_what_the_caches_hold_completes_for_every_staying_client_without_preemption(
+        tiny_models, tmp_path) -> None:
+    """Issue 31 row 7: a burst of streams through 1P1D on 4 MiB caches (a request's KV
+    is most of D's cache), half leaving after their first chunk. P's held-blocks cap
+    answered 77 of 80 with 503, or, without it, D's cache thrashed. Now P's refusals are
+    back-pressure to the proxy's queue, and D admits a request when it can grow to its
+    end: every staying client gets every token, with no preemption and nothing refused."""
+    small = ("--kv-cache-memory", str(4 << 20), "--max-model-len", "512", "--log-level", "warning")
+    with contextlib.ExitStack() as stack:
+        p = stack.enter_context(running_server(tiny_models[MODEL], tmp_path / "p.log", "--role", "prefill", *small))
+        d = stack.enter_context(running_server(tiny_models[MODEL], tmp_path / "d.log", "--role", "decode", *small))
+        proxy = stack.enter_context(running_proxy(tmp_path / "proxy.log", "--prefill", p.url, "--decode", d.url,
+                                                  "--log-level", "warning"))
+        pids = engine_pid(p), engine_pid(d)
+        prompts = [[10 + (7 * k + j) % 3000 for j in range(240)] for k in range(24)]  # 15 blocks each
+
+        async def one(client: httpx.AsyncClient, k: int) -> tuple[int, int]:
+            body = {"prompt": prompts[k], "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            async with client.stream("POST", f"{proxy.url}/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    return response.status_code, 0
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        event = json.loads(line[len("data: "):])
+                        assert "error" not in event, event
+                        if k % 2:  # leaves after its first chunk
+                            return 200, -1
+                        if event.get("usage") and not event.get("choices"):
+                            return 200, event["usage"]["completion_tokens"]
+            return 200, 0
+
+        async def burst():
+            limits = httpx.Limits(max_connections=64)
+            async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
+                return await asyncio.gather(*(one(client, k) for k in range(len(prompts))))
+
+        results = asyncio.run(burst())
+        assert all(status == 200 for status, _ in results), results
+        assert [tokens for k, (_, tokens) in enumerate(results) if k % 2 == 0] == [48] * 12
+        assert (engine_pid(p), engine_pid(d)) == pids
+        assert d.metrics()["pd_num_preemptions_total"] == 0
+        for server in (p, d):
+            metrics = wait_drained(server)
+            assert metrics["pd_kv_cache_usage"] == 0 and metrics["pd_kv_requests_held"] == 0, metrics
+

@@ -87,11 +87,11 @@ def test_kv_held_limit_tries_another_prefill_server_and_keeps_the_first_healthy(
         assert all(i["healthy"] for i in proxy_health(proxy).values())
 
 
-def test_kv_held_limit_everywhere_is_a_503_with_the_soonest_retry_after(servers) -> None:
+def test_without_a_queue_kv_held_limit_everywhere_is_a_503_with_the_soonest_retry_after(servers) -> None:
     p1, p2, d = servers
     p1.default = error("kv_held_limit", 503, **{"Retry-After": "7"})
     p2.default = error("kv_held_limit", 503, **{"Retry-After": "3"})
-    with proxy_in_front([p1.url, p2.url], [d.url]) as proxy:
+    with proxy_in_front([p1.url, p2.url], [d.url], max_queue=0) as proxy:
         response = post(proxy)
         assert response.status_code == 503 and response.headers["retry-after"] == "3"
         assert response.json()["error"]["code"] == "kv_held_limit"

@@ -86,9 +86,9 @@ def test_failures_below_the_threshold_leave_the_breaker_closed() -> None:
 
 
 @pytest.mark.parametrize("slow_role", ["prefill", "decode"])
-def test_past_max_outstanding_everywhere_the_excess_get_429_and_the_rest_complete(slow_role) -> None:
+def test_without_a_queue_past_max_outstanding_everywhere_the_excess_get_429_and_the_rest_complete(slow_role) -> None:
     with fake("prefill") as p, fake("decode") as d, \
-            proxy_in_front([p.url], [d.url], max_outstanding=2) as proxy:
+            proxy_in_front([p.url], [d.url], max_outstanding=2, max_queue=0) as proxy:
         # it holds two in flight (a request is in flight on D from the moment D is picked)
         (p if slow_role == "prefill" else d).default = Reply(delay_s=3)
         with ThreadPoolExecutor(8) as pool:
@@ -106,9 +106,10 @@ def test_past_max_outstanding_everywhere_the_excess_get_429_and_the_rest_complet
         assert post(proxy).status_code == 200
 
 
-def test_a_full_prefill_server_is_a_429_too_and_frees_the_decode_server_picked() -> None:
+def test_without_a_queue_a_full_prefill_server_is_a_429_too_and_frees_the_decode_server_picked() -> None:
     with fake("prefill") as p, fake("decode") as d1, fake("decode") as d2, \
-            proxy_in_front([p.url], [d1.url, d2.url], max_outstanding=1) as proxy, ThreadPoolExecutor(1) as pool:
+            proxy_in_front([p.url], [d1.url, d2.url], max_outstanding=1, max_queue=0) as proxy, \
+            ThreadPoolExecutor(1) as pool:
         p.default = Reply(delay_s=3)
         first = pool.submit(post, proxy)
         assert wait_until(lambda: len(p.received) == 1)
@@ -119,3 +120,54 @@ def test_a_full_prefill_server_is_a_429_too_and_frees_the_decode_server_picked()
         assert all(i["outstanding"] == 0 for i in proxy_health(proxy).values())
         p.default = Reply()
         assert [post(proxy).status_code for _ in range(2)] == [200, 200]  # nothing stays bound
+
+
+def test_past_max_outstanding_everywhere_requests_wait_in_the_queue_and_all_complete() -> None:
+    """Issue 31 row 7: no room is back-pressure to the proxy's queue, not an answer."""
+    with fake("prefill") as p, fake("decode") as d, proxy_in_front([p.url], [d.url], max_outstanding=2) as proxy:
+        d.default = Reply(delay_s=0.5)
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda _: post(proxy), range(8)))
+        assert [a.status_code for a in answers] == [200] * 8
+        assert proxy_metric(proxy, "pd_proxy_queued_total") >= 1
+        assert proxy_metric(proxy, 'pd_proxy_overloaded_total{role="decode"}') == 0
+        assert proxy_metric(proxy, "pd_proxy_queue_waiting") == 0
+        assert all(i["outstanding"] == 0 for i in proxy_health(proxy).values())
+
+
+def test_past_max_queue_the_excess_get_429_with_retry_after_and_a_queue_timeout_too() -> None:
+    with fake("prefill") as p, fake("decode") as d, \
+            proxy_in_front([p.url], [d.url], max_outstanding=1, max_queue=2, queue_timeout_s=30) as proxy:
+        d.default = Reply(delay_s=2)
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda _: post(proxy), range(6)))
+        done = [a for a in answers if a.status_code == 200]
+        full = [a for a in answers if a.status_code == 429]
+        assert len(done) >= 3 and len(done) + len(full) == 6 and full, [a.status_code for a in answers]
+        assert all(a.headers["retry-after"] == "1" and a.json()["error"]["code"] == "queue_full" for a in full)
+        assert proxy_metric(proxy, 'pd_proxy_queue_refused_total{reason="full"}') == len(full)
+    with fake("prefill") as p, fake("decode") as d, \
+            proxy_in_front([p.url], [d.url], max_outstanding=1, queue_timeout_s=0.5) as proxy:
+        d.default = Reply(delay_s=3)
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(post, proxy)
+            assert wait_until(lambda: len(d.received) == 1)
+            late = post(proxy)
+        assert late.status_code == 429 and late.json()["error"]["code"] == "queue_timeout"
+        assert first.result().status_code == 200
+
+
+def test_every_prefill_server_holding_too_much_is_back_pressure_not_an_answer() -> None:
+    with fake("prefill") as p, fake("decode") as d, proxy_in_front([p.url], [d.url]) as proxy:
+        p.replies = [error("kv_held_limit", 503, **{"Retry-After": "1"})] * 3  # then it takes them
+        answer = post(proxy)
+        assert answer.status_code == 200 and len(p.received) == 4
+        assert proxy_metric(proxy, "pd_proxy_queued_total") == 1
+
+
+def test_a_priority_outside_32_bits_or_not_an_integer_is_a_400() -> None:
+    with fake("prefill") as p, fake("decode") as d, proxy_in_front([p.url], [d.url]) as proxy:
+        for bad in ("high", 2**40, 1.5, True):
+            response = http_client().post(f"{proxy}/v1/completions", json=BODY | {"priority": bad}, timeout=10)
+            assert response.status_code == 400 and response.json()["error"]["param"] == "priority", response.text
+        assert p.received == [] and post(proxy).status_code == 200

@@ -55,7 +55,7 @@ def test_concurrent_streams_with_preemption_equal_unbatched_greedy(tiny_models, 
     expected = [out.text for out in llm.generate(all_prompts, params)]
     del llm
     with running_server(tiny_models["qwen3"], tmp_path / "server.log", "--max-model-len", "128",
-                        "--kv-cache-memory", str(SMALL_KV_CACHE)) as server:
+                        "--kv-cache-memory", str(SMALL_KV_CACHE), "--reserve-growth-tokens", "0") as server:
         results = asyncio.run(stream_all(server.url, all_prompts))
         metrics = server.metrics()
         mismatches = [i for i, (text, _) in enumerate(results) if text != expected[i]]
