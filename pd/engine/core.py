@@ -170,7 +170,7 @@ class EngineCore:
                           max_model_len=self.max_model_len, vocab_size=model.vocab_size,
                           eos_token_ids=sorted(model.eos_token_ids), group_names=group_names(kv),
                           num_blocks=kv.num_blocks, block_sizes=kv.block_sizes, architectures=model.architectures,
-                          kv_events=self.kv_events_endpoints, stats=self.stats())
+                          kv_events=self.kv_events_endpoints, compat_hash=self.compat_hash(), stats=self.stats())
 
     def stats(self) -> EngineStats:
         prefix = self.kv_cache_manager.stats

@@ -29,7 +29,7 @@ def router_info_routes(server: Server, read_body: Any, max_request_bytes: int) -
                   for i, (name, size) in enumerate(zip(info.group_names, info.block_sizes))]
         routing = next((g["id"] for g in groups if g["kind"] == "full_attention"), 0)
         return {"engine_id": info.engine_id, "hash": HASH_NAME, "groups": groups, "routing_group": routing,
-                "events": info.kv_events}
+                "events": info.kv_events, "compat_hash": info.compat_hash}
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
