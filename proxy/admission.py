@@ -41,6 +41,7 @@ class Ticket:
     seq: int
     deadline: float = field(compare=False)
     queued: bool = field(default=False, compare=False)  # it has waited in line: back after a try, it keeps its place
+    changes: int = field(default=0, compare=False)  # the changes seen when its try began
 
 
 class Admission:
@@ -69,7 +70,7 @@ class Admission:
 
     def ticket(self, priority: int = 0) -> Ticket:
         """A place in line, for a request's turns."""
-        return Ticket(priority, next(self._seq), self.clock() + self.timeout_s)
+        return Ticket(priority, next(self._seq), self.clock() + self.timeout_s, changes=self._changes)
 
     async def turn(self, ticket: Ticket) -> None:
         """Wait until the ticket may try to place its request: nobody ahead of it, and the
@@ -77,6 +78,7 @@ class Admission:
         try then uses up); QueueFull when it would be the `max_queue + 1`-th to wait (a
         ticket back after a try keeps its place), QueueTimeout past its deadline (it then
         leaves the queue)."""
+        ticket.changes = self._changes
         if not self._waiting and not self._blocked:
             return
         if not ticket.queued and len(self._waiting) >= self.max_queue:
@@ -95,6 +97,7 @@ class Admission:
                         await asyncio.wait_for(self._changed.wait(), timeout=wait)
                     except asyncio.TimeoutError:
                         pass
+            ticket.changes = self._changes
             if self._blocked:  # a retry: the next one waits for the change after it
                 self._blocked_changes = self._changes
                 self._retry_at = self.clock() + DEFAULT_RETRY_AFTER_S
@@ -108,12 +111,13 @@ class Admission:
             return False
         return not self._blocked or self._changes > self._blocked_changes or self.clock() >= self._retry_at
 
-    def no_room(self, retry_after_s: float | None = None) -> None:
-        """A try found no room: the queue is blocked; its head tries again at the next
-        change, or after `retry_after_s`. (The request then takes a new turn: its ticket
-        keeps its place in line.)"""
+    def no_room(self, ticket: Ticket, retry_after_s: float | None = None) -> None:
+        """The ticket's try found no room: the queue is blocked; its head tries again at
+        the next change (one during the try counts: it may have made room), or after
+        `retry_after_s`. (The request then takes a new turn: its ticket keeps its place
+        in line.)"""
         self._blocked = True
-        self._blocked_changes = self._changes
+        self._blocked_changes = ticket.changes
         self._retry_at = self.clock() + (retry_after_s if retry_after_s is not None else DEFAULT_RETRY_AFTER_S)
 
     def placed(self) -> None:

@@ -85,13 +85,15 @@ async def forward(upstream: Upstream, request: Request, endpoint: str) -> Respon
         body = parse_body(await read_body(request, config.max_request_bytes), config.max_depth)
     except ClientDisconnect:
         return Response(status_code=CLIENT_CLOSED)
+    rank = priority(body)  # the queue's: taken out, as the servers do not take it
+    body.pop("priority", None)
     request_id = request.headers.get("x-request-id") or f"pdx-{uuid.uuid4().hex}"
     call = Call(endpoint, body, upstream.headers(request, request_id), Route(prefix_key(body)), request_id)
     if config.kv_aware:
         call.route.tokens = await upstream.tokenize(call)
         call.route.salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
     try:
-        placed = await _place(upstream, request, call, priority(body))
+        placed = await _place(upstream, request, call, rank)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
     if not isinstance(placed, tuple):
@@ -109,7 +111,7 @@ async def _place(upstream: Upstream, request: Request, call: Call,
     for the client. When no server has room, the request waits in the queue
     (admission.py) and tries again as room frees up; ClientGone if the client leaves."""
     admission = upstream.admission
-    ticket, queued = admission.ticket(rank), False
+    ticket, counted = admission.ticket(rank), False
     while True:
         try:
             await until_disconnected(request, admission.turn(ticket))
@@ -117,16 +119,17 @@ async def _place(upstream: Upstream, request: Request, call: Call,
             return upstream.queue_refused("full", exc)
         except QueueTimeout as exc:
             return upstream.queue_refused("timeout", exc)
+        finally:
+            if ticket.queued and not counted:  # it waited in line (behind others, or for room)
+                counted = True
+                upstream.metrics.queued.inc()
         outcome = await _try_place(upstream, request, call)
         if not isinstance(outcome, NoRoom):
             admission.placed()
             return outcome
         if not admission.enabled:
             return upstream.refuse(outcome)
-        admission.no_room(outcome.retry_after_s)
-        if not queued:
-            queued = True
-            upstream.metrics.queued.inc()
+        admission.no_room(ticket, outcome.retry_after_s)
 
 
 async def _try_place(upstream: Upstream, request: Request, call: Call) -> tuple[Instance, Prefilled] | NoRoom | Response:

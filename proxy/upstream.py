@@ -14,10 +14,12 @@ request's: it could not be reached (nothing was sent), its engine was dead alrea
 "kv_held_limit"). A P that took the request and then dropped the connection, timed
 out, answered a 5xx of its own or died serving it may have been failed by the request
 itself (a poison request would otherwise walk the fleet): the client gets 502 or that
-answer. When no P takes it the client gets the soonest kv_held_limit 503 with its
-Retry-After, else 503. A 4xx is the server's verdict on this request, passed back as it
-is. When every instance of a role has `max_outstanding` requests in flight the client
-gets 429 "overloaded" with a Retry-After (nothing queues without bound).
+answer. A 4xx is the server's verdict on this request, passed back as it is.
+
+No room (every instance of a role at `max_outstanding`, or every P answering
+kv_held_limit) is `NoRoom`: the request waits in the proxy's queue (`admission.py`) and
+tries again as room frees up; only without a queue (`--max-queue 0`) is it answered at
+once, 429 "overloaded" or the soonest kv_held_limit 503, with a Retry-After.
 """
 
 from __future__ import annotations

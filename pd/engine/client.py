@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.2  # how often the watcher checks that the process is alive
 KILL_WAIT_S = 5.0  # how long terminate() is given before kill()
+RESTART_JOIN_S = 5.0  # how long a dead engine is given to finish exiting before a new one starts
 
 
 class EngineStartupError(RuntimeError):
@@ -182,16 +183,18 @@ class EngineClient:
     async def restart(self) -> None:
         """Put a new engine-core process in place of the dead one (its requests have failed
         with EngineDeadError); EngineStartupError if the new one does not start. The new
-        one is built in a thread: the server's event loop keeps answering meanwhile."""
+        one is built in a thread: the server's event loop keeps answering meanwhile. The old
+        one is gone first (a core that reported its failure may still be shutting down,
+        holding its ports and memory)."""
         if self._config is None or self._closed:
             raise EngineStartupError("this client cannot restart its engine")
-        engine = await asyncio.to_thread(_EngineProcess.spawn, self._config, self._startup_timeout)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        old, self._engine = self._engine, engine
-        old.stop(timeout=0.0)  # it is dead: nothing to wait for, its sockets closed on this thread
-        self._stats, self._dead_error, self._loop = engine.info.stats, None, None
+        await asyncio.to_thread(self._engine.process.join, RESTART_JOIN_S)
+        self._engine.stop(timeout=0.0)  # killed if still there; its sockets closed on this thread
+        self._engine = await asyncio.to_thread(_EngineProcess.spawn, self._config, self._startup_timeout)
+        self._stats, self._dead_error, self._loop = self._engine.info.stats, None, None
         self.restarts += 1
         self._attach()
 

@@ -12,8 +12,12 @@ not a replay request (any bytes, any frames) is dropped and counted. Each replay
 has at most `REPLAY_HWM` replies queued; past that its replies are dropped (it does not
 read) and counted. A reply holds at most `MAX_REPLY_BYTES` of batches (a client asks
 again from where it ended), and at most `MAX_REPLAY_CLIENTS` clients are answered per
-`CLIENT_WINDOW_S`. A subscriber that falls `PUB_HWM` batches behind loses batches (it
-sees the gap and asks for a replay).
+`CLIENT_WINDOW_S`. What the engine does for replays in one turn is bounded too: at most
+`MAX_REQUESTS_PER_TURN` requests read and `MAX_REPLY_BYTES` answered (one reply at
+least; the rest wait in the socket for the next turn, ZMQ serving its clients in turn),
+and a snapshot is built once per sequence number, however many ask for it. A
+subscriber that falls `PUB_HWM` batches behind loses batches (it sees the gap and asks
+for a replay).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ MAX_REPLY_BYTES = 4 << 20  # of batches in one reply (one batch at least)
 MAX_REQUEST_BYTES = 1024  # ZMQ drops the connection of a peer sending a larger message
 MAX_REPLAY_CLIENTS = 64  # clients answered per CLIENT_WINDOW_S; others' requests are dropped
 CLIENT_WINDOW_S = 10.0
+MAX_REQUESTS_PER_TURN = 64  # replay requests read per engine turn (answered or dropped)
 
 
 class NoKVEvents:
@@ -78,6 +83,7 @@ class KVEventPublisher(NoKVEvents):
         self.malformed_requests = 0
         self.dropped_replies = 0  # to clients that do not read, or past MAX_REPLAY_CLIENTS
         self._clients: OrderedDict[bytes, float] = OrderedDict()  # routing id -> last answered
+        self._snapshot: tuple[int, bytes] = (-1, b"")  # (seq, the encoded snapshot reply)
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, PUB_HWM)  # a slow subscriber loses batches (and asks again), never blocks a step
@@ -102,8 +108,11 @@ class KVEventPublisher(NoKVEvents):
             pass
 
     def serve_replays(self) -> None:
-        """Answer every replay request queued (without waiting for any)."""
-        while self._replay.poll(0, zmq.POLLIN):
+        """Answer the replay requests queued, within this turn's bounds (never waiting)."""
+        answered = 0
+        for _ in range(MAX_REQUESTS_PER_TURN):
+            if answered >= MAX_REPLY_BYTES or not self._replay.poll(0, zmq.POLLIN):
+                return
             frames = self._replay.recv_multipart()
             try:
                 if len(frames) not in (2, 3) or (len(frames) == 3 and frames[1]):  # DEALER or REQ envelope
@@ -115,9 +124,10 @@ class KVEventPublisher(NoKVEvents):
             if not self._admit_client(frames[0]):
                 self.dropped_replies += 1
                 continue
-            reply = ReplayReply(self._batches_from(request.start_seq))
+            reply = self._reply(request.start_seq)
+            answered += len(reply)
             try:
-                self._replay.send_multipart([*frames[:-1], encode(reply)], zmq.NOBLOCK)
+                self._replay.send_multipart([*frames[:-1], reply], zmq.NOBLOCK)
             except zmq.ZMQError:  # Again: it has REPLAY_HWM replies unread; or it left
                 self.dropped_replies += 1
 
@@ -133,11 +143,11 @@ class KVEventPublisher(NoKVEvents):
         self._clients.move_to_end(routing_id)
         return True
 
-    def _batches_from(self, start_seq: int) -> list[EventBatch]:
-        """The kept batches from `start_seq` on, up to MAX_REPLY_BYTES of them (one at least),
-        or a snapshot when they are gone."""
+    def _reply(self, start_seq: int) -> bytes:
+        """The encoded reply: the kept batches from `start_seq` on, up to MAX_REPLY_BYTES of
+        them (one at least), or a snapshot when they are gone."""
         if start_seq > self.seq:
-            return []
+            return encode(ReplayReply([]))
         if self.buffer and self.buffer[0][0].seq <= start_seq:
             batches, size = [], 0
             for batch, num_bytes in itertools.islice(self.buffer, start_seq - self.buffer[0][0].seq, None):
@@ -145,8 +155,11 @@ class KVEventPublisher(NoKVEvents):
                 if batches and size > MAX_REPLY_BYTES:
                     break
                 batches.append(batch)
-            return batches
-        return [EventBatch(self.engine_id, self.seq, [AllBlocksCleared(), *self.snapshot()], snapshot=True)]
+            return encode(ReplayReply(batches))
+        if self._snapshot[0] != self.seq:
+            snapshot = EventBatch(self.engine_id, self.seq, [AllBlocksCleared(), *self.snapshot()], snapshot=True)
+            self._snapshot = (self.seq, encode(ReplayReply([snapshot])))
+        return self._snapshot[1]
 
     def close(self) -> None:
         self._pub.close(linger=0)

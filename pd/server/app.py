@@ -57,7 +57,10 @@ def build_app(client: Any, tokenizer: Any, served_model_name: str, api_key: str 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await client.attach()  # so that an engine death is noticed before any request
-        yield
+        try:
+            yield
+        finally:
+            server.close()  # its grammar checker process
 
     app = FastAPI(title="pd-serve", lifespan=lifespan)
     app.state.server = server

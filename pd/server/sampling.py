@@ -34,7 +34,6 @@ class RequestLimits:
             raise ValueError(f"--max-request-tokens must be positive, got {self.max_request_tokens}")
 
 
-
 def check_vocab(vocab_size: int, token_ids: list[int], param: str) -> None:
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:

@@ -17,13 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import anyio
 
 from pd.kv_transfer_params import RemoteDecodeParams, RemotePrefillParams, TransferParamsError, parse_transfer_params
 from pd.kv_transfer_signing import TransferParamsGuard, TransferParamsRefused, UntilExpiry
 from pd.engine.messages import EngineRequest
 from pd.kv_connectors import NULL_CONNECTOR
 from pd.server.chat import ChatTemplate, ChatTemplateError
+from pd.server.off_loop import OffLoop, TooManyWaiting
 from pd.request import SamplingParams
 from pd.server.sampling import RequestLimits, SamplingChecker, check_vocab
 from pd.server.structured import one_grammar, request_grammar
@@ -41,6 +41,7 @@ CHARS_PER_TOKEN_SLACK = 4
 PEEK_CHARS_PER_TOKEN = 8
 PEEK_MARGIN_TOKENS = 16
 PREPARE_THREADS = max(2, os.cpu_count() or 2)  # requests prepared at once, off the event loop
+GRAMMAR_WAITERS = 32  # requests waiting for the grammar checker at once (off_loop.py); past it, 503
 T = TypeVar("T")
 
 
@@ -95,14 +96,27 @@ class Server:
         self.in_flight: set[str] = set()
         self.held = UntilExpiry()  # engine request ids of params answered, until their lease ends
         self.grammars = GrammarChecker()  # llguidance runs in a process of its own: a grammar may crash it
-        self._prepare_limiter = anyio.CapacityLimiter(PREPARE_THREADS)
+        self._off_loop = OffLoop(PREPARE_THREADS, GRAMMAR_WAITERS)
 
     async def off_loop(self, work: Callable[[], T]) -> T:
         """`work()` (parsing, templates, tokenizing, grammar checks) in a worker thread, at
-        most PREPARE_THREADS at once: the event loop keeps answering (/health, streams)
-        while a large body is read, and the threads of big requests cannot crowd it out
-        of the GIL."""
-        return await anyio.to_thread.run_sync(work, limiter=self._prepare_limiter)
+        most PREPARE_THREADS working at once (off_loop.py): the event loop keeps answering
+        (/health, streams) while a large body is read, and the threads of big requests
+        cannot crowd it out of the GIL."""
+        return await self._off_loop.run(work)
+
+    def check_grammar(self, grammar: Grammar) -> None:
+        """GrammarError unless the checker passes `grammar`; waits for it without holding a
+        prepare slot."""
+        try:
+            self._off_loop.waiting(lambda: self.grammars.check(grammar))
+        except TooManyWaiting:
+            raise RequestError(f"{GRAMMAR_WAITERS} requests wait for the grammar checker already; try again",
+                               code="grammar_checker_busy", status=503, type="server_error",
+                               headers={"Retry-After": "1"}) from None
+
+    def close(self) -> None:
+        self.grammars.close()
 
     def engine_restarted(self) -> None:
         """A new engine serves: the blocks the old one kept are gone with it."""
@@ -196,7 +210,7 @@ class Server:
                 self._check_chars(len(body.model_dump_json(include={param})), param)
         tags_are_tokens = all(self.tokenizer.token_id(tag) is not None for tag in (OPEN, CLOSE))
         tools, tool_use, tool_grammar = request_tools(body, self.chat_template.renders_tools, tags_are_tokens,
-                                                      self.grammars.check)
+                                                      self.check_grammar)
         try:
             text = self.chat_template.render(messages, body.add_generation_prompt, body.chat_template_kwargs, tools)
         except ChatTemplateError as e:
@@ -220,7 +234,7 @@ class Server:
         if isinstance(prompt, str):
             self._check_chars(len(prompt), "prompt")
             return self._encode(prompt, "prompt") if prompt else []
-        self._check_vocab(prompt, "prompt")
+        check_vocab(self.vocab_size, prompt, "prompt")
         return list(prompt)
 
     def _check_chars(self, num_chars: int, param: str) -> None:
@@ -247,9 +261,6 @@ class Server:
                                    code="context_length_exceeded")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _check_vocab(self, token_ids: list[int], param: str) -> None:
-        check_vocab(self.vocab_size, token_ids, param)
-
     def _prepare(self, body: SamplingFields, request_id: str, prompt_ids: list[int], prompt_param: str,
                  tool_grammar: Grammar | None = None) -> Prepared:
         if not prompt_ids:
@@ -259,7 +270,7 @@ class Server:
                                f"{self.max_model_len} tokens, prompt and output together",
                                param=prompt_param, code="context_length_exceeded")
         sampling = SamplingChecker(self.limits, self.max_model_len, self.vocab_size)
-        params = sampling.sampling_params(body, len(prompt_ids), one_grammar(request_grammar(body, self.grammars.check),
+        params = sampling.sampling_params(body, len(prompt_ids), one_grammar(request_grammar(body, self.check_grammar),
                                                                              tool_grammar))
         sampling.check_cost(params, len(prompt_ids))
         if body.cache_salt is not None and not body.cache_salt:
@@ -302,10 +313,11 @@ class Server:
         except TransferParamsError as e:
             raise RequestError(str(e), param=e.field) from None
         if isinstance(transfer, RemotePrefillParams):
-            self._check_vocab(transfer.first_token_ids, "kv_transfer_params.first_token_ids")
+            check_vocab(self.vocab_size, transfer.first_token_ids, "kv_transfer_params.first_token_ids")
             for name in ("first_logprobs", "prompt_logprobs"):
                 rows = getattr(transfer, name)
-                self._check_vocab([t for ids in rows.token_ids for t in ids] if rows else [], f"kv_transfer_params.{name}")
+                check_vocab(self.vocab_size, [t for ids in rows.token_ids for t in ids] if rows else [],
+                            f"kv_transfer_params.{name}")
             try:
                 self.transfer_guard.check(transfer, prompt_ids)
             except TransferParamsRefused as e:

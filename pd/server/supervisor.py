@@ -25,8 +25,6 @@ async def supervise(client: Any, max_restarts: int, stop_server: Callable[[], No
     """Watch `client`'s engine until the server stops: restart it when it dies while
     restarts are left (then `on_restart()`), else `stop_server()` (the server then exits
     with code 1) and return."""
-    from pd.engine.client import EngineStartupError
-
     while True:
         while client.is_alive:
             await asyncio.sleep(WATCH_INTERVAL_S)
@@ -40,8 +38,9 @@ async def supervise(client: Any, max_restarts: int, stop_server: Callable[[], No
                        client.restarts + 1, max_restarts)
         try:
             await client.restart()
-        except EngineStartupError as exc:
-            logger.error("the new engine did not start (%s): stopping the server (exit code 1)", exc)
+        except Exception as exc:  # EngineStartupError, or the sockets or folder it needs (OSError, ZMQError)
+            logger.error("the new engine did not start (%s: %s): stopping the server (exit code 1)",
+                         type(exc).__name__, exc)
             stop_server()
             return
         on_restart()

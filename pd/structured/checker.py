@@ -10,14 +10,17 @@ limit), then asks a checker process of its own, which validates it in a thread w
 compiles there). A checker that dies or takes longer than `timeout_s` fails that
 request's grammar alone (a 400) and is replaced for the next one.
 
-The checker process is started at the first grammar and takes one grammar at a time
-(several API threads wait their turn); verdicts are kept for the last `CACHE_SIZE`
-distinct grammars, so a schema sent with every request is checked once. Only bytes
-cross the pipe (msgpack), both ways.
+The checker process is started at the first grammar (its `timeout_s` starts once it
+says it is ready: a slow start is not the grammar's) and takes one grammar at a time
+(several API threads wait their turn, without holding a prepare slot: serving.py).
+Verdicts are kept for the last `CACHE_SIZE` distinct grammars, so a schema sent with
+every request is checked once; llguidance's answers and crashes are kept, a timeout is
+not (a loaded machine may be the cause). Only bytes cross the pipe (msgpack), both ways.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import multiprocessing
 import threading
@@ -34,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 CHECK_STACK_BYTES = 16 << 20  # the checker's validating thread; the engine compiles with 16x this
 CHECK_TIMEOUT_S = 10.0
+START_TIMEOUT_S = 60.0  # for a new checker process to import llguidance and say so
+READY = b"ready"
 CACHE_SIZE = 256
 
 
@@ -64,30 +69,37 @@ class GrammarChecker:
                 self._verdicts.move_to_end(grammar)
                 error = self._verdicts[grammar]
             else:
-                error = self._ask(grammar)
-                self._verdicts[grammar] = error
-                if len(self._verdicts) > CACHE_SIZE:
-                    self._verdicts.popitem(last=False)
+                error, keep = self._ask(grammar)
+                if keep:
+                    self._verdicts[grammar] = error
+                    if len(self._verdicts) > CACHE_SIZE:
+                        self._verdicts.popitem(last=False)
         if error is not None:
             raise GrammarError(error)
 
-    def _ask(self, grammar: Grammar) -> str | None:
-        """The checker's verdict (a crash or a timeout is a verdict too)."""
-        conn = self._connection()
+    def _ask(self, grammar: Grammar) -> tuple[str | None, bool]:
+        """The checker's verdict (a crash or a timeout is a verdict too), and whether it
+        is the grammar's for good (a timeout may be the machine's)."""
+        try:
+            conn = self._connection()
+        except (EOFError, OSError, TimeoutError) as e:
+            self._stop()
+            return f"the grammar checker did not start ({e})", False
         try:
             conn.send_bytes(_grammar_codec[0].encode(grammar))
             if conn.poll(self.timeout_s):
-                return _verdict_codec[1].decode(conn.recv_bytes()).error
-            why = f"checking it took longer than {self.timeout_s:g} s"
+                return _verdict_codec[1].decode(conn.recv_bytes()).error, True
+            why, keep = f"checking it took longer than {self.timeout_s:g} s", False
         except (EOFError, OSError):  # it died checking this grammar
-            why = "it crashed the grammar library (too deep or too large)"
+            why, keep = "it crashed the grammar library (too deep or too large)", True
         self.crashes += 1
         logger.warning("grammar checker process %s: %s; starting another for the next grammar",
                        self._process.pid if self._process else None, why)
         self._stop()
-        return why
+        return why, keep
 
     def _connection(self) -> Connection:
+        """The pipe to a checker process that is ready (started now if there is none)."""
         if self._process is None or not self._process.is_alive():
             self._stop()
             parent, child = multiprocessing.get_context("spawn").Pipe()
@@ -96,6 +108,8 @@ class GrammarChecker:
             self._process.start()
             child.close()
             self._conn = parent
+            if not parent.poll(START_TIMEOUT_S) or parent.recv_bytes() != READY:
+                raise TimeoutError(f"not ready in {START_TIMEOUT_S:g} s")
         return self._conn
 
     def _stop(self) -> None:
@@ -113,7 +127,10 @@ class GrammarChecker:
 
 def _serve(conn: Connection) -> None:
     """The checker process: a verdict for each grammar received, until the pipe closes."""
+    importlib.import_module("llguidance")  # before saying it is ready: the import is most of a start
+
     threading.stack_size(CHECK_STACK_BYTES)
+    conn.send_bytes(READY)
     while True:
         try:
             grammar = _grammar_codec[1].decode(conn.recv_bytes())

@@ -27,7 +27,7 @@ def test_an_open_queue_lets_a_request_through_at_once() -> None:
 def test_a_blocked_queue_goes_by_priority_then_arrival_one_try_per_change() -> None:
     async def main():
         admission = Admission(8, 60)
-        admission.no_room(retry_after_s=60)  # a try just found no room
+        admission.no_room(admission.ticket(), retry_after_s=60)  # a try just found no room
         order = []
 
         async def request(name, priority):
@@ -40,7 +40,7 @@ def test_a_blocked_queue_goes_by_priority_then_arrival_one_try_per_change() -> N
         admission.changed()  # room may have freed: the head alone tries
         await asyncio.sleep(0.05)
         assert order == ["urgent"]
-        admission.no_room(retry_after_s=60)  # it found none
+        admission.no_room(admission.ticket(), retry_after_s=60)  # it found none
         await asyncio.sleep(0.05)
         assert order == ["urgent"]
         admission.placed()  # a try placed its request: the queue opens
@@ -53,7 +53,7 @@ def test_a_blocked_queue_goes_by_priority_then_arrival_one_try_per_change() -> N
 def test_a_blocked_head_tries_again_after_retry_after_without_a_change() -> None:
     async def main():
         admission = Admission(8, 60)
-        admission.no_room(retry_after_s=0.1)
+        admission.no_room(admission.ticket(), retry_after_s=0.1)
         await admission.turn(admission.ticket())  # returns after ~0.1 s, not never
 
     run(main())
@@ -62,7 +62,7 @@ def test_a_blocked_head_tries_again_after_retry_after_without_a_change() -> None
 def test_bounds_full_and_timeout() -> None:
     async def main():
         admission = Admission(1, 0.2)
-        admission.no_room(retry_after_s=60)
+        admission.no_room(admission.ticket(), retry_after_s=60)
         waiting = asyncio.create_task(admission.turn(admission.ticket()))
         await asyncio.sleep(0.05)
         with pytest.raises(QueueFull):
@@ -70,5 +70,19 @@ def test_bounds_full_and_timeout() -> None:
         with pytest.raises(QueueTimeout):
             await waiting
         assert admission.num_waiting == 0
+
+    run(main())
+
+
+def test_a_change_during_the_try_that_found_no_room_lets_it_try_again_at_once() -> None:
+    """Room freed while a try was finding none (a request ended meanwhile) is not waited
+    out for Retry-After."""
+    async def main():
+        admission = Admission(8, 60)
+        ticket = admission.ticket()
+        await admission.turn(ticket)  # its try begins
+        admission.changed()  # a request ends meanwhile
+        admission.no_room(ticket, retry_after_s=60)  # the try found no room
+        await admission.turn(ticket)  # at once, not in 60 s
 
     run(main())

@@ -86,7 +86,9 @@ def test_a_prefill_server_killed_mid_run_is_failed_over_shut_out_and_taken_back(
     assert len(cut) <= 2  # two clients at a time
     assert [text(a) for i, a in enumerate(answers) if i not in cut] == [
         reference[PROMPTS[i % len(PROMPTS)]] for i in range(24) if i not in cut]
-    assert metric(front, 'pd_proxy_retries_total{role="prefill"}') >= 1
+    # Its death was seen by a request it held (502, which opens its breaker) or by one that
+    # could not reach it (sent to the other P: a retry); which, depends on when the kill fell.
+    assert cut or metric(front, 'pd_proxy_retries_total{role="prefill"}') >= 1
     assert instance(front, p0.url)["breaker"] != "closed" and instance(front, p0.url)["failures"] >= 1
 
     before = instance(front, p0.url)

@@ -171,3 +171,12 @@ def test_a_priority_outside_32_bits_or_not_an_integer_is_a_400() -> None:
             response = http_client().post(f"{proxy}/v1/completions", json=BODY | {"priority": bad}, timeout=10)
             assert response.status_code == 400 and response.json()["error"]["param"] == "priority", response.text
         assert p.received == [] and post(proxy).status_code == 200
+
+
+def test_a_priority_orders_the_proxys_queue_and_is_not_sent_to_the_servers() -> None:
+    """pd serve refuses a field it does not take (400 "priority is not supported"): the
+    proxy, whose queue the field orders, keeps it."""
+    with fake("prefill") as p, fake("decode") as d, proxy_in_front([p.url], [d.url]) as proxy:
+        response = http_client().post(f"{proxy}/v1/completions", json=BODY | {"priority": -3}, timeout=10)
+        assert response.status_code == 200, response.text
+        assert [r.body for r in p.received + d.received if "priority" in r.body] == []

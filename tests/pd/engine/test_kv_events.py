@@ -122,3 +122,33 @@ def test_a_reply_holds_a_bounded_run_of_batches_and_the_client_asks_on(publisher
     monkeypatch.setattr(kv_events, "MAX_REPLY_BYTES", 3 * size)
     assert [b.seq for b in replay(publisher, dealer, 2)] == [2, 3, 4]
     assert [b.seq for b in replay(publisher, dealer, 5)] == [5, 6, 7]
+
+
+def test_one_turn_answers_a_bounded_share_of_a_flood_and_builds_a_snapshot_once(publisher, monkeypatch) -> None:
+    """A client asking without pause cannot make one engine turn encode without bound: a
+    turn reads MAX_REQUESTS_PER_TURN requests at most and answers MAX_REPLY_BYTES (the
+    rest wait for the next turns), and a snapshot is built once per batch number."""
+    from pd.engine import kv_events
+
+    publisher, sub, dealer = publisher
+    built = []
+    publisher.snapshot = lambda: built.append(1) or [BlockStored(HASHES, None, 16 * len(HASHES), 0)]
+    for _ in range(3):
+        publisher.publish([AllBlocksCleared()])  # batch 1 gone (2 kept): replies are snapshots
+    reply_bytes = len(publisher._reply(1))
+    monkeypatch.setattr(kv_events, "MAX_REPLY_BYTES", 3 * reply_bytes)
+    for _ in range(100):
+        dealer.send(encode(ReplayRequest(1)))
+    time.sleep(0.5)  # all 100 queued at the publisher
+    publisher.serve_replays()
+    replies = 0
+    while dealer.poll(200):
+        dealer.recv()
+        replies += 1
+    assert replies + publisher.dropped_replies == 3 and built == [1]  # sent, or past REPLAY_HWM unread
+    monkeypatch.setattr(kv_events, "MAX_REPLY_BYTES", 1000 * reply_bytes)
+    publisher.serve_replays()
+    while dealer.poll(200):
+        dealer.recv()
+        replies += 1
+    assert replies + publisher.dropped_replies == 3 + kv_events.MAX_REQUESTS_PER_TURN and built == [1]

@@ -77,3 +77,11 @@ def test_a_grammar_that_takes_too_long_fails_alone(checker, monkeypatch) -> None
     assert checker.crashes == 1 and checker._process is None
     checker.timeout_s = 10.0
     checker.check(chain(4))
+    with pytest.raises(GrammarError, match="schema too large"):  # a timeout is not kept: llguidance's verdict
+        checker.check(slow)
+
+
+def test_the_timeout_starts_when_a_new_checker_is_ready(checker) -> None:
+    checker.timeout_s = 0.05  # far less than a start takes (importing llguidance)
+    checker.check(chain(3))
+    assert checker.crashes == 0
