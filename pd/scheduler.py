@@ -7,9 +7,9 @@ recomputed later). Then waiting requests are admitted with their prefix-cache hi
 whatever the connector can load, while the budget, `max_num_seqs` and the pool allow;
 none are admitted in a step that preempted for growth. Which request is admitted first
 and which sequence is preempted follow `fair_share.py`: the batch is shared max-min
-fairly between requests, so that one request's n sequences cannot starve the others. A request whose KV
-arrives asynchronously is parked until the connector reports it received (`remote_kv.py`
-holds the scheduler's part in PD). A request with a grammar waits for it to compile
+fairly between requests, so that one request's n sequences cannot starve the others. A
+request whose KV arrives asynchronously is parked until the connector reports it
+received (`remote_kv.py` holds the scheduler's part in PD). A request with a grammar waits for it to compile
 first (WAITING_FOR_GRAMMAR); the masks of its next tokens go out with each step that
 samples it. After the step, `update_from_output` enters the newly written blocks in the
 prefix cache, appends sampled tokens and finishes requests that stop. A request asking

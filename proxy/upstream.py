@@ -208,10 +208,6 @@ class Upstream:
             self.metrics.routed_overlap.labels(role=instance.role).observe(
                 call.picked[instance.role][1] // instance.block_size)
 
-    def overloaded(self, role: str, exc: OverloadedError) -> Response:
-        self.metrics.overloaded.labels(role=role).inc()
-        return overloaded_response(str(exc))
-
     def queue_refused(self, reason: str, exc: Exception) -> Response:
         """429 past the queue's bounds: full, or waited too long."""
         self.metrics.queue_refused.labels(reason=reason).inc()
@@ -327,7 +323,7 @@ class Upstream:
             try:
                 instance = self.decode.pick(call.route, tried)
             except OverloadedError as exc:
-                return self.overloaded("decode", exc)
+                return self.refuse(NoRoom(overloaded_response(str(exc)), overloaded="decode"))
             except NoInstanceError as exc:
                 return error_response(f"{exc}: cannot decode the request", 503, "service_unavailable")
 

@@ -7,7 +7,7 @@ collide) and waits for `Ready`. Requests then go out as msgspec messages and the
 outputs come back through one reader task, routed to a queue per request. `restart()`
 puts a new engine-core process in place of a dead one (the server's supervisor decides
 whether to). Folders of servers that died without removing theirs (kill -9) are removed
-when the next one starts.
+when the next one starts (`ipc_dirs.py`).
 
 Event loop: the client works in whichever asyncio loop uses it. Its two background
 tasks (the output reader, and the watcher that fails every pending request with
@@ -25,15 +25,11 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
-import os
-import re
 import shutil
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -55,6 +51,7 @@ from pd.engine.messages import (
     encode,
     output_decoder,
 )
+from pd.engine.ipc_dirs import new_ipc_dir
 from pd.engine.process import run_engine_core
 from pd.errors import ERROR_INVALID
 from pd.request import sequence_id
@@ -120,8 +117,7 @@ class _EngineProcess:
     def spawn(cls, config: EngineConfig, startup_timeout: float) -> _EngineProcess:
         """Start the process and wait until it is ready; EngineStartupError if it reports
         a failure, dies or is not ready within `startup_timeout` seconds."""
-        remove_stale_ipc_dirs()
-        ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}-")
+        ipc_dir = new_ipc_dir()
         input_address, output_address = f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output"
         context = zmq.Context()
         input_socket = context.socket(zmq.PUSH)
@@ -388,46 +384,6 @@ def _stop_process(process: BaseProcess, timeout: float) -> None:
     if process.is_alive():
         process.kill()
         process.join()
-
-
-IPC_DIR_PREFIX = "pd-engine-"  # then the server's pid and a random part
-STALE_AFTER_S = 60.0  # a folder without a pid in its name is removed once this old and unused
-
-
-def remove_stale_ipc_dirs(temp_dir: str | None = None) -> list[str]:
-    """Remove the IPC folders of servers that are gone (killed with SIGKILL, they could not
-    remove their own): the server's pid in the name is not a live process, or, for a
-    folder named otherwise, no socket in it is bound and it is older than STALE_AFTER_S.
-    The folders removed."""
-    base = Path(temp_dir or tempfile.gettempdir())
-    removed = []
-    for folder in base.glob(f"{IPC_DIR_PREFIX}*"):
-        if folder.is_dir() and _stale(folder):
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(str(folder))
-    return removed
-
-
-def _stale(folder: Path) -> bool:
-    match = re.match(rf"{IPC_DIR_PREFIX}(\d+)-", folder.name)
-    if match is not None:
-        return not _pid_alive(int(match.group(1)))
-    try:
-        old = time.time() - folder.stat().st_mtime > STALE_AFTER_S
-        bound = Path("/proc/net/unix").read_text()
-    except OSError:
-        return False
-    return old and f"{folder}/" not in bound
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _close(context: zmq.Context, input_socket: zmq.Socket, output_socket: zmq.Socket, ipc_dir: str) -> None:
