@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
-from pathlib import Path
 
-# The server harness (tests/pd/server) is shared by the server, proxy and other live tests;
-# its session fixtures are registered here, once, so a worker has one set of tiny models
-# and one pool of colocated servers (imported into two conftests they were two of each).
-sys.path.insert(0, str(Path(__file__).parent / "pd" / "server"))
-
-from conftest_models import colocated, tiny_models  # noqa: E402,F401  (the session fixtures)
-from launch import deployment_secret  # noqa: E402
+# The tiny models and the pool of colocated servers are session fixtures, registered here
+# once, so a worker has one set of each (imported into two conftests they were two of each).
+from launch import deployment_secret
+from tests.support.tiny_models import colocated, tiny_models  # noqa: F401  (the session fixtures)
 
 _SESSION_DIRS: list[str] = []
 

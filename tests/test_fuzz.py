@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 
 from kv_events.messages import ReplayRequest, encode
 from launch import free_port, http_client
-from server_harness import running_proxy, running_server, wait_until
+from tests.support.server_harness import running_proxy, running_server, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 BUDGET = {"server_http": 500, "proxy_http": 300, "replay": 400, "side_channel": 300, "tcp": 200, "nixl": 300}

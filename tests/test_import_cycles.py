@@ -143,3 +143,17 @@ def test_the_walk_finds_a_cycle_added_on_purpose(tmp_path) -> None:
     graph = module_graph(modules(tmp_path))
     assert cycles(graph) == [["pd.a", "pd.b"]]
     assert cycles(package_graph(graph)) == [["pd.a", "pd.b"]]
+
+
+def test_modules_under_tests_import_no_test_module() -> None:
+    """Tests share code only through tests/support/: no test module, conftest or support
+    module imports a test module or a conftest, by package path or by bare name."""
+    tests = ROOT / "tests"
+    test_modules = {p.stem for p in tests.rglob("*.py") if p.stem.startswith("test_") or p.stem == "conftest"}
+    offenders = []
+    for path in sorted(tests.rglob("*.py")):
+        for name in imported_names(ast.parse(path.read_text(), str(path)), "tests"):
+            parts = name.split(".")
+            if (parts[0] == "tests" and parts[1:2] != ["support"]) or parts[0] in test_modules:
+                offenders.append(f"{path.relative_to(ROOT)}: {name}")
+    assert offenders == []

@@ -10,7 +10,7 @@ import torch
 from pd.llm import LLM
 from pd.logprobs import PromptLogprobs
 from pd.request import Request, SamplingParams
-from tests.pd.test_llm import checkpoints, hf_logits, hf_models, random_prompts  # noqa: F401 (fixtures)
+from tests.support.hf_reference import checkpoints, hf_logits, hf_models, random_prompts  # noqa: F401 (fixtures)
 
 K = 5
 SCORE = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=K)

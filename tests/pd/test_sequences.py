@@ -13,8 +13,8 @@ import torch
 
 from pd.llm import LLM
 from pd.request import SamplingParams
-from tests.pd.test_llm import ARCHS, checkpoints, hf_logits, hf_models, random_prompts  # noqa: F401 (fixtures)
-from tests.pd.worker.test_sampler import brute_force_penalized
+from tests.support.hf_reference import ARCHS, checkpoints, hf_logits, hf_models, random_prompts  # noqa: F401 (fixtures)
+from tests.support.sampling_reference import brute_force_penalized
 
 K = 4
 ATOL = 1e-4

@@ -13,8 +13,8 @@ import os
 import pytest
 
 from launch import http_client
-from proxy_fakes import wait_until
-from server_harness import free_port, running_proxy, running_server
+from tests.support.proxy_fakes import wait_until
+from tests.support.server_harness import free_port, running_proxy, running_server
 
 pytestmark = pytest.mark.slow
 SYSTEM = ("You are the harbour master's assistant. Answer questions about ships, tides, moorings and the "

@@ -11,7 +11,7 @@ import zmq
 from launch import free_port, http_client
 from kv_events.hashing import HASH_NAME, extend_block_hashes
 from kv_events.messages import BlockStored, EventBatch, ReplayReply, encode, replay_request_decoder
-from proxy_fakes import fake, fake_tokens, proxy_health, proxy_in_front, proxy_metric, wait_until
+from tests.support.proxy_fakes import fake, fake_tokens, proxy_health, proxy_in_front, proxy_metric, wait_until
 
 BLOCK = 4
 PROMPT = "The lighthouse keeper counted ships, every night of the year."

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from launch import http_client
-from server_harness import running_proxy, running_server
+from tests.support.server_harness import running_proxy, running_server
 
 pytestmark = pytest.mark.slow
 MODEL = "qwen3"

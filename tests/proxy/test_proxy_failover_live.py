@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from launch import http_client
-from proxy_fakes import wait_until
-from server_harness import free_port, running_proxy, running_server
+from tests.support.proxy_fakes import wait_until
+from tests.support.server_harness import free_port, running_proxy, running_server
 
 pytestmark = pytest.mark.slow
 PROMPTS = [f"Report {i} from the lighthouse: " + "the lamp turned and the fog horn answered. " * (2 + i)

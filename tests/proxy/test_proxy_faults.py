@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from launch import http_client
-from proxy_fakes import (FakeServer, Reply, error, fake, hanging_up, proxy_health, proxy_in_front, proxy_metric,
+from tests.support.proxy_fakes import (FakeServer, Reply, error, fake, hanging_up, proxy_health, proxy_in_front, proxy_metric,
                          refusing_port, wait_until)
 
 pytestmark = pytest.mark.slow  # seconds per test of real sockets, servers and timeouts

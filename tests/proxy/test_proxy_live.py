@@ -12,8 +12,8 @@ import openai
 import pytest
 
 from launch import http_client
-from malformed import BAD_REQUESTS
-from server_harness import free_port, running_proxy, running_server, stop_process
+from tests.support.malformed import BAD_REQUESTS
+from tests.support.server_harness import free_port, running_proxy, running_server, stop_process
 
 pytestmark = pytest.mark.slow
 MODEL = "qwen3"

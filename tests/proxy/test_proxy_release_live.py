@@ -10,7 +10,7 @@ import os
 import pytest
 
 from launch import http_client
-from server_harness import running_proxy, running_server
+from tests.support.server_harness import running_proxy, running_server
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from proxy.body import MAX_REQUEST_BYTES
 from proxy.main import add_proxy_flags, proxy_config
 from proxy.body import prefill_body
 from proxy.upstream import token_id_prompt
-from proxy_fakes import STREAM_CHUNKS, fake, proxy_in_front, proxy_metric
+from tests.support.proxy_fakes import STREAM_CHUNKS, fake, proxy_in_front, proxy_metric
 
 KEY, SERVER_KEY = "client-secret", "server-secret"
 pytestmark = pytest.mark.slow  # seconds per test of real sockets, servers and timeouts

@@ -12,7 +12,7 @@ import pytest
 
 from launch import http_client
 from proxy.answers import MAX_BACKOFF_S, backoff_s
-from proxy_fakes import (Reply, error, fake, proxy_health, proxy_in_front, proxy_metric, refusing_port,
+from tests.support.proxy_fakes import (Reply, error, fake, proxy_health, proxy_in_front, proxy_metric, refusing_port,
                          wait_until)
 
 pytestmark = pytest.mark.slow  # seconds per test of real sockets, servers and timeouts

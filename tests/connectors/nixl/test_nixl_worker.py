@@ -14,29 +14,9 @@ import pytest
 import torch
 
 from connectors.nixl.scheduler import NixlConnectorMetadata, RemotePrefill, ReqToRecv, ReqToSend
-from connectors.nixl.worker import NixlConnectorWorker, NixlWorkerConfig
-from pd.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
-from pd.kv_cache.allocation import allocate_kv_caches
+from tests.support.nixl_workers import CONFIG, Clock, Poller, make_worker, recv
 
-SPEC = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float32")  # 256-byte pages
 ROOT = Path(__file__).resolve().parents[3]
-CONFIG = KVCacheConfig(num_blocks=32, groups=(KVCacheGroup(SPEC, ("a", "b")), KVCacheGroup(SPEC, ("c", "d"))))
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_worker(engine_id: str, compat: str = "h", clock=None, wall_clock=time.time, **config):
-    alloc = allocate_kv_caches(CONFIG, "cpu", "canonical")
-    worker = NixlConnectorWorker(NixlWorkerConfig(engine_id, "127.0.0.1", 0, compat,
-                                                  clock=clock or time.monotonic, wall_clock=wall_clock, **config))
-    worker.register_kv_caches(alloc.describe())
-    return worker, alloc.buffers[0]
 
 
 @pytest.fixture
@@ -49,41 +29,6 @@ def pair():
     finally:
         d.shutdown()
         p.shutdown()
-
-
-class Poller:
-    """Polls every worker like an engine step does (without progress threads a transfer
-    moves only while both agents are polled) and accumulates what each reported."""
-
-    def __init__(self, *workers, as_engines: bool = False) -> None:
-        self.workers = workers
-        self.as_engines = as_engines  # poll a worker only while it wants polling, as its engine's loop does
-        self.sent = {w.config.engine_id: set() for w in workers}
-        self.recved = {w.config.engine_id: set() for w in workers}
-        self.failed = {w.config.engine_id: set() for w in workers}
-        self.unverified = {w.config.engine_id: set() for w in workers}
-
-    def until(self, predicate, deadline_s: float = 10.0) -> None:
-        end = time.monotonic() + deadline_s
-        while time.monotonic() < end:
-            for w in self.workers:
-                if self.as_engines and not w.wants_polling:
-                    continue
-                out = w.get_finished(set())
-                name = w.config.engine_id
-                self.sent[name] |= out.finished_sending
-                self.recved[name] |= out.finished_recving
-                self.failed[name] |= out.failed_recving.keys()
-                self.unverified[name] |= out.unverified
-            if predicate(self):
-                return
-            time.sleep(0.002)
-        raise AssertionError(f"condition not met in {deadline_s}s: sent={self.sent} "
-                             f"recved={self.recved} failed={self.failed}")
-
-
-def recv(p, local, remote, lease=None) -> ReqToRecv:
-    return ReqToRecv("d1", RemotePrefill("P", "127.0.0.1", p.side_channel_port, "p1", lease), local, remote)
 
 
 def test_d_reads_the_blocks_and_p_frees_on_the_notification(pair) -> None:
@@ -184,7 +129,8 @@ def test_an_incompatible_peer_or_unreachable_p_fails_the_request_only(pair) -> N
 
 TIMEOUT_SCENARIO = """
 import time
-from tests.connectors.nixl.test_nixl_worker import Clock, Poller, make_worker, recv, torch
+import torch
+from tests.support.nixl_workers import Clock, Poller, make_worker, recv
 from connectors.nixl.scheduler import NixlConnectorMetadata, ReqToSend
 
 p, p_buf = make_worker("P")

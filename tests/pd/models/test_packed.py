@@ -13,7 +13,7 @@ from pd.models.config import ModelConfig
 from pd.models.loader import load_model
 from pd.models.make_model import make_model
 from pd.models.packed import pack_linears, packing_supported
-from tests.pd.models.test_model_files import run_prompt
+from tests.support.model_runs import run_prompt
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3", "bamba"])

@@ -18,7 +18,7 @@ from pd.models.config import ModelConfig
 from pd.models.loader import load_model
 from pd.models.make_model import make_model
 from pd.models.quantized import HADAMARD_ROWS, hadamard, quantize_linears, quantize_weight, reference, rotation_block
-from tests.pd.models.test_model_files import run_prompt
+from tests.support.model_runs import run_prompt
 
 
 def sylvester(order: int) -> torch.Tensor:

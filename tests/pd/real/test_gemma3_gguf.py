@@ -13,8 +13,8 @@ from pd.llm import LLM
 from pd.models.gguf import GGUFModel
 from pd.request import SamplingParams
 from pd.tokenizer import Tokenizer
-from tests.pd.models.test_gguf_file import assert_same_as_the_reference
-from tests.pd.real.conftest import PROMPTS, gguf_reader, hf_gemma
+from tests.support.gguf_reference import assert_same_as_the_reference
+from tests.support.real_gemma import PROMPTS, gguf_reader, hf_gemma
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 

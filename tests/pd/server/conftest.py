@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from server_harness import Starter
+from tests.support.server_harness import Starter
 
 
 @pytest.fixture

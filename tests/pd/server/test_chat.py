@@ -9,7 +9,7 @@ import pytest
 
 from pd.server.chat import ChatTemplate, ChatTemplateError
 from pd.tokenizer import Tokenizer
-from server_harness import ARCHS
+from tests.support.server_harness import ARCHS
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello there"}],

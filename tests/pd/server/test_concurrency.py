@@ -12,7 +12,7 @@ import pytest
 
 from pd.llm import LLM
 from pd.request import SamplingParams
-from server_harness import running_server
+from tests.support.server_harness import running_server
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import pytest
 from pd.server.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer
 from pd.tokenizer import Tokenizer
 
-from server_harness import ARCHS
+from tests.support.server_harness import ARCHS
 
 
 class ByteTokenizer:

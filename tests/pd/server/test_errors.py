@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from launch import http_client
-from malformed import BAD_REQUESTS, MAX_MODEL_LEN
-from server_harness import running_server
+from tests.support.malformed import BAD_REQUESTS, MAX_MODEL_LEN
+from tests.support.server_harness import running_server
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ import pytest
 
 from launch import http_client
 from pd.server.protocol import IGNORED_FIELDS, ChatCompletionRequest, CompletionRequest
-from pd_client import TIMEOUT_S
+from tests.support.pd_client import TIMEOUT_S
 
 PROMPT = "The keeper of the lighthouse counted ships"
 MESSAGES = [{"role": "user", "content": PROMPT}]
@@ -30,7 +30,7 @@ BOOKKEEPING = IGNORED_FIELDS | {"user"}  # cannot change an answer (OpenAI's end
 
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
-    from server_harness import running_server
+    from tests.support.server_harness import running_server
 
     with running_server(tiny_models["qwen3"], tmp_path_factory.mktemp("fields") / "s.log",
                         "--kv-connector", "nixl") as s:

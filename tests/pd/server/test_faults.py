@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from launch import http_client
-from server_harness import running_server, wait_until
+from tests.support.server_harness import running_server, wait_until
 
 pytestmark = pytest.mark.slow
 PROMPT = "A lighthouse keeper wrote down every ship that passed the rocks. " * 3

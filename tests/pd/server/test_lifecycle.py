@@ -16,7 +16,7 @@ import pytest
 
 from launch import http_client
 from pd.cli import main
-from server_harness import running_server, stop_process, wait_until
+from tests.support.server_harness import running_server, stop_process, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from launch import http_client
-from server_harness import running_server
+from tests.support.server_harness import running_server
 
 pytestmark = pytest.mark.slow
 LISTEN = "0A"  # TCP state in /proc/net/tcp*

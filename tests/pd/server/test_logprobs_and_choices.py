@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from launch import http_client
-from pd_client import TIMEOUT_S, assert_choices_close, choices
+from tests.support.pd_client import TIMEOUT_S, assert_choices_close, choices
 
 PROMPT = "The lighthouse keeper counted the ships that passed the rocks each night"
 

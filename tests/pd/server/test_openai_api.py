@@ -14,7 +14,7 @@ from pd.llm import LLM
 from pd.request import SamplingParams
 from pd.server.chat import ChatTemplate
 from pd.tokenizer import Tokenizer
-from server_harness import ARCHS, running_server
+from tests.support.server_harness import ARCHS, running_server
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pd_client import assert_choices_close, choices, complete, p_then_d, p_then_d_choices
-from server_harness import ARCHS, running_server, started_together
+from tests.support.pd_client import assert_choices_close, choices, complete, p_then_d, p_then_d_choices
+from tests.support.server_harness import ARCHS, running_server, started_together
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 HYBRIDS = ("bamba", "granitehybrid")

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from launch import http_client
-from server_harness import Starter, stop_process
+from tests.support.server_harness import Starter, stop_process
 
 pytestmark = pytest.mark.slow
 UNSIGNED = ("--kv-transfer-secret", "", "--allow-unsigned-kv-params")

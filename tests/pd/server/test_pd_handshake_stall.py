@@ -13,8 +13,8 @@ import time
 import pytest
 
 from launch import http_client
-from server_harness import running_server
-from test_pd_signing import ConnectionRecorder
+from tests.support.server_harness import running_server
+from tests.support.listeners import ConnectionRecorder
 
 pytestmark = pytest.mark.slow
 PROMPT = "The keeper counted ships until the lamp went out. " * 3

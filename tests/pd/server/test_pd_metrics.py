@@ -10,7 +10,7 @@ import os
 import pytest
 
 from launch import http_client
-from server_harness import running_server
+from tests.support.server_harness import running_server
 
 pytestmark = pytest.mark.slow
 BODY = {"prompt": "The keeper counted ships until the lamp went out. " * 6, "max_tokens": 3, "temperature": 0}

@@ -18,8 +18,8 @@ import zmq
 
 from connectors.nixl.handshake import HandshakeFailed, fetch_remote_layout
 from connectors.nixl.messages import HandshakeRequest, HandshakeResponse, decode_reply
-from pd_client import complete, p_then_d, prefill
-from server_harness import running_server, started_together
+from tests.support.pd_client import complete, p_then_d, prefill
+from tests.support.server_harness import running_server, started_together
 
 pytestmark = pytest.mark.slow
 LEASE_S = 10

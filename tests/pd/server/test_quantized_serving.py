@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pd_client import complete, p_then_d
+from tests.support.pd_client import complete, p_then_d
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from launch import http_client
-from pd_client import assert_choices_close, choices, complete, p_then_d, p_then_d_choices, stream
-from server_harness import running_proxy, running_server, started_together
+from tests.support.pd_client import assert_choices_close, choices, complete, p_then_d, p_then_d_choices, stream
+from tests.support.server_harness import running_proxy, running_server, started_together
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 PROMPTS = [

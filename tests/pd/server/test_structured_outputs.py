@@ -11,7 +11,7 @@ import re
 import pytest
 
 from launch import http_client
-from pd_client import TIMEOUT_S, assert_choices_close, choices
+from tests.support.pd_client import TIMEOUT_S, assert_choices_close, choices
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 12},

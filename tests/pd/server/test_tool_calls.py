@@ -10,7 +10,7 @@ import json
 import pytest
 
 from launch import http_client
-from pd_client import TIMEOUT_S, choices
+from tests.support.pd_client import TIMEOUT_S, choices
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "A city's weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}},

@@ -7,6 +7,7 @@ import torch
 
 from pd.request import SamplingParams
 from pd.worker.sampler import make_generator, sample
+from tests.support.sampling_reference import brute_force_penalized
 
 
 def logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -158,19 +159,6 @@ def test_a_generator_made_after_k_tokens_draws_what_the_uninterrupted_one_draws(
     tokens = [sample(x, params, [uninterrupted])[0] for _ in range(6)]
     resumed = make_generator(5, "cpu", drawn=2)
     assert [sample(x, params, [resumed])[0] for _ in range(4)] == tokens[2:]
-
-
-def brute_force_penalized(x: torch.Tensor, tokens: list[int], num_prompt: int, presence: float, frequency: float,
-                          repetition: float) -> torch.Tensor:
-    """The penalties one vocabulary entry at a time, in float64."""
-    row = x.double().clone()
-    outputs = tokens[num_prompt:]
-    for v in range(row.shape[0]):
-        if v in tokens and repetition != 1.0:
-            row[v] = row[v] / repetition if row[v] > 0 else row[v] * repetition
-        if v in outputs:
-            row[v] -= frequency * outputs.count(v) + presence
-    return row
 
 
 def test_penalties_match_a_brute_force_computation() -> None:

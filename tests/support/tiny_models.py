@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from server_harness import ARCHS, ServerProcess, running_server
+from tests.support.server_harness import ARCHS, ServerProcess, running_server
 
 
 @pytest.fixture(scope="session")

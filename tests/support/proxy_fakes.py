@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from launch import http_client
 from proxy.app import build_proxy_app
-from server_harness import wait_until  # noqa: F401  (the proxy tests' too)
+from tests.support.server_harness import wait_until  # noqa: F401  (the proxy tests' too)
 from proxy.config import ProxyConfig
 
 START_TIMEOUT_S = 10.0
