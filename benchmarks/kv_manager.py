@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_cache.layout import make_kv_cache_config
-from pd.kv_cache.manager import KVCacheManager
 from pd.kv_cache.spec import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -34,7 +34,7 @@ from pd.kv_cache.spec import (
     SlidingWindowSpec,
     cdiv,
 )
-from pd.request import Request
+from pd.scheduling.request import Request
 
 VOCAB_SIZE = 32000
 NUM_WARMUP = 20

@@ -27,7 +27,7 @@ from torch import nn
 
 from pd.config import QUANTIZATIONS, EngineConfig
 from pd.engine.core import EngineCore
-from pd.request import Request, SamplingParams
+from pd.scheduling.request import Request, SamplingParams
 
 
 class PartTimer:

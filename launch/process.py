@@ -74,10 +74,10 @@ def http_client() -> httpx.Client:
 
 def pd_command(*args: str) -> list[str]:
     """`pd ARGS` run by this Python (no reliance on the `pd` script being on PATH)."""
-    return [sys.executable, "-m", "pd.cli", *args]
+    return [sys.executable, "-m", "cli.main", *args]
 
 
-SECRET_ENV = "PD_KV_TRANSFER_SECRET"  # as pd/kv_transfer_signing.py reads it
+SECRET_ENV = "PD_KV_TRANSFER_SECRET"  # as pd/kv_transfer/signing.py reads it
 
 
 def deployment_secret() -> str:
@@ -146,7 +146,7 @@ def start(cmd: list[str], url: str, log_path: Path, ready: Callable[[int | None]
     """Start `cmd` (serving at `url`) and return it once ready (`wait=False`: at once;
     then call `wait_started` on it, e.g. after starting others alongside). A process that
     fails to become ready is stopped before LaunchError is raised."""
-    name = f"pd {cmd[3]}" if cmd[1:3] == ["-m", "pd.cli"] and len(cmd) > 3 else cmd[0]
+    name = f"pd {cmd[3]}" if cmd[1:3] == ["-m", "cli.main"] and len(cmd) > 3 else cmd[0]
     launched = Launched(url, start_logged(cmd, log_path, env, die_with_parent), log_path)
     launched.readiness = (ready, time.monotonic() + timeout_s, name)
     if wait:

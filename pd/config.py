@@ -7,8 +7,8 @@ import ipaddress
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
-from pd.kv_transfer_signing import DEFAULT_ALLOWED_PEERS, SECRET_ENV, secret_from_env
-from pd.kv_connectors import AUTO_CONNECTOR, KV_CONNECTORS, NULL_CONNECTOR
+from pd.kv_transfer.connectors import AUTO_CONNECTOR, KV_CONNECTORS, NULL_CONNECTOR
+from pd.kv_transfer.signing import DEFAULT_ALLOWED_PEERS, SECRET_ENV, secret_from_env
 from pd.models.config import AUTO_DTYPE, SUPPORTED_DTYPES, resolve_dtype
 
 KV_LAYOUTS = ("canonical", "per-layer")
@@ -24,7 +24,7 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # the server's --max-request-bytes
 class EngineConfig:
     """One engine's settings. `max_model_len=None` takes the model's own limit;
     `device=None` picks CUDA when present, else the CPU. `kv_connector` names an entry of
-    pd/kv_connectors.py; "auto" takes "nixl" for the prefill and decode roles and "null"
+    pd/kv_transfer/connectors.py; "auto" takes "nixl" for the prefill and decode roles and "null"
     for `both`.
 
     The role sets defaults only: what a server does with a request is decided per

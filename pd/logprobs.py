@@ -1,6 +1,6 @@
 """Scored tokens, as the engine keeps them, the engine process sends them to the server
 and a prefill server hands them to a decode server (torch-free; computed in
-pd/worker/logprobs.py).
+pd/worker/scoring.py).
 
 A sampled token's logprob is taken from the logits it is chosen from: after its
 structured-output mask, logit_bias, penalties and min_tokens hold-back, before

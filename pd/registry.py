@@ -4,7 +4,7 @@ backend (torch kernels, NIXL) loads only where it is used.
 
 Used for models (`pd/models/registry.py`, by the `architectures` of config.json),
 attention backends (`pd/attention/__init__.py`) and KV connectors
-(`pd/kv_connectors.py`, `--kv-connector NAME`).
+(`pd/kv_transfer/connectors.py`, `--kv-connector NAME`).
 """
 
 from __future__ import annotations

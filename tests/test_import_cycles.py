@@ -1,11 +1,13 @@
-"""No import cycles, between modules or between packages: the KV core knows nothing of
-requests' PD fields, connectors depend on `pd`'s public types and `pd` on connectors only
-through their base API, models and workers do not lean on each other.
+"""No import cycles: between modules, between `pd`'s rooms (its subpackages and top-level
+modules) and between the top-level packages, every one of them (`launch/` and `deploy/`
+included). The KV core knows nothing of requests' PD fields, connectors implement `pd`'s
+connector API and `pd` names them only as strings, `pd` imports neither the CLI nor the
+proxy nor the benchmarks, models and workers do not lean on each other.
 
 Every import counts, at module level or inside a function (a lazy import is still a
-dependency), `if TYPE_CHECKING:` ones too. A module is a node; so is a package (`pd`'s
-subpackages and top-level modules, and each top-level package). `from pkg import mod`
-depends on `pkg.mod` alone (not on `pkg/__init__.py`).
+dependency), `if TYPE_CHECKING:` ones too. A module is a node; so is a room and a
+top-level package. `from pkg import mod` depends on `pkg.mod` alone (not on
+`pkg/__init__.py`).
 """
 
 from __future__ import annotations
@@ -15,12 +17,18 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("pd", "connectors", "proxy", "kv_events", "benchmarks")
+NOT_CODE = {"tests", "docs", "build", "dist"}
+
+
+def top_level_packages(root: Path = ROOT) -> list[str]:
+    """Every top-level folder that holds Python code (a package, or scripts as deploy/)."""
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
+                  and p.name not in NOT_CODE and any(p.rglob("*.py")))
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
     found = {}
-    for package in PACKAGES:
+    for package in top_level_packages(root):
         for path in sorted((root / package).rglob("*.py")):
             name = ".".join(path.relative_to(root).with_suffix("").parts)
             found[name.removesuffix(".__init__")] = path
@@ -61,15 +69,20 @@ def module_graph(found: dict[str, Path]) -> dict[str, set[str]]:
     return graph
 
 
-def unit(module: str) -> str:
-    """The package a module belongs to for the package graph."""
+def room(module: str) -> str:
+    """The room of `pd` a module is in (`pd.kv_cache`, `pd.llm`), or its top-level package."""
     parts = module.split(".")
     if parts[0] == "pd" and len(parts) > 1:
         return ".".join(parts[:2])
     return parts[0]
 
 
-def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+def top_level(module: str) -> str:
+    return module.split(".")[0]
+
+
+def package_graph(graph: dict[str, set[str]], unit=room) -> dict[str, set[str]]:
+    """The graph between units (rooms, or top-level packages with `unit=top_level`)."""
     packages: dict[str, set[str]] = defaultdict(set)
     for source, targets in graph.items():
         for target in targets:
@@ -128,13 +141,26 @@ def test_no_module_imports_itself_back() -> None:
     assert {c[0]: explain(c, graph) for c in cycles(graph)} == {}
 
 
-def test_no_package_imports_itself_back() -> None:
+def test_no_room_of_pd_imports_itself_back() -> None:
     graph = package_graph(module_graph(modules()))
     assert {c[0]: explain(c, graph) for c in cycles(graph)} == {}
 
 
+def test_no_top_level_package_imports_itself_back() -> None:
+    found = modules()
+    assert {"pd", "cli", "connectors", "proxy", "kv_events", "benchmarks", "launch", "deploy"} <= {
+        top_level(name) for name in found}  # every package is read
+    graph = package_graph(module_graph(found), unit=top_level)
+    assert {c[0]: explain(c, graph) for c in cycles(graph)} == {}
+
+
+def test_pd_imports_neither_the_cli_nor_the_proxy_nor_the_benchmarks() -> None:
+    graph = package_graph(module_graph(modules()), unit=top_level)
+    assert graph["pd"] & {"cli", "proxy", "benchmarks", "deploy", "connectors"} == set()
+
+
 def test_the_walk_finds_a_cycle_added_on_purpose(tmp_path) -> None:
-    for package in PACKAGES:
+    for package in ("pd", "connectors"):
         (tmp_path / package).mkdir()
         (tmp_path / package / "__init__.py").write_text("")
     (tmp_path / "pd" / "a.py").write_text("from pd.b import thing\n")
@@ -143,6 +169,19 @@ def test_the_walk_finds_a_cycle_added_on_purpose(tmp_path) -> None:
     graph = module_graph(modules(tmp_path))
     assert cycles(graph) == [["pd.a", "pd.b"]]
     assert cycles(package_graph(graph)) == [["pd.a", "pd.b"]]
+
+
+def test_the_walk_finds_a_cycle_between_top_level_packages(tmp_path) -> None:
+    for package in ("pd", "proxy", "deploy"):
+        (tmp_path / package).mkdir()
+    (tmp_path / "pd" / "__init__.py").write_text("")
+    (tmp_path / "pd" / "cli.py").write_text("from proxy.app import build\n")  # pd -> proxy
+    (tmp_path / "proxy" / "app.py").write_text("def build():\n    import pd.llm\n")  # proxy -> pd
+    (tmp_path / "pd" / "llm.py").write_text("")
+    (tmp_path / "deploy" / "run.py").write_text("import proxy.app\n")  # a script folder: no cycle
+    graph = module_graph(modules(tmp_path))
+    assert cycles(graph) == [] and cycles(package_graph(graph)) == []  # no module or room cycle
+    assert cycles(package_graph(graph, unit=top_level)) == [["pd", "proxy"]]
 
 
 def test_modules_under_tests_import_no_test_module() -> None:

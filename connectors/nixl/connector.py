@@ -1,11 +1,11 @@
 """The NIXL connector's two halves, built for an engine (the `nixl` entry of
-pd/kv_connectors.py)."""
+pd/kv_transfer/connectors.py)."""
 
 from __future__ import annotations
 
-from connectors.base import ConnectorContext, KVConnector
 from connectors.nixl.scheduler import NixlConnectorScheduler
 from connectors.nixl.worker import NixlConnectorWorker, NixlWorkerConfig
+from pd.scheduling.connector_api import ConnectorContext, KVConnector
 
 
 class NixlConnector(KVConnector):

@@ -13,8 +13,6 @@ unpickled: a decoder accepts exactly these types, and any other bytes raise a
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Sequence
 from typing import Annotated, Literal, Union
 
 import msgspec
@@ -163,25 +161,3 @@ def _decode(decoder: msgspec.msgpack.Decoder, data: bytes, error: type[MessageDe
         return decoder.decode(data)
     except Exception as exc:  # whatever the decoder raises (UnicodeDecodeError too), not one type
         raise error(f"malformed message ({len(data)} bytes): {type(exc).__name__}: {exc}") from None
-
-
-# --- compatibility ---------------------------------------------------------------------
-
-_COMPAT_VERSION = "pd-kv-compat-v1"
-
-
-def compat_hash(
-    model_id: str,
-    dtype: str,
-    block_sizes: Sequence[int],
-    layout: str,
-    group_specs_repr: Sequence[str],
-) -> str:
-    """sha256 hex of everything that decides what a block's bytes mean.
-
-    Two engines can exchange KV blocks iff their hashes are equal. The inputs are encoded
-    as one msgpack array (deterministic for these types), with a version tag so a change
-    of what is hashed never makes old and new engines look compatible.
-    """
-    fields = [_COMPAT_VERSION, model_id, dtype, [int(b) for b in block_sizes], layout, list(group_specs_repr)]
-    return hashlib.sha256(_encoder.encode(fields)).hexdigest()

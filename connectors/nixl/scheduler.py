@@ -23,7 +23,7 @@ Per request, from its `kv_transfer_params` (DESIGN.md, "PD protocol"):
   window's blocks, and the Mamba block holding the final state; positions D holds as
   null (out of the window, behind the Mamba state) or as prefix-cache hits are not read.
 
-The parameters arrive typed and bounded (pd/kv_transfer_params.py). A D request whose
+The parameters arrive typed and bounded (pd/kv_transfer/params.py). A D request whose
 parameters do not fit it (wrong prompt length, block lists of the wrong shape) is not
 loaded: P is told to free its blocks (a reject), `KVLoadRefused` says so to the
 scheduler, and its load failure policy decides whether the request is computed here
@@ -37,12 +37,12 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from connectors.base import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, KVLoadRefused
 from connectors.nixl.leases import LeaseTable
-from pd.kv_transfer_params import RemotePrefillParams
-from pd.kv_transfer_signing import prompt_digest, sign
 from pd.kv_cache.spec import cdiv
-from pd.request import Request, RequestStatus
+from pd.kv_transfer.params import RemotePrefillParams
+from pd.kv_transfer.signing import prompt_digest, sign
+from pd.scheduling.connector_api import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, KVLoadRefused
+from pd.scheduling.request import Request, RequestStatus
 
 
 KEEP_ALIVE_MARGIN = 0.1  # of a lease: how much earlier than P's lease D counts its own view to end
@@ -116,7 +116,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.lease_seconds = lease_seconds
         self.clock = clock
         self.wall_clock = wall_clock
-        self.secret = secret  # signs the parameters P hands out (pd/kv_transfer_signing.py)
+        self.secret = secret  # signs the parameters P hands out (pd/kv_transfer/signing.py)
         self.leases = leases  # P: the worker half's lease table (None: parameters name no lease word)
         self._meta = NixlConnectorMetadata()
         self.num_rejected = 0

@@ -33,10 +33,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from connectors.base import KVConnectorOutput, KVConnectorWorker
-from pd.kv_cache.canonical import CanonicalKVCaches
 from connectors.nixl.handshake import SideChannelServer
 from connectors.nixl.leases import LeaseTable
+from pd.kv_cache.canonical import CanonicalKVCaches
+from pd.scheduling.connector_api import KVConnectorOutput, KVConnectorWorker
 from connectors.nixl.messages import (HandshakeError, HandshakeRequest, HandshakeResponse, KeepAlive,
                                       NotifDecodeError, ReadDone, Reject, decode_notif, encode_notif)
 from connectors.nixl.peers import PeerHandshakes

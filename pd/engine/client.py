@@ -54,7 +54,7 @@ from pd.engine.messages import (
 from pd.engine.ipc_dirs import new_ipc_dir
 from pd.engine.process import run_engine_core
 from pd.errors import ERROR_INVALID
-from pd.request import sequence_id
+from pd.scheduling.request import sequence_id
 
 logger = logging.getLogger(__name__)
 

@@ -13,21 +13,22 @@ import uuid
 
 import torch
 
-from connectors.base import ConnectorContext
 from pd.config import EngineConfig, SchedulerConfig
-from pd.kv_connectors import KV_CONNECTORS
+from pd.engine.kv_event_publisher import KVEventPublisher, NoKVEvents
+from pd.engine.malloc import keep_freed_memory
+from pd.engine.messages import EngineInfo, EngineStats, HistogramSnapshot
+from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_cache.layout import make_kv_cache_config
-from pd.kv_cache.manager import KVCacheManager
 from pd.kv_cache.spec import KVCacheConfig, MambaSpec
+from pd.kv_transfer.compat import compat_hash
+from pd.kv_transfer.connectors import KV_CONNECTORS
 from pd.models.config import ModelConfig
 from pd.models.loader import load_model
 from pd.models.packed import pack_linears
 from pd.models.quantized import quantize_linears
-from pd.engine.kv_events import KVEventPublisher, NoKVEvents
-from pd.engine.malloc import keep_freed_memory
-from pd.engine.messages import EngineInfo, EngineStats, HistogramSnapshot
-from pd.request import Request, RequestOutput
-from pd.scheduler import Scheduler
+from pd.scheduling.connector_api import ConnectorContext
+from pd.scheduling.request import Request, RequestOutput
+from pd.scheduling.scheduler import Scheduler
 from pd.structured.matchers import GrammarMatchers
 from pd.tokenizer import Tokenizer
 from pd.worker.model_runner import ModelRunner
@@ -96,8 +97,6 @@ class EngineCore:
 
     def compat_hash(self) -> str:
         """Equal for two engines whose KV blocks mean the same thing byte for byte."""
-        from connectors.nixl.messages import compat_hash
-
         model_id = json.dumps(self.model_config.hf_config, sort_keys=True, default=str)
         return compat_hash(model_id, self.config.dtype, self.kv_cache_config.block_sizes,
                            self.config.kv_layout, [repr(g.spec) + repr(g.layer_names) for g in self.kv_cache_config.groups])

@@ -4,7 +4,7 @@ Every message is a msgspec Struct encoded as msgpack; nothing received is unpick
 Input (server -> core) is the tagged union `EngineInput`, output (core -> server) the
 tagged union `EngineOutput`. `EngineRequest` becomes the engine's `Request` (the `pd`
 modules that need torch are imported only inside its helpers, so the server side of the
-wire imports without torch); outputs (`pd.request.RequestOutput`) and `EngineStats` are
+wire imports without torch); outputs (`pd.scheduling.request.RequestOutput`) and `EngineStats` are
 the engine's own Structs, sent as they are.
 """
 
@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from pd.kv_transfer_params import RemoteDecodeParams, RemotePrefillParams, TransferParams
+from pd.kv_transfer.params import RemoteDecodeParams, RemotePrefillParams, TransferParams
 from pd.structured.grammar import Grammar
 
-from pd.request import RequestOutput
+from pd.scheduling.request import RequestOutput
 
 if TYPE_CHECKING:
-    from pd.request import Request, SamplingParams
+    from pd.scheduling.request import Request, SamplingParams
 
 
 # ---- server -> core ---------------------------------------------------------------
@@ -36,7 +36,7 @@ class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
     """A request to add: token ids and the fields of `SamplingParams`, unvalidated (the
     core validates them and answers a bad one with an error output). The PD parameters
     travel as `remote_decode` (P keeps the blocks for a decode server) or
-    `remote_prefill` (D reads them from P), already typed (pd/kv_transfer_params.py)."""
+    `remote_prefill` (D reads them from P), already typed (pd/kv_transfer/params.py)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -80,13 +80,13 @@ class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
 
     def sampling_params(self) -> SamplingParams:
         """The validated params; ValueError if a field is out of range."""
-        from pd.request import SamplingParams
+        from pd.scheduling.request import SamplingParams
 
         return SamplingParams(**{name: getattr(self, name) for name in SAMPLING_FIELDS})  # it makes lists tuples
 
     def to_request(self) -> Request:
         """The engine's Request; ValueError for bad params or an empty prompt."""
-        from pd.request import Request
+        from pd.scheduling.request import Request
 
         return Request(self.request_id, list(self.prompt_token_ids), self.sampling_params(),
                        kv_transfer_params=self.kv_transfer_params, cache_salt=self.cache_salt)

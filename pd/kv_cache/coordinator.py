@@ -21,11 +21,11 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from pd.kv_cache.block_pool import BlockPool, KVCacheBlock
 from kv_events.hashing import BlockHash
-from pd.kv_cache.managers import GroupBlocks, SingleTypeKVCacheManager, manager_class
+from pd.kv_cache.block_pool import BlockPool, KVCacheBlock
+from pd.kv_cache.cached_request import CachedRequest
+from pd.kv_cache.single_type_managers import GroupBlocks, SingleTypeKVCacheManager, manager_class
 from pd.kv_cache.spec import KVCacheConfig, KVCacheSpec
-from pd.request import Request
 
 HashesForBlockSize = Callable[[int], Sequence[BlockHash]]
 
@@ -98,7 +98,7 @@ class KVCacheCoordinator:
             for m in self.managers
         )
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: CachedRequest, num_tokens: int) -> None:
         for manager in self.managers:
             manager.cache_blocks(request, num_tokens)
 
@@ -126,7 +126,7 @@ class NoPrefixCacheCoordinator(KVCacheCoordinator):
     def find_longest_cache_hit(self, hashes, max_length, skip_group_ids):
         return self.null_hit(0, skip_group_ids)
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: CachedRequest, num_tokens: int) -> None:
         pass
 
 

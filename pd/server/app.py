@@ -23,14 +23,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pd.kv_transfer_signing import TransferParamsGuard
-from pd.engine.client import EngineDeadError, EngineNotRunningError, RequestFailedError, RequestRefusedError
 from pd.config import DEFAULT_MAX_REQUEST_BYTES
+from pd.engine.client import EngineDeadError, EngineNotRunningError, RequestFailedError, RequestRefusedError
 from pd.errors import ERROR_INTERNAL, ERROR_INVALID, ERROR_KV_HELD_LIMIT, ERROR_KV_LOAD_FAILED
+from pd.kv_transfer.signing import TransferParamsGuard
 from pd.server.chat import ChatTemplate
+from pd.server.generation import Delta, Generation
 from pd.server.metrics import CONTENT_TYPE, ServerMetrics
 from pd.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body, parse_body
-from pd.server.generation import Delta, Generation
 from pd.server.responses import CHAT, COMPLETION, Answer, Shape
 from pd.server.router_info import router_info_routes
 from pd.server.sampling import RequestLimits

@@ -12,9 +12,9 @@ from typing import Any
 
 import anyio
 
-from pd.kv_transfer_params import RemotePrefillParams
+from pd.kv_transfer.params import RemotePrefillParams
 from pd.logprobs import Logprobs, PromptLogprobs
-from pd.request import sequence_id
+from pd.scheduling.request import sequence_id
 from pd.server.detokenize import IncrementalDetokenizer
 from pd.server.metrics import ServerMetrics
 from pd.server.serving import Prepared

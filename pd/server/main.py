@@ -124,7 +124,7 @@ async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, a
     """Serve until stopped; False if stopped because the engine died past its restarts."""
     import uvicorn
 
-    from pd.kv_transfer_signing import TransferParamsGuard
+    from pd.kv_transfer.signing import TransferParamsGuard
     from pd.server.app import build_app
     from pd.server.chat import ChatTemplate
     from pd.server.supervisor import supervise

@@ -17,7 +17,7 @@ from typing import Any
 
 from pd.logprobs import Logprobs
 from pd.server.generation import Delta, Generation, Sequence
-from pd.server.logprobs import CompletionLogprobs, chat_logprobs
+from pd.server.openai_logprobs import CompletionLogprobs, chat_logprobs
 from pd.server.tools import ToolCallStream, parse_tool_calls
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pd.logprobs import MAX_LOGPROBS
-from pd.request import MAX_LOGIT_BIAS, MAX_N, MAX_PENALTY, SamplingParams
+from pd.scheduling.request import MAX_LOGIT_BIAS, MAX_N, MAX_PENALTY, SamplingParams
 from pd.server.protocol import ChatCompletionRequest, RequestError, SamplingFields
 from pd.structured.grammar import Grammar
 
@@ -19,7 +19,7 @@ class RequestLimits:
     `max_sequences` (n and best_of), `max_logprobs` (alternatives per position), and
     `max_request_tokens`, its sequences times (prompt + max_tokens): the KV and the
     decode steps it can claim. The scheduler shares the batch fairly however big a
-    request is (pd/fair_share.py); these bound what one request may ask at all."""
+    request is (pd/scheduling/fair_share.py); these bound what one request may ask at all."""
 
     max_sequences: int = MAX_N
     max_logprobs: int = MAX_LOGPROBS

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 
-from pd.kv_transfer_params import RemoteDecodeParams, RemotePrefillParams, TransferParamsError, parse_transfer_params
-from pd.kv_transfer_signing import TransferParamsGuard, TransferParamsRefused, UntilExpiry
 from pd.engine.messages import EngineRequest
-from pd.kv_connectors import NULL_CONNECTOR
+from pd.kv_transfer.connectors import NULL_CONNECTOR
+from pd.kv_transfer.params import RemoteDecodeParams, RemotePrefillParams, TransferParamsError, parse_transfer_params
+from pd.kv_transfer.signing import TransferParamsGuard, TransferParamsRefused, UntilExpiry
+from pd.scheduling.request import SamplingParams
 from pd.server.chat import ChatTemplate, ChatTemplateError
 from pd.server.off_loop import OffLoop, TooManyWaiting
-from pd.request import SamplingParams
 from pd.server.sampling import RequestLimits, SamplingChecker, check_vocab
 from pd.server.structured import one_grammar, request_grammar
 from pd.server.tools import CLOSE, OPEN, ToolUse, request_tools

@@ -19,19 +19,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from connectors.base import KVConnectorWorker
 from pd.attention.backend import CommonAttentionMetadata
 from pd.attention.group import AttentionGroup, make_attention_groups
 from pd.forward_context import ForwardContext, set_forward_context
-from pd.kv_cache.spec import KVCacheConfig
-from pd.models.base import CausalLM
-from pd.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from pd.logprobs import Logprobs, PromptLogprobs
-from pd.request import SamplingParams
-from pd.worker.block_table import MultiGroupBlockTable
 from pd.kv_cache.allocation import KVLayout, allocate_kv_caches
-from pd.worker.logprobs import prompt_logprobs, sampled_logprobs
+from pd.kv_cache.spec import KVCacheConfig
+from pd.logprobs import Logprobs, PromptLogprobs
+from pd.models.base import CausalLM
+from pd.scheduling.connector_api import KVConnectorWorker
+from pd.scheduling.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pd.scheduling.request import SamplingParams
+from pd.worker.block_table import MultiGroupBlockTable
 from pd.worker.sampler import adjust, choose, make_generator, mask_tokens
+from pd.worker.scoring import prompt_logprobs, sampled_logprobs
 
 logger = logging.getLogger(__name__)
 

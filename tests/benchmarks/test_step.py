@@ -8,7 +8,7 @@ import json
 import pytest
 
 from benchmarks import step
-from pd.cli import main
+from cli.main import main
 from pd.models.make_model import make_model
 
 

@@ -9,7 +9,7 @@ import torch
 
 from pd.llm import LLM
 from pd.logprobs import PromptLogprobs
-from pd.request import Request, SamplingParams
+from pd.scheduling.request import Request, SamplingParams
 from tests.support.hf_reference import checkpoints, hf_logits, hf_models, random_prompts  # noqa: F401 (fixtures)
 
 K = 5

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.base import KVConnectorOutput
 from connectors.nixl.scheduler import NixlConnectorScheduler, ReqToSend
-from pd.kv_transfer_params import RemoteDecodeParams, RemotePrefillParams
-from pd.kv_cache.layout import make_kv_cache_config
-from pd.kv_cache.manager import KVCacheManager
-from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
-from pd.outputs import ModelRunnerOutput
-from pd.request import Request, RequestStatus, SamplingParams
 from pd.config import SchedulerConfig
-from pd.scheduler import Scheduler
+from pd.kv_cache.kv_cache_manager import KVCacheManager
+from pd.kv_cache.layout import make_kv_cache_config
+from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from pd.kv_transfer.params import RemoteDecodeParams, RemotePrefillParams
+from pd.scheduling.connector_api import KVConnectorOutput
+from pd.scheduling.outputs import ModelRunnerOutput
+from pd.scheduling.request import Request, RequestStatus, SamplingParams
+from pd.scheduling.scheduler import Scheduler
 
 BLOCK = 16
 

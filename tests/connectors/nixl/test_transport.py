@@ -29,14 +29,14 @@ from connectors.nixl.messages import (
     HandshakeResponse,
     ReadDone,
     Reject,
-    compat_hash,
     decode_notif,
     encode_notif,
 )
 from connectors.nixl.transport import IncompatiblePeer, NixlTransport, TransferHandle, TransportError, paired_runs
 from connectors.nixl.ucx import configure_ucx
-from pd.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, MambaSpec, SlidingWindowSpec
 from pd.kv_cache.allocation import KVCacheAllocation, allocate_kv_caches
+from pd.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, MambaSpec, SlidingWindowSpec
+from pd.kv_transfer.compat import compat_hash
 
 pytestmark = pytest.mark.slow  # seconds per test of real sockets, servers and timeouts
 NUM_BLOCKS = 64

@@ -24,7 +24,7 @@ from pd.engine.client import EngineClient, EngineDeadError, EngineStartupError
 from pd.engine.messages import EngineRequest, RequestOutput
 from pd.llm import LLM
 from pd.models.make_model import make_model
-from pd.request import SamplingParams
+from pd.scheduling.request import SamplingParams
 
 ENGINE_ARGS = {"kv_cache_memory": 32 << 20, "max_model_len": 512}
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -259,7 +259,7 @@ def test_shutdown_stops_the_process(config, prompts):
 
 def test_token_ids_outside_the_vocabulary_are_refused_not_computed(engine, prompts, reference):
     """Before they were checked here, such a request reached the model and killed the core."""
-    from pd.kv_transfer_params import RemotePrefillParams
+    from pd.kv_transfer.params import RemotePrefillParams
     from pd.engine.client import RequestRefusedError
 
     vocab = engine.info.vocab_size

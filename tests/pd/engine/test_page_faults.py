@@ -11,7 +11,7 @@ import torch
 
 from pd.llm import LLM
 from pd.models.make_model import make_model
-from pd.request import Request, SamplingParams
+from pd.scheduling.request import Request, SamplingParams
 
 
 def minor_faults() -> int:

@@ -13,7 +13,7 @@ import transformers
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from pd.cli import MAKE_MODEL_ARCHS, main
+from cli.main import MAKE_MODEL_ARCHS, main
 from pd.models.make_model import ARCHS, VOCAB, make_model
 
 TEXTS = [

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from cli.main import main
 from launch import http_client
-from pd.cli import main
 from tests.support.server_harness import running_server, stop_process, wait_until
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 
 from pd.llm import LLM
 from pd.models.make_model import make_model
-from pd.request import Request, SamplingParams
+from pd.scheduling.request import Request, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Sequence
 
-from pd.kv_cache.block_pool import BlockPool, KVCacheBlock
 from kv_events.hashing import BlockHash
+from pd.kv_cache.block_pool import BlockPool, KVCacheBlock
 from pd.kv_cache.spec import (
     FullAttentionSpec,
     KVCacheSpec,
@@ -28,7 +28,7 @@ from pd.kv_cache.spec import (
     SlidingWindowSpec,
     cdiv,
 )
-from pd.request import Request
+from pd.kv_cache.cached_request import CachedRequest
 
 GroupBlocks = tuple[list[KVCacheBlock], ...]  # one block list per group of a search
 
@@ -109,7 +109,7 @@ class SingleTypeKVCacheManager(ABC):
         blocks.extend(new_blocks)
         return new_blocks
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: CachedRequest, num_tokens: int) -> None:
         """Enter the request's full blocks among its first `num_tokens` tokens in the cache."""
         num_cached = self.num_cached_blocks[request.request_id]
         num_full = num_tokens // self.block_size

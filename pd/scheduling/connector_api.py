@@ -16,7 +16,7 @@ Block ownership:
   blocks are freed. If it returns `delay_free=True` the scheduler keeps the blocks until
   the worker half reports the request in `finished_sending`; only then are they freed.
 
-Connectors are chosen by name (pd/kv_connectors.py): each entry is a `KVConnector` that
+Connectors are chosen by name (pd/kv_transfer/connectors.py): each entry is a `KVConnector` that
 builds both halves from a `ConnectorContext`.
 """
 
@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pd.config import EngineConfig
     from pd.kv_cache.canonical import CanonicalKVCaches
-    from pd.kv_transfer_params import RemotePrefillParams
-    from pd.kv_cache.manager import KVCacheBlocks
-    from pd.request import Request
+    from pd.kv_transfer.params import RemotePrefillParams
+    from pd.kv_cache.kv_cache_manager import KVCacheBlocks
+    from pd.scheduling.request import Request
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ class NullConnectorWorker(KVConnectorWorker):
 
 
 class KVConnector(ABC):
-    """A connector as registered by name (pd/kv_connectors.py): how to build its halves.
+    """A connector as registered by name (pd/kv_transfer/connectors.py): how to build its halves.
     The engine builds the worker half, hands it the KV caches
     (`register_kv_caches`), then builds the scheduler half."""
 

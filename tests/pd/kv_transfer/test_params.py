@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from pd.kv_transfer_params import RemoteDecodeParams, RemotePrefillParams, TransferParamsError, parse_transfer_params
+from pd.kv_transfer.params import RemoteDecodeParams, RemotePrefillParams, TransferParamsError, parse_transfer_params
 
 GOOD = {"do_remote_prefill": True, "remote_engine_id": "pd-abc", "remote_host": "127.0.0.1", "remote_port": 5555,
         "remote_request_id": "cmpl-1-xyz", "remote_block_ids": [[1, 2, 3], [0, 0, 4]], "num_prompt_tokens": 40,

@@ -3,7 +3,7 @@ or a remote prefill; counted once per request, when it first runs."""
 
 from __future__ import annotations
 
-from pd.request import Request, RequestStatus
+from pd.scheduling.request import Request, RequestStatus
 
 
 class PromptSources:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from pd.models.base import CausalLM
 from pd.logprobs import LOGPROB_FLOOR, Logprobs, PromptLogprobs
+from pd.models.base import CausalLM
 
 ROWS_PER_CHUNK = 64  # 64 rows x 262,144 vocab x 4 bytes = 64 MiB of logits at a time
 

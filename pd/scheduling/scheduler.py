@@ -30,17 +30,17 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from connectors.base import KVConnectorScheduler, KVLoadRefused
-from pd.kv_transfer_params import RemotePrefillParams
-from pd import fair_share
 from pd.config import SchedulerConfig
 from pd.errors import ERROR_INTERNAL, ERROR_INVALID, HeldBlocksLimitError
-from pd.kv_cache.manager import KVCacheManager
-from pd.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from pd.prompt_sources import PromptSources
-from pd.remote_kv import RemoteKV
+from pd.kv_cache.kv_cache_manager import KVCacheManager
+from pd.kv_transfer.params import RemotePrefillParams
 from pd.logprobs import Logprobs
-from pd.request import Request, RequestOutput, RequestStatus, sequence_id
+from pd.scheduling import fair_share
+from pd.scheduling.connector_api import KVConnectorScheduler, KVLoadRefused
+from pd.scheduling.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pd.scheduling.prompt_sources import PromptSources
+from pd.scheduling.remote_kv import RemoteKV
+from pd.scheduling.request import Request, RequestOutput, RequestStatus, sequence_id
 from pd.structured.matchers import GrammarMatchers
 
 logger = logging.getLogger(__name__)

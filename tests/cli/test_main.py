@@ -1,4 +1,4 @@
-"""Tests for the `pd` command line (pd/cli.py)."""
+"""Tests for the `pd` command line (cli/main.py)."""
 
 import subprocess
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pd.cli import main, package_version
+from cli.main import main, package_version
 
 
 def test_version_prints_package_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -38,7 +38,7 @@ def test_generate_prints_one_json_object_per_prompt(tmp_path: Path, capsys: pyte
     import json
 
     from pd.llm import LLM
-    from pd.request import SamplingParams
+    from pd.scheduling.request import SamplingParams
 
     model = tmp_path / "bamba"
     assert main(["make-model", "--arch", "bamba", "--out", str(model)]) == 0
@@ -62,13 +62,13 @@ def test_generate_rejects_bad_flags_with_a_message(tmp_path: Path) -> None:
 
 
 def test_python_dash_m_runs_the_cli() -> None:
-    result = subprocess.run([sys.executable, "-m", "pd.cli", "version"], capture_output=True, text=True, check=False)
+    result = subprocess.run([sys.executable, "-m", "cli.main", "version"], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == package_version()
 
 
 def test_every_flag_of_every_command_has_help_text() -> None:
-    from pd.cli import build_parser
+    from cli.main import build_parser
 
     parser = build_parser()
     subparsers = next(a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction))
@@ -80,7 +80,7 @@ def test_every_flag_of_every_command_has_help_text() -> None:
 def test_a_command_builds_only_its_own_flags(capsys: pytest.CaptureFixture[str]) -> None:
     """`pd serve` starts without importing the proxy's and the benchmarks' modules (their
     flags are not its); `pd serve --help` still lists serve's flags."""
-    code = ("import sys; from pd.cli import build_parser; parser = build_parser('serve'); "
+    code = ("import sys; from cli.main import build_parser; parser = build_parser('serve'); "
             "parser.parse_args(['serve', '--model', 'm', '--port', '1']); "
             "print(sorted(m for m in sys.modules if m.startswith(('proxy', 'benchmarks'))))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

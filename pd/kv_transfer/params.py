@@ -80,7 +80,7 @@ class RemotePrefillParams(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     tp_size: Literal[1] = 1
     lease_expires_at: WallClock | None = None  # a read ending later is a failure
     lease_seconds: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)] | None = None  # what a KeepAlive extends by
-    prompt_digest: HexDigest | None = None  # of the prompt P prefilled (pd/kv_transfer_signing.py)
+    prompt_digest: HexDigest | None = None  # of the prompt P prefilled (pd/kv_transfer/signing.py)
     lease_slot: Annotated[int, msgspec.Meta(ge=0, lt=INT32)] | None = None  # P's lease word for the blocks
     lease_token: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)] | None = None  # it holds while they are held
     signature: HexDigest | None = None  # HMAC over every other field, with the deployment's secret

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from connectors.base import KVConnectorMetadata, KVConnectorOutput
 from pd.logprobs import Logprobs, PromptLogprobs
-from pd.request import SamplingParams
+from pd.scheduling.connector_api import KVConnectorMetadata, KVConnectorOutput
+from pd.scheduling.request import SamplingParams
 
 
 @dataclass(frozen=True)

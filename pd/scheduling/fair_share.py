@@ -29,8 +29,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from pd.kv_cache.manager import KVCacheManager
-from pd.request import Request
+from pd.kv_cache.kv_cache_manager import KVCacheManager
+from pd.scheduling.request import Request
 
 
 def group(request: Request) -> str:

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from pd.kv_transfer_params import RemoteDecodeParams, RemotePrefillParams, TransferParams
 from kv_events.hashing import BlockHash, extend_block_hashes
+from pd.kv_transfer.params import RemoteDecodeParams, RemotePrefillParams, TransferParams
 from pd.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
 from pd.structured.grammar import Grammar
 
@@ -121,7 +121,7 @@ class SamplingParams:
 class Request:
     """One request. `num_computed_tokens` counts tokens whose KV is in the cache.
 
-    `kv_transfer_params` are its typed PD parameters (pd/kv_transfer_params.py), if any. On
+    `kv_transfer_params` are its typed PD parameters (pd/kv_transfer/params.py), if any. On
     D they are dropped once the remote KV has landed: from then on the request is a
     local one (a preemption recomputes it here and never reads P again).
     `cache_salt` keeps this request's prefix-cache entries apart from other salts.

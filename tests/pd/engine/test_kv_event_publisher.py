@@ -12,7 +12,7 @@ import zmq
 from launch import free_port
 from kv_events.messages import (AllBlocksCleared, BlockRemoved, BlockStored, ReplayRequest, batch_decoder, encode,
                                 replay_reply_decoder)
-from pd.engine.kv_events import KVEventPublisher
+from pd.engine.kv_event_publisher import KVEventPublisher
 
 HASHES = [bytes([k]) * 32 for k in range(8)]
 
@@ -112,14 +112,14 @@ def test_a_replay_client_that_does_not_read_has_its_replies_dropped(publisher) -
 
 
 def test_a_reply_holds_a_bounded_run_of_batches_and_the_client_asks_on(publisher, monkeypatch) -> None:
-    from pd.engine import kv_events
+    from pd.engine import kv_event_publisher
 
     publisher, sub, dealer = publisher
     publisher.buffer = type(publisher.buffer)(maxlen=100)
     for k in range(10):
         publisher.publish([BlockStored(HASHES[:1], None, 16, 0)])
     size = len(encode(publisher.buffer[0][0]))
-    monkeypatch.setattr(kv_events, "MAX_REPLY_BYTES", 3 * size)
+    monkeypatch.setattr(kv_event_publisher, "MAX_REPLY_BYTES", 3 * size)
     assert [b.seq for b in replay(publisher, dealer, 2)] == [2, 3, 4]
     assert [b.seq for b in replay(publisher, dealer, 5)] == [5, 6, 7]
 
@@ -128,7 +128,7 @@ def test_one_turn_answers_a_bounded_share_of_a_flood_and_builds_a_snapshot_once(
     """A client asking without pause cannot make one engine turn encode without bound: a
     turn reads MAX_REQUESTS_PER_TURN requests at most and answers MAX_REPLY_BYTES (the
     rest wait for the next turns), and a snapshot is built once per batch number."""
-    from pd.engine import kv_events
+    from pd.engine import kv_event_publisher
 
     publisher, sub, dealer = publisher
     built = []
@@ -136,7 +136,7 @@ def test_one_turn_answers_a_bounded_share_of_a_flood_and_builds_a_snapshot_once(
     for _ in range(3):
         publisher.publish([AllBlocksCleared()])  # batch 1 gone (2 kept): replies are snapshots
     reply_bytes = len(publisher._reply(1))
-    monkeypatch.setattr(kv_events, "MAX_REPLY_BYTES", 3 * reply_bytes)
+    monkeypatch.setattr(kv_event_publisher, "MAX_REPLY_BYTES", 3 * reply_bytes)
     for _ in range(100):
         dealer.send(encode(ReplayRequest(1)))
     time.sleep(0.5)  # all 100 queued at the publisher
@@ -146,9 +146,9 @@ def test_one_turn_answers_a_bounded_share_of_a_flood_and_builds_a_snapshot_once(
         dealer.recv()
         replies += 1
     assert replies + publisher.dropped_replies == 3 and built == [1]  # sent, or past REPLAY_HWM unread
-    monkeypatch.setattr(kv_events, "MAX_REPLY_BYTES", 1000 * reply_bytes)
+    monkeypatch.setattr(kv_event_publisher, "MAX_REPLY_BYTES", 1000 * reply_bytes)
     publisher.serve_replays()
     while dealer.poll(200):
         dealer.recv()
         replies += 1
-    assert replies + publisher.dropped_replies == 3 + kv_events.MAX_REQUESTS_PER_TURN and built == [1]
+    assert replies + publisher.dropped_replies == 3 + kv_event_publisher.MAX_REQUESTS_PER_TURN and built == [1]

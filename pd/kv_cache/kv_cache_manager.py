@@ -23,8 +23,8 @@ from pd.kv_cache.coordinator import (
     NoPrefixCacheCoordinator,
     UnitaryKVCacheCoordinator,
 )
+from pd.kv_cache.cached_request import CachedRequest
 from pd.kv_cache.spec import FullAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec, cdiv
-from pd.request import Request
 
 
 @dataclass(frozen=True)
@@ -109,12 +109,12 @@ class KVCacheManager:
     def empty_blocks(self) -> KVCacheBlocks:
         return KVCacheBlocks(tuple([] for _ in range(self.num_groups)))
 
-    def get_computed_blocks(self, request: Request, skip_groups: frozenset[int] = frozenset(),
+    def get_computed_blocks(self, request: CachedRequest, skip_groups: frozenset[int] = frozenset(),
                             record: bool = True) -> tuple[KVCacheBlocks, int]:
         """The request's prefix-cache hit: blocks per group and its length in tokens.
 
         At least one token is always left to compute; a request that scores its prompt
-        gets no hit (`Request.reads_prefix_cache`). `skip_groups` are left out of the
+        gets no hit (`CachedRequest.reads_prefix_cache`). `skip_groups` are left out of the
         reduction and get no hit blocks: the scheduler passes `partial_prefix_groups` for
         a request whose KV arrives from a prefill server, which brings what those groups
         need, so their misses do not collapse the full-attention hit to 0.
@@ -144,7 +144,7 @@ class KVCacheManager:
         return sum(cdiv(num_tokens, g.spec.block_size) + 1 for g in self.config.groups
                    if type(g.spec) is FullAttentionSpec) if num_tokens > 0 else 0
 
-    def num_blocks_to_allocate(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+    def num_blocks_to_allocate(self, request: CachedRequest, num_new_tokens: int, num_new_computed_tokens: int = 0,
                                new_computed_blocks: KVCacheBlocks | None = None,
                                num_external_computed_tokens: int = 0) -> int:
         """What `allocate_slots` with these arguments would take from the pool (no side effect)."""
@@ -155,7 +155,7 @@ class KVCacheManager:
 
     def allocate_slots(
         self,
-        request: Request,
+        request: CachedRequest,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
@@ -190,16 +190,16 @@ class KVCacheManager:
         new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens, num_computed)
         return KVCacheBlocks(new_blocks)
 
-    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+    def cache_blocks(self, request: CachedRequest, num_computed_tokens: int) -> None:
         """Enter the request's full blocks among its first `num_computed_tokens` tokens in
         the prefix cache. Call after the step that wrote them (or after their remote KV
         landed); blocks already cached are skipped, so calling every step is cheap. A
-        request that does not write the prefix cache (`Request.writes_prefix_cache`)
+        request that does not write the prefix cache (`CachedRequest.writes_prefix_cache`)
         enters nothing."""
         if self.enable_caching and request.writes_prefix_cache:
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
-    def fork(self, request: Request, child: Request) -> list[tuple[int, int]] | None:
+    def fork(self, request: CachedRequest, child: CachedRequest) -> list[tuple[int, int]] | None:
         """Give `child` (a new request) the blocks of `request`'s computed tokens, copy on
         write: every full block shared, in every group, and a block of its own for each
         block not full (the last, which `request` goes on writing), whose data must be
@@ -211,7 +211,7 @@ class KVCacheManager:
         pairs = self.coordinator.fork(request.request_id, child.request_id, num_tokens)
         return [(source.block_id, copy.block_id) for source, copy in pairs]
 
-    def free(self, request: Request) -> None:
+    def free(self, request: CachedRequest) -> None:
         """Release every block the request holds (tail blocks become evictable first)."""
         self.coordinator.free(request.request_id)
 

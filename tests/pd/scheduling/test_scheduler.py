@@ -14,15 +14,15 @@ import random
 
 import pytest
 
-from connectors.base import NullConnectorScheduler
-from pd.kv_transfer_params import RemotePrefillParams
-from pd.kv_cache.layout import make_kv_cache_config
-from pd.kv_cache.manager import KVCacheManager
-from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
-from pd.outputs import ModelRunnerOutput, SchedulerOutput
-from pd.request import Request, RequestStatus, SamplingParams
 from pd.config import SchedulerConfig
-from pd.scheduler import Scheduler
+from pd.kv_cache.kv_cache_manager import KVCacheManager
+from pd.kv_cache.layout import make_kv_cache_config
+from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from pd.kv_transfer.params import RemotePrefillParams
+from pd.scheduling.connector_api import NullConnectorScheduler
+from pd.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
+from pd.scheduling.request import Request, RequestStatus, SamplingParams
+from pd.scheduling.scheduler import Scheduler
 
 BLOCK = 16
 EOS = 7
@@ -242,7 +242,7 @@ class ToyRemoteConnector:
     contract only; real transfers are tested with NIXL)."""
 
     def __init__(self, num_external: int, delay_steps: int, fail: bool = False, verified: bool = True) -> None:
-        from connectors.base import KVConnectorMetadata, KVConnectorOutput
+        from pd.scheduling.connector_api import KVConnectorMetadata, KVConnectorOutput
 
         self.meta, self.output = KVConnectorMetadata, KVConnectorOutput
         self.num_external, self.delay, self.fail, self.verified = num_external, delay_steps, fail, verified

@@ -18,10 +18,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pd.kv_transfer_params import RemotePrefillParams
 from kv_events.messages import AllBlocksCleared, BlockStored
+from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_cache.layout import make_kv_cache_config
-from pd.kv_cache.manager import KVCacheManager
+from pd.kv_transfer.params import RemotePrefillParams
 from pd.kv_cache.spec import (
     FullAttentionSpec,
     KVCacheSpec,
@@ -29,7 +29,7 @@ from pd.kv_cache.spec import (
     SlidingWindowSpec,
     cdiv,
 )
-from pd.request import Request
+from pd.scheduling.request import Request
 
 BLOCK = 16
 

@@ -1,12 +1,12 @@
-"""Signed PD parameters and the peers a decode server trusts (pd/kv_transfer_signing.py)."""
+"""Signed PD parameters and the peers a decode server trusts (pd/kv_transfer/signing.py)."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from pd.kv_transfer_params import RemotePrefillParams
-from pd.kv_transfer_signing import TransferParamsGuard, TransferParamsRefused, prompt_digest, sign
+from pd.kv_transfer.params import RemotePrefillParams
+from pd.kv_transfer.signing import TransferParamsGuard, TransferParamsRefused, prompt_digest, sign
 
 SECRET = "s3cret"
 PROMPT = list(range(100, 140))

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from pd.kv_transfer_params import RemotePrefillParams
+from pd.kv_transfer.params import RemotePrefillParams
 
 SECRET_ENV = "PD_KV_TRANSFER_SECRET"
 DEFAULT_ALLOWED_PEERS = ("127.0.0.0/8", "::1/128")

@@ -15,10 +15,10 @@ and never reads P again.
 from __future__ import annotations
 
 import logging
-from connectors.base import KVConnectorOutput
-from pd.kv_transfer_params import RemotePrefillParams
 from pd.errors import ERROR_KV_LOAD_FAILED
-from pd.request import Request, RequestOutput, RequestStatus
+from pd.kv_transfer.params import RemotePrefillParams
+from pd.scheduling.connector_api import KVConnectorOutput
+from pd.scheduling.request import Request, RequestOutput, RequestStatus
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The `pd` command: one entry point for every subcommand (cli/main.py)."""

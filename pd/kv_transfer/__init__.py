@@ -1,0 +1,1 @@
+"""The PD protocol: the kv_transfer_params types, their signing, the connectors' configuration and the connectors by name."""

@@ -1,0 +1,1 @@
+"""A request's life in the engine: the request, the scheduler and its PD part, fair share, prompt sources, the scheduler-runner outputs and the connector API."""
