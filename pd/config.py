@@ -7,6 +7,7 @@ import ipaddress
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
+from pd.kv_transfer.connector_config import ConnectorConfig
 from pd.kv_transfer.connectors import AUTO_CONNECTOR, KV_CONNECTORS, NULL_CONNECTOR
 from pd.kv_transfer.signing import DEFAULT_ALLOWED_PEERS, SECRET_ENV, secret_from_env
 from pd.models.config import AUTO_DTYPE, SUPPORTED_DTYPES, resolve_dtype
@@ -141,6 +142,20 @@ class EngineConfig:
         if self.kv_events_port == self.kv_events_replay_port:
             raise ValueError("kv_events_port and kv_events_replay_port must differ")
 
+    def connector_config(self) -> ConnectorConfig:
+        """What the KV connector is configured with (it sees nothing else of this)."""
+        return ConnectorConfig(self.kv_host, self.kv_side_channel_port, self.kv_lease_seconds, self.kv_read_timeout,
+                               self.kv_ucx_transports, self.kv_transfer_secret)
+
+    def scheduler_config(self, max_model_len: int, eos_token_ids: frozenset[int],
+                         mamba_block_size: int | None) -> SchedulerConfig:
+        """What the scheduler takes of this config, with what the model decides."""
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len, eos_token_ids,
+                               mamba_block_size=mamba_block_size, kv_load_failure_policy=self.kv_load_failure_policy,
+                               kv_max_held_fraction=self.kv_max_held_fraction,
+                               skip_partial_groups_on_remote_prefill=self.skip_partial_groups_on_remote_prefill,
+                               reserve_growth_tokens=self.reserve_growth_tokens)
+
     @property
     def torch_device(self) -> str:
         if self.device is not None:
@@ -197,17 +212,19 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """What the scheduler takes of the engine's config and model (EngineCore fills it)."""
+    """What the scheduler takes of the engine's config and model, built by
+    `EngineConfig.scheduler_config`; a field that is the engine's has the engine's
+    default (tests build one directly)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
     eos_token_ids: frozenset[int] = frozenset()
     mamba_block_size: int | None = None  # align prefill chunks to it (Mamba align mode)
-    kv_load_failure_policy: str = "recompute"  # or "fail": a request whose remote KV fails to load
-    kv_max_held_fraction: float = 1.0  # of all blocks, kept for decode servers; past it P refuses more
-    skip_partial_groups_on_remote_prefill: bool = True  # D: Mamba / sliding-window groups out of a remote prefill's hit search
-    reserve_growth_tokens: int = 0  # admit only while the pool holds this many more tokens of every request
+    kv_load_failure_policy: str = ENGINE_DEFAULTS["kv_load_failure_policy"]  # a request whose remote KV fails to load
+    kv_max_held_fraction: float = ENGINE_DEFAULTS["kv_max_held_fraction"]  # of all blocks, kept for decode servers
+    skip_partial_groups_on_remote_prefill: bool = ENGINE_DEFAULTS["skip_partial_groups_on_remote_prefill"]
+    reserve_growth_tokens: int = ENGINE_DEFAULTS["reserve_growth_tokens"]  # admit only while this many more fit
 
     def __post_init__(self) -> None:
         if self.reserve_growth_tokens < 0:

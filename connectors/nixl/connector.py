@@ -12,15 +12,15 @@ class NixlConnector(KVConnector):
     @staticmethod
     def build_worker(context: ConnectorContext) -> NixlConnectorWorker:
         config = context.config
-        return NixlConnectorWorker(NixlWorkerConfig(context.engine_id, config.kv_host, config.kv_side_channel_port,
-                                                    context.compat_hash, lease_seconds=config.kv_lease_seconds,
-                                                    read_timeout_s=config.kv_read_timeout,
-                                                    ucx_transports=config.kv_ucx_transports))
+        return NixlConnectorWorker(NixlWorkerConfig(context.engine_id, config.host, config.side_channel_port,
+                                                    context.compat_hash, lease_seconds=config.lease_seconds,
+                                                    read_timeout_s=config.read_timeout_s,
+                                                    ucx_transports=config.ucx_transports))
 
     @staticmethod
     def build_scheduler(context: ConnectorContext, worker: NixlConnectorWorker) -> NixlConnectorScheduler:
         """After `worker.register_kv_caches`: its side channel is listening by then."""
         config = context.config
-        return NixlConnectorScheduler(context.engine_id, config.kv_host, worker.side_channel_port,
-                                      context.block_sizes, config.kv_lease_seconds, secret=config.kv_transfer_secret,
+        return NixlConnectorScheduler(context.engine_id, config.host, worker.side_channel_port,
+                                      context.block_sizes, config.lease_seconds, secret=config.secret,
                                       leases=worker.leases)

@@ -67,7 +67,8 @@ class EngineCore:
                                                self.max_model_len, record_events=config.kv_events_port is not None)
         self.engine_id = f"pd-{uuid.uuid4().hex[:12]}"
         self.kv_events = self._kv_events()
-        context = ConnectorContext(self.engine_id, config, self.compat_hash(), self.kv_cache_config.block_sizes)
+        context = ConnectorContext(self.engine_id, config.connector_config(), self.compat_hash(),
+                                   self.kv_cache_config.block_sizes)
         connector = KV_CONNECTORS.get(config.kv_connector)
         worker_connector = connector.build_worker(context)
         self.runner = ModelRunner(self.model, self.kv_cache_config, max_num_reqs=config.max_num_seqs,
@@ -103,13 +104,8 @@ class EngineCore:
 
     def _scheduler_config(self) -> SchedulerConfig:
         mamba = [g.spec.block_size for g in self.kv_cache_config.groups if isinstance(g.spec, MambaSpec)]
-        return SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                               self.max_model_len, self.model_config.eos_token_ids,
-                               mamba_block_size=mamba[0] if mamba else None,
-                               kv_load_failure_policy=self.config.kv_load_failure_policy,
-                               kv_max_held_fraction=self.config.kv_max_held_fraction,
-                               skip_partial_groups_on_remote_prefill=self.config.skip_partial_groups_on_remote_prefill,
-                               reserve_growth_tokens=self.config.reserve_growth_tokens)
+        return self.config.scheduler_config(self.max_model_len, self.model_config.eos_token_ids,
+                                            mamba[0] if mamba else None)
 
     def add_request(self, request: Request) -> None:
         """Queue the request; ValueError if it cannot be served (HeldBlocksLimitError if
@@ -131,7 +127,7 @@ class EngineCore:
 
     def release_held(self, request_ids: list[str]) -> list[str]:
         """Free now the blocks kept for these finished prefills; the ids that were held."""
-        return self.scheduler.release_held(request_ids)
+        return self.scheduler.remote_kv.release_held(request_ids)
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         return self.scheduler.abort_requests(request_ids)
@@ -179,7 +175,7 @@ class EngineCore:
             prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
             group_names=group_names(self.kv_cache_config),
             group_queries=list(prefix.group_queries), group_hits=list(prefix.group_hits),
-            kv_transfer=self._transfer_counters(), kv_load_failures=dict(self.scheduler.kv_load_failures),
+            kv_transfer=self._transfer_counters(), kv_load_failures=dict(self.scheduler.remote_kv.load_failures),
             kv_transfer_histograms=self._transfer_histograms(),
             prompt_tokens_by_source=dict(self.scheduler.prompt_sources.counts),
             malformed_messages=self._malformed_messages(), kv_events_replies_dropped=self.kv_events.dropped_replies,

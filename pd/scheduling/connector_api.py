@@ -23,12 +23,13 @@ builds both halves from a `ConnectorContext`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pd.kv_transfer.connector_config import ConnectorConfig
+
 if TYPE_CHECKING:
-    from pd.config import EngineConfig
     from pd.kv_cache.canonical import CanonicalKVCaches
     from pd.kv_transfer.params import RemotePrefillParams
     from pd.kv_cache.kv_cache_manager import KVCacheBlocks
@@ -37,12 +38,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ConnectorContext:
-    """What a connector is built from: the engine's config, its id (handed out in
-    kv_transfer_params), a hash equal for engines whose KV blocks mean the same thing
-    byte for byte, and the block size of each KV cache group."""
+    """What a connector is built from: the engine's id (handed out in
+    kv_transfer_params), the connector's settings, a hash equal for engines whose KV
+    blocks mean the same thing byte for byte (pd/kv_transfer/compat.py), and the block
+    size of each KV cache group."""
 
     engine_id: str
-    config: EngineConfig
+    config: ConnectorConfig
     compat_hash: str
     block_sizes: list[int]
 

@@ -63,6 +63,14 @@ class SchedulerOutput:
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
 
+    def drop(self, req_id: str) -> None:
+        """Take a request scheduled earlier in this step out (it was preempted): the
+        runner forgets it before the step."""
+        self.num_scheduled_tokens.pop(req_id, None)
+        self.cached_requests = [c for c in self.cached_requests if c.req_id != req_id]
+        self.new_requests = [r for r in self.new_requests if r.req_id != req_id]
+        self.finished_req_ids.add(req_id)
+
 
 @dataclass
 class ModelRunnerOutput:

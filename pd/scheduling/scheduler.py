@@ -9,7 +9,7 @@ none are admitted in a step that preempted for growth. Which request is admitted
 and which sequence is preempted follow `fair_share.py`: the batch is shared max-min
 fairly between requests, so that one request's n sequences cannot starve the others. A
 request whose KV arrives asynchronously is parked until the connector reports it
-received (`remote_kv.py` holds the scheduler's part in PD). A request with a grammar waits for it to compile
+received (`RemoteKV`, remote_kv.py, is the scheduler's part in PD). A request with a grammar waits for it to compile
 first (WAITING_FOR_GRAMMAR); the masks of its next tokens go out with each step that
 samples it. After the step, `update_from_output` enters the newly written blocks in the
 prefix cache, appends sampled tokens and finishes requests that stop. A request asking
@@ -31,7 +31,7 @@ import logging
 from collections import deque
 
 from pd.config import SchedulerConfig
-from pd.errors import ERROR_INTERNAL, ERROR_INVALID, HeldBlocksLimitError
+from pd.errors import ERROR_INTERNAL, ERROR_INVALID, ERROR_KV_LOAD_FAILED
 from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_transfer.params import RemotePrefillParams
 from pd.logprobs import Logprobs
@@ -45,7 +45,8 @@ from pd.structured.matchers import GrammarMatchers
 
 logger = logging.getLogger(__name__)
 
-class Scheduler(RemoteKV):
+
+class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  connector: KVConnectorScheduler, grammars: GrammarMatchers | None = None) -> None:
         self.config = config
@@ -55,29 +56,23 @@ class Scheduler(RemoteKV):
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.waiting_for_grammar: dict[str, Request] = {}
-        self.waiting_for_remote: dict[str, Request] = {}
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # to tell the runner next step
         self.sent_blocks: dict[str, list[int]] = {}  # per group, block ids the runner has
-        self.delayed_free: dict[str, Request] = {}  # finished, blocks kept for the connector
-        self.aborted_while_loading: dict[str, Request] = {}  # blocks freed once the load ends
+        self.remote_kv = RemoteKV(kv_cache_manager, connector, config.kv_load_failure_policy,
+                                  config.kv_max_held_fraction)
         self.num_preemptions = 0
-        self.kv_load_failures = {"recompute": 0, "fail": 0}  # by what was done about them
         self._failed_outputs: list[RequestOutput] = []  # failed between updates; sent with the next one
         self.prompt_sources = PromptSources()
         self.block_copies: list[tuple[int, int]] = []  # of forked sequences, for the next step
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests or request.request_id in self.delayed_free:
+        if request.request_id in self.requests or request.request_id in self.remote_kv.delayed_free:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.num_tokens >= self.config.max_model_len:
             raise ValueError(f"prompt of {request.num_tokens} tokens leaves no room under "
                              f"max_model_len={self.config.max_model_len}")
-        if request.do_remote_decode:
-            held, usable = self.num_held_blocks, self.kv.num_usable_blocks
-            if held >= self.config.kv_max_held_fraction * usable:
-                raise HeldBlocksLimitError(f"this prefill server keeps {held} of its {usable} KV blocks for "
-                                           "decode servers that have not read them yet; retry later")
+        self.remote_kv.check_room_to_hold(request)
         self.requests[request.request_id] = request
         if request.sampling_params.grammar is None:
             self.waiting.append(request)
@@ -88,11 +83,11 @@ class Scheduler(RemoteKV):
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.waiting_for_grammar) + len(self.waiting_for_remote)
+        return len(self.waiting) + len(self.waiting_for_grammar) + len(self.remote_kv.waiting)
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.waiting_for_grammar or self.waiting_for_remote)
+        return bool(self.waiting or self.running or self.waiting_for_grammar or self.remote_kv.waiting)
 
     @property
     def has_compute_work(self) -> bool:
@@ -102,7 +97,7 @@ class Scheduler(RemoteKV):
     @property
     def has_work(self) -> bool:
         """Requests to step, or blocks still kept for the connector."""
-        return self.has_unfinished_requests or bool(self.delayed_free or self.aborted_while_loading)
+        return self.has_unfinished_requests or self.remote_kv.has_blocks_kept
 
     def schedule(self) -> SchedulerOutput:
         self._queue_compiled()
@@ -215,7 +210,10 @@ class Scheduler(RemoteKV):
             if not self._room_to_grow(request, num_hit + num_external, self.kv.num_blocks_to_allocate(
                     request, 0, num_hit, hit_blocks, num_external)):
                 return None
-            return 0 if self._park_for_remote_kv(request, hit_blocks, num_hit, num_external) else None
+            if not self.remote_kv.park(request, hit_blocks, num_hit, num_external):
+                return None
+            self.waiting.popleft()
+            return 0
         computed = request.num_computed_tokens + num_hit + num_external
         num_new = self._num_new_tokens(request, computed, budget)
         if hit_blocks is not None and not self._room_to_grow(
@@ -235,7 +233,7 @@ class Scheduler(RemoteKV):
     def _room_to_grow(self, request: Request, num_tokens_held: int, num_blocks_now: int) -> bool:
         """Rule 4 of fair_share.py, for `request` about to take `num_blocks_now` blocks to
         hold `num_tokens_held` tokens."""
-        return fair_share.room_to_grow(self.kv, [*self.running, *self.waiting_for_remote.values()], request,
+        return fair_share.room_to_grow(self.kv, [*self.running, *self.remote_kv.waiting.values()], request,
                                        num_tokens_held, num_blocks_now, self.config.reserve_growth_tokens,
                                        self.config.max_model_len)
 
@@ -280,10 +278,7 @@ class Scheduler(RemoteKV):
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         self.sent_blocks.pop(request.request_id, None)
-        out.num_scheduled_tokens.pop(request.request_id, None)
-        out.cached_requests = [c for c in out.cached_requests if c.req_id != request.request_id]
-        out.new_requests = [r for r in out.new_requests if r.req_id != request.request_id]
-        out.finished_req_ids.add(request.request_id)
+        out.drop(request.request_id)
         self.waiting.appendleft(request)
 
     def update_from_output(self, so: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestOutput]:
@@ -306,10 +301,36 @@ class Scheduler(RemoteKV):
                 continue
             outputs += self._append_token(request, [token, *output.fork_token_ids.get(req_id, ())],
                                           output.logprobs.get(req_id))
-        outputs += self._update_connector(output.kv_connector_output)
+        outputs += self._update_connector(output)
         outputs += self._failed_outputs
         self._failed_outputs = []
         return outputs
+
+    def _update_connector(self, output: ModelRunnerOutput) -> list[RequestOutput]:
+        """Requests whose remote KV landed rejoin the queue's front and continue from the
+        remote prefill's first tokens; those whose load failed are computed here or fail,
+        as the load failure policy says. Their outputs."""
+        outputs = []
+        for request in self.remote_kv.update(output.kv_connector_output):
+            self.waiting.appendleft(request)
+            if request.kv_load_error is not None:
+                if not self._fails_on_load_error(request):  # computed here from scratch
+                    self.kv.free(request)
+                    request.num_computed_tokens = 0
+                continue
+            if (first := RemoteKV.first_tokens(request)) is not None:
+                outputs += self._append_token(request, *first)
+            request.kv_transfer_params = None  # a local request from now on (P frees its blocks)
+        return outputs
+
+    def _fails_on_load_error(self, request: Request) -> bool:
+        """A waiting request (at the queue's front) whose remote KV could not be loaded
+        stays queued and is computed here, or finishes with an error output (queued for
+        the next update), as the load failure policy says. True if it failed."""
+        if (error := self.remote_kv.load_fails(request)) is None:
+            return False
+        self._fail(request, ERROR_KV_LOAD_FAILED, error)
+        return True
 
     def _append_token(self, request: Request, tokens: list[int], logprobs: Logprobs | None) -> list[RequestOutput]:
         """The request's new token `tokens[0]` (with its logprobs), and its output; more
@@ -409,16 +430,8 @@ class Scheduler(RemoteKV):
         elif previous in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         self.waiting_for_grammar.pop(request.request_id, None)
-        self.waiting_for_remote.pop(request.request_id, None)
         self.grammars.remove(request.request_id)
         self.sent_blocks.pop(request.request_id, None)
         self.prompt_sources.forget(request.request_id)
         del self.requests[request.request_id]
-        delay_free, params = self._connector_finished(request)
-        if was_loading:  # the connector may still be writing its blocks
-            self.aborted_while_loading[request.request_id] = request
-        elif delay_free:
-            self.delayed_free[request.request_id] = request
-        else:
-            self.kv.free(request)
-        return params
+        return self.remote_kv.finish(request, was_loading)

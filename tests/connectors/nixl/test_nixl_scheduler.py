@@ -51,7 +51,8 @@ def make_side(model: str, engine_id: str, clock: Clock):
     kv = KVCacheManager(config, True, 1024)
     sizes = config.block_sizes
     connector = NixlConnectorScheduler(engine_id, "127.0.0.1", 5555, sizes, lease_seconds=30, clock=clock)
-    scheduler = Scheduler(SchedulerConfig(8, 64, 1024, frozenset()), kv, connector)
+    scheduler = Scheduler(SchedulerConfig(8, 64, 1024, frozenset(), kv_max_held_fraction=1.0, reserve_growth_tokens=0), kv,
+                          connector)
     return scheduler, kv, connector
 
 
@@ -83,12 +84,12 @@ def test_p_keeps_the_blocks_under_a_lease_and_hands_out_their_ids(model: str) ->
     assert out.finish_reason == "length" and out.new_token_ids == [42]
     assert params.do_remote_prefill and params.first_token_ids == [42]
     assert params.num_prompt_tokens == len(prompt) and params.remote_request_id == "p1"
-    held = p.delayed_free["p1"]
+    held = p.remote_kv.delayed_free["p1"]
     assert params.remote_block_ids == p_kv.get_block_ids("p1") and p_kv.usage > 0
     lease = run_step(p)[0].kv_connector_metadata.reqs_to_send  # queued at finish, sent next step
     assert lease == [ReqToSend("p1", clock.now + 30)]
     run_step(p, connector_output=KVConnectorOutput(finished_sending={"p1"}))
-    assert "p1" not in p.delayed_free and p_kv.usage == 0.0 and held.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    assert "p1" not in p.remote_kv.delayed_free and p_kv.usage == 0.0 and held.status is RequestStatus.FINISHED_LENGTH_CAPPED
     p_kv.check_integrity()
 
 
@@ -196,7 +197,7 @@ def test_an_aborted_p_request_keeps_nothing() -> None:
     p.add_request(Request("p1", list(range(100, 140)), SamplingParams(max_tokens=1),
                           kv_transfer_params=RemoteDecodeParams(True)))
     (out,) = p.abort_requests(["p1"])
-    assert out.kv_transfer_params is None and not p.delayed_free and p_kv.usage == 0.0
+    assert out.kv_transfer_params is None and not p.remote_kv.delayed_free and p_kv.usage == 0.0
 
 
 def test_p_refuses_prefills_for_decode_servers_past_its_held_share_and_a_release_frees_them() -> None:
@@ -207,7 +208,7 @@ def test_p_refuses_prefills_for_decode_servers_past_its_held_share_and_a_release
     kv = KVCacheManager(config, True, 1024)
     connector = NixlConnectorScheduler("P", "127.0.0.1", 5555, [BLOCK], lease_seconds=30, clock=Clock())
     limit = 0.01
-    p = Scheduler(SchedulerConfig(8, 4096, 1024, frozenset(), kv_max_held_fraction=limit), kv, connector)
+    p = Scheduler(SchedulerConfig(8, 4096, 1024, frozenset(), kv_max_held_fraction=limit, reserve_growth_tokens=0), kv, connector)
     prompts = [list(range(100 + 200 * i, 100 + 200 * i + 8 * BLOCK)) for i in range(40)]
     held = 0
     for i, prompt in enumerate(prompts):
@@ -222,13 +223,13 @@ def test_p_refuses_prefills_for_decode_servers_past_its_held_share_and_a_release
         held += 1
     else:
         pytest.fail("the held-blocks limit never refused a prefill")
-    assert p.num_held_blocks >= limit * kv.num_usable_blocks > (held - 1) * 8
+    assert p.remote_kv.num_held_blocks >= limit * kv.num_usable_blocks > (held - 1) * 8
     p.add_request(Request("local", list(range(5, 40)), SamplingParams(max_tokens=1)))  # its own requests go on
-    assert p.release_held(["p0", "nope"]) == ["p0"]
+    assert p.remote_kv.release_held(["p0", "nope"]) == ["p0"]
     so, _ = run_step(p)
     assert so.kv_connector_metadata.reqs_to_release == ["p0"]
     run_step(p, connector_output=KVConnectorOutput(finished_sending={"p0"}))  # what the worker then reports
-    assert "p0" not in p.delayed_free and p.num_held_blocks == (held - 1) * 8
+    assert "p0" not in p.remote_kv.delayed_free and p.remote_kv.num_held_blocks == (held - 1) * 8
 
 
 def test_d_keeps_p_s_lease_alive_while_the_request_waits_and_reads_under_the_extended_lease() -> None:

@@ -82,7 +82,7 @@ def make_scheduler(specs, num_blocks_memory: int, max_num_seqs=8, max_tokens_per
                    max_model_len=512, caching=True):
     kv_config = make_kv_cache_config(specs, num_blocks_memory, max_model_len)
     kv = KVCacheManager(kv_config, caching, max_model_len)
-    config = SchedulerConfig(max_num_seqs, max_tokens_per_step, max_model_len, frozenset({EOS}))
+    config = SchedulerConfig(max_num_seqs, max_tokens_per_step, max_model_len, frozenset({EOS}), reserve_growth_tokens=0)
     return Scheduler(config, kv, NullConnectorScheduler()), kv
 
 
@@ -165,7 +165,7 @@ def test_eos_and_stop_token_ids_finish_a_request() -> None:
 
 def test_eos_is_ignored_with_ignore_eos() -> None:
     scheduler, kv = make_scheduler({"l0": attn()}, 10**7)
-    scheduler.config = SchedulerConfig(8, 64, 512, frozenset({toy_next_token([1, 2])}))
+    scheduler.config = SchedulerConfig(8, 64, 512, frozenset({toy_next_token([1, 2])}), reserve_growth_tokens=0)
     a = Request("a", [1, 2], SamplingParams(max_tokens=3))
     b = Request("b", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
     run_all(scheduler, kv, [a, b])
@@ -211,7 +211,7 @@ def test_abort_frees_blocks_wherever_the_request_is() -> None:
 
 def prefill_chunks(request: Request, mamba_block_size: int | None) -> list[int]:
     scheduler, kv = make_scheduler({"m0": ssm(), "a0": attn()}, 10**7, max_tokens_per_step=40)
-    scheduler.config = SchedulerConfig(8, 40, 512, frozenset(), mamba_block_size=mamba_block_size)
+    scheduler.config = SchedulerConfig(8, 40, 512, frozenset(), mamba_block_size=mamba_block_size, reserve_growth_tokens=0)
     runner = ToyRunner(kv, scheduler.config)
     scheduler.add_request(request)
     chunks = []
@@ -284,7 +284,7 @@ def test_remote_kv_parks_the_request_until_it_lands(fail: bool) -> None:
     kv_config = make_kv_cache_config(specs, 10**7, 512)
     kv = KVCacheManager(kv_config, True, 512)
     connector = ToyRemoteConnector(num_external=40, delay_steps=2, fail=fail)
-    scheduler = Scheduler(SchedulerConfig(8, 64, 512, frozenset()), kv, connector)
+    scheduler = Scheduler(SchedulerConfig(8, 64, 512, frozenset(), reserve_growth_tokens=0), kv, connector)
     runner = ToyRunner(kv, scheduler.config)
     prompt = list(range(10, 50)) + [99]
     params = remote_prefill(len(prompt), toy_next_token(prompt))  # P sampled the first token: D continues from it
@@ -304,14 +304,14 @@ def test_remote_kv_parks_the_request_until_it_lands(fail: bool) -> None:
     assert next(c for c in computed_tokens if c) == (41 if fail else 2)
     assert request.output_token_ids == reference_outputs(prompt, 3)
     assert connector.finished_calls == ["d"] and kv.usage == 0.0
-    assert scheduler.kv_load_failures == {"recompute": int(fail), "fail": 0}
+    assert scheduler.remote_kv.load_failures == {"recompute": int(fail), "fail": 0}
 
 
 @pytest.mark.parametrize("verified", [True, False])
 def test_remote_kv_not_verified_as_the_prompts_serves_its_request_but_enters_no_prefix_cache(verified) -> None:
     kv = KVCacheManager(make_kv_cache_config({"l0": attn()}, 10**7, 512), True, 512)
     connector = ToyRemoteConnector(num_external=40, delay_steps=1, verified=verified)
-    scheduler = Scheduler(SchedulerConfig(8, 64, 512, frozenset()), kv, connector)
+    scheduler = Scheduler(SchedulerConfig(8, 64, 512, frozenset(), reserve_growth_tokens=0), kv, connector)
     runner = ToyRunner(kv, scheduler.config)
     prompt = list(range(10, 50)) + [99]
     request = Request("d", prompt, SamplingParams(max_tokens=3),
@@ -331,7 +331,7 @@ def test_fail_policy_ends_a_request_whose_remote_kv_failed_with_an_error() -> No
     kv_config = make_kv_cache_config({"l0": attn()}, 10**7, 512)
     kv = KVCacheManager(kv_config, True, 512)
     connector = ToyRemoteConnector(num_external=40, delay_steps=1, fail=True)
-    config = SchedulerConfig(8, 64, 512, frozenset(), kv_load_failure_policy="fail")
+    config = SchedulerConfig(8, 64, 512, frozenset(), kv_load_failure_policy="fail", reserve_growth_tokens=0)
     scheduler = Scheduler(config, kv, connector)
     runner = ToyRunner(kv, scheduler.config)
     remote = Request("d", list(range(10, 51)), SamplingParams(max_tokens=3), kv_transfer_params=remote_prefill(41))
@@ -349,7 +349,7 @@ def test_fail_policy_ends_a_request_whose_remote_kv_failed_with_an_error() -> No
     assert failed.finish_reason == "error" and "toy failure" in failed.error and failed.new_token_ids == []
     assert remote.status is RequestStatus.FINISHED_ERROR and remote.output_token_ids == []
     assert local.output_token_ids == reference_outputs(local.prompt_token_ids, 3)  # the others go on
-    assert scheduler.kv_load_failures == {"recompute": 0, "fail": 1}
+    assert scheduler.remote_kv.load_failures == {"recompute": 0, "fail": 1}
     assert connector.finished_calls == ["d", "c"] and kv.usage == 0.0
 
 
@@ -390,7 +390,7 @@ def test_a_preempted_remote_prefill_request_is_recomputed_here_and_never_reread(
     kv_config = make_kv_cache_config({"l0": attn()}, 9 * 1024, 128)  # 8 usable blocks of 16 tokens
     kv = KVCacheManager(kv_config, True, 128)
     connector = CountingRemoteConnector(num_external=40, delay_steps=1)
-    scheduler = Scheduler(SchedulerConfig(8, 64, 128, frozenset()), kv, connector)
+    scheduler = Scheduler(SchedulerConfig(8, 64, 128, frozenset(), reserve_growth_tokens=0), kv, connector)
     prompts = [list(range(10, 51)), list(range(100, 141))]
     requests = [Request(f"d{i}", p, SamplingParams(max_tokens=40, ignore_eos=True),
                         kv_transfer_params=remote_prefill(len(p), toy_next_token(p))) for i, p in enumerate(prompts)]
@@ -445,7 +445,7 @@ def test_a_fault_admitting_one_request_fails_that_request_alone() -> None:
     kv_config = make_kv_cache_config({"l0": attn()}, 10**6, 512)
     kv = KVCacheManager(kv_config, True, 512)
     connector = ExplodingConnector(0, 1)
-    scheduler = Scheduler(SchedulerConfig(8, 64, 512, frozenset()), kv, connector)
+    scheduler = Scheduler(SchedulerConfig(8, 64, 512, frozenset(), reserve_growth_tokens=0), kv, connector)
     bad, good = Request("bad", list(range(10, 30))), Request("good", list(range(30, 50)), SamplingParams(max_tokens=3))
     scheduler.add_request(bad)
     scheduler.add_request(good)
