@@ -27,7 +27,8 @@ from torch import nn
 
 from pd.config import QUANTIZATIONS, EngineConfig
 from pd.engine.core import EngineCore
-from pd.scheduling.request import Request, SamplingParams
+from pd.scheduling.request import Request
+from pd.scheduling.sampling_params import SamplingParams
 
 
 class PartTimer:

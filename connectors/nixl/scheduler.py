@@ -32,10 +32,11 @@ or fails.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+import msgspec
 
 from connectors.nixl.leases import LeaseTable
 from pd.kv_cache.spec import cdiv
@@ -49,33 +50,16 @@ KEEP_ALIVE_MARGIN = 0.1  # of a lease: how much earlier than P's lease D counts 
 
 
 @dataclass(frozen=True)
-class RemotePrefill:
-    """Where a D request's KV lives on P; P's lease word `lease_slot` holds `lease_token`
-    while P holds the blocks (leases.py; None: P did not say, nothing to check)."""
-
-    engine_id: str
-    host: str
-    port: int
-    request_id: str
-    lease_expires_at: float | None = None  # wall clock; a read ending later is a failure
-    lease_slot: int | None = None
-    lease_token: int | None = None
-
-    @classmethod
-    def of(cls, params: RemotePrefillParams) -> RemotePrefill:
-        return cls(params.remote_engine_id, params.remote_host, params.remote_port, params.remote_request_id,
-                   params.lease_expires_at, params.lease_slot, params.lease_token)
-
-
-@dataclass(frozen=True)
 class ReqToRecv:
     """Read `remote_block_ids[g][i]` into `local_block_ids[g][i]` wherever the local id
-    is not 0 (0: nothing to read at that position). `trusted`: the parameters were
-    signed with this deployment's secret, so blocks read and checked against P's lease
-    word are P's for this prompt and may enter the prefix cache."""
+    is not 0 (0: nothing to read at that position), from where the request's PD
+    parameters (`remote`, as the server decoded them) say: P's engine, side channel,
+    request id and lease word. `trusted`: the parameters were signed with this
+    deployment's secret, so blocks read and checked against P's lease word are P's for
+    this prompt and may enter the prefix cache."""
 
     request_id: str
-    remote: RemotePrefill
+    remote: RemotePrefillParams
     local_block_ids: list[list[int]]
     remote_block_ids: list[list[int]]
     trusted: bool = False
@@ -93,9 +77,9 @@ class ReqToSend:
 class NixlConnectorMetadata(KVConnectorMetadata):
     reqs_to_recv: list[ReqToRecv] = field(default_factory=list)
     reqs_to_send: list[ReqToSend] = field(default_factory=list)
-    reqs_to_reject: list[tuple[RemotePrefill, str]] = field(default_factory=list)  # (where, why)
+    reqs_to_reject: list[tuple[RemotePrefillParams, str]] = field(default_factory=list)  # (where, why)
     reqs_to_release: list[str] = field(default_factory=list)  # P: kept blocks to free now
-    reqs_to_keep_alive: list[RemotePrefill] = field(default_factory=list)  # D: still waiting to read these
+    reqs_to_keep_alive: list[RemotePrefillParams] = field(default_factory=list)  # D: still waiting to read these
 
 
 class KVTransferParamsError(ValueError):
@@ -130,7 +114,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         try:
             check_fits(params, request, len(self.block_sizes), self.block_sizes[0])
         except KVTransferParamsError as exc:
-            self._meta.reqs_to_reject.append((RemotePrefill.of(params), str(exc)))  # P frees its blocks
+            self._meta.reqs_to_reject.append((params, str(exc)))  # P frees its blocks
             self.num_rejected += 1
             raise KVLoadRefused(request.request_id, f"its kv_transfer_params do not fit it: {exc}") from None
         return max(request.num_prompt_tokens - num_computed_tokens, 0), True
@@ -140,9 +124,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         lease_end = self._lease_end.pop(request.request_id, None)
         if params is None or not request.do_remote_prefill or num_external_tokens == 0:
             return
-        remote = RemotePrefill.of(params)
+        remote = params
         if lease_end is not None:  # kept alive while it waited
-            remote = dataclasses.replace(remote, lease_expires_at=lease_end)
+            remote = msgspec.structs.replace(remote, lease_expires_at=lease_end)
         self._meta.reqs_to_recv.append(ReqToRecv(request.request_id, remote, blocks.get_unfilled_block_ids(),
                                                  [list(ids) for ids in params.remote_block_ids],
                                                  trusted=self.secret is not None))
@@ -160,7 +144,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 continue
             end = self._lease_end.setdefault(request.request_id, params.lease_expires_at)
             if now >= end - params.lease_seconds / 2:
-                self._meta.reqs_to_keep_alive.append(RemotePrefill.of(params))
+                self._meta.reqs_to_keep_alive.append(params)
                 self._lease_end[request.request_id] = now + params.lease_seconds * (1 - KEEP_ALIVE_MARGIN)
 
     # --- P side -------------------------------------------------------------------
@@ -169,7 +153,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         aborted = request.status is RequestStatus.FINISHED_ABORTED
         self._lease_end.pop(request.request_id, None)
         if request.do_remote_prefill and aborted and never_loaded:
-            self._meta.reqs_to_reject.append((RemotePrefill.of(request.remote_prefill), "aborted on the decode server"))
+            self._meta.reqs_to_reject.append((request.remote_prefill, "aborted on the decode server"))
             return False, None
         finished_well = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
         if not request.do_remote_decode or not finished_well or not request.output_token_ids:

@@ -36,11 +36,12 @@ from dataclasses import dataclass
 from connectors.nixl.handshake import SideChannelServer
 from connectors.nixl.leases import LeaseTable
 from pd.kv_cache.canonical import CanonicalKVCaches
+from pd.kv_transfer.params import RemotePrefillParams
 from pd.scheduling.connector_api import KVConnectorOutput, KVConnectorWorker
 from connectors.nixl.messages import (HandshakeError, HandshakeRequest, HandshakeResponse, KeepAlive,
                                       NotifDecodeError, ReadDone, Reject, decode_notif, encode_notif)
 from connectors.nixl.peers import PeerHandshakes
-from connectors.nixl.scheduler import NixlConnectorMetadata, RemotePrefill, ReqToRecv
+from connectors.nixl.scheduler import NixlConnectorMetadata, ReqToRecv
 from connectors.nixl.stats import TransferStats
 
 logger = logging.getLogger(__name__)
@@ -116,18 +117,19 @@ class NixlConnectorWorker(KVConnectorWorker):
                                   f"(model, dtype, block size, layout or KV cache groups differ)")
         return HandshakeResponse(self.transport.agent_metadata(), self.transport.local_layout(self.config.compat_hash))
 
-    def _when_peer_ready(self, remote: RemotePrefill, action: Callable[[], None],
+    def _when_peer_ready(self, remote: RemotePrefillParams, action: Callable[[], None],
                          fail: Callable[[str], None]) -> None:
         """Run `action` once this engine knows the peer (now, or after its handshake);
         `fail(why)` instead if the handshake fails or failed a moment ago."""
-        if remote.engine_id in self.peers:
+        if remote.remote_engine_id in self.peers:
             action()
-        elif (why := self.handshakes.failed_recently(remote.engine_id)) is not None:
+        elif (why := self.handshakes.failed_recently(remote.remote_engine_id)) is not None:
             fail(why)
-        elif (why := self.handshakes.start(remote.engine_id, remote.host, remote.port)) is not None:
+        elif (why := self.handshakes.start(remote.remote_engine_id, remote.remote_host,
+                                           remote.remote_port)) is not None:
             fail(why)
         else:
-            self.waiting_for_peer.setdefault(remote.engine_id, []).append((action, fail))
+            self.waiting_for_peer.setdefault(remote.remote_engine_id, []).append((action, fail))
 
     def _finish_handshakes(self) -> None:
         """Load the agents of peers whose handshake ended; run or fail what waited."""
@@ -164,7 +166,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         for remote, reason in metadata.reqs_to_reject:
             self._reject(remote, reason)
         for remote in metadata.reqs_to_keep_alive:
-            self._notify(remote, KeepAlive(remote.request_id))
+            self._notify(remote, KeepAlive(remote.remote_request_id))
 
     def _start_read(self, recv: ReqToRecv) -> None:
         self._when_peer_ready(recv.remote, lambda: self._post_read(recv), lambda why: self._fail_read(recv, why))
@@ -173,10 +175,10 @@ class NixlConnectorWorker(KVConnectorWorker):
         """The data READ; its read-done notification rides on it only when there is no
         lease word to check after it."""
         posting = self.config.clock()
-        done = b"" if recv.remote.lease_token is not None else encode_notif(ReadDone(recv.remote.request_id))
+        done = b"" if recv.remote.lease_token is not None else encode_notif(ReadDone(recv.remote.remote_request_id))
         try:
-            handle = self.transport.start_read(recv.remote.engine_id, recv.local_block_ids, recv.remote_block_ids,
-                                               done)
+            handle = self.transport.start_read(recv.remote.remote_engine_id, recv.local_block_ids,
+                                               recv.remote_block_ids, done)
         except Exception as exc:  # any transport failure fails this request only
             self._fail_read(recv, str(exc))
             return
@@ -192,7 +194,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         except RuntimeError as exc:
             return str(exc)
         try:
-            loading.handle = self.transport.start_word_read(remote.engine_id, remote.lease_slot, landing)
+            loading.handle = self.transport.start_word_read(remote.remote_engine_id, remote.lease_slot, landing)
         except Exception as exc:
             self.leases.landed(landing)
             return f"its lease word could not be read: {exc}"
@@ -200,26 +202,27 @@ class NixlConnectorWorker(KVConnectorWorker):
         return None
 
     def _fail_read(self, recv: ReqToRecv, why: str) -> None:
-        logger.warning("KV read for %s from %s failed to start: %s", recv.request_id, recv.remote.engine_id, why)
-        self.failed[recv.request_id] = f"the read from {recv.remote.host}:{recv.remote.port} could not start: {why}"
+        logger.warning("KV read for %s from %s failed to start: %s", recv.request_id, recv.remote.remote_engine_id, why)
+        where = f"{recv.remote.remote_host}:{recv.remote.remote_port}"
+        self.failed[recv.request_id] = f"the read from {where} could not start: {why}"
         self.stats.failures += 1
 
-    def _reject(self, remote: RemotePrefill, reason: str) -> None:
-        self._notify(remote, Reject(remote.request_id, reason))
+    def _reject(self, remote: RemotePrefillParams, reason: str) -> None:
+        self._notify(remote, Reject(remote.remote_request_id, reason))
 
-    def _notify(self, remote: RemotePrefill, notif: ReadDone | Reject | KeepAlive) -> None:
+    def _notify(self, remote: RemotePrefillParams, notif: ReadDone | Reject | KeepAlive) -> None:
         """Send P a notification once it is a known peer; if it cannot be reached, its
         lease decides (for a Reject: the blocks are freed at its end)."""
         def send() -> None:
             try:
-                self.transport.send_notif(remote.engine_id, encode_notif(notif))
+                self.transport.send_notif(remote.remote_engine_id, encode_notif(notif))
             except Exception as exc:
                 unreachable(str(exc))
                 return
             self._poll_for(NOTIF_FLUSH_S)
 
         def unreachable(why: str) -> None:
-            logger.info("could not send %s to %s: %s", notif, remote.engine_id, why)
+            logger.info("could not send %s to %s: %s", notif, remote.remote_engine_id, why)
             self.stats.failed_notifications += 1
 
         self._when_peer_ready(remote, send, unreachable)
@@ -261,7 +264,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         elif state == "DONE":
             output.finished_recving.add(req_id)
             if word is not None:  # checked: P may free the blocks now
-                self._notify(remote, ReadDone(remote.request_id))
+                self._notify(remote, ReadDone(remote.remote_request_id))
             if word is None or not loading.request.trusted:
                 output.unverified.add(req_id)
             self.stats.read_done(self.config.clock() - loading.started, loading.num_bytes, loading.num_descriptors)
@@ -270,8 +273,8 @@ class NixlConnectorWorker(KVConnectorWorker):
             why = {"ERR": "failed in transfer", "TIMEOUT": f"was still under way after "
                    f"{self.config.read_timeout_s:g} s"}.get(state, state.removeprefix("ERR: "))
             self._reject(remote, f"the read {why}")  # nothing retries it: P frees its blocks
-        logger.warning("KV read for %s from %s %s", req_id, remote.engine_id, why)
-        output.failed_recving[req_id] = f"the read from {remote.engine_id} {why}"
+        logger.warning("KV read for %s from %s %s", req_id, remote.remote_engine_id, why)
+        output.failed_recving[req_id] = f"the read from {remote.remote_engine_id} {why}"
         self.stats.failures += 1
 
     def _read_notifs(self, output: KVConnectorOutput) -> None:

@@ -246,7 +246,7 @@ class EngineClient:
         EngineDeadError if the engine dies. Stopping early (aclose, cancellation) aborts
         the request, every sequence of it, in the core."""
         queue = self._register(request.request_id)
-        unfinished = set(range(request.n))
+        unfinished = set(range(request.sampling_params.n))
         try:
             self._send(request)
             while unfinished:
@@ -264,7 +264,7 @@ class EngineClient:
         finally:
             self._queues.pop(request.request_id, None)
             if unfinished:
-                self._abort_quietly([sequence_id(request.request_id, j) for j in range(request.n)])
+                self._abort_quietly([sequence_id(request.request_id, j) for j in range(request.sampling_params.n)])
 
     async def abort(self, request_ids: list[str]) -> None:
         """Abort requests; each one's generator ends with a "abort" output. Unknown or

@@ -115,7 +115,9 @@ class EngineCore:
 
     def _check_token_ids(self, request: Request) -> None:
         """Every token id the request brings must index the vocabulary: one that does not
-        would fail the batch it is computed in."""
+        would fail the batch it is computed in. This is the engine's own door, for every
+        request whoever sends it (the server checks a body's ids too, to name the field
+        in its 400; `pd.LLM` does not)."""
         vocab = self.model_config.vocab_size
         first = list(request.remote_prefill.first_token_ids) if request.remote_prefill else []
         bias = [token for token, _ in request.sampling_params.logit_bias]

@@ -14,82 +14,55 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from pd.kv_transfer.params import RemoteDecodeParams, RemotePrefillParams, TransferParams
-from pd.structured.grammar import Grammar
-
+from pd.kv_transfer.params import TransferParams
 from pd.scheduling.request import RequestOutput
+from pd.scheduling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pd.scheduling.request import Request, SamplingParams
+    from pd.scheduling.request import Request
 
 
 # ---- server -> core ---------------------------------------------------------------
 
 
-# The SamplingParams fields an EngineRequest carries, by the same names.
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "ignore_eos",
-                   "logit_bias", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                   "min_tokens", "logprobs", "prompt_logprobs", "n", "grammar")
-
-
 class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
-    """A request to add: token ids and the fields of `SamplingParams`, unvalidated (the
-    core validates them and answers a bad one with an error output). The PD parameters
-    travel as `remote_decode` (P keeps the blocks for a decode server) or
-    `remote_prefill` (D reads them from P), already typed (pd/kv_transfer/params.py)."""
+    """A request to add: its token ids, its `SamplingParams` (checked again as the
+    engine process decodes them: a bad set is answered with an error output) and its
+    PD parameters, already typed (pd/kv_transfer/params.py)."""
 
     request_id: str
     prompt_token_ids: list[int]
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    logit_bias: list[tuple[int, float]] = []
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    n: int = 1
-    grammar: Grammar | None = None
-    remote_decode: bool = False
-    remote_prefill: RemotePrefillParams | None = None
+    sampling_params: SamplingParams
+    kv_transfer_params: TransferParams | None = None
     cache_salt: str | None = None
 
     @classmethod
     def create(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                kv_transfer_params: TransferParams | None = None,
                cache_salt: str | None = None) -> EngineRequest:
-        sampling = {name: getattr(params, name) for name in SAMPLING_FIELDS}
-        sampling = {name: list(v) if isinstance(v, tuple) else v for name, v in sampling.items()}  # as declared
-        return cls(request_id=request_id, prompt_token_ids=list(prompt_token_ids), **sampling,
-                   remote_decode=isinstance(kv_transfer_params, RemoteDecodeParams),
-                   remote_prefill=kv_transfer_params if isinstance(kv_transfer_params, RemotePrefillParams) else None,
-                   cache_salt=cache_salt)
-
-    @property
-    def kv_transfer_params(self) -> TransferParams | None:
-        if self.remote_prefill is not None:
-            return self.remote_prefill
-        return RemoteDecodeParams(True) if self.remote_decode else None
-
-    def sampling_params(self) -> SamplingParams:
-        """The validated params; ValueError if a field is out of range."""
-        from pd.scheduling.request import SamplingParams
-
-        return SamplingParams(**{name: getattr(self, name) for name in SAMPLING_FIELDS})  # it makes lists tuples
+        return cls(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
+                   kv_transfer_params=kv_transfer_params, cache_salt=cache_salt)
 
     def to_request(self) -> Request:
-        """The engine's Request; ValueError for bad params or an empty prompt."""
+        """The engine's Request; ValueError for an empty prompt."""
         from pd.scheduling.request import Request
 
-        return Request(self.request_id, list(self.prompt_token_ids), self.sampling_params(),
+        return Request(self.request_id, list(self.prompt_token_ids), self.sampling_params,
                        kv_transfer_params=self.kv_transfer_params, cache_salt=self.cache_salt)
+
+
+def refused_request_id(frame: bytes) -> str | None:
+    """The id of an `EngineRequest` frame that did not decode (its sampling parameters
+    out of range, say), so that it can be answered with an error output instead of
+    leaving its caller waiting; None when the frame names none."""
+    try:
+        fields = msgspec.msgpack.decode(frame)
+    except Exception:  # not msgpack at all
+        return None
+    if isinstance(fields, dict) and fields.get("type") == "EngineRequest":
+        request_id = fields.get("request_id")
+        return request_id if isinstance(request_id, str) and request_id else None
+    return None
 
 
 class ReleaseKV(msgspec.Struct, tag=True):

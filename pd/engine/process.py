@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
 import zmq
@@ -42,6 +43,7 @@ from pd.engine.messages import (
     StepOutputs,
     encode,
     input_decoder,
+    refused_request_id,
 )
 
 if TYPE_CHECKING:
@@ -149,7 +151,7 @@ class EngineLoop:
             self.outbox.send(encode(StepOutputs(outputs, stats)))
             self.last_stats = comparable
 
-    def receive(self) -> list[EngineInput]:
+    def receive(self) -> list[EngineInput | Refused]:
         """Every queued message; waits for the first one up to IDLE_POLL_MS when idle, or
         TRANSFER_POLL_MS when only KV transfers are in flight (they progress when polled)."""
         if self.core.has_compute_work():
@@ -163,17 +165,21 @@ class EngineLoop:
             frame = self.inbox.recv()
             try:
                 messages.append(self.decoder.decode(frame))
-            except Exception:  # not from our client (any decode failure); it cannot be answered
-                logger.exception("engine core: dropped a malformed input message")
+            except Exception as exc:  # any decode failure: answered if it names a request, else dropped
+                logger.exception("engine core: a malformed input message")
                 self.malformed_inputs += 1
+                if (request_id := refused_request_id(frame)) is not None:
+                    messages.append(Refused(request_id, f"the request cannot be served: {exc}"))
             self.ipc_seconds += time.perf_counter() - start
         return messages
 
-    def apply(self, messages: list[EngineInput]) -> list[RequestOutput]:
+    def apply(self, messages: list[EngineInput | Refused]) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for message in messages:
             if isinstance(message, EngineRequest):
                 outputs += self.add(message)
+            elif isinstance(message, Refused):
+                outputs.append(RequestOutput.refused(message.request_id, message.reason, ERROR_INVALID))
             elif isinstance(message, AbortRequests):
                 aborted = self.core.abort_requests(message.request_ids)
                 outputs += aborted
@@ -196,6 +202,14 @@ class EngineLoop:
             return [RequestOutput.refused(message.request_id, f"internal error: {type(e).__name__}: {e}",
                                              ERROR_INTERNAL)]
         return []
+
+
+@dataclass(frozen=True)
+class Refused:
+    """An EngineRequest that did not decode, answered with an error output."""
+
+    request_id: str
+    reason: str
 
 
 class _StopFlag:

@@ -43,6 +43,11 @@ BlockIds = Annotated[list[Annotated[list[BlockId], msgspec.Meta(max_length=INT32
 MAX_SEQUENCES = 1024  # first tokens a set may carry (the server holds them to the request's n)
 
 
+# Inside the engine (server -> engine process -> scheduler -> connector) the two kinds are
+# one tagged union, `TransferParams`; the tag is not part of the JSON a client sees.
+KIND = "kind"
+
+
 class TransferParamsError(ValueError):
     """`kv_transfer_params` that are not a valid PD parameter set; `field` names the
     offending field (dotted, under `kv_transfer_params`)."""
@@ -52,13 +57,13 @@ class TransferParamsError(ValueError):
         self.field = field
 
 
-class RemoteDecodeParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class RemoteDecodeParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field=KIND, tag="decode"):
     """proxy -> P: prefill this request and keep its blocks for a decode server."""
 
     do_remote_decode: Literal[True]
 
 
-class RemotePrefillParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class RemotePrefillParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field=KIND, tag="prefill"):
     """P -> D: the request's KV blocks are held on P (engine `remote_engine_id`, side
     channel `remote_host:remote_port`) under P's request id, positional per KV cache
     group (0: P holds no block there); P sampled `first_token_ids`, one per sequence of
@@ -88,14 +93,16 @@ class RemotePrefillParams(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     prompt_logprobs: PromptLogprobs | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object a response carries."""
-        return msgspec.to_builtins(self)
+        """The JSON object a response carries (the flag says what it is; no `kind`)."""
+        fields = msgspec.to_builtins(self)
+        del fields[KIND]
+        return fields
 
     def check_request(self, prompt_token_ids: Sequence[int], n: int, logprobs: int | None,
-                      prompt_logprobs: int | None) -> None:
-        """TransferParamsError unless these parameters fit the request they come with: a
-        first token per sequence, and the logprobs it asks for (k alternatives), scoring
-        those tokens and the prompt's."""
+                      prompt_logprobs: int | None, vocab_size: int) -> None:
+        """TransferParamsError unless these parameters fit the request they come with and
+        the model: a first token per sequence, the logprobs it asks for (k alternatives),
+        scoring those tokens and the prompt's, and every token id in the vocabulary."""
         if len(self.first_token_ids) != n:
             raise TransferParamsError(f"kv_transfer_params.first_token_ids has {len(self.first_token_ids)} tokens "
                                       f"for a request of n={n} sequences", "kv_transfer_params.first_token_ids")
@@ -105,6 +112,13 @@ class RemotePrefillParams(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
             raise TransferParamsError("kv_transfer_params.prompt_logprobs must start at token 1",
                                       "kv_transfer_params.prompt_logprobs")
         _check_rows("prompt_logprobs", scored, list(prompt_token_ids[1:]), prompt_logprobs)
+        for name, rows in (("first_token_ids", [self.first_token_ids]),
+                           ("first_logprobs", self.first_logprobs.token_ids if self.first_logprobs else []),
+                           ("prompt_logprobs", scored.token_ids if scored else [])):
+            bad = [t for ids in rows for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise TransferParamsError(f"kv_transfer_params.{name} holds token ids outside the vocabulary "
+                                          f"[0, {vocab_size}): {bad[:5]}", f"kv_transfer_params.{name}")
 
 
 def _check_rows(name: str, rows: Logprobs | None, token_ids: list[int], k: int | None) -> None:
@@ -125,7 +139,7 @@ class _NoPD(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     do_remote_prefill: Literal[False] = False
 
 
-TransferParams = RemoteDecodeParams | RemotePrefillParams
+TransferParams = RemoteDecodeParams | RemotePrefillParams  # tagged by `kind`
 
 
 def parse_transfer_params(raw: Any) -> TransferParams | None:

@@ -1,1 +1,3 @@
-"""A request's life in the engine: the request, the scheduler and its PD part, fair share, prompt sources, the scheduler-runner outputs and the connector API."""
+"""A request's life in the engine: the request and its sampling parameters, the scheduler
+and its PD part, fair share, prompt sources, the scheduler-runner outputs, and the
+connector API."""

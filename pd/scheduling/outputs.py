@@ -14,7 +14,7 @@ import torch
 
 from pd.logprobs import Logprobs, PromptLogprobs
 from pd.scheduling.connector_api import KVConnectorMetadata, KVConnectorOutput
-from pd.scheduling.request import SamplingParams
+from pd.scheduling.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

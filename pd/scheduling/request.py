@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -10,13 +9,8 @@ import msgspec
 
 from kv_events.hashing import BlockHash, extend_block_hashes
 from pd.kv_transfer.params import RemoteDecodeParams, RemotePrefillParams, TransferParams
-from pd.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
-from pd.structured.grammar import Grammar
-
-
-MAX_LOGIT_BIAS = 100.0  # |bias| a request may add to a token's logit (OpenAI's range)
-MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range); repetition_penalty in (0, 2]
-MAX_N = 128  # the most sequences one request may ask for (OpenAI's bound on n)
+from pd.logprobs import Logprobs, PromptLogprobs
+from pd.scheduling.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -29,92 +23,6 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_ERROR = enum.auto()  # failed in the engine (its remote KV could not be loaded)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens and when to stop. `temperature=0` is greedy; `top_k=None` and
-    `top_p=1.0` filter nothing; `seed` makes a request's sampling reproducible whatever
-    it is batched with. `prompt_logprobs=k` scores every prompt token (with the k most
-    likely tokens at each position; 0 for the prompt token alone), which computes the
-    whole prompt: its prefix-cache hits are not used. `logit_bias` adds (token id, bias)
-    to those logits before anything else (greedy picks among the biased logits too);
-    the penalties come next, as vLLM applies them: `repetition_penalty` divides the positive
-    logits (multiplies the negative ones) of every token in the prompt or the output so
-    far; `frequency_penalty` x (times the token was output) + `presence_penalty` (if it
-    was) is subtracted. `min_p` then drops, after temperature, the tokens less likely than
-    min_p times the most likely one. Until a request has `min_tokens` output tokens, EOS
-    (unless ignored) and its stop tokens cannot be sampled, and stop strings do not stop it.
-
-    `logprobs=k` (0-20) scores each sampled token, with the k most likely tokens at its
-    position. `n` sequences share one prefill: at the first token the request forks into n
-    (see `Request.index`), sequence j sampling with `seed + j` when seeded. With a
-    `grammar`, only the tokens it allows are sampled (masked before anything else), and
-    the request stops where the grammar ends."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    prompt_logprobs: int | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    logprobs: int | None = None
-    n: int = 1
-    grammar: Grammar | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if self.top_k is not None and self.top_k <= 0:
-            raise ValueError(f"top_k must be positive (or None for no limit), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        for name in ("prompt_logprobs", "logprobs"):
-            k = getattr(self, name)
-            if k is not None and not 0 <= k <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
-        if not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
-                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty <= MAX_PENALTY:
-            raise ValueError(f"repetition_penalty must be in (0, {MAX_PENALTY:g}], got {self.repetition_penalty}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        bias = tuple((int(token), float(value)) for token, value in self.logit_bias)
-        if any(not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS for _, value in bias):  # NaN fails too
-            raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
-        if len({token for token, _ in bias}) != len(bias):
-            raise ValueError("logit_bias names a token twice")
-        object.__setattr__(self, "logit_bias", bias)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def for_sequence(self, index: int) -> SamplingParams:
-        """The params of sequence `index` (> 0) of an n > 1 request: one sequence, seeded
-        with `seed + index` when the request is seeded."""
-        seed = None if self.seed is None else self.seed + index
-        return dataclasses.replace(self, n=1, seed=seed)
-
-    @property
-    def penalized(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 @dataclass(eq=False)

@@ -9,9 +9,9 @@ none are admitted in a step that preempted for growth. Which request is admitted
 and which sequence is preempted follow `fair_share.py`: the batch is shared max-min
 fairly between requests, so that one request's n sequences cannot starve the others. A
 request whose KV arrives asynchronously is parked until the connector reports it
-received (`RemoteKV`, remote_kv.py, is the scheduler's part in PD). A request with a grammar waits for it to compile
-first (WAITING_FOR_GRAMMAR); the masks of its next tokens go out with each step that
-samples it. After the step, `update_from_output` enters the newly written blocks in the
+received (`RemoteKV`, remote_kv.py, is the scheduler's part in PD). A request with a
+grammar waits for it to compile first (WAITING_FOR_GRAMMAR); the masks of its next
+tokens go out with each step that samples it. After the step, `update_from_output` enters the newly written blocks in the
 prefix cache, appends sampled tokens and finishes requests that stop. A request asking
 for n sequences forks at its first token into requests of its own that share its blocks
 copy on write (the copies of the blocks they do not share go out with the next step).

@@ -92,11 +92,11 @@ class Generation:
     _last_token_time: float | None = None
 
     def __post_init__(self) -> None:
-        request = self.prepared.engine_request
+        params = self.prepared.engine_request.sampling_params
         self.sequences = [Sequence(i, IncrementalDetokenizer(self.tokenizer, self.prepared.stop,
-                                                             min_tokens=request.min_tokens),
-                                   Logprobs() if request.logprobs is not None else None)
-                          for i in range(request.n)]
+                                                             min_tokens=params.min_tokens),
+                                   Logprobs() if params.logprobs is not None else None)
+                          for i in range(params.n)]
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Deltas of every sequence as they come: new text (or, when token ids were asked

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pd.logprobs import MAX_LOGPROBS
-from pd.scheduling.request import MAX_LOGIT_BIAS, MAX_N, MAX_PENALTY, SamplingParams
+from pd.scheduling.sampling_params import MAX_LOGIT_BIAS, MAX_N, SamplingParams, SamplingParamsError
 from pd.server.protocol import ChatCompletionRequest, RequestError, SamplingFields
 from pd.structured.grammar import Grammar
 
@@ -114,8 +114,6 @@ class SamplingChecker:
         if not 0.0 <= temperature <= 2.0:
             raise RequestError(f"temperature must be in [0, 2], got {temperature}", param="temperature")
         top_p = 1.0 if body.top_p is None else body.top_p
-        if not 0.0 < top_p <= 1.0:
-            raise RequestError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
         if body.top_k is not None and body.top_k < -1:
             raise RequestError(f"top_k must be positive, or 0 or -1 for no limit; got {body.top_k}", param="top_k")
         if body.seed is not None and not -MAX_SEED <= body.seed < MAX_SEED:
@@ -123,22 +121,12 @@ class SamplingChecker:
         stop_token_ids = body.stop_token_ids or []
         check_vocab(self.vocab_size, stop_token_ids, "stop_token_ids")
         min_p = 0.0 if body.min_p is None else body.min_p
-        if not 0.0 <= min_p <= 1.0:
-            raise RequestError(f"min_p must be in [0, 1], got {min_p}", param="min_p")
         logit_bias = self._logit_bias(body.logit_bias or {})
         min_tokens = body.min_tokens or 0
         if not 0 <= min_tokens <= max_tokens:
             raise RequestError(f"min_tokens must be in [0, {param}={max_tokens}], got {min_tokens}", param="min_tokens")
-        penalties = {name: getattr(body, name) for name in ("presence_penalty", "frequency_penalty")
+        penalties = {name: getattr(body, name) for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
                      if getattr(body, name) is not None}
-        for name, value in penalties.items():
-            if not -MAX_PENALTY <= value <= MAX_PENALTY:
-                raise RequestError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}", param=name)
-        if body.repetition_penalty is not None:
-            if not 0.0 < body.repetition_penalty <= MAX_PENALTY:
-                raise RequestError(f"repetition_penalty must be in (0, {MAX_PENALTY:g}], got {body.repetition_penalty}",
-                                   param="repetition_penalty")
-            penalties["repetition_penalty"] = body.repetition_penalty
         logprobs, prompt_logprobs, n = self._logprobs_and_choices(body)
         try:
             return SamplingParams(logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=n, grammar=grammar,
@@ -146,5 +134,5 @@ class SamplingChecker:
                                   top_k=body.top_k if body.top_k and 0 < body.top_k < self.vocab_size else None, top_p=top_p,
                                   seed=body.seed, stop_token_ids=tuple(stop_token_ids), ignore_eos=body.ignore_eos,
                                   logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens, **penalties)
-        except ValueError as e:  # a range the checks above missed
-            raise RequestError(str(e)) from None
+        except SamplingParamsError as e:  # the ranges SamplingParams holds every request to
+            raise RequestError(str(e), param=e.field) from None

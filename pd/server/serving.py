@@ -8,7 +8,6 @@ they produce into responses.
 
 from __future__ import annotations
 
-import dataclasses
 import hmac
 import os
 import time
@@ -17,12 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
 
 from pd.engine.messages import EngineRequest
 from pd.kv_transfer.connectors import NULL_CONNECTOR
 from pd.kv_transfer.params import RemoteDecodeParams, RemotePrefillParams, TransferParamsError, parse_transfer_params
 from pd.kv_transfer.signing import TransferParamsGuard, TransferParamsRefused, UntilExpiry
-from pd.scheduling.request import SamplingParams
+from pd.scheduling.sampling_params import SamplingParams
 from pd.server.chat import ChatTemplate, ChatTemplateError
 from pd.server.off_loop import OffLoop, TooManyWaiting
 from pd.server.sampling import RequestLimits, SamplingChecker, check_vocab
@@ -289,7 +289,7 @@ class Server:
                                "the end)", param="best_of")
         if isinstance(transfer, RemoteDecodeParams):  # P: prefill and the first token only, answered whole
             # (validated above as D will validate it; min_tokens >= 1 still keeps its one token from stopping it)
-            params, stream = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1)), False
+            params, stream = msgspec.structs.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1)), False
         engine_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
         engine_request = EngineRequest.create(engine_id, prompt_ids, params, transfer, body.cache_salt)
         return Prepared(request_id, engine_request, stop, stream, body.include_usage, body.return_token_ids,
@@ -309,15 +309,10 @@ class Server:
                                    "disaggregation (start it with --kv-connector nixl, or a --role)",
                                    param="kv_transfer_params", code="unsupported")
             if isinstance(transfer, RemotePrefillParams):
-                transfer.check_request(prompt_ids, params.n, params.logprobs, params.prompt_logprobs)
+                transfer.check_request(prompt_ids, params.n, params.logprobs, params.prompt_logprobs, self.vocab_size)
         except TransferParamsError as e:
             raise RequestError(str(e), param=e.field) from None
         if isinstance(transfer, RemotePrefillParams):
-            check_vocab(self.vocab_size, transfer.first_token_ids, "kv_transfer_params.first_token_ids")
-            for name in ("first_logprobs", "prompt_logprobs"):
-                rows = getattr(transfer, name)
-                check_vocab(self.vocab_size, [t for ids in rows.token_ids for t in ids] if rows else [],
-                            f"kv_transfer_params.{name}")
             try:
                 self.transfer_guard.check(transfer, prompt_ids)
             except TransferParamsRefused as e:

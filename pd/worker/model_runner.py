@@ -28,7 +28,7 @@ from pd.logprobs import Logprobs, PromptLogprobs
 from pd.models.base import CausalLM
 from pd.scheduling.connector_api import KVConnectorWorker
 from pd.scheduling.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from pd.scheduling.request import SamplingParams
+from pd.scheduling.sampling_params import SamplingParams
 from pd.worker.block_table import MultiGroupBlockTable
 from pd.worker.sampler import adjust, choose, make_generator, mask_tokens
 from pd.worker.scoring import prompt_logprobs, sampled_logprobs

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pd.llm import LLM
-from pd.scheduling.request import SamplingParams
+from pd.scheduling.sampling_params import SamplingParams
 from tests.support.hf_reference import ARCHS, checkpoints, hf_logits, hf_models, random_prompts  # noqa: F401 (fixtures)
 
 TOLERANCE = 1e-3

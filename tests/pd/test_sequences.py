@@ -6,13 +6,12 @@ group is writing: attention's last block, the sliding window's, the Mamba state)
 
 from __future__ import annotations
 
-import dataclasses
-
+import msgspec
 import pytest
 import torch
 
 from pd.llm import LLM
-from pd.scheduling.request import SamplingParams
+from pd.scheduling.sampling_params import SamplingParams
 from tests.support.hf_reference import ARCHS, checkpoints, hf_logits, hf_models, random_prompts  # noqa: F401 (fixtures)
 from tests.support.sampling_reference import brute_force_penalized
 
@@ -80,7 +79,7 @@ def seeded(n: int, **kw) -> SamplingParams:
 
 def separately(llm: LLM, prompt: list[int], params: SamplingParams) -> list:
     """Sequence j as a request of its own, seeded as the fork seeds it."""
-    return [llm.generate([prompt], dataclasses.replace(params, n=1, seed=params.seed + j))[0]
+    return [llm.generate([prompt], msgspec.structs.replace(params, n=1, seed=params.seed + j))[0]
             for j in range(params.n)]
 
 

@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import time
 
-from connectors.nixl.scheduler import RemotePrefill, ReqToRecv
+from connectors.nixl.scheduler import ReqToRecv
 from connectors.nixl.worker import NixlConnectorWorker, NixlWorkerConfig
 from pd.kv_cache.allocation import allocate_kv_caches
 from pd.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
+from pd.kv_transfer.params import RemotePrefillParams
 
 SPEC = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float32")  # 256-byte pages
 CONFIG = KVCacheConfig(num_blocks=32, groups=(KVCacheGroup(SPEC, ("a", "b")), KVCacheGroup(SPEC, ("c", "d"))))
+
+
+def remote_prefill(engine_id: str, host: str, port: int, request_id: str, lease_expires_at: float | None = None,
+                   lease_slot: int | None = None, lease_token: int | None = None) -> RemotePrefillParams:
+    """PD parameters naming where P holds a request's KV (the worker half reads only
+    these fields of them; the blocks it reads come with `ReqToRecv`)."""
+    return RemotePrefillParams(True, engine_id, host, port, request_id, [[0]], 1, [0], 1,
+                               lease_expires_at=lease_expires_at, lease_slot=lease_slot, lease_token=lease_token)
 
 
 class Clock:
@@ -61,4 +70,4 @@ class Poller:
 
 
 def recv(p, local, remote, lease=None) -> ReqToRecv:
-    return ReqToRecv("d1", RemotePrefill("P", "127.0.0.1", p.side_channel_port, "p1", lease), local, remote)
+    return ReqToRecv("d1", remote_prefill("P", "127.0.0.1", p.side_channel_port, "p1", lease), local, remote)

@@ -19,7 +19,8 @@ from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from pd.kv_transfer.params import RemoteDecodeParams, RemotePrefillParams
 from pd.scheduling.connector_api import KVConnectorOutput
 from pd.scheduling.outputs import ModelRunnerOutput
-from pd.scheduling.request import Request, RequestStatus, SamplingParams
+from pd.scheduling.request import Request, RequestStatus
+from pd.scheduling.sampling_params import SamplingParams
 from pd.scheduling.scheduler import Scheduler
 
 BLOCK = 16
@@ -106,7 +107,7 @@ def test_d_reads_exactly_the_positions_it_lacks(model: str) -> None:
     so, _ = run_step(d)
     (recv,) = so.kv_connector_metadata.reqs_to_recv
     assert d.requests["d1"].status is RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert recv.remote.request_id == "p1" and recv.remote_block_ids == out.kv_transfer_params.remote_block_ids
+    assert recv.remote.remote_request_id == "p1" and recv.remote_block_ids == out.kv_transfer_params.remote_block_ids
     local = d_kv.get_block_ids("d1")
     for group, spec in enumerate(d_kv.config.groups):
         reads = [i for i, b in enumerate(recv.local_block_ids[group]) if b]
@@ -154,7 +155,7 @@ def test_bad_params_are_computed_locally_and_rejected_to_p() -> None:
     assert so.num_scheduled_tokens == {"d1": len(prompt) + 1}  # computed here
     assert "do not fit" in wrong.kv_load_error and not wrong.do_remote_prefill
     (remote, reason), = so.kv_connector_metadata.reqs_to_reject
-    assert remote.request_id == "p1" and "41" in reason and connector.num_rejected == 1
+    assert remote.remote_request_id == "p1" and "41" in reason and connector.num_rejected == 1
 
 
 def test_refused_params_on_a_hybrid_use_the_local_hit_not_the_remote_one() -> None:
@@ -187,7 +188,7 @@ def test_aborting_before_admission_rejects_to_p() -> None:
     d.add_request(remote_request("d1", prompt, out.kv_transfer_params))
     d.abort_requests(["d1"])
     so, _ = run_step(d)
-    assert [r.request_id for r, _ in so.kv_connector_metadata.reqs_to_reject] == ["p1"]
+    assert [r.remote_request_id for r, _ in so.kv_connector_metadata.reqs_to_reject] == ["p1"]
     assert d_kv.usage == 0.0
 
 
@@ -247,7 +248,7 @@ def test_d_keeps_p_s_lease_alive_while_the_request_waits_and_reads_under_the_ext
     wall.now += 16  # past half of it
     connector.requests_waiting([request])
     (kept,) = connector.build_connector_meta().reqs_to_keep_alive
-    assert kept.request_id == "p1" and kept.port == params.remote_port
+    assert kept.remote_request_id == "p1" and kept.remote_port == params.remote_port
     connector.requests_waiting([request])  # sent once per half lease, not every step
     assert connector.build_connector_meta().reqs_to_keep_alive == []
     d.add_request(request)

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from connectors.nixl.scheduler import NixlConnectorMetadata, RemotePrefill, ReqToRecv, ReqToSend
-from tests.support.nixl_workers import CONFIG, Clock, Poller, make_worker, recv
+from connectors.nixl.scheduler import NixlConnectorMetadata, ReqToRecv, ReqToSend
+from pd.kv_transfer.params import RemotePrefillParams
+from tests.support.nixl_workers import CONFIG, Clock, Poller, make_worker, recv, remote_prefill
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -56,7 +57,7 @@ def test_a_reject_frees_at_once_and_a_lease_expiry_frees_later(pair) -> None:
     p, _, d, _ = pair
     p.start_load_kv(NixlConnectorMetadata(reqs_to_send=[ReqToSend("p1", p.config.clock() + 60),
                                                         ReqToSend("p2", p.config.clock() + 60)]))
-    d.start_load_kv(NixlConnectorMetadata(reqs_to_reject=[(RemotePrefill("P", "127.0.0.1", p.side_channel_port, "p1"),
+    d.start_load_kv(NixlConnectorMetadata(reqs_to_reject=[(remote_prefill("P", "127.0.0.1", p.side_channel_port, "p1"),
                                                           "aborted")]))
     poller = Poller(p, d)
     poller.until(lambda x: x.sent["P"])
@@ -72,7 +73,7 @@ def test_a_notification_to_a_new_peer_arrives_though_d_has_nothing_else_to_poll(
     polling for a while after it sent one, or P never hears of it."""
     p, _, d, _ = pair
     p.start_load_kv(NixlConnectorMetadata(reqs_to_send=[ReqToSend("p1", p.config.clock() + 60)]))
-    remote = RemotePrefill("P", "127.0.0.1", p.side_channel_port, "p1")
+    remote = remote_prefill("P", "127.0.0.1", p.side_channel_port, "p1")
     d.start_load_kv(NixlConnectorMetadata(reqs_to_reject=[(remote, "aborted")]) if notif == "reject"
                     else NixlConnectorMetadata(reqs_to_keep_alive=[remote]))
     Poller(p, d, as_engines=True).until(lambda x: p.stats.rejects_received + p.stats.keep_alives_received == 1)
@@ -93,7 +94,7 @@ def test_a_keep_alive_extends_the_lease_from_its_arrival(pair) -> None:
     p, _, d, _ = pair
     p.start_load_kv(NixlConnectorMetadata(reqs_to_send=[ReqToSend("p1", p.config.clock() + 60)]))
     p.config.clock.now += 30  # half the lease has passed when the KeepAlive arrives
-    d.start_load_kv(NixlConnectorMetadata(reqs_to_keep_alive=[RemotePrefill("P", "127.0.0.1", p.side_channel_port,
+    d.start_load_kv(NixlConnectorMetadata(reqs_to_keep_alive=[remote_prefill("P", "127.0.0.1", p.side_channel_port,
                                                                             "p1")]))
     Poller(p, d).until(lambda x: p.stats.keep_alives_received == 1)
     p.config.clock.now += 31  # past the first lease: the KeepAlive moved its end to arrival + 60
@@ -116,11 +117,11 @@ def test_an_incompatible_peer_or_unreachable_p_fails_the_request_only(pair) -> N
     try:
         other.start_load_kv(NixlConnectorMetadata(reqs_to_recv=[recv(p, [[1], [2]], [[3], [4]])]))
         Poller(other).until(lambda x: x.failed["D2"] == {"d1"})  # the handshake ran off the step
-        gone = ReqToRecv("d2", RemotePrefill("P9", "127.0.0.1", 1, "p9"), [[1], [2]], [[3], [4]])
+        gone = ReqToRecv("d2", remote_prefill("P9", "127.0.0.1", 1, "p9"), [[1], [2]], [[3], [4]])
         other.start_load_kv(NixlConnectorMetadata(reqs_to_recv=[gone]))
         Poller(other).until(lambda x: x.failed["D2"] == {"d2"})
         # a peer that just failed is not tried again: the next request naming it fails at once
-        again = ReqToRecv("d3", RemotePrefill("P9", "127.0.0.1", 1, "p9"), [[1], [2]], [[3], [4]])
+        again = ReqToRecv("d3", remote_prefill("P9", "127.0.0.1", 1, "p9"), [[1], [2]], [[3], [4]])
         other.start_load_kv(NixlConnectorMetadata(reqs_to_recv=[again]))
         assert other.get_finished(set()).failed_recving.keys() == {"d3"} and other.handshakes.num_pending == 0
     finally:
@@ -169,11 +170,11 @@ def test_a_read_still_under_way_after_the_timeout_is_cancelled_and_fails() -> No
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr
 
 
-def held(p, request_id: str = "p1") -> RemotePrefill:
+def held(p, request_id: str = "p1") -> RemotePrefillParams:
     """P keeps blocks for `request_id` (a lease slot and a lease); where D finds them."""
     slot, token = p.leases.hold(request_id)
     p.start_load_kv(NixlConnectorMetadata(reqs_to_send=[ReqToSend(request_id, p.config.clock() + 60)]))
-    return RemotePrefill("P", "127.0.0.1", p.side_channel_port, request_id, lease_slot=slot, lease_token=token)
+    return remote_prefill("P", "127.0.0.1", p.side_channel_port, request_id, lease_slot=slot, lease_token=token)
 
 
 @pytest.mark.parametrize("trusted", [True, False])

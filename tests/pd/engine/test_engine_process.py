@@ -24,7 +24,7 @@ from pd.engine.client import EngineClient, EngineDeadError, EngineStartupError
 from pd.engine.messages import EngineRequest, RequestOutput
 from pd.llm import LLM
 from pd.models.make_model import make_model
-from pd.scheduling.request import SamplingParams
+from pd.scheduling.sampling_params import SamplingParams
 
 ENGINE_ARGS = {"kv_cache_memory": 32 << 20, "max_model_len": 512}
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -184,7 +184,9 @@ def test_refused_requests_raise_and_leave_the_engine_serving(engine, prompts, re
     async def main():
         with pytest.raises(ValueError, match="max_model_len"):
             await collect(engine.generate(request("too-long", list(range(10, 522)))))
-        bad = EngineRequest(request_id="bad-top-p", prompt_token_ids=prompts[0], top_p=0.0)
+        bad_params = SamplingParams()
+        bad_params.top_p = 0.0  # unchecked, as a client that skips the check would send it
+        bad = EngineRequest(request_id="bad-top-p", prompt_token_ids=prompts[0], sampling_params=bad_params)
         with pytest.raises(ValueError, match="top_p"):
             await collect(engine.generate(bad))
         outputs = engine.generate(request("in-flight", prompts[0], LONG))
@@ -264,9 +266,9 @@ def test_token_ids_outside_the_vocabulary_are_refused_not_computed(engine, promp
 
     vocab = engine.info.vocab_size
     first_out_of_vocab = RemotePrefillParams(True, "p", "127.0.0.1", 1, "p1", [[1]], len(prompts[0]), [vocab], 16)
-    bad = {"prompt": EngineRequest(request_id="a", prompt_token_ids=prompts[0] + [vocab + 5]),
-           "stop_token_ids": EngineRequest(request_id="b", prompt_token_ids=prompts[0], stop_token_ids=[vocab]),
-           "first_token_ids": EngineRequest(request_id="c", prompt_token_ids=prompts[0], remote_prefill=first_out_of_vocab)}
+    bad = {"prompt": EngineRequest.create("a", prompts[0] + [vocab + 5], SamplingParams()),
+           "stop_token_ids": EngineRequest.create("b", prompts[0], SamplingParams(stop_token_ids=(vocab,))),
+           "first_token_ids": EngineRequest.create("c", prompts[0], SamplingParams(), first_out_of_vocab)}
     pid = engine.pid
 
     async def main():

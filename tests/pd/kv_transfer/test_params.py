@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 
 from pd.kv_transfer.params import RemoteDecodeParams, RemotePrefillParams, TransferParamsError, parse_transfer_params
@@ -94,3 +95,27 @@ def test_a_malformed_set_is_refused_naming_the_field(name: str) -> None:
 def test_params_that_are_not_an_object_are_refused(raw) -> None:
     with pytest.raises(TransferParamsError, match="must be an object"):
         parse_transfer_params(raw)
+
+
+def test_one_tagged_union_from_the_server_to_the_engine() -> None:
+    """EngineRequest carries either kind in one field; the tag stays out of the JSON."""
+    from pd.engine.messages import EngineRequest, input_decoder
+    from pd.scheduling.sampling_params import SamplingParams
+
+    for params in (parse_transfer_params(GOOD), RemoteDecodeParams(True), None):
+        request = EngineRequest.create("r", [1, 2], SamplingParams(), params)
+        assert input_decoder().decode(msgspec.msgpack.encode(request)).kv_transfer_params == params
+    assert "kind" not in parse_transfer_params(GOOD).to_json()
+
+
+@pytest.mark.parametrize("field, changes", [
+    ("first_token_ids", {"first_token_ids": [50]}),
+    ("first_logprobs", {"first_logprobs": {"token_ids": [[7, 50]], "logprobs": [[-0.1, -2.0]], "ranks": [1]}}),
+])
+def test_token_ids_outside_the_vocabulary_are_named(field: str, changes: dict) -> None:
+    params = parse_transfer_params(GOOD | changes)
+    logprobs = 1 if "first_logprobs" in changes else None
+    with pytest.raises(TransferParamsError, match="outside the vocabulary") as error:
+        params.check_request(list(range(40)), 1, logprobs, None, vocab_size=50)
+    assert error.value.field == f"kv_transfer_params.{field}"
+    params.check_request(list(range(40)), 1, logprobs, None, vocab_size=51)  # 50 is in a vocabulary of 51

@@ -11,7 +11,7 @@ import torch
 
 from pd.llm import LLM
 from pd.models.gguf import GGUFModel
-from pd.scheduling.request import SamplingParams
+from pd.scheduling.sampling_params import SamplingParams
 from pd.tokenizer import Tokenizer
 from tests.support.gguf_reference import assert_same_as_the_reference
 from tests.support.real_gemma import PROMPTS, gguf_reader, hf_gemma

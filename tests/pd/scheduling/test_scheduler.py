@@ -21,7 +21,8 @@ from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from pd.kv_transfer.params import RemotePrefillParams
 from pd.scheduling.connector_api import NullConnectorScheduler
 from pd.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
-from pd.scheduling.request import Request, RequestStatus, SamplingParams
+from pd.scheduling.request import Request, RequestStatus
+from pd.scheduling.sampling_params import SamplingParams
 from pd.scheduling.scheduler import Scheduler
 
 BLOCK = 16
