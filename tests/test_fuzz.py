@@ -284,15 +284,16 @@ def test_nixl_notifications_to_the_prefill_server(deployment) -> None:
 
     p = deployment["p"]
     compat = http_client().get(f"{p.url}/v1/kv_config", timeout=10).json()["compat_hash"]
-    # P polls NIXL while it holds blocks for a decode server (and for a while after): an idle P
-    # receives nothing, as it needs nothing. Hold one under the lease while the fuzzer sends.
-    held = http_client().post(f"{p.url}/v1/completions", timeout=60,
-                              json=REFERENCE_BODY | {"kv_transfer_params": {"do_remote_decode": True}})
-    assert held.status_code == 200, held.text
     sender = subprocess.Popen([sys.executable, "-c", NOTIFIER, str(deployment["ports"]["side"]), compat],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
         assert sender.stdout.readline().strip() == b"ready"
+        # P polls NIXL while it holds blocks for a decode server (and for a while after): an idle P
+        # receives nothing, as it needs nothing. Hold one under the lease while the fuzzer sends,
+        # from when the sender is ready (its start took longer than P's 5 s lease on a loaded run).
+        held = http_client().post(f"{p.url}/v1/completions", timeout=60,
+                                  json=REFERENCE_BODY | {"kv_transfer_params": {"do_remote_decode": True}})
+        assert held.status_code == 200, held.text
         valid = [encode_notif(n) for n in (ReadDone("cmpl-1"), Reject("cmpl-2", "why"), KeepAlive("cmpl-3"))]
 
         @budget("nixl")
