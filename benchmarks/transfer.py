@@ -46,7 +46,7 @@ import torch
 from benchmarks.transfer_peer import P_SEED, start_peer, timed, timed_read
 from benchmarks.transfer_request import LAYOUTS, bench_one, format_table, kv_config
 from connectors.nixl.handshake import SideChannelServer, fetch_remote_layout
-from connectors.nixl.messages import HandshakeRequest, HandshakeResponse, ReadDone, encode_notif
+from connectors.nixl.peer_messages import HandshakeRequest, HandshakeResponse, ReadDone, encode_notif
 from connectors.nixl.transport import NixlTransport
 from connectors.nixl.ucx import configure_ucx
 from pd.models.make_model import ARCHS

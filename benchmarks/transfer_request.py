@@ -15,15 +15,15 @@ import torch
 
 from benchmarks.transfer_peer import D_SEED, P_SEED, start_peer, timed, timed_read
 from connectors.nixl.handshake import SideChannelServer, fetch_remote_layout
-from connectors.nixl.messages import HandshakeRequest, HandshakeResponse, ReadDone, encode_notif
+from connectors.nixl.peer_messages import HandshakeRequest, HandshakeResponse, ReadDone, encode_notif
 from connectors.nixl.transport import NixlTransport, paired_runs
 from pd.kv_cache.allocation import KVCacheAllocation, allocate_kv_caches
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.spec import KVCacheConfig
 from pd.kv_transfer.compat import compat_hash
-from pd.models.config import ModelConfig
 from pd.models.loader import load_model
 from pd.models.make_model import make_model
+from pd.models.model_config import ModelConfig
 
 BLOCK_SIZE = 16
 LAYOUTS = ("canonical", "per-layer")

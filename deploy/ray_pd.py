@@ -30,7 +30,7 @@ from launch.process import GROUP_GRACE_S, STOP_TIMEOUT_S, keep_running
 from launch.signals import ignore_stop_signals, install_signal_handlers, signals_deferred
 
 from pd.kv_transfer.signing import SECRET_ENV
-from pd.models.config import SUPPORTED_DTYPES
+from pd.models.model_config import SUPPORTED_DTYPES
 from proxy.instances import POLICIES
 
 ROLES = ("prefill", "decode")

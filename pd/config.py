@@ -10,7 +10,7 @@ from pathlib import Path
 from pd.kv_transfer.connector_config import ConnectorConfig
 from pd.kv_transfer.connectors import AUTO_CONNECTOR, KV_CONNECTORS, NULL_CONNECTOR
 from pd.kv_transfer.signing import DEFAULT_ALLOWED_PEERS, SECRET_ENV, secret_from_env
-from pd.models.config import AUTO_DTYPE, SUPPORTED_DTYPES, resolve_dtype
+from pd.models.model_config import AUTO_DTYPE, SUPPORTED_DTYPES, resolve_dtype
 
 KV_LAYOUTS = ("canonical", "per-layer")
 ROLES = ("both", "prefill", "decode")

@@ -19,11 +19,11 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from proxy.config import ProxyConfig
 from proxy.errors import ProxyError, error_response
 from proxy.forward import forward
 from proxy.kv_subscriber import follow_kv_events
 from proxy.metrics import CONTENT_TYPE
+from proxy.proxy_config import ProxyConfig
 from proxy.upstream import Upstream
 
 logger = logging.getLogger(__name__)

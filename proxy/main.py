@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from proxy.config import PROXY_DEFAULTS, ProxyConfig
 from proxy.instances import POLICIES
+from proxy.proxy_config import PROXY_DEFAULTS, ProxyConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 

@@ -38,10 +38,10 @@ from proxy.answers import (ENGINE_DEAD, KV_HELD_LIMIT, OVERLOADED_RETRY_AFTER_S,
                            is_server_failure, kv_held_response, overloaded_response, passed_back, retry_after_s)
 from proxy.admission import Admission
 from proxy.body import BodyError, parse_body, prefill_body
-from proxy.config import ProxyConfig
 from proxy.errors import error_response
 from proxy.instances import Instance, InstancePool, NoInstanceError, OverloadedError, Route
 from proxy.metrics import ProxyMetrics
+from proxy.proxy_config import ProxyConfig
 
 logger = logging.getLogger(__name__)
 

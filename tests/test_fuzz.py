@@ -227,8 +227,8 @@ def test_the_kv_events_replay_socket(deployment) -> None:
 
 
 def test_the_kv_side_channel(deployment) -> None:
-    from connectors.nixl.messages import HandshakeRequest
-    from connectors.nixl.messages import encode as encode_handshake
+    from connectors.nixl.peer_messages import HandshakeRequest
+    from connectors.nixl.peer_messages import encode as encode_handshake
 
     valid = encode_handshake(HandshakeRequest("pd-fuzzer", "0" * 64))
     fuzz_socket(deployment["ports"]["side"], valid, BUDGET["side_channel"], envelope=True)
@@ -254,7 +254,7 @@ def test_random_bytes_on_every_tcp_port(deployment) -> None:
 NOTIFIER = r"""
 import struct, sys, time
 from connectors.nixl.handshake import fetch_remote_layout
-from connectors.nixl.messages import HandshakeRequest
+from connectors.nixl.peer_messages import HandshakeRequest
 from connectors.nixl.transport import _load_nixl
 from connectors.nixl.ucx import configure_ucx
 
@@ -280,7 +280,7 @@ while time.monotonic() < end:  # without a progress thread, sends move while we 
 def test_nixl_notifications_to_the_prefill_server(deployment) -> None:
     import struct
 
-    from connectors.nixl.messages import KeepAlive, ReadDone, Reject, encode_notif
+    from connectors.nixl.peer_messages import KeepAlive, ReadDone, Reject, encode_notif
 
     p = deployment["p"]
     compat = http_client().get(f"{p.url}/v1/kv_config", timeout=10).json()["compat_hash"]

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import zmq
 
-from connectors.nixl.messages import (
+from connectors.nixl.peer_messages import (
     HandshakeError,
     HandshakeReply,
     HandshakeRequest,

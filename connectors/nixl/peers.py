@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from connectors.nixl.handshake import fetch_remote_layout
-from connectors.nixl.messages import HandshakeRequest, HandshakeResponse
+from connectors.nixl.peer_messages import HandshakeRequest, HandshakeResponse
 
 MAX_PENDING = 64  # handshakes under way at once (each on a thread of its own)
 MAX_PENDING_PER_ADDRESS = 2  # of them with one host and port

@@ -36,8 +36,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from connectors.nixl.peer_messages import DataRefInfo, DeviceKind, HandshakeResponse, KVLayoutInfo, TensorInfo
 from pd.kv_cache.canonical import CanonicalKVCaches, KVCacheBlockTensor
-from connectors.nixl.messages import DataRefInfo, DeviceKind, HandshakeResponse, KVLayoutInfo, TensorInfo
 
 logger = logging.getLogger(__name__)
 

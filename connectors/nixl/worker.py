@@ -38,7 +38,7 @@ from connectors.nixl.leases import LeaseTable
 from pd.kv_cache.canonical import CanonicalKVCaches
 from pd.kv_transfer.params import RemotePrefillParams
 from pd.scheduling.connector_api import KVConnectorOutput, KVConnectorWorker
-from connectors.nixl.messages import (HandshakeError, HandshakeRequest, HandshakeResponse, KeepAlive,
+from connectors.nixl.peer_messages import (HandshakeError, HandshakeRequest, HandshakeResponse, KeepAlive,
                                       NotifDecodeError, ReadDone, Reject, decode_notif, encode_notif)
 from connectors.nixl.peers import PeerHandshakes
 from connectors.nixl.scheduler import NixlConnectorMetadata, ReqToRecv

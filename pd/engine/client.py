@@ -36,7 +36,7 @@ import zmq
 import zmq.asyncio
 
 from pd.config import EngineConfig
-from pd.engine.messages import (
+from pd.engine.ipc_messages import (
     AbortRequests,
     EngineFailed,
     EngineInfo,

@@ -14,16 +14,16 @@ import uuid
 import torch
 
 from pd.config import EngineConfig, SchedulerConfig
+from pd.engine.ipc_messages import EngineInfo, EngineStats, HistogramSnapshot
 from pd.engine.kv_event_publisher import KVEventPublisher, NoKVEvents
 from pd.engine.malloc import keep_freed_memory
-from pd.engine.messages import EngineInfo, EngineStats, HistogramSnapshot
 from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.spec import KVCacheConfig, MambaSpec
 from pd.kv_transfer.compat import compat_hash
 from pd.kv_transfer.connectors import KV_CONNECTORS
-from pd.models.config import ModelConfig
 from pd.models.loader import load_model
+from pd.models.model_config import ModelConfig
 from pd.models.packed import pack_linears
 from pd.models.quantized import quantize_linears
 from pd.scheduling.connector_api import ConnectorContext

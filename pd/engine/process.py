@@ -29,7 +29,7 @@ import zmq
 
 from pd.config import EngineConfig
 from pd.errors import ERROR_INTERNAL, ERROR_INVALID, ERROR_KV_HELD_LIMIT, HeldBlocksLimitError
-from pd.engine.messages import (
+from pd.engine.ipc_messages import (
     AbortRequests,
     EngineFailed,
     EngineInput,

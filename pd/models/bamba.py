@@ -29,9 +29,9 @@ from torch import nn
 from pd.attention.layer import Attention
 from pd.kv_cache.spec import KVCacheSpec
 from pd.models.base import CausalLM
-from pd.models.config import ModelConfig
 from pd.models.layers import GatedMLP, MergedLinear, RMSNorm, get_rope, rope_parameters
 from pd.models.mamba2 import Mamba2Mixer
+from pd.models.model_config import ModelConfig
 
 MAMBA, ATTENTION = "mamba", "attention"
 _KIND_NAMES = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from pd.kv_cache.spec import KVCacheSpec
-from pd.models.config import ModelConfig
 from pd.models.layers import MergedLinear
+from pd.models.model_config import ModelConfig
 
 # (fused parameter, published name, shard index): published q/k/v and gate/up weights
 # load into slices of one fused matmul.

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pd.models.config import ModelConfig
 from pd.models.gguf import is_gguf
+from pd.models.model_config import ModelConfig
 from pd.models.registry import supported_name
 
 def safetensors_files(model_dir: Path) -> list[Path]:

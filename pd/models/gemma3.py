@@ -16,8 +16,8 @@ from torch import nn
 
 from pd.attention.layer import Attention
 from pd.models.base import CausalLM
-from pd.models.config import ModelConfig
 from pd.models.layers import GatedMLP, MergedLinear, RMSNorm, get_rope
+from pd.models.model_config import ModelConfig
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' Gemma3TextConfig defaults, for configs that leave a field out.

@@ -14,8 +14,8 @@ from torch import nn
 
 from pd.attention.layer import Attention
 from pd.models.base import CausalLM
-from pd.models.config import ModelConfig
 from pd.models.layers import GatedMLP, MergedLinear, RMSNorm, get_rope, rope_parameters
+from pd.models.model_config import ModelConfig
 
 
 def layer_types(config: ModelConfig) -> list[str]:

@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pd.kv_cache.allocation import torch_dtype
 from pd.models.base import CausalLM
-from pd.models.config import ModelConfig
 from pd.models.files import safetensors_files
 from pd.models.gguf import is_gguf, open_gguf
+from pd.models.model_config import ModelConfig
 from pd.models.registry import model_class
-from pd.kv_cache.allocation import torch_dtype
 
 
 def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -168,7 +168,7 @@ FINISH_REASONS = {
 
 class RequestOutput(msgspec.Struct):
     """What one step produced for one sequence of a request: new tokens, and how it ended
-    if it did; the engine process sends it to the server as it is (pd/engine/messages.py).
+    if it did; the engine process sends it to the server as it is (pd/engine/ipc_messages.py).
     `request_id` is the client's request and `index` the sequence (0 unless it asked for
     n > 1). `finish_reason` is "stop", "length", "abort" or "error" (then `error` says
     why); `error` alone (no `finish_reason`): the engine refused the request, which never

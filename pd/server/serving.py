@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from pd.engine.messages import EngineRequest
+from pd.engine.ipc_messages import EngineRequest
 from pd.kv_transfer.connectors import NULL_CONNECTOR
 from pd.kv_transfer.params import RemoteDecodeParams, RemotePrefillParams, TransferParamsError, parse_transfer_params
 from pd.kv_transfer.signing import TransferParamsGuard, TransferParamsRefused, UntilExpiry

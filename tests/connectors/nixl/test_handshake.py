@@ -22,7 +22,7 @@ from connectors.nixl.handshake import (
     SideChannelServer,
     fetch_remote_layout,
 )
-from connectors.nixl.messages import (
+from connectors.nixl.peer_messages import (
     DataRefInfo,
     HandshakeError,
     HandshakeRequest,

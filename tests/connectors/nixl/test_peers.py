@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from connectors.nixl.messages import HandshakeRequest
+from connectors.nixl.peer_messages import HandshakeRequest
 from connectors.nixl.peers import PeerHandshakes
 
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from connectors.nixl.handshake import HandshakeFailed, SideChannelServer, fetch_remote_layout
-from connectors.nixl.messages import (
+from connectors.nixl.peer_messages import (
     HandshakeError,
     HandshakeRequest,
     HandshakeResponse,

@@ -21,7 +21,7 @@ import torch
 
 from pd.config import EngineConfig
 from pd.engine.client import EngineClient, EngineDeadError, EngineStartupError
-from pd.engine.messages import EngineRequest, RequestOutput
+from pd.engine.ipc_messages import EngineRequest, RequestOutput
 from pd.llm import LLM
 from pd.models.make_model import make_model
 from pd.scheduling.sampling_params import SamplingParams

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pd.models.config import resolve_dtype
 from pd.models.make_model import make_model
+from pd.models.model_config import resolve_dtype
 
 pytestmark = pytest.mark.slow  # seconds per test of real sockets, servers and timeouts
 PD = str(Path(sys.executable).parent / "pd")
@@ -63,7 +63,7 @@ def test_auto_dtype_is_the_checkpoints_own_or_bfloat16_for_a_gguf(tmp_path, monk
     model = make_model("qwen3", tmp_path / "m", seed=1)  # config.json says float32
     assert resolve_dtype(model, "auto", "cpu") == ("float32", "auto: the checkpoint's dtype")
     assert resolve_dtype(model, "bfloat16", "cpu")[0] == "bfloat16"
-    import pd.models.config as config
+    import pd.models.model_config as config
 
     monkeypatch.setattr(config, "_bfloat16_native", lambda device: True)
     assert resolve_dtype(tmp_path / "x.gguf", "auto", "cpu")[0] == "bfloat16"
@@ -120,7 +120,7 @@ def write_qwen3_gguf(folder: Path, out: Path, quantize_matrices: bool) -> None:
 def test_a_qwen3_gguf_loads_the_same_model_as_its_hf_folder(tmp_path, quantized) -> None:
     import torch
 
-    from pd.models.config import ModelConfig
+    from pd.models.model_config import ModelConfig
     from pd.models.loader import load_model
 
     folder = make_model("qwen3", tmp_path / "qwen3", seed=1)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pd.models.config import ModelConfig
 from pd.models.loader import load_model
 from pd.models.make_model import make_model
+from pd.models.model_config import ModelConfig
 from pd.models.registry import model_class
 
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
-from pd.models.config import ModelConfig
 from pd.models.loader import load_model
 from pd.models.make_model import make_model
+from pd.models.model_config import ModelConfig
 from pd.models.registry import model_class
 from tests.support.model_runs import BLOCK_SIZE, run_prompt
 

@@ -14,9 +14,9 @@ from torch import nn
 
 from pd.config import EngineConfig
 from pd.models import quantized
-from pd.models.config import ModelConfig
 from pd.models.loader import load_model
 from pd.models.make_model import make_model
+from pd.models.model_config import ModelConfig
 from pd.models.quantized import HADAMARD_ROWS, hadamard, quantize_linears, quantize_weight, reference, rotation_block
 from tests.support.model_runs import run_prompt
 

@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from connectors.nixl.handshake import HandshakeFailed, fetch_remote_layout
-from connectors.nixl.messages import HandshakeRequest, HandshakeResponse, decode_reply
+from connectors.nixl.peer_messages import HandshakeRequest, HandshakeResponse, decode_reply
 from tests.support.pd_client import complete, p_then_d, prefill
 from tests.support.server_harness import running_server, started_together
 

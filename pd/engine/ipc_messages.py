@@ -104,7 +104,7 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     architectures: list[str]
     stats: EngineStats  # at start-up: what /metrics shows before the first step
     kv_events: dict[str, str] | None = None  # {"publisher": tcp://..., "replay": tcp://...} when published
-    compat_hash: str = ""  # equal on engines whose KV blocks mean the same (connectors/nixl/messages.py)
+    compat_hash: str = ""  # equal on engines whose KV blocks mean the same (pd/kv_transfer/compat.py)
 
 
 class HistogramSnapshot(msgspec.Struct):

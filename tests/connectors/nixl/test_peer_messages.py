@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connectors.nixl.messages import (
+from connectors.nixl.peer_messages import (
     DataRefInfo,
     HandshakeError,
     HandshakeRequest,

@@ -54,8 +54,8 @@ class KVLayoutInfo(msgspec.Struct, frozen=True):
     """An engine's KV cache as a peer needs it to build READ descriptors.
 
     `group_data_refs[g]` are the refs of KV cache group g; `block_sizes[g]` its tokens per
-    block (an empty list: not stated). `compat_hash` (see `compat_hash()`) is equal on two engines iff they may
-    exchange KV blocks.
+    block (an empty list: not stated). `compat_hash` (pd/kv_transfer/compat.py) is equal
+    on two engines iff they may exchange KV blocks.
     """
 
     engine_id: str
