@@ -16,7 +16,8 @@ import torch
 from benchmarks.transfer_peer import D_SEED, P_SEED, start_peer, timed, timed_read
 from connectors.nixl.handshake import SideChannelServer, fetch_remote_layout
 from connectors.nixl.peer_messages import HandshakeRequest, HandshakeResponse, ReadDone, encode_notif
-from connectors.nixl.transport import NixlTransport, paired_runs
+from connectors.nixl.descriptors import paired_runs
+from connectors.nixl.transport import NixlTransport
 from pd.kv_cache.allocation import KVCacheAllocation, allocate_kv_caches
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.spec import KVCacheConfig

@@ -12,15 +12,7 @@ while idle), because:
   without the remote's help (UCX reads it with CMA on one host), so a READ posted with
   `notif=b""` completes on this side's polling alone.
 
-Descriptors: one per run per data ref, where a run is a maximal sequence of positions
-whose local AND remote block ids both go up by one. Canonical layout (one ref per group)
-gives one descriptor per run; per-layer layout one per run per layer. They are built per
-transfer (`initialize_xfer`) rather than prepped once per block and picked by index
-(`make_prepped_xfer`): measured DRAM->DRAM between two processes, both ran at the same
-bandwidth (6.0 GB/s for 1003 blocks of 64 KiB in 3 runs, 4.2-4.3 GB/s for 4075 blocks of
-4 KiB), because NIXL merges adjacent descriptors of a prepped transfer itself (telemetry:
-3 descriptors for 1003 block indices). Per-transfer lists cost O(runs x refs) per READ and
-need no O(blocks x refs) descriptor lists per peer prepared and kept.
+READ descriptors come from descriptors.py.
 
 Not thread-safe: one thread (the engine's) uses a transport.
 """
@@ -36,12 +28,12 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from connectors.nixl.descriptors import read_descriptors
 from connectors.nixl.peer_messages import DataRefInfo, DeviceKind, HandshakeResponse, KVLayoutInfo, TensorInfo
 from pd.kv_cache.canonical import CanonicalKVCaches, KVCacheBlockTensor
 
 logger = logging.getLogger(__name__)
 
-NULL_BLOCK_ID = 0
 XferState = Literal["PROC", "DONE", "ERR"]
 
 
@@ -70,26 +62,6 @@ class _Peer:
     name: str
     layout: KVLayoutInfo
     metadata: bytes
-
-
-def paired_runs(local_ids: Sequence[int], remote_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(local start, remote start, length) of each maximal run of positions where both ids
-    go up by one, in order. Positions where either id is the null block are skipped."""
-    return [tuple(int(x) for x in run) for run in zip(*_paired_run_arrays(local_ids, remote_ids))]
-
-
-def _paired_run_arrays(local_ids: Sequence[int], remote_ids: Sequence[int]) -> tuple[np.ndarray, ...]:
-    """`paired_runs` as three int64 arrays (local starts, remote starts, lengths), built
-    without a Python loop over the blocks: a request can hold thousands."""
-    local, remote = np.asarray(local_ids, dtype=np.int64), np.asarray(remote_ids, dtype=np.int64)
-    if local.shape != remote.shape:
-        raise ValueError(f"{local.size} local block ids for {remote.size} remote ones")
-    real = (local != NULL_BLOCK_ID) & (remote != NULL_BLOCK_ID)
-    local, remote = local[real], remote[real]
-    breaks = np.ones(local.size, dtype=bool)
-    breaks[1:] = (np.diff(local) != 1) | (np.diff(remote) != 1)
-    starts = np.flatnonzero(breaks)
-    return local[starts], remote[starts], np.diff(np.append(starts, local.size))
 
 
 class NixlTransport:
@@ -215,7 +187,7 @@ class NixlTransport:
         Raises ValueError for an unknown peer or bad block lists. A failure of NIXL or
         the peer does not raise: the handle is then in state ERR."""
         peer = self._peer(peer_engine_id)
-        local, remote = self._descriptors(peer.layout, local_block_ids, remote_block_ids)
+        local, remote = read_descriptors(self._tensors, self._refs, peer.layout, local_block_ids, remote_block_ids)
         handle = TransferHandle(peer_engine_id, len(local), int(local[:, 1].sum()))
         if not len(local):
             return self._notify_only(handle, peer, notif)
@@ -332,28 +304,6 @@ class NixlTransport:
         except KeyError:
             raise ValueError(f"unknown NIXL peer {engine_id!r}: add_peer it first") from None
 
-    def _descriptors(
-        self, peer: KVLayoutInfo, local_ids: list[list[int]], remote_ids: list[list[int]]
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(address, length, device id) rows as uint64 arrays, aligned: row i of both is
-        one run of one ref."""
-        if len(local_ids) != len(self._refs) or len(remote_ids) != len(self._refs):
-            raise ValueError(f"block ids for {len(local_ids)} local and {len(remote_ids)} remote groups; "
-                             f"the KV cache has {len(self._refs)}")
-        local, remote = [], []
-        for group_id, (lids, rids) in enumerate(zip(local_ids, remote_ids)):
-            if len(lids) != len(rids):
-                raise ValueError(f"group {group_id}: {len(lids)} local block ids for {len(rids)} remote ones")
-            lids, rids = np.asarray(lids, dtype=np.int64), np.asarray(rids, dtype=np.int64)
-            _check_ids(lids, self._tensors[0].num_blocks, f"group {group_id} local")
-            _check_ids(rids, peer.tensors[0].num_blocks, f"group {group_id} remote")
-            l_starts, r_starts, lengths = _paired_run_arrays(lids, rids)
-            for ours, theirs in zip(self._refs[group_id], peer.group_data_refs[group_id]):
-                local.append(_run_ranges(self._tensors[ours.tensor_idx], ours, l_starts, lengths))
-                remote.append(_run_ranges(peer.tensors[theirs.tensor_idx], theirs, r_starts, lengths))
-        empty = np.empty((0, 3), dtype=np.uint64)
-        return np.concatenate([empty, *local]), np.concatenate([empty, *remote])
-
     def _notify_only(self, handle: TransferHandle, peer: _Peer, notif: bytes) -> TransferHandle:
         if notif:
             try:
@@ -378,24 +328,6 @@ class NixlTransport:
             xfer.release()
         except self._errors as exc:  # NIXL keeps it on its leak list and retries at teardown
             logger.info("releasing a %s transfer to %r: %s", handle.state, handle.peer_engine_id, exc)
-
-
-def _check_ids(ids: np.ndarray, num_blocks: int, what: str) -> None:
-    bad = np.flatnonzero((ids < 0) | (ids >= num_blocks))
-    if bad.size:
-        raise ValueError(f"{what} block id {ids[bad[0]]} out of range [0, {num_blocks})")
-
-
-def _run_ranges(tensor: TensorInfo, ref: DataRefInfo, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """One (address, length, device id) row per run (start, n): rows start..start+n-1
-    from the ref's offset in the first to the end of its page in the last (as
-    block_ranges)."""
-    row = tensor.row_bytes
-    ranges = np.empty((starts.size, 3), dtype=np.uint64)
-    ranges[:, 0] = tensor.base_address + starts * row + ref.offset_bytes
-    ranges[:, 1] = (lengths - 1) * row + ref.page_size_bytes
-    ranges[:, 2] = tensor.device_id
-    return ranges
 
 
 def _word_info(words: torch.Tensor) -> TensorInfo:
