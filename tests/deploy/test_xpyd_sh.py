@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,12 +23,15 @@ ROOT = Path(__file__).parents[2]
 
 
 def free_run(n: int) -> int:
-    """A port p with p .. p+n-1 all free."""
+    """A port p with p .. p+n-1 all free, below the kernel's ephemeral range: a port the
+    kernel hands out meanwhile (another worker's connection or port-0 bind) cannot take
+    one of them before the deployment binds it. (From the ephemeral range, prefill-0 once
+    found its port taken: "Address already in use".)"""
+    first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
     while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65536 and all(_free(base + i) for i in range(n)):
+        base = rng.randrange(10000, first_ephemeral - n)
+        if all(_free(base + i) for i in range(n)):
             return base
 
 
@@ -55,8 +59,9 @@ def deployment_env(tmp_path: Path) -> dict[str, str]:
 
 
 def ports() -> list[str]:
-    return ["--port", str(free_run(1)), "--prefill-base-port", str(free_run(2)),
-            "--decode-base-port", str(free_run(2))]
+    """One run of five: the proxy's port, two prefill servers', two decode servers'."""
+    base = free_run(5)
+    return ["--port", str(base), "--prefill-base-port", str(base + 1), "--decode-base-port", str(base + 3)]
 
 
 def complete(port: str) -> dict:
