@@ -83,11 +83,16 @@ def test_with_restart_engine_a_new_engine_serves_and_past_the_limit_the_server_e
         assert server.process.wait(30) == 1, server.log_tail()
 
 
-def test_an_ipc_folder_left_by_a_killed_server_is_removed_when_the_next_starts(tiny_models, tmp_path) -> None:
-    import tempfile
+def test_an_ipc_folder_left_by_a_killed_server_is_removed_when_the_next_starts(tiny_models, tmp_path,
+                                                                              monkeypatch) -> None:
+    # The servers' temp directory is this test's own: a server another worker starts
+    # meanwhile would remove the killed server's folder before the test looks at it.
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
 
     def folders(pid: int) -> list[Path]:
-        return list(Path(tempfile.gettempdir()).glob(f"pd-engine-{pid}-*"))
+        return list(temp.glob(f"pd-engine-{pid}-*"))
 
     with running_server(tiny_models["qwen3"], tmp_path / "a.log") as killed:
         assert len(folders(killed.process.pid)) == 1
