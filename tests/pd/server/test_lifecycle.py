@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -86,23 +88,26 @@ def test_with_restart_engine_a_new_engine_serves_and_past_the_limit_the_server_e
 def test_an_ipc_folder_left_by_a_killed_server_is_removed_when_the_next_starts(tiny_models, tmp_path,
                                                                               monkeypatch) -> None:
     # The servers' temp directory is this test's own: a server another worker starts
-    # meanwhile would remove the killed server's folder before the test looks at it.
-    temp = tmp_path / "tmp"
-    temp.mkdir()
+    # meanwhile would remove the killed server's folder before the test looks at it. A
+    # short path (not under tmp_path): an ipc:// socket path holds at most 107 bytes.
+    temp = Path(tempfile.mkdtemp(prefix="pd-t-"))
     monkeypatch.setenv("TMPDIR", str(temp))
 
     def folders(pid: int) -> list[Path]:
         return list(temp.glob(f"pd-engine-{pid}-*"))
 
-    with running_server(tiny_models["qwen3"], tmp_path / "a.log") as killed:
-        assert len(folders(killed.process.pid)) == 1
-        engine_pid = killed.health().json()["engine_pid"]
-        killed.process.kill()  # no chance to remove its folder; its engine exits as an orphan
-        killed.process.wait(10)
-        assert process_gone(engine_pid, 10)
-        assert len(folders(killed.process.pid)) == 1
-    with running_server(tiny_models["qwen3"], tmp_path / "b.log") as server:
-        assert folders(killed.process.pid) == [] and len(folders(server.process.pid)) == 1
+    try:
+        with running_server(tiny_models["qwen3"], tmp_path / "a.log") as killed:
+            assert len(folders(killed.process.pid)) == 1
+            engine_pid = killed.health().json()["engine_pid"]
+            killed.process.kill()  # no chance to remove its folder; its engine exits as an orphan
+            killed.process.wait(10)
+            assert process_gone(engine_pid, 10)
+            assert len(folders(killed.process.pid)) == 1
+        with running_server(tiny_models["qwen3"], tmp_path / "b.log") as server:
+            assert folders(killed.process.pid) == [] and len(folders(server.process.pid)) == 1
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_engine_startup_failure_exits_1_with_the_reason(tiny_models, tmp_path) -> None:
