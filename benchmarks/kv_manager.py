@@ -78,8 +78,11 @@ def bamba_like_specs(block_size: int) -> LayerSpecs:
     """12 layers: full attention every 6th layer, sliding window on 2, Mamba on the rest."""
     mamba = MambaSpec(
         block_size=block_size,
-        conv_state_shape=(3, 1088),
-        ssm_state_shape=(16, 64, 64),
+        num_heads=16,
+        head_dim=64,
+        state_size=64,
+        n_groups=1,
+        conv_width=3,
         conv_dtype="bfloat16",
         ssm_dtype="float32",
     )

@@ -1,26 +1,32 @@
 """How a worker's KV cache memory is described to a connector: blocks and bytes.
 
 The canonical layout is ONE int8 buffer of shape `(num_blocks, group_size * page)`.
-Layer i of each KV cache group views bytes `[i*page, (i+1)*page)` of each row, so one
-block of one group (all its layers) is one contiguous byte range, and consecutive block
-ids are adjacent rows: a run of blocks is one range. Described canonically, that is one
+A group's data for block b (all its layers) is one region at the start of row b, so
+one block of one group is one contiguous byte range, and consecutive block ids are
+adjacent rows: a run of blocks is one range. Described canonically, that is one
 tensor (the whole buffer) and, per group, one data ref
 `(tensor_idx=0, page_size_bytes=len(group.layer_names) * page, offset_bytes=0)`.
 
 The per-layer layout keeps `group_size` buffers (slot i = tensor i, each
-`(num_blocks, page)`); each group then has one ref per layer,
+`(num_blocks, page)`, layer i of every group); each group then has one ref per layer,
 `(tensor_idx=i, page_size_bytes=page, offset_bytes=0)`.
 
 Either way a connector registers the tensors and moves the byte ranges that
-`CanonicalKVCaches.block_ranges` yields; it never looks at layers, heads or dtypes.
+`CanonicalKVCaches.block_ranges` yields; it never looks at layers or dtypes. Where two
+workers hold different heads (tensor parallelism of different sizes), `group_pieces`
+says which bytes of a group's ref hold which head (and, for Mamba, which group's shared
+conv state): heads are outermost (`pd/kv_cache/row_order.py`), so a worker's share of
+another's block is one range per ref.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from pd.kv_cache.row_order import Piece
 
 
 @dataclass(frozen=True)
@@ -85,10 +91,13 @@ class CanonicalKVCaches:
 
     A connector never needs the model: it sees blocks and byte ranges only. All tensors
     have the same number of blocks; block id b of any group is row b of its tensors.
+    `group_pieces[g]`, when given, names the parts of every ref of group g (offsets from
+    the ref's start); empty when the bytes are not described by head.
     """
 
     tensors: list[KVCacheBlockTensor]
     group_data_refs: list[list[KVCacheBlockDataRef]]
+    group_pieces: list[tuple[Piece, ...]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.tensors:
@@ -101,6 +110,16 @@ class CanonicalKVCaches:
                 raise ValueError(f"group {group_id} has no data refs")
             for ref in refs:
                 self._check_ref(group_id, ref)
+        if self.group_pieces:
+            self._check_pieces()
+
+    def _check_pieces(self) -> None:
+        if len(self.group_pieces) != len(self.group_data_refs):
+            raise ValueError(f"{len(self.group_pieces)} piece lists for {len(self.group_data_refs)} groups")
+        for group_id, (refs, pieces) in enumerate(zip(self.group_data_refs, self.group_pieces)):
+            size = min(ref.page_size_bytes for ref in refs)
+            if any(p.offset < 0 or p.nbytes <= 0 or p.offset + p.nbytes > size for p in pieces):
+                raise ValueError(f"group {group_id}: a piece runs outside its {size}-byte ref")
 
     def _check_ref(self, group_id: int, ref: KVCacheBlockDataRef) -> None:
         if ref.tensor_idx >= len(self.tensors):

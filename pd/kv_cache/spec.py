@@ -62,7 +62,10 @@ class KVCacheSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class FullAttentionSpec(KVCacheSpec):
-    """K and V for `block_size` tokens: page bytes = 2 * block_size * heads * head_size * itemsize."""
+    """K and V for `block_size` tokens: page bytes = 2 * block_size * heads * head_size * itemsize.
+
+    A page is ordered by KV head, outermost: head h's K and V for the block's tokens are
+    one range of `head_page_bytes` (see `pd/kv_cache/row_order.py`)."""
 
     num_kv_heads: int
     head_size: int
@@ -79,8 +82,13 @@ class FullAttentionSpec(KVCacheSpec):
         return 2 * self.num_kv_heads * self.head_size * dtype_size(self.dtype)
 
     @property
+    def head_page_bytes(self) -> int:
+        """One KV head's K and V for one block: `2 * block_size * head_size` elements."""
+        return 2 * self.block_size * self.head_size * dtype_size(self.dtype)
+
+    @property
     def real_page_size_bytes(self) -> int:
-        return self.block_size * self.bytes_per_token
+        return self.num_kv_heads * self.head_page_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,38 +109,64 @@ class MambaSpec(KVCacheSpec):
     """Mamba2 state of one layer: the causal-conv state and the SSM state.
 
     In align mode a Mamba block holds the state after the last token of its block, so
-    a block covers `block_size` tokens like an attention block. Within a page the conv
-    state comes first, the SSM state follows at `ssm_offset_bytes`.
+    a block covers `block_size` tokens like an attention block. The model's conv state
+    is `(conv_dim, conv_width)`, its channels `[x: num_heads * head_dim][B: n_groups *
+    state_size][C: n_groups * state_size]`; the SSM state is `(num_heads, head_dim,
+    state_size)`. A page holds them ordered by Mamba group, then head (see
+    `pd/kv_cache/row_order.py`): per group its B and C conv state (`group_shared_bytes`),
+    then per head its SSM state and x conv state (`head_page_bytes`), each part aligned
+    to the larger of the two dtypes.
     """
 
-    conv_state_shape: tuple[int, ...]
-    ssm_state_shape: tuple[int, ...]
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_width: int  # d_conv - 1: the inputs the conv state keeps
     conv_dtype: str
     ssm_dtype: str
 
     def __post_init__(self) -> None:
         dtype_size(self.conv_dtype)
         dtype_size(self.ssm_dtype)
-        if any(d <= 0 for d in (*self.conv_state_shape, *self.ssm_state_shape)):
-            raise ValueError(f"Mamba state shapes must be positive in {self!r}")
+        dims = (self.num_heads, self.head_dim, self.state_size, self.n_groups, self.conv_width)
+        if any(d <= 0 for d in dims):
+            raise ValueError(f"Mamba dimensions must be positive in {self!r}")
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"{self.n_groups} groups do not split {self.num_heads} heads in {self!r}")
         super().__post_init__()
 
     @property
-    def conv_state_bytes(self) -> int:
-        return math.prod(self.conv_state_shape) * dtype_size(self.conv_dtype)
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (self.num_heads * self.head_dim + 2 * self.n_groups * self.state_size, self.conv_width)
 
     @property
-    def ssm_state_bytes(self) -> int:
-        return math.prod(self.ssm_state_shape) * dtype_size(self.ssm_dtype)
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        return (self.num_heads, self.head_dim, self.state_size)
 
     @property
-    def ssm_offset_bytes(self) -> int:
-        """The SSM state starts at the first offset after the conv state aligned to its dtype."""
-        return round_up(self.conv_state_bytes, dtype_size(self.ssm_dtype))
+    def _align(self) -> int:
+        return max(dtype_size(self.conv_dtype), dtype_size(self.ssm_dtype))
+
+    @property
+    def group_shared_bytes(self) -> int:
+        """One Mamba group's B and C conv state, `(2, state_size, conv_width)`, padded."""
+        return round_up(2 * self.state_size * self.conv_width * dtype_size(self.conv_dtype), self._align)
+
+    @property
+    def ssm_head_bytes(self) -> int:
+        """One head's SSM state `(head_dim, state_size)`, padded: the x conv state follows it."""
+        return round_up(self.head_dim * self.state_size * dtype_size(self.ssm_dtype), self._align)
+
+    @property
+    def head_page_bytes(self) -> int:
+        """One head's SSM state and x conv state `(head_dim, conv_width)`, padded."""
+        x_conv = self.head_dim * self.conv_width * dtype_size(self.conv_dtype)
+        return self.ssm_head_bytes + round_up(x_conv, self._align)
 
     @property
     def real_page_size_bytes(self) -> int:
-        return self.ssm_offset_bytes + self.ssm_state_bytes
+        return self.n_groups * self.group_shared_bytes + self.num_heads * self.head_page_bytes
 
 
 def round_up(x: int, multiple: int) -> int:
@@ -146,7 +180,8 @@ def cdiv(a: int, b: int) -> int:
 @dataclass(frozen=True)
 class KVCacheGroup:
     """Layers that share block ids: block b of this group holds, for each of these layers,
-    that layer's page of block b. Layer i of every group shares tensor slot i."""
+    that layer's page of block b. In the per-layer layout layer i of every group shares
+    tensor slot i; in the canonical one the group's layers share the block's row."""
 
     spec: KVCacheSpec
     layer_names: tuple[str, ...]

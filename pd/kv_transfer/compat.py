@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-_COMPAT_VERSION = "pd-kv-compat-v1"
+_COMPAT_VERSION = "pd-kv-compat-v2"  # v2: heads outermost in a block (pd/kv_cache/row_order.py)
 _encoder = msgspec.msgpack.Encoder()
 
 

@@ -78,8 +78,8 @@ class Mamba2Mixer(nn.Module):
     def kv_cache_spec(self, block_size: int, conv_dtype: str, ssm_dtype: str) -> MambaSpec:
         """Conv state: the last `d_conv - 1` pre-conv inputs, `(conv_dim, d_conv - 1)`
         oldest first; SSM state `(n_heads, head_dim, d_state)`."""
-        return MambaSpec(block_size=block_size, conv_state_shape=(self.conv_dim, self.d_conv - 1),
-                         ssm_state_shape=(self.n_heads, self.head_dim, self.d_state),
+        return MambaSpec(block_size=block_size, num_heads=self.n_heads, head_dim=self.head_dim,
+                         state_size=self.d_state, n_groups=self.n_groups, conv_width=self.d_conv - 1,
                          conv_dtype=conv_dtype, ssm_dtype=ssm_dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -111,25 +111,24 @@ class Mamba2Mixer(nn.Module):
         blocks = torch.tensor([block for _, block in req.writes], dtype=torch.int64, device=xbc.device)
         # window[:, p : p + d_conv - 1] holds the last d_conv - 1 inputs after p new tokens
         conv_states = window.unfold(1, self.d_conv - 1, 1)[:, points].transpose(0, 1)
-        cache.conv[blocks] = conv_states.to(cache.conv.dtype)
-        cache.ssm[blocks] = end_states[[ends.index(p) for p in points]].to(cache.ssm.dtype)
+        cache.write(blocks, conv_states, end_states[[ends.index(p) for p in points]])
         return (y + x * self.D.float()[:, None]).flatten(1)
 
     def _decode(self, meta: MambaMetadata, xbc: torch.Tensor, dt: torch.Tensor,
                 cache: MambaCache) -> torch.Tensor:
         """All single-token requests: xbc (R, conv_dim), dt (R, H) -> y (R, intermediate) float32."""
         reads, has_state = meta.decode_read_blocks, meta.decode_has_state
-        conv_state = torch.where(has_state[:, None, None], cache.conv[reads].float(), 0.0)
+        conv_read, ssm_read = cache.read(reads)
+        conv_state = torch.where(has_state[:, None, None], conv_read, 0.0)
         window = torch.cat([conv_state, xbc.float()[:, :, None]], dim=2)  # (R, conv_dim, d_conv)
         weight, bias = self._conv_params()
         conv_out = (window * weight).sum(-1)
         x, B, C = self._split_xbc(F.silu(conv_out if bias is None else conv_out + bias))
         dt = self._dt(dt)
-        ssm = torch.where(has_state[:, None, None, None], cache.ssm[reads].float(), 0.0)
+        ssm = torch.where(has_state[:, None, None, None], ssm_read, 0.0)
         ssm = ssm * torch.exp(dt * self._A())[..., None, None] + (dt[..., None] * x)[..., None] * B[:, :, None]
         y = torch.einsum("rhpn,rhn->rhp", ssm, C) + x * self.D.float()[:, None]
-        cache.conv[meta.decode_write_blocks] = window[:, :, 1:].to(cache.conv.dtype)
-        cache.ssm[meta.decode_write_blocks] = ssm.to(cache.ssm.dtype)
+        cache.write(meta.decode_write_blocks, window[:, :, 1:], ssm)
         return y.flatten(1)
 
     def _read_state(self, block: int | None, cache: MambaCache,
@@ -138,8 +137,8 @@ class Mamba2Mixer(nn.Module):
         if block is None:
             return (torch.zeros(self.conv_dim, self.d_conv - 1, device=device),
                     torch.zeros(self.n_heads, self.head_dim, self.d_state, device=device))
-        # copies: the same block may be written at the end of this step
-        return cache.conv[block].to(torch.float32, copy=True), cache.ssm[block].to(torch.float32, copy=True)
+        conv, ssm = cache.read(torch.tensor([block], device=device))  # copies: written later this step
+        return conv[0], ssm[0]
 
     def _conv_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Depthwise conv weight (conv_dim, d_conv) and bias, float32."""

@@ -32,7 +32,7 @@ def attn(window=None):
 
 
 def ssm():
-    return MambaSpec(block_size=BLOCK, conv_state_shape=(4, 8), ssm_state_shape=(2, 8, 8),
+    return MambaSpec(block_size=BLOCK, num_heads=2, head_dim=8, state_size=8, n_groups=1, conv_width=4,
                      conv_dtype="float32", ssm_dtype="float32")
 
 

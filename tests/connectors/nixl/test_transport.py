@@ -56,7 +56,7 @@ def kv_config(partial_group: bool) -> KVCacheConfig:
     `partial_group` the sliding-window group has 2 (its canonical ref covers 2/3 of a row)."""
     full = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype="float32")  # 512-byte page
     sliding = SlidingWindowSpec(block_size=4, num_kv_heads=2, head_size=16, dtype="bfloat16", sliding_window=8)
-    mamba = MambaSpec(block_size=4, conv_state_shape=(3, 5), ssm_state_shape=(2, 4, 8),
+    mamba = MambaSpec(block_size=4, num_heads=2, head_dim=4, state_size=8, n_groups=2, conv_width=3,
                       conv_dtype="bfloat16", ssm_dtype="float32", page_size_padded=512)
     sliding_layers = ("s0", "s1") if partial_group else ("s0", "s1", "s2")
     groups = (KVCacheGroup(full, ("f0", "f1", "f2")), KVCacheGroup(sliding, sliding_layers),

@@ -54,8 +54,7 @@ def sliding(block_size: int, window: int) -> SlidingWindowSpec:
 def mamba(block_size: int) -> MambaSpec:
     return MambaSpec(
         block_size=block_size,
-        conv_state_shape=(2, 3),
-        ssm_state_shape=(2, 2),
+        num_heads=1, head_dim=2, state_size=2, n_groups=1, conv_width=3,
         conv_dtype="float32",
         ssm_dtype="float32",
         page_size_padded=PAGE,

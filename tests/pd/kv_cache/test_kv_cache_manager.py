@@ -45,8 +45,7 @@ def attn(window: int | None = None) -> FullAttentionSpec:
 def ssm() -> MambaSpec:
     return MambaSpec(
         block_size=BLOCK,
-        conv_state_shape=(3, 8),
-        ssm_state_shape=(2, 4, 4),
+        num_heads=2, head_dim=4, state_size=4, n_groups=1, conv_width=3,
         conv_dtype="float32",
         ssm_dtype="float32",
     )

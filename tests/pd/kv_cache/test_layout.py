@@ -31,10 +31,9 @@ def names(*indices: int) -> tuple[str, ...]:
     return tuple(f"layers.{i}" for i in indices)
 
 
-def mamba_spec(conv: tuple[int, ...], ssm: tuple[int, ...], ssm_dtype: str = "float32") -> MambaSpec:
-    return MambaSpec(
-        block_size=16, conv_state_shape=conv, ssm_state_shape=ssm, conv_dtype="bfloat16", ssm_dtype=ssm_dtype
-    )
+def mamba_spec(heads: int, head_dim: int, state: int, width: int = 3, ssm_dtype: str = "float32") -> MambaSpec:
+    return MambaSpec(block_size=16, num_heads=heads, head_dim=head_dim, state_size=state, n_groups=1,
+                     conv_width=width, conv_dtype="bfloat16", ssm_dtype=ssm_dtype)
 
 
 def attention_spec(cls: type = FullAttentionSpec, **overrides: int) -> FullAttentionSpec:
@@ -120,13 +119,7 @@ def test_gemma3_max_model_len_boundary() -> None:
 # ---------------------------------------------------------------------------
 
 BAMBA_ATTENTION = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype="float32")
-BAMBA_MAMBA = MambaSpec(
-    block_size=16,
-    conv_state_shape=(3, 1088),
-    ssm_state_shape=(16, 64, 64),
-    conv_dtype="bfloat16",
-    ssm_dtype="float32",
-)
+BAMBA_MAMBA = mamba_spec(16, 64, 64)
 
 
 def bamba_specs() -> dict[str, KVCacheSpec]:
@@ -134,7 +127,7 @@ def bamba_specs() -> dict[str, KVCacheSpec]:
 
 
 def test_bamba_attention_block_size_is_raised_to_hold_the_mamba_state() -> None:
-    mamba_page = 3 * 1088 * 2 + 16 * 64 * 64 * 4  # conv ends 4-byte aligned: no gap before SSM
+    mamba_page = 2 * 64 * 3 * 2 + 16 * (64 * 64 * 4 + 64 * 3 * 2)  # B and C, then 16 heads: SSM + x conv
     assert BAMBA_MAMBA.real_page_size_bytes == mamba_page
     per_token = 2 * 2 * 64 * 4
     expected = 16 * -(-mamba_page // (16 * per_token))  # smallest multiple of 16 that fits
@@ -175,7 +168,7 @@ def test_unify_page_sizes_is_idempotent() -> None:
 # ---------------------------------------------------------------------------
 
 
-SMALL_MAMBA = mamba_spec((3, 256), (4, 32, 16))  # 1536 + 8192 bytes: fits a 16-token page of 16384
+SMALL_MAMBA = mamba_spec(4, 32, 16)  # 192 + 4 * (2048 + 192) bytes: fits a 16-token page of 16384
 FOUR_TYPES = [
     attention_spec(),
     attention_spec(SlidingWindowSpec, sliding_window=128),
@@ -195,7 +188,7 @@ def test_four_types_of_two_layers_give_four_groups_and_keep_the_block_size() -> 
     assert config.block_sizes == [16] * 4
     assert config.page_size_bytes == page
     assert config.groups[3].spec.page_size_padded == page
-    assert config.groups[3].spec.real_page_size_bytes == 1536 + 8192
+    assert config.groups[3].spec.real_page_size_bytes == 192 + 4 * (2048 + 192)
     assert [g.spec.page_size_padded for g in config.groups[:3]] == [None] * 3
 
 
@@ -227,10 +220,10 @@ def test_differing_attention_pages_are_padded_to_the_largest() -> None:
 
 
 def test_mamba_only_page_is_rounded_to_16_bytes() -> None:
-    mamba = mamba_spec((3, 5), (3,))
-    assert mamba.ssm_offset_bytes == 32 and mamba.real_page_size_bytes == 44  # 30 bytes of conv, aligned to 4
-    config = make_kv_cache_config({"m0": mamba, "m1": mamba}, 10 * 2 * 48)
-    assert config.page_size_bytes == 48 and config.num_blocks == 10 and config.group_size == 2
+    mamba = mamba_spec(1, 1, 3, width=5)  # B and C: 60 bytes; the head: 12 of SSM, 10 of x conv aligned to 12
+    assert mamba.group_shared_bytes == 60 and mamba.head_page_bytes == 24 and mamba.real_page_size_bytes == 84
+    config = make_kv_cache_config({"m0": mamba, "m1": mamba}, 10 * 2 * 96)
+    assert config.page_size_bytes == 96 and config.num_blocks == 10 and config.group_size == 2
 
 
 def test_group_layers_cuts_each_type_in_layer_order() -> None:
@@ -307,8 +300,10 @@ def test_layout_errors_are_value_errors() -> None:
         (lambda: attention_spec(SlidingWindowSpec, sliding_window=0), "sliding_window"),
         (lambda: FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="float13"), "float13"),
         (lambda: attention_spec(num_kv_heads=0), "num_kv_heads"),
-        (lambda: mamba_spec((3, 0), (2,)), "shapes"),
-        (lambda: mamba_spec((3,), (2,), ssm_dtype="int4"), "int4"),
+        (lambda: mamba_spec(3, 0, 2), "dimensions"),
+        (lambda: mamba_spec(3, 1, 2, ssm_dtype="int4"), "int4"),
+        (lambda: MambaSpec(block_size=16, num_heads=3, head_dim=1, state_size=2, n_groups=2, conv_width=3,
+                           conv_dtype="float32", ssm_dtype="float32"), "do not split"),
         (lambda: attention_spec(page_size_padded=100), "page_size_padded"),
         (lambda: KVCacheGroup(attention_spec(), ()), "at least one layer"),
     ],
@@ -350,8 +345,11 @@ ATTENTION_SPECS = st.builds(
 MAMBA_SPECS = st.builds(
     MambaSpec,
     block_size=st.just(16),
-    conv_state_shape=st.tuples(st.integers(1, 4), st.integers(1, 300)),
-    ssm_state_shape=st.tuples(st.integers(1, 8), st.integers(1, 64), st.integers(1, 64)),
+    num_heads=st.integers(1, 8),
+    head_dim=st.integers(1, 64),
+    state_size=st.integers(1, 64),
+    n_groups=st.just(1),
+    conv_width=st.integers(1, 4),
     conv_dtype=DTYPES,
     ssm_dtype=DTYPES,
 )

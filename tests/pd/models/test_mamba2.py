@@ -125,6 +125,11 @@ class Pool:
     def cache(self) -> MambaCache:
         return self.alloc.layer_caches[NAME]
 
+    def state(self, block: int, layer: str = NAME) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block's (conv, SSM) state in the model's shapes, float32."""
+        conv, ssm = self.alloc.layer_caches[layer].read(torch.tensor([block]))
+        return conv[0], ssm[0]
+
     def blocks(self, num_tokens: int) -> list[int]:
         return [self.free.pop() for _ in range(-(-num_tokens // BS))]
 
@@ -171,8 +176,9 @@ def assert_boundary_states(pool: Pool, ref: BambaMixer, tokens: torch.Tensor, ro
     for end in ends:
         conv, ssm = ref_state(ref, tokens[:end])
         block = row[(end - 1) // BS]
-        assert_close("conv state", pool.cache.conv[block], conv)
-        assert_close("ssm state", pool.cache.ssm[block], ssm)
+        got_conv, got_ssm = pool.state(block)
+        assert_close("conv state", got_conv, conv)
+        assert_close("ssm state", got_ssm, ssm)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -185,7 +191,8 @@ def test_one_shot_prefill_matches_transformers(ours, ref, layout, length):
     assert_close("output", out, ref_out(ref, tokens))
     assert_boundary_states(pool, ref, tokens, row, length)
     neighbour = pool.alloc.layer_caches[NEIGHBOUR]
-    assert not neighbour.conv.any() and not neighbour.ssm.any(), "wrote into the neighbour layer's pages"
+    assert not any(v.any() for v in (neighbour.conv_x, neighbour.conv_bc, neighbour.ssm)), \
+        "wrote into the neighbour layer's pages"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -216,14 +223,15 @@ def test_prefix_hit_reads_the_boundary_block_and_leaves_it(ours, ref, hit):
     first = _tokens(41, seed=3)
     first_row = pool.blocks(41)
     pool.run(first, [41], first_row)
-    kept = [(pool.cache.conv[b].clone(), pool.cache.ssm[b].clone()) for b in first_row[:hit // BS]]
+    kept = [pool.state(b) for b in first_row[:hit // BS]]
     second = torch.cat([first[:hit], _tokens(30, seed=4)])
     row = first_row[:hit // BS] + pool.blocks(len(second) - hit)
     out = pool.run(second[hit:], [11, 19], row, computed=hit)
     assert_close("output", out, ref_out(ref, second)[hit:])
     assert_boundary_states(pool, ref, second, row, len(second))
     for block, (conv, ssm) in zip(first_row, kept):
-        assert torch.equal(pool.cache.conv[block], conv) and torch.equal(pool.cache.ssm[block], ssm)
+        got_conv, got_ssm = pool.state(block)
+        assert torch.equal(got_conv, conv) and torch.equal(got_ssm, ssm)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

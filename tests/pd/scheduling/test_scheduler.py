@@ -93,7 +93,7 @@ def attn(window=None):
 
 
 def ssm():
-    return MambaSpec(block_size=BLOCK, conv_state_shape=(3, 8), ssm_state_shape=(2, 4, 4),
+    return MambaSpec(block_size=BLOCK, num_heads=2, head_dim=4, state_size=4, n_groups=1, conv_width=3,
                      conv_dtype="float32", ssm_dtype="float32")
 
 
