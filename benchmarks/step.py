@@ -78,6 +78,9 @@ def instrument(engine: EngineCore) -> PartTimer:
     timer.wrap(engine.runner, "_sample", "sampling")
     timer.wrap(engine.scheduler, "schedule", "scheduler")
     timer.wrap(engine.scheduler, "update_from_output", "scheduler")
+    if engine.config.tensor_parallel_size > 1:  # inside the parts above: reported, not added
+        timer.wrap(torch.distributed, "all_reduce", "collectives")
+        timer.wrap(torch.distributed, "all_gather", "collectives")
     return timer
 
 
@@ -89,8 +92,16 @@ def run(args: argparse.Namespace) -> dict:
     config = EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
                           max_num_seqs=max(args.batch, 1),
                           max_model_len=args.context + args.steps + args.warmup + 8,
-                          max_num_batched_tokens=max(2048, args.context), num_threads=args.num_threads)
+                          max_num_batched_tokens=max(2048, args.context), num_threads=args.num_threads,
+                          tensor_parallel_size=args.tensor_parallel_size)
     engine = EngineCore(config)
+    try:
+        return _time_steps(args, engine)
+    finally:
+        engine.shutdown()
+
+
+def _time_steps(args: argparse.Namespace, engine: EngineCore) -> dict:
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=args.steps + args.warmup + 2, temperature=0, ignore_eos=True)
@@ -110,25 +121,30 @@ def run(args: argparse.Namespace) -> dict:
         engine.step()
         elapsed = time.perf_counter() - start
         parts = timer.take()
-        parts["other"] = elapsed - sum(v for k, v in parts.items())
+        parts["other"] = elapsed - sum(v for k, v in parts.items() if k != "collectives")
         steps.append({"step": elapsed, "faults": minor_faults() - faults, **parts})
-    keys = ["step", "attention", "mlp", "lm_head", "sampling", "scheduler", "other"]
+    keys = ["step", "attention", "mlp", "lm_head", "sampling", "scheduler", "other", "collectives"]
     medians = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in keys}
     medians["faults"] = statistics.median(s["faults"] for s in steps)
     return {"model": args.model, "dtype": engine.config.dtype, "quantization": args.quantization, "batch": args.batch,
             "context": args.context,
-            "steps": args.steps, "threads": torch.get_num_threads(), "medians": medians, "per_step": steps}
+            "steps": args.steps, "threads": torch.get_num_threads(), "tensor_parallel_size": args.tensor_parallel_size,
+            "medians": medians, "per_step": steps}
 
 
 def print_table(result: dict) -> None:
     m = result["medians"]
     print(f"decode step, batch {result['batch']}, context {result['context']}, {result['dtype']}, "
           f"quantization {result['quantization']}, "
-          f"{result['threads']} threads (median of {result['steps']} steps)")
+          f"{result['threads']} threads, tensor-parallel size {result.get('tensor_parallel_size', 1)} "
+          f"(median of {result['steps']} steps)")
     print("| part | ms | share |")
     print("|---|---:|---:|")
     for key in ("attention", "mlp", "lm_head", "sampling", "scheduler", "other", "step"):
         print(f"| {key} | {m[key] * 1e3:.2f} | {m[key] / m['step']:.0%} |")
+    if m.get("collectives"):
+        print(f"rank 0 in collectives (all-reduce, all-gather; inside the parts above): "
+              f"{m['collectives'] * 1e3:.2f} ms")
     print(f"minor page faults per step: {m['faults']:.0f}")
 
 
@@ -141,7 +157,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--context", type=int, default=640, help="prompt tokens of each request")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed")
     parser.add_argument("--warmup", type=int, default=3, help="decode steps run before timing")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads per rank (default: all cores)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over this many ranks (as pd serve --tensor-parallel-size); the parts are rank 0's (default %(default)s)")
     parser.add_argument("--output", type=Path, default=None, help="write the result as JSON here")
     return parser
 

@@ -60,6 +60,8 @@ class EngineConfig:
     allow_unsigned_kv_params: bool = False  # a NIXL server without a secret: refused unless this says so
     kv_allowed_peers: tuple[str, ...] = DEFAULT_ALLOWED_PEERS  # without a secret: the P hosts D trusts
     num_threads: int | None = None  # torch intra-op threads; None: torch's default (all cores)
+    tensor_parallel_size: int = 1  # ranks the model is sharded over, one process each (pd/worker/tp_ranks.py)
+    tp_timeout: float = 60.0  # seconds a collective waits for the other ranks before the engine stops
     kv_events_port: int | None = None  # publish KV events (kv_events/) on tcp://kv_events_host:port; None: off
     kv_events_replay_port: int | None = None  # their replay socket; None: kv_events_port + 1
     kv_events_host: str = "127.0.0.1"
@@ -92,6 +94,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        self._check_tensor_parallel()
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         self._check_kv_events()
@@ -130,6 +133,15 @@ class EngineConfig:
                 raise ValueError(f"kv_allowed_peers: {peer!r} is not an IP address or network") from None
         if not 0.0 < self.kv_max_held_fraction <= 1.0:
             raise ValueError(f"kv_max_held_fraction must be in (0, 1], got {self.kv_max_held_fraction}")
+
+    def _check_tensor_parallel(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.tp_timeout <= 0:
+            raise ValueError(f"tp_timeout must be positive, got {self.tp_timeout}")
+        if self.tensor_parallel_size > 1 and self.kv_connector != NULL_CONNECTOR:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} serves alone for now: moving KV "
+                             f"between prefill and decode ranks (--kv-connector {self.kv_connector}) needs TP = 1")
 
     def _check_kv_events(self) -> None:
         if self.kv_events_port is None:
@@ -207,6 +219,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-unsigned-kv-params", action="store_true", help="let a prefill or decode server start without a transfer secret: D then acts on unsigned kv_transfer_params naming a peer in --kv-allowed-peers, and keeps KV read under them out of its prefix cache (any client that reaches D can make it read any blocks of an allowed P); without this flag such a server refuses to start")
     parser.add_argument("--kv-allowed-peers", nargs="+", default=ENGINE_DEFAULTS["kv_allowed_peers"], metavar="NETWORK", help="without a secret, the prefill servers (IP addresses or networks) a decode server reads KV from; parameters naming another host get 403 and no connection (default: loopback, " + " ".join(DEFAULT_ALLOWED_PEERS) + ")")
     parser.add_argument("--num-threads", type=int, default=ENGINE_DEFAULTS["num_threads"], help="CPU threads the engine's torch ops use (default: torch's, one per core); when P and D share a machine, split its cores between them: oversubscribed threads spin and slow both")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=ENGINE_DEFAULTS["tensor_parallel_size"], help="shard the model over this many ranks, one process each (the engine starts them; torch.distributed, gloo on CPU): attention and Mamba heads, MLP channels and the vocabulary are split, each rank loads only its slices, and holds --kv-cache-memory of KV for its heads (default %(default)s)")
+    parser.add_argument("--tp-timeout", type=float, default=ENGINE_DEFAULTS["tp_timeout"], help="seconds a tensor-parallel collective waits for the other ranks; a rank that died or hangs longer stops the engine (/health answers 503) (default %(default)s)")
     parser.add_argument("--seed", type=int, default=ENGINE_DEFAULTS["seed"], help="seed for requests that sample without their own seed (default %(default)s)")
 
 

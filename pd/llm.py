@@ -42,6 +42,16 @@ class LLM:
         self.engine = EngineCore(EngineConfig(model=model, **engine_args), keep_logits=keep_logits)
         self.tokenizer = Tokenizer(model)
 
+    def shutdown(self) -> None:
+        """Stop the engine: its grammar threads, its connector, its tensor-parallel ranks."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     @classmethod
     def from_config(cls, config: EngineConfig, keep_logits: bool = False) -> "LLM":
         return cls(**{f.name: getattr(config, f.name) for f in fields(config) if f.init}, keep_logits=keep_logits)

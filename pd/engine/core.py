@@ -14,24 +14,21 @@ import uuid
 import torch
 
 from pd.config import EngineConfig, SchedulerConfig
+from pd.distributed.shard import TPShard
 from pd.engine.ipc_messages import EngineInfo, EngineStats, HistogramSnapshot
 from pd.engine.kv_event_publisher import KVEventPublisher, NoKVEvents
 from pd.engine.malloc import keep_freed_memory
 from pd.kv_cache.kv_cache_manager import KVCacheManager
-from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.spec import KVCacheConfig, MambaSpec
 from pd.kv_transfer.compat import compat_hash
 from pd.kv_transfer.connectors import KV_CONNECTORS
-from pd.models.loader import load_model
-from pd.models.model_config import ModelConfig
-from pd.models.packed import pack_linears
-from pd.models.quantized import quantize_linears
 from pd.scheduling.connector_api import ConnectorContext
 from pd.scheduling.request import Request, RequestOutput
 from pd.scheduling.scheduler import Scheduler
 from pd.structured.matchers import GrammarMatchers
 from pd.tokenizer import Tokenizer
-from pd.worker.model_runner import ModelRunner
+from pd.worker.rank_setup import build_model, build_runner, kv_cache_config
+from pd.worker.tp_ranks import TensorParallelRanks, rank_device
 
 
 STEP_PARTS = ("schedule", "execute", "update")  # where a step's wall time goes (`EngineCore.step`)
@@ -53,16 +50,19 @@ class EngineCore:
         self.config = config
         self.num_steps = 0
         self.step_seconds = dict.fromkeys(STEP_PARTS, 0.0)
-        self.model_config = ModelConfig.from_dir(config.model, config.dtype, config.max_model_len)
         device = config.torch_device
-        self.model = load_model(self.model_config, device)
-        if config.quantization == "int8":
-            quantize_linears(self.model)
-        else:
-            pack_linears(self.model)
+        self.tp_ranks = TensorParallelRanks(config) if config.tensor_parallel_size > 1 else None
+        try:
+            self.model_config, self.model = build_model(config, TPShard(0, config.tensor_parallel_size),
+                                                        rank_device(device, 0))
+            if self.tp_ranks is not None:
+                self.tp_ranks.wait_ready(deadline_seconds=max(600.0, config.tp_timeout))
+        except BaseException:
+            if self.tp_ranks is not None:
+                self.tp_ranks.shutdown()
+            raise
         self.max_model_len = self.model_config.context_len
-        specs = self.model.kv_cache_specs(config.block_size, hybrid=config.hybrid_kv_cache)
-        self.kv_cache_config = make_kv_cache_config(specs, config.kv_cache_memory, self.max_model_len)
+        self.kv_cache_config = kv_cache_config(config, self.model_config, self.model)
         self.kv_cache_manager = KVCacheManager(self.kv_cache_config, config.enable_prefix_caching,
                                                self.max_model_len, record_events=config.kv_events_port is not None)
         self.engine_id = f"pd-{uuid.uuid4().hex[:12]}"
@@ -71,11 +71,8 @@ class EngineCore:
                                    self.kv_cache_config.block_sizes)
         connector = KV_CONNECTORS.get(config.kv_connector)
         worker_connector = connector.build_worker(context)
-        self.runner = ModelRunner(self.model, self.kv_cache_config, max_num_reqs=config.max_num_seqs,
-                                  max_model_len=self.max_model_len, device=device,
-                                  layout=config.kv_layout, keep_logits=keep_logits,
-                                  connector=worker_connector, eos_token_ids=frozenset(self.model_config.eos_token_ids),
-                                  logprobs_mode=config.logprobs_mode)
+        self.runner = build_runner(config, self.model_config, self.model, rank_device(device, 0), worker_connector,
+                                   keep_logits)
         grammars = GrammarMatchers(lambda: Tokenizer(config.model).json(), self.model_config.eos_token_ids)
         self.scheduler = Scheduler(self._scheduler_config(), self.kv_cache_manager,
                                    connector.build_scheduler(context, worker_connector), grammars)
@@ -140,6 +137,8 @@ class EngineCore:
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         scheduled = time.perf_counter()
+        if self.tp_ranks is not None:
+            self.tp_ranks.send(scheduler_output)
         runner_output = self.runner.execute_model(scheduler_output)
         self._keep_logits(runner_output.logits)
         executed = time.perf_counter()
@@ -156,6 +155,12 @@ class EngineCore:
         """Requests to step, blocks kept for the connector, or transfers that progress
         only when polled (a step with no request only polls them)."""
         return self.scheduler.has_work or self.runner.connector.wants_polling
+
+    def check_ranks(self) -> None:
+        """RankLost if a tensor-parallel rank has exited: checked every loop turn, so an
+        idle engine finds it too."""
+        if self.tp_ranks is not None:
+            self.tp_ranks.check()
 
     def has_compute_work(self) -> bool:
         return self.scheduler.has_compute_work
@@ -210,3 +215,5 @@ class EngineCore:
         self.scheduler.grammars.shutdown()
         self.kv_events.close()
         self.runner.shutdown()
+        if self.tp_ranks is not None:
+            self.tp_ranks.shutdown()

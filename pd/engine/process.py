@@ -126,6 +126,7 @@ class EngineLoop:
     def run(self) -> None:
         while not self.stop.is_set:
             messages = self.receive()
+            self.core.check_ranks()
             applying = time.perf_counter()
             outputs = self.apply(messages)
             self.ipc_seconds += time.perf_counter() - applying

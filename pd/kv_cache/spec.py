@@ -8,7 +8,6 @@ layout splits each type into KV cache groups (see `layout.py`). Dtypes are names
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 DTYPE_SIZES: dict[str, int] = {

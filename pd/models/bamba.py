@@ -29,7 +29,8 @@ from torch import nn
 from pd.attention.layer import Attention
 from pd.kv_cache.spec import KVCacheSpec
 from pd.models.base import CausalLM
-from pd.models.layers import GatedMLP, MergedLinear, RMSNorm, get_rope, rope_parameters
+from pd.models.layers import GatedMLP, RMSNorm, attention_projections, get_rope, rope_parameters
+from pd.models.parallel import ParallelLMHead, VocabParallelEmbedding, tp_reduce
 from pd.models.mamba2 import Mamba2Mixer
 from pd.models.model_config import ModelConfig
 
@@ -59,13 +60,12 @@ class HybridAttention(nn.Module):
     def __init__(self, config: ModelConfig, arch: HybridArch, index: int) -> None:
         super().__init__()
         hidden = config.get("hidden_size")
-        self.num_heads = config.get("num_attention_heads")
-        self.num_kv_heads = config.get("num_key_value_heads", self.num_heads)
+        num_heads = config.get("num_attention_heads")
         self.head_dim = attention_head_dim(config)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = config.get("attention_bias", False)
-        self.qkv_proj = MergedLinear(hidden, [q_size, kv_size, kv_size], bias=bias)
-        self.o_proj = nn.Linear(q_size, hidden, bias=bias)
+        self.shard = config.tp
+        self.qkv_proj, self.o_proj, self.num_heads, self.num_kv_heads = attention_projections(
+            hidden, num_heads, config.get("num_key_value_heads", num_heads), self.head_dim, self.shard, bias, bias)
         self.rotary_emb = None
         if arch.rope is not None:
             max_position = max(config.context_len, config.get("max_position_embeddings", 0))
@@ -78,7 +78,7 @@ class HybridAttention(nn.Module):
             q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         else:
             q, k, v = self.rotary_emb.norm_rotate(positions, self.qkv_proj(x), self.num_heads, self.num_kv_heads)
-        return self.o_proj(self.attn(q, k, v))
+        return tp_reduce(self.o_proj(self.attn(q, k, v)), self.shard)
 
 
 def make_mixer(config: ModelConfig, index: int) -> Mamba2Mixer:
@@ -94,6 +94,7 @@ def make_mixer(config: ModelConfig, index: int) -> Mamba2Mixer:
         conv_bias=config.get("mamba_conv_bias", True), proj_bias=config.get("mamba_proj_bias", False),
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         time_step_limit=tuple(float(v) for v in config.get("time_step_limit", (0.0, math.inf))),
+        shard=config.tp,
     )
 
 
@@ -111,7 +112,7 @@ class HybridDecoderLayer(nn.Module):
             self.self_attn = HybridAttention(config, arch, index)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = GatedMLP(hidden, arch.mlp_size, config.get("hidden_act", "silu"),
-                            bias=config.get("mlp_bias", False))
+                            bias=config.get("mlp_bias", False), shard=config.tp)
         self.residual_multiplier = arch.residual_multiplier
 
     @property
@@ -130,7 +131,7 @@ class HybridModel(nn.Module):
     def __init__(self, config: ModelConfig, arch: HybridArch) -> None:
         super().__init__()
         hidden = config.get("hidden_size")
-        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, config.tp)
         self.embedding_multiplier = arch.embedding_multiplier
         self.layers = nn.ModuleList(HybridDecoderLayer(config, arch, i) for i in range(len(arch.layer_kinds)))
         self.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6))
@@ -155,7 +156,7 @@ class HybridForCausalLM(CausalLM):
                                       f"is not supported: the Mamba2 mixer applies silu")
         self.arch = self.read_arch(config)
         self.model = HybridModel(config, self.arch)
-        self.lm_head = nn.Linear(config.get("hidden_size"), config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.get("hidden_size"), config.vocab_size, config.tp)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -167,7 +168,7 @@ class HybridForCausalLM(CausalLM):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden) / self.arch.logits_scaling
+        return self.lm_head.logits(hidden) / self.arch.logits_scaling
 
     def kv_cache_layers(self) -> dict[str, nn.Module]:
         return {f"layers.{i}": layer.state_layer for i, layer in enumerate(self.model.layers)}

@@ -9,6 +9,7 @@ from torch import nn
 
 from pd.kv_cache.spec import KVCacheSpec
 from pd.models.layers import MergedLinear
+from pd.models.parallel import Published, narrow_published
 from pd.models.model_config import ModelConfig
 
 # (fused parameter, published name, shard index): published q/k/v and gate/up weights
@@ -51,7 +52,7 @@ class CausalLM(nn.Module):
                 for name, layer in self.kv_cache_layers().items()}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return self.lm_head.logits(hidden)
 
     @property
     def tie_word_embeddings(self) -> bool:
@@ -92,23 +93,28 @@ class CausalLM(nn.Module):
                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
 
     def _load_one(self, params: dict[str, nn.Parameter], name: str,
-                  tensor: torch.Tensor) -> tuple[str, int | None]:
-        """Copy one weight; returns the parameter name and the shard index if fused."""
+                  tensor: Published) -> tuple[str, int | None]:
+        """Copy this rank's part of one weight (`narrow_published`); returns the parameter
+        name and the shard index if fused."""
         for fused, published, shard in self.stacked_params:
             if f".{published}." in name:
                 fused_name = name.replace(f".{published}.", f".{fused}.")
                 if fused_name in params:
-                    module = self.get_submodule(fused_name.rsplit(".", 1)[0])
+                    module_name, leaf = fused_name.rsplit(".", 1)
+                    module = self.get_submodule(module_name)
                     assert isinstance(module, MergedLinear)
-                    _copy(params[fused_name].data[module.shard_slice(shard)], tensor, published)
+                    part = narrow_published(module, leaf, shard, tensor)
+                    _copy(params[fused_name].data[module.shard_slice(shard)], part, published)
                     return fused_name, shard
         if name not in params:
             raise ValueError(f"checkpoint weight {name!r} matches no parameter of {type(self).__name__}")
-        _copy(params[name].data, tensor, name)
+        module_name, leaf = name.rsplit(".", 1)
+        _copy(params[name].data, narrow_published(self.get_submodule(module_name), leaf, None, tensor), name)
         return name, None
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+def _copy(dst: torch.Tensor, src: Published, name: str) -> None:
+    src = src if isinstance(src, torch.Tensor) else src[...]  # a lazy slice read whole: not sharded
     if dst.shape != src.shape:
         raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}")
     dst.copy_(src.to(dst.dtype))

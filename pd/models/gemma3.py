@@ -16,7 +16,8 @@ from torch import nn
 
 from pd.attention.layer import Attention
 from pd.models.base import CausalLM
-from pd.models.layers import GatedMLP, MergedLinear, RMSNorm, get_rope
+from pd.models.layers import GatedMLP, RMSNorm, attention_projections, get_rope
+from pd.models.parallel import ParallelLMHead, VocabParallelEmbedding, tp_reduce
 from pd.models.model_config import ModelConfig
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -56,13 +57,12 @@ class Gemma3Attention(nn.Module):
     def __init__(self, config: ModelConfig, index: int, layer_type: str) -> None:
         super().__init__()
         hidden = config.get("hidden_size")
-        self.num_heads = config.get("num_attention_heads")
-        self.num_kv_heads = config.get("num_key_value_heads", self.num_heads)
+        num_heads = config.get("num_attention_heads")
         self.head_dim = config.get("head_dim", 256)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = config.get("attention_bias", False)
-        self.qkv_proj = MergedLinear(hidden, [q_size, kv_size, kv_size], bias=bias)
-        self.o_proj = nn.Linear(q_size, hidden, bias=bias)
+        self.shard = config.tp
+        self.qkv_proj, self.o_proj, self.num_heads, self.num_kv_heads = attention_projections(
+            hidden, num_heads, config.get("num_key_value_heads", num_heads), self.head_dim, self.shard, bias, bias)
         eps = config.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(self.head_dim, eps, offset=1.0)
         self.k_norm = RMSNorm(self.head_dim, eps, offset=1.0)
@@ -76,7 +76,7 @@ class Gemma3Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.rotary_emb.norm_rotate(positions, self.qkv_proj(x), self.num_heads, self.num_kv_heads,
                                               self.q_norm, self.k_norm)
-        return self.o_proj(self.attn(q, k, v))
+        return tp_reduce(self.o_proj(self.attn(q, k, v)), self.shard)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -87,7 +87,7 @@ class Gemma3DecoderLayer(nn.Module):
         hidden, eps = config.get("hidden_size"), config.get("rms_norm_eps", 1e-6)
         self.self_attn = Gemma3Attention(config, index, layer_type)
         self.mlp = GatedMLP(hidden, config.get("intermediate_size"),
-                            config.get("hidden_activation", "gelu_pytorch_tanh"))
+                            config.get("hidden_activation", "gelu_pytorch_tanh"), shard=config.tp)
         self.input_layernorm = RMSNorm(hidden, eps, offset=1.0)
         self.post_attention_layernorm = RMSNorm(hidden, eps, offset=1.0)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset=1.0)
@@ -102,7 +102,7 @@ class Gemma3Model(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden = config.get("hidden_size")
-        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, config.tp)
         self.embed_scale = hidden**0.5
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, kind)
                                     for i, kind in enumerate(gemma3_layer_types(config)))
@@ -122,7 +122,7 @@ class Gemma3ForCausalLM(CausalLM):
         super().__init__(config)
         _check_supported(config)
         self.model = Gemma3Model(config)
-        self.lm_head = nn.Linear(config.get("hidden_size"), config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.get("hidden_size"), config.vocab_size, config.tp)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.final_logit_softcapping = config.get("final_logit_softcapping")
@@ -135,7 +135,7 @@ class Gemma3ForCausalLM(CausalLM):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+        logits = self.lm_head.logits(hidden)
         cap = self.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -148,27 +148,17 @@ class GGUFModel:
     # --- weights --------------------------------------------------------------------
     def iterate_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, float32 tensor) per weight, dequantized one at a time."""
-        import torch
+        for name, weight in self.lazy_weights():
+            yield name, weight[...]
 
+    def lazy_weights(self) -> Iterator[tuple[str, GGUFWeight]]:
+        """(HF name, weight read when indexed) per weight: a tensor-parallel rank reads
+        and dequantizes only its rows or columns (`GGUFWeight`)."""
         family = _FAMILIES[self.architecture]
         for tensor in self.reader.tensors:
             name, transform = family.rename(tensor.name)
-            if name is None:
-                continue
-            try:
-                values = _dequantize(tensor.data, tensor.tensor_type)
-            except Exception as exc:
-                raise GGUFError(f"{self.path}: tensor {tensor.name} ({tensor.tensor_type.name}) could not be "
-                                f"dequantized ({type(exc).__name__}: {exc})") from None
-            expected = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
-            if values.size != int(np.prod(expected)):
-                raise GGUFError(f"{self.path}: tensor {tensor.name} holds {values.size} values, "
-                                f"its shape {expected} needs {int(np.prod(expected))} (truncated file?)")
-            values = np.asarray(values, dtype=np.float32).reshape(expected)
-            if not values.flags.writeable or not values.flags.c_contiguous:  # F32 tensors are the read-only map
-                values = np.array(values, order="C")
-            out = torch.from_numpy(values)
-            yield name, transform(out) if transform else out
+            if name is not None:
+                yield name, GGUFWeight(self.path, tensor, transform)
 
     # --- tokenizer ------------------------------------------------------------------
     def tokenizer(self):
@@ -249,6 +239,48 @@ class GGUFModel:
         (out / "tokenizer_config.json").write_text(json.dumps(
             {**tokenizer_config, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
         return out
+
+
+class GGUFWeight:
+    """One tensor of a GGUF file, dequantized to float32 when indexed: `w[...]` (all of
+    it), `w[a:b]` (rows: only their blocks are read) or `w[:, a:b]` (columns: rows are
+    dequantized a chunk at a time and cut, so the whole weight is never held)."""
+
+    ROW_CHUNK = 4096
+
+    def __init__(self, path: Path, tensor, transform: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        self.path, self.tensor, self.transform = path, tensor, transform
+        self.shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
+
+    def __getitem__(self, key) -> torch.Tensor:
+        rows, cols = (key if isinstance(key, tuple) else (key, slice(None))) if key is not Ellipsis else (
+            slice(None), slice(None))
+        data = self.tensor.data[rows]
+        if cols == slice(None):
+            out = self._dequantize(data)
+        else:
+            import torch
+
+            out = torch.cat([self._dequantize(data[i : i + self.ROW_CHUNK])[:, cols]
+                             for i in range(0, len(data), self.ROW_CHUNK)])
+        return self.transform(out) if self.transform else out
+
+    def _dequantize(self, data: np.ndarray) -> torch.Tensor:
+        import torch
+
+        try:
+            values = _dequantize(data, self.tensor.tensor_type)
+        except Exception as exc:
+            raise GGUFError(f"{self.path}: tensor {self.tensor.name} ({self.tensor.tensor_type.name}) could not be "
+                            f"dequantized ({type(exc).__name__}: {exc})") from None
+        shape = (len(data), *self.shape[1:]) if len(self.shape) > 1 else (len(data),)
+        if values.size != int(np.prod(shape)):
+            raise GGUFError(f"{self.path}: tensor {self.tensor.name} holds {values.size} values where its shape "
+                            f"{self.shape} needs {int(np.prod(shape))} (truncated file?)")
+        values = np.asarray(values, dtype=np.float32).reshape(shape)
+        if not values.flags.writeable or not values.flags.c_contiguous:  # F32 tensors are the read-only map
+            values = np.array(values, order="C")
+        return torch.from_numpy(values)
 
 
 def _dequantize(data: np.ndarray, kind) -> np.ndarray:

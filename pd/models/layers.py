@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pd.distributed.shard import TPShard
 from pd.models import fused
+from pd.models.parallel import Published, RowParallelLinear, full_rows, head_rows, tp_reduce
 
 
 class RMSNorm(nn.Module):
@@ -177,11 +179,25 @@ def _shared_rope(key: tuple) -> RotaryEmbedding:
 
 class MergedLinear(nn.Linear):
     """One matmul for several published projections (q/k/v, gate/up) stacked on the
-    output dim; `load_shard` copies one published weight into its slice."""
+    output dim, part i in rows `shard_slice(i)`. Under tensor parallelism it is
+    column-parallel: `source_rows[i]` are the rows of published part i (of
+    `published_sizes[i]` rows) this rank holds (`pd/models/parallel.py`). Parts load
+    from one published weight each, or all from one weight stacking them (Granite's
+    input_linear, Mamba's in_proj)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False,
+                 source_rows: list[slice] | None = None, published_sizes: list[int] | None = None) -> None:
         super().__init__(in_features, sum(out_sizes), bias=bias)
         self.out_sizes = out_sizes
+        self.source_rows = source_rows or full_rows(out_sizes)
+        self.published_sizes = published_sizes or out_sizes
+
+    def shard_source(self, leaf: str, index: int | None, published: Published) -> torch.Tensor:
+        if index is not None:
+            return published[self.source_rows[index]]
+        starts = [sum(self.published_sizes[:i]) for i in range(len(self.out_sizes))]
+        return torch.cat([published[start + rows.start : start + rows.stop]
+                          for start, rows in zip(starts, self.source_rows)])
 
     def shard_slice(self, index: int) -> slice:
         start = sum(self.out_sizes[:index])
@@ -206,18 +222,41 @@ def activation(name: str):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), gate and up fused (published names gate_proj/up_proj)."""
+    """down(act(gate(x)) * up(x)), gate and up fused (published names gate_proj/up_proj);
+    under tensor parallelism each rank holds a run of the intermediate channels."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False,
+                 shard: TPShard = TPShard()) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        first, count = shard.split(intermediate_size, "MLP channels")
+        rows = slice(first, first + count)
+        self.gate_up_proj = MergedLinear(hidden_size, [count] * 2, bias=bias, source_rows=[rows, rows],
+                                         published_sizes=[intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, shard, bias=bias)
         self.act = activation(act)
         self.act_name = act
+        self.shard = shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.act_name in fused.ACTIVATIONS and fused.supports(gate_up):
-            return self.down_proj(fused.act_mul(gate_up, self.act_name))
+            return tp_reduce(self.down_proj(fused.act_mul(gate_up, self.act_name)), self.shard)
         gate, up = self.gate_up_proj.split(gate_up)
-        return self.down_proj(self.act(gate) * up)
+        return tp_reduce(self.down_proj(self.act(gate) * up), self.shard)
+
+
+def attention_projections(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, shard: TPShard,
+                          qkv_bias: bool = False, o_bias: bool = False,
+                          ) -> tuple[MergedLinear, RowParallelLinear, int, int]:
+    """The fused q/k/v projection and o_proj of this rank's heads, and its numbers of
+    query and KV heads: query heads split evenly, KV heads too or replicated when fewer
+    than ranks (`TPShard.replicated_split`). o_proj's output is a partial sum
+    (`tp_reduce` it)."""
+    q_rows = head_rows(shard, num_heads, head_dim)
+    kv_rows = head_rows(shard, num_kv_heads, head_dim, replicated=True)
+    heads, kv_heads = (q_rows.stop - q_rows.start) // head_dim, (kv_rows.stop - kv_rows.start) // head_dim
+    qkv = MergedLinear(hidden, [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], bias=qkv_bias,
+                       source_rows=[q_rows, kv_rows, kv_rows],
+                       published_sizes=[num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim])
+    o_proj = RowParallelLinear(num_heads * head_dim, hidden, shard, bias=o_bias, unit=head_dim)
+    return qkv, o_proj, heads, kv_heads

@@ -14,7 +14,8 @@ from torch import nn
 
 from pd.attention.layer import Attention
 from pd.models.base import CausalLM
-from pd.models.layers import GatedMLP, MergedLinear, RMSNorm, get_rope, rope_parameters
+from pd.models.layers import GatedMLP, RMSNorm, attention_projections, get_rope, rope_parameters
+from pd.models.parallel import ParallelLMHead, VocabParallelEmbedding, tp_reduce
 from pd.models.model_config import ModelConfig
 
 
@@ -34,12 +35,12 @@ class LlamaAttention(nn.Module):
                  rope: dict[str, Any], qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         hidden = config.get("hidden_size")
-        self.num_heads = config.get("num_attention_heads")
-        self.num_kv_heads = config.get("num_key_value_heads", self.num_heads)
-        self.head_dim = config.get("head_dim", hidden // self.num_heads)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(hidden, [q_size, kv_size, kv_size], bias=qkv_bias)
-        self.o_proj = nn.Linear(q_size, hidden, bias=o_bias)
+        num_heads = config.get("num_attention_heads")
+        self.head_dim = config.get("head_dim", hidden // num_heads)
+        self.shard = config.tp
+        self.qkv_proj, self.o_proj, self.num_heads, self.num_kv_heads = attention_projections(
+            hidden, num_heads, config.get("num_key_value_heads", num_heads), self.head_dim, self.shard,
+            qkv_bias, o_bias)
         eps = config.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
@@ -50,7 +51,7 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.rotary_emb.norm_rotate(positions, self.qkv_proj(x), self.num_heads, self.num_kv_heads,
                                               self.q_norm, self.k_norm)
-        return self.o_proj(self.attn(q, k, v))
+        return tp_reduce(self.o_proj(self.attn(q, k, v)), self.shard)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -61,7 +62,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = GatedMLP(hidden, config.get("intermediate_size"), config.get("hidden_act", "silu"),
-                            bias=config.get("mlp_bias", False))
+                            bias=config.get("mlp_bias", False), shard=config.tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x))
@@ -72,7 +73,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, family: str) -> None:
         super().__init__()
         hidden = config.get("hidden_size")
-        self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, config.tp)
         bias = config.get("attention_bias", False)
         qkv_bias = True if family == "qwen2" else bias
         rope = rope_parameters(config.hf_config)
@@ -98,7 +99,7 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.model = LlamaModel(config, self.family)
-        self.lm_head = nn.Linear(config.get("hidden_size"), config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.get("hidden_size"), config.vocab_size, config.tp)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -17,11 +18,13 @@ from pd.models.model_config import ModelConfig
 from pd.models.registry import model_class
 
 
-def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(files: list[Path]) -> Iterator[tuple[str, Any]]:
+    """(name, lazy slice) of every weight: indexing the slice reads only those rows or
+    columns from the file, so a tensor-parallel rank reads its share of a weight."""
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
 # torch.nn.init's random fills, which layers call from reset_parameters when built.
@@ -54,7 +57,7 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Causa
     load its weights; the model is in eval mode."""
     cls = model_class(config.architectures)
     if is_gguf(config.model_dir):
-        weights = open_gguf(config.model_dir).iterate_weights()  # dequantized one tensor at a time
+        weights = open_gguf(config.model_dir).lazy_weights()  # each read and dequantized when narrowed
     else:
         weights = iterate_weights(safetensors_files(config.model_dir))  # finds the files now: fails fast
     previous = torch.get_default_dtype()

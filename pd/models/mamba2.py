@@ -19,26 +19,42 @@ import torch.nn.functional as F
 from torch import nn
 
 from pd.attention.mamba_metadata import MambaMetadata, MambaRequestSlice
+from pd.distributed.collectives import all_reduce
+from pd.distributed.shard import TPShard
 from pd.forward_context import get_forward_context
 from pd.kv_cache.spec import MambaSpec
 from pd.kv_cache.allocation import MambaCache
+from pd.models.layers import MergedLinear
+from pd.models.parallel import RowParallelLinear, tp_reduce
 
 
 class GatedRMSNorm(nn.Module):
     """`weight * rmsnorm(y * silu(gate))`, the RMS taken over groups of `group_size`
-    channels (transformers' `MambaRMSNormGated`: gate first, then normalise)."""
+    channels (transformers' `MambaRMSNormGated`: gate first, then normalise).
 
-    def __init__(self, hidden_size: int, group_size: int, eps: float) -> None:
+    Under tensor parallelism a rank holds `hidden_size` of the channels; when that is
+    less than a group (more ranks than Mamba groups), the group's sum of squares is
+    summed over the ranks sharing it: an all-reduce of a (tokens, groups) tensor in
+    which each rank fills its group's column."""
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float, shard: TPShard = TPShard(),
+                 group: int = 0, num_groups: int = 1) -> None:
         super().__init__()
-        if hidden_size % group_size:
-            raise ValueError(f"group size {group_size} does not divide {hidden_size} channels")
+        if hidden_size % min(group_size, hidden_size) or (hidden_size < group_size and group_size % hidden_size):
+            raise ValueError(f"group size {group_size} and {hidden_size} channels do not tile")
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.group_size = group_size
         self.eps = eps
+        self.shard, self.group, self.num_groups = shard, group, num_groups
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """y, gate (T, hidden) -> (T, hidden) float32."""
         y = y.float() * F.silu(gate.float())
+        if y.shape[-1] < self.group_size:  # part of one group: its other channels are on other ranks
+            sums = y.new_zeros(y.shape[0], self.num_groups)
+            sums[:, self.group] = y.pow(2).sum(-1)
+            mean = all_reduce(sums, self.shard)[:, self.group, None] / self.group_size
+            return self.weight.float() * (y * torch.rsqrt(mean + self.eps))
         groups = y.unflatten(-1, (-1, self.group_size))
         groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight.float() * groups.flatten(-2)
@@ -50,30 +66,54 @@ class Mamba2Mixer(nn.Module):
     `forward` takes the step's new tokens of all requests, concatenated, and reads its
     `MambaMetadata` and `MambaCache` from the forward context. Rows no request covers
     (padding) come out as the projection of zeros.
+
+    Under tensor parallelism (`shard`) a rank holds a run of the heads (`n_heads`,
+    `intermediate_size` and `conv_dim` are then this rank's) and the Mamba groups they
+    read (split, or one replicated when there are fewer groups than ranks); in_proj is
+    column-parallel by those parts, out_proj row-parallel.
     """
 
     def __init__(self, layer_name: str, hidden_size: int, n_heads: int, head_dim: int, d_state: int,
                  n_groups: int, d_conv: int, chunk_size: int, conv_bias: bool, proj_bias: bool,
-                 rms_norm_eps: float, time_step_limit: tuple[float, float] = (0.0, math.inf)) -> None:
+                 rms_norm_eps: float, time_step_limit: tuple[float, float] = (0.0, math.inf),
+                 shard: TPShard = TPShard()) -> None:
         super().__init__()
         if n_heads % n_groups:
             raise ValueError(f"{n_groups} groups do not split {n_heads} heads")
         if d_conv < 2 or chunk_size < 1:
             raise ValueError(f"need d_conv >= 2 and chunk_size >= 1, got {d_conv} and {chunk_size}")
-        self.layer_name = layer_name
-        self.n_heads, self.head_dim, self.d_state = n_heads, head_dim, d_state
-        self.n_groups, self.d_conv, self.chunk_size = n_groups, d_conv, chunk_size
+        first_head, local_heads = shard.split(n_heads, "Mamba heads")
+        first_group, local_groups = shard.replicated_split(n_groups, "Mamba groups")
+        self.layer_name, self.shard = layer_name, shard
+        self.n_heads, self.head_dim, self.d_state = local_heads, head_dim, d_state
+        self.n_groups, self.d_conv, self.chunk_size = local_groups, d_conv, chunk_size
         self.time_step_limit = time_step_limit
-        self.intermediate_size = n_heads * head_dim
-        self.conv_dim = self.intermediate_size + 2 * n_groups * d_state
-        self.in_proj = nn.Linear(hidden_size, self.intermediate_size + self.conv_dim + n_heads, bias=proj_bias)
+        self.intermediate_size = local_heads * head_dim
+        self.conv_dim = self.intermediate_size + 2 * local_groups * d_state
+        inner, bc = n_heads * head_dim, n_groups * d_state
+        heads = slice(first_head * head_dim, (first_head + local_heads) * head_dim)
+        b = slice(first_group * d_state, (first_group + local_groups) * d_state)
+        conv_rows = [heads, _shift(b, inner), _shift(b, inner + bc)]  # x, B, C of the published conv channels
+        self.head_range = slice(first_head, first_head + local_heads)
+        local_bc = local_groups * d_state
+        self.in_proj = MergedLinear(  # [gate | x | B | C | dt], each part this rank's rows
+            hidden_size, [self.intermediate_size, self.intermediate_size, local_bc, local_bc, local_heads],
+            bias=proj_bias, source_rows=[heads, heads, b, b, self.head_range],
+            published_sizes=[inner, inner, bc, bc, n_heads])
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim,
                                 bias=conv_bias, padding=d_conv - 1)
-        self.dt_bias = nn.Parameter(torch.ones(n_heads))
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, n_heads + 1, dtype=torch.float32)))
-        self.D = nn.Parameter(torch.ones(n_heads))
-        self.norm = GatedRMSNorm(self.intermediate_size, self.intermediate_size // n_groups, rms_norm_eps)
-        self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=proj_bias)
+        self.conv1d.shard_source = lambda leaf, index, published: torch.cat([published[r] for r in conv_rows])
+        self.dt_bias = nn.Parameter(torch.ones(local_heads))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, local_heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(local_heads))
+        self.norm = GatedRMSNorm(self.intermediate_size, inner // n_groups, rms_norm_eps, shard,
+                                 first_group, n_groups)
+        self.norm.shard_source = lambda leaf, index, published: published[heads]
+        self.out_proj = RowParallelLinear(inner, hidden_size, shard, bias=proj_bias, unit=head_dim)
+
+    def shard_source(self, leaf: str, index: int | None, published: torch.Tensor) -> torch.Tensor:
+        """dt_bias, A_log and D: this rank's heads."""
+        return published[self.head_range]
 
     def kv_cache_spec(self, block_size: int, conv_dtype: str, ssm_dtype: str) -> MambaSpec:
         """Conv state: the last `d_conv - 1` pre-conv inputs, `(conv_dim, d_conv - 1)`
@@ -95,7 +135,7 @@ class Mamba2Mixer(nn.Module):
         if meta.num_decodes:
             rows = meta.decode_token_indices
             y[rows] = self._decode(meta, xbc[rows], dt[rows], cache)
-        return self.out_proj(self.norm(y, gate).to(hidden.dtype))
+        return tp_reduce(self.out_proj(self.norm(y, gate).to(hidden.dtype)), self.shard)
 
     def _prefill(self, req: MambaRequestSlice, xbc: torch.Tensor, dt: torch.Tensor,
                  cache: MambaCache) -> torch.Tensor:
@@ -160,6 +200,10 @@ class Mamba2Mixer(nn.Module):
 
     def _A(self) -> torch.Tensor:
         return -torch.exp(self.A_log.float())
+
+
+def _shift(rows: slice, offset: int) -> slice:
+    return slice(rows.start + offset, rows.stop + offset)
 
 
 def chunk_ends(n: int, points: list[int], chunk_size: int) -> list[int]:

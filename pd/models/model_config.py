@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from pd.distributed.shard import TPShard
+
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 AUTO_DTYPE = "auto"
 
@@ -53,13 +55,15 @@ class ModelConfig:
     """`hf_config` is config.json as published (for a `.gguf` file: as its metadata
     describes it); `dtype` the weights' and KV cache's dtype name; `max_model_len`
     defaults to the model's `max_position_embeddings`. `model_dir` is the HF folder or
-    the GGUF file."""
+    the GGUF file. `tp`: the tensor-parallel share of the model to build (all of it by
+    default)."""
 
     model_dir: Path
     hf_config: dict[str, Any]
     dtype: str = "float32"
     max_model_len: int | None = None
     generation_config: dict[str, Any] = field(default_factory=dict)
+    tp: TPShard = TPShard()
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -71,13 +75,13 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, dtype: str = "float32",
-                 max_model_len: int | None = None) -> "ModelConfig":
+                 max_model_len: int | None = None, tp: TPShard = TPShard()) -> "ModelConfig":
         model_dir = Path(model_dir)
         from pd.models.gguf import is_gguf, open_gguf
 
         if is_gguf(model_dir):  # a GGUF file: its metadata makes the config.json
             gguf = open_gguf(model_dir)
-            return cls(model_dir, dict(gguf.hf_config), dtype, max_model_len, dict(gguf.generation_config))
+            return cls(model_dir, dict(gguf.hf_config), dtype, max_model_len, dict(gguf.generation_config), tp)
         config_path = model_dir / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{model_dir} is not a model directory: no config.json")
@@ -85,7 +89,7 @@ class ModelConfig:
         hf_config = hf_config.get("text_config", hf_config) | {"architectures": hf_config.get("architectures")}
         gen_path = model_dir / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        return cls(model_dir, hf_config, dtype, max_model_len, gen)
+        return cls(model_dir, hf_config, dtype, max_model_len, gen, tp)
 
     @property
     def architectures(self) -> list[str]:

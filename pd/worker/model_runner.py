@@ -8,7 +8,7 @@ build metadata once per attention group, run the model, sample.
 A fault while computing a batch (an exception from the model, the metadata or the
 sampler) fails the requests of that batch, reported in `ModelRunnerOutput.failed`; the
 runner and the engine go on. A CUDA error is not contained: the device context is
-then unusable, and the engine stops.
+then unusable, and the engine stops; nor is a lost tensor-parallel rank (`RankLost`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 from pd.attention.backend import CommonAttentionMetadata
 from pd.attention.group import AttentionGroup, make_attention_groups
+from pd.distributed.collectives import RankLost
 from pd.forward_context import ForwardContext, set_forward_context
 from pd.kv_cache.allocation import KVLayout, allocate_kv_caches
 from pd.kv_cache.spec import KVCacheConfig
@@ -98,7 +99,7 @@ class ModelRunner:
         try:
             return self._compute(so)
         except Exception as exc:
-            if "CUDA error" in str(exc):
+            if "CUDA error" in str(exc) or isinstance(exc, RankLost):
                 raise
             logger.exception("computing a batch of %d requests failed; failing them", len(so.num_scheduled_tokens))
             return ModelRunnerOutput(failed=dict.fromkeys(so.num_scheduled_tokens, f"{type(exc).__name__}: {exc}"))

@@ -51,6 +51,17 @@ def test_float32_greedy_tokens_equal_transformers(gemma_gguf) -> None:
     assert "France" in outputs[0].text  # a base model's continuation, in English
 
 
+def test_float32_tp2_greedy_tokens_equal_tp1(gemma_gguf) -> None:
+    """Two ranks (its one KV head replicated, the 262k vocabulary split) give one rank's
+    greedy tokens; each rank read only its slices of the quantized file."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    tokens = {}
+    for tp in (1, 2):
+        with LLM(str(gemma_gguf), dtype="float32", max_model_len=1024, tensor_parallel_size=tp, num_threads=1) as llm:
+            tokens[tp] = [out.token_ids for out in llm.generate(PROMPTS, params)]
+    assert tokens[2] == tokens[1]
+
+
 def test_each_tokenizer_of_the_gguf_is_its_own_and_encodes_alike(gemma_gguf, english_text) -> None:
     """The vocabulary is converted once per process; every Tokenizer gets its own copy."""
     first, second = Tokenizer(gemma_gguf), Tokenizer(gemma_gguf)

@@ -1,0 +1,45 @@
+"""Building one rank's model and model runner from an `EngineConfig`: what the engine
+core does for rank 0 and every other tensor-parallel rank does for itself
+(`pd/worker/tp_ranks.py`), so that all ranks build alike."""
+
+from __future__ import annotations
+
+import torch
+
+from pd.config import EngineConfig
+from pd.distributed.shard import TPShard
+from pd.kv_cache.layout import make_kv_cache_config
+from pd.kv_cache.spec import KVCacheConfig
+from pd.models.base import CausalLM
+from pd.models.loader import load_model
+from pd.models.model_config import ModelConfig
+from pd.models.packed import pack_linears
+from pd.models.quantized import quantize_linears
+from pd.scheduling.connector_api import KVConnectorWorker, NullConnectorWorker
+from pd.worker.model_runner import ModelRunner
+
+
+def build_model(config: EngineConfig, shard: TPShard, device: str) -> tuple[ModelConfig, CausalLM]:
+    """The rank's shard of the model, loaded, quantized (int8) or packed."""
+    model_config = ModelConfig.from_dir(config.model, config.dtype, config.max_model_len, tp=shard)
+    model = load_model(model_config, device)
+    if config.quantization == "int8":
+        quantize_linears(model)
+    else:
+        pack_linears(model)
+    return model_config, model
+
+
+def kv_cache_config(config: EngineConfig, model_config: ModelConfig, model: CausalLM) -> KVCacheConfig:
+    """The KV cache of one rank: `kv_cache_memory` bytes of its heads' blocks. Every
+    rank of an engine has the same shapes, so the same number of blocks."""
+    specs = model.kv_cache_specs(config.block_size, hybrid=config.hybrid_kv_cache)
+    return make_kv_cache_config(specs, config.kv_cache_memory, model_config.context_len)
+
+
+def build_runner(config: EngineConfig, model_config: ModelConfig, model: CausalLM, device: str | torch.device,
+                 connector: KVConnectorWorker | None = None, keep_logits: bool = False) -> ModelRunner:
+    return ModelRunner(model, kv_cache_config(config, model_config, model), max_num_reqs=config.max_num_seqs,
+                       max_model_len=model_config.context_len, device=device, layout=config.kv_layout,
+                       keep_logits=keep_logits, connector=connector or NullConnectorWorker(),
+                       eos_token_ids=frozenset(model_config.eos_token_ids), logprobs_mode=config.logprobs_mode)

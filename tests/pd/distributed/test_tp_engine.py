@@ -1,0 +1,125 @@
+"""An engine with `--tensor-parallel-size 2`: `pd.LLM` and `pd serve` give TP = 1's tokens;
+a rank killed or hung stops the engine cleanly (in-flight requests answered, no process
+left behind) or, with `--restart-engine`, a new engine with new ranks serves."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import http_client
+from pd import LLM
+from pd.scheduling.sampling_params import SamplingParams
+from tests.support.hf_reference import random_prompts
+from tests.support.server_harness import running_server, wait_until
+
+pytestmark = pytest.mark.slow
+
+LOGIT_TOL = 2e-4
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children first), from /proc."""
+    out, stack = [], [pid]
+    while stack:
+        parent = stack.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            out.extend(children)
+            stack.extend(children)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def rank_pids(engine_pid: int) -> list[int]:
+    """The engine's tensor-parallel rank processes (its spawned children)."""
+    return [p for p in descendants(engine_pid)
+            if b"pd.worker.tp_ranks" in Path(f"/proc/{p}/cmdline").read_bytes() and alive(p)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "bamba"])
+def test_llm_tp2_gives_tp1_logits_and_tokens(tiny_models, arch: str) -> None:
+    prompts = random_prompts([29, 7, 40], seed=11)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    results = {}
+    for tp in (1, 2):
+        with LLM(str(tiny_models[arch]), dtype="float32", tensor_parallel_size=tp, num_threads=1,
+                 keep_logits=True) as llm:
+            outputs = llm.generate(prompts, params)
+            results[tp] = ([o.token_ids for o in outputs], llm.engine.logits)
+            if tp == 2:
+                engine_children = rank_pids(os.getpid())
+                assert len(engine_children) == 1
+        if tp == 2:
+            assert not any(alive(p) for p in engine_children), "a rank outlived its engine"
+    assert results[1][0] == results[2][0]
+    for req_id, rows in results[1][1].items():
+        for want, got in zip(rows, results[2][1][req_id]):
+            assert (want - got).abs().max().item() <= LOGIT_TOL
+
+
+def _stream_until_error(server, engine_pid: int, hurt) -> list[str]:
+    body = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with http_client().stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        hurt()
+        return [line for line in lines if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+def test_a_lost_rank_stops_the_engine_and_answers_what_was_in_flight(tiny_models, tmp_path, fault: str) -> None:
+    with running_server(tiny_models["qwen3"], tmp_path / "server.log", "--tensor-parallel-size", "2",
+                        "--tp-timeout", "3") as server:
+        engine_pid = server.health().json()["engine_pid"]
+        (rank,) = rank_pids(engine_pid)
+        family = [engine_pid, rank]
+        start = time.monotonic()
+        sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
+        events = _stream_until_error(server, engine_pid, lambda: os.kill(rank, sig))  # a process this test started
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][len("data: "):])["error"]["code"] == 500
+        assert time.monotonic() - start < 30
+        assert server.process.wait(30) == 1, server.log_tail()
+        assert wait_until(lambda: not any(alive(p) for p in family), 10), "a rank or the engine was left behind"
+        assert "tensor-parallel" in server.log_tail()
+
+
+def test_with_restart_engine_a_new_engine_with_new_ranks_serves(tiny_models, tmp_path) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with running_server(tiny_models["qwen3"], tmp_path / "one.log") as single:
+        expected = http_client().post(f"{single.url}/v1/completions", json=body, timeout=60).json()["choices"]
+    with running_server(tiny_models["qwen3"], tmp_path / "server.log", "--tensor-parallel-size", "2",
+                        "--restart-engine", "1") as server:
+        assert http_client().post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"] == expected
+        first = server.health().json()["engine_pid"]
+        (rank,) = rank_pids(first)
+        os.kill(rank, signal.SIGKILL)  # found by the idle engine's loop, no request needed
+        assert wait_until(lambda: server.health().status_code == 200 and server.health().json()["engine_pid"] != first,
+                          90), server.log_tail()
+        assert not alive(first)
+        assert len(rank_pids(server.health().json()["engine_pid"])) == 1
+        assert http_client().post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"] == expected
+        assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+
+
+def test_tp_size_that_does_not_divide_the_heads_is_refused_at_start(tiny_models) -> None:
+    with pytest.raises(Exception, match="does not divide"):
+        LLM(str(tiny_models["qwen3"]), dtype="float32", tensor_parallel_size=3, num_threads=1)
+    assert torch.distributed.is_initialized() is False
