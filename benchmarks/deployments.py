@@ -3,6 +3,8 @@ KV-transfer figures read from all their servers' /metrics around a run.
 
 - `colocated`: one `pd serve` doing prefill and decode, all cores;
 - `no-prefix-cache`: `colocated` with prefix caching off;
+- `colocated-tp2`: `colocated` with the model sharded over two tensor-parallel ranks,
+  the cores split between them;
 - `pd`: a prefill and a decode server (NIXL, canonical layout) behind `pd proxy`, the
   cores split between them; `pd-per-layer`: with the per-layer KV layout on both;
   `pd-no-skip-partial`: with `--no-skip-partial-groups-on-remote-prefill` on the decode server;
@@ -32,9 +34,12 @@ from benchmarks.serve_metrics import Samples, parse_prometheus, server_metric_de
 import launch
 from launch import free_port, pd_command, stop_process
 
-COLOCATED = ("colocated", "no-prefix-cache")
+COLOCATED = {"colocated": [], "no-prefix-cache": ["--no-enable-prefix-caching"],
+             "colocated-tp2": ["--tensor-parallel-size", "2",
+                               "--num-threads", str(max(1, (os.cpu_count() or 2) // 2))]}
 ROUTED = {"2p2d-round_robin": "round_robin", "2p2d-prefix_aware": "prefix_aware", "2p2d-kv_aware": "kv_aware"}
-CONFIGS = ("colocated", "pd", "pd-per-layer", "pd-no-skip-partial", "no-prefix-cache", *ROUTED, "1p1d-all-cache")
+CONFIGS = ("colocated", "pd", "pd-per-layer", "pd-no-skip-partial", "no-prefix-cache", *ROUTED, "1p1d-all-cache",
+           "colocated-tp2")
 ROUTED_PREFILL_SERVERS = 2
 
 
@@ -65,7 +70,7 @@ def deploy(config: str, args: argparse.Namespace, workdir: Path) -> Iterator[Dep
             return url
 
         if config in COLOCATED:
-            url = start("server", *(["--no-enable-prefix-caching"] if config == "no-prefix-cache" else []))
+            url = start("server", *COLOCATED[config])
             yield Deployment(url, f"{url}/metrics", [url], [url])
             return
         pairs = ROUTED_PREFILL_SERVERS if config in ROUTED else 1

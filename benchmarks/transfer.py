@@ -21,21 +21,24 @@ sends it; DONE waits until P's agent took the notification, so P's poll interval
 **Per architecture** (`--arch ...`): one request's read with each tiny architecture's
 real KV cache config, canonical vs per-layer layout (`benchmarks/transfer_request.py`).
 
+**Heterogeneous tensor parallelism** (`--tp-pairs 1x2 2x1 2x2`): a decode rank reading
+its heads of each block from the prefill ranks that hold them, NIXL against CMA for the
+same ranges, per block size (`benchmarks/transfer_tp.py`).
+
     python -m benchmarks.transfer                      # the block sweep
     python -m benchmarks.transfer --arch qwen3 gemma3 bamba granitehybrid --num-blocks 256
+    python -m benchmarks.transfer --tp-pairs 1x2 2x1 2x2 --block-kib 64 256 1024
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import platform
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,40 +46,14 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 import torch
 
-from benchmarks.transfer_peer import P_SEED, start_peer, timed, timed_read
+from benchmarks.transfer_peer import P_SEED, cma_read, interleaved, start_peer, timed, timed_read
 from benchmarks.transfer_request import LAYOUTS, bench_one, format_table, kv_config
+from benchmarks.transfer_tp import bench_pair, format_pairs
 from connectors.nixl.handshake import SideChannelServer, fetch_remote_layout
 from connectors.nixl.peer_messages import HandshakeRequest, HandshakeResponse, ReadDone, encode_notif
 from connectors.nixl.transport import NixlTransport
 from connectors.nixl.ucx import configure_ucx
 from pd.models.make_model import ARCHS
-
-
-IOV_MAX = 1024  # iovecs per process_vm_readv call (Linux UIO_MAXIOV)
-
-
-class _IoVec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
-
-
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.process_vm_readv.restype = ctypes.c_ssize_t
-
-
-def cma_read(pid: int, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]]) -> int:
-    """Copy (address, length) ranges of process `pid` into ours with process_vm_readv,
-    IOV_MAX ranges per call; returns the bytes copied."""
-    copied = 0
-    for i in range(0, len(local), IOV_MAX):
-        ours, theirs = local[i:i + IOV_MAX], remote[i:i + IOV_MAX]
-        lv = (_IoVec * len(ours))(*[_IoVec(a, n) for a, n in ours])
-        rv = (_IoVec * len(theirs))(*[_IoVec(a, n) for a, n in theirs])
-        got = _LIBC.process_vm_readv(pid, lv, len(ours), rv, len(theirs), 0)
-        if got < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"process_vm_readv: {os.strerror(err)}")
-        copied += got
-    return copied
 
 
 def block_caches(tensor: torch.Tensor):
@@ -153,17 +130,6 @@ def bench_block_size(block_bytes: int, args: argparse.Namespace) -> dict:
     return sweep_row(block_bytes, count, times)
 
 
-def interleaved(fns: dict, repeats: int) -> dict[str, list[float]]:
-    """Seconds per call of each of two functions, run in turns, each first in every other round."""
-    times = {name: [] for name in fns}
-    for i in range(repeats):
-        for name, fn in list(fns.items())[::1 if i % 2 else -1]:
-            started = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - started)
-    return times
-
-
 def sweep_row(block_bytes: int, count: int, times: dict[str, list[float]]) -> dict:
     num_bytes = count * block_bytes
     row = {"block_bytes": block_bytes, "blocks": count, "bytes": num_bytes, "ucx_tls": os.environ.get("UCX_TLS")}
@@ -201,8 +167,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="KV dtype of the --arch configs (default float32)")
     add("--repeats", type=int, default=10, help="timed repeats per figure; medians are reported (default 10)")
     add("--peer-poll-ms", type=float, default=1.0, help="how often P polls NIXL (its engine step)")
+    add("--tp-pairs", nargs="*", default=[], metavar="PxD",
+        help="also sweep reads between tensor-parallel sizes, e.g. 1x2 2x1 2x2 (P TP x D TP; default: none)")
+    add("--skip-block-sweep", action="store_true", help="only the --arch and --tp-pairs parts")
     add("--output", type=Path, default=Path("results/transfer.json"), help="where the JSON goes (default results/transfer.json)")
     args = p.parse_args(argv)
+    try:
+        args.tp_pairs = [tuple(int(x) for x in pair.split("x")) for pair in args.tp_pairs]
+    except ValueError:
+        p.error("--tp-pairs takes PxD pairs such as 1x2")
+    if any(len(pair) != 2 or min(pair) < 1 or 4 % pair[0] or 4 % pair[1] for pair in args.tp_pairs):
+        p.error("--tp-pairs: P and D TP sizes must divide 4 (the sweep's heads)")
     if args.num_blocks < 4 or args.repeats < 1 or args.read_mib < 1 or min(args.block_kib) < 1:
         p.error("--num-blocks must be at least 4, --repeats, --read-mib and --block-kib at least 1")
     return args
@@ -211,11 +186,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     configure_ucx("127.0.0.1", args.ucx_transports)  # as a one-host deployment; spawned peers inherit it
-    sweep = [bench_block_size(kib << 10, args) for kib in args.block_kib]
-    print(f"One READ of {args.read_mib} MiB of scattered blocks between two processes, UCX_TLS="
-          f"{os.environ.get('UCX_TLS')}; medians of {args.repeats} interleaved repeats; P polls every "
-          f"{args.peer_poll_ms:g} ms (the notif column).")
-    print(format_sweep(sweep))
+    sweep = [] if args.skip_block_sweep else [bench_block_size(kib << 10, args) for kib in args.block_kib]
+    if sweep:
+        print(f"One READ of {args.read_mib} MiB of scattered blocks between two processes, UCX_TLS="
+              f"{os.environ.get('UCX_TLS')}; medians of {args.repeats} interleaved repeats; P polls every "
+              f"{args.peer_poll_ms:g} ms (the notif column).")
+        print(format_sweep(sweep))
+    tp_rows = [bench_pair(kib << 10, p_tp, d_tp, args) for p_tp, d_tp in args.tp_pairs for kib in args.block_kib]
+    if tp_rows:
+        print(f"\nDecode rank 0 reading its heads of {args.read_mib} MiB / D TP of scattered blocks from the prefill "
+              f"ranks holding them; medians of {args.repeats} interleaved repeats.")
+        print(format_pairs(tp_rows))
     rows = []
     with tempfile.TemporaryDirectory() as model_root:
         for arch in args.arch:
@@ -232,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         "ucx_tls": os.environ.get("UCX_TLS"), "ucx_net_devices": os.environ.get("UCX_NET_DEVICES")},
         "sweep": sweep,
         "rows": rows,
+        "tp_pairs": tp_rows,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")

@@ -1,10 +1,14 @@
 """What the transfer benchmarks share: a P peer in its own process (spawned, reporting
-what D needs over a pipe), and the timers."""
+what D needs over a pipe), the timers, and the CMA copy (`process_vm_readv`) NIXL is
+measured against."""
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
+import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from connectors.nixl.transport import NixlTransport, TransferHandle
@@ -62,4 +66,42 @@ def timed(fn, repeats: int) -> list[float]:
         started = time.perf_counter()
         fn()
         times.append(time.perf_counter() - started)
+    return times
+
+
+IOV_MAX = 1024  # iovecs per process_vm_readv call (Linux UIO_MAXIOV)
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.process_vm_readv.restype = ctypes.c_ssize_t
+
+
+def cma_read(pid: int, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]]) -> int:
+    """Copy (address, length) ranges of process `pid` into ours with process_vm_readv,
+    IOV_MAX ranges per call; returns the bytes copied."""
+    copied = 0
+    for i in range(0, len(local), IOV_MAX):
+        ours, theirs = local[i:i + IOV_MAX], remote[i:i + IOV_MAX]
+        lv = (_IoVec * len(ours))(*[_IoVec(a, n) for a, n in ours])
+        rv = (_IoVec * len(theirs))(*[_IoVec(a, n) for a, n in theirs])
+        got = _LIBC.process_vm_readv(pid, lv, len(ours), rv, len(theirs), 0)
+        if got < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"process_vm_readv: {os.strerror(err)}")
+        copied += got
+    return copied
+
+
+def interleaved(fns: dict, repeats: int) -> dict[str, list[float]]:
+    """Seconds per call of each of two functions, run in turns, each first in every other round."""
+    times = {name: [] for name in fns}
+    for i in range(repeats):
+        for name, fn in list(fns.items())[::1 if i % 2 else -1]:
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
     return times

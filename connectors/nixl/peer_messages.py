@@ -50,12 +50,24 @@ class DataRefInfo(msgspec.Struct, frozen=True):
     offset_bytes: NonNegative = 0
 
 
+class PieceInfo(msgspec.Struct, frozen=True, array_like=True):
+    """Bytes `[offset, offset + nbytes)` of each ref of a group hold head (or, for
+    `kind="shared"`, Mamba group) `index` (see `pd/kv_cache/row_order.py`)."""
+
+    kind: Literal["head", "shared"]
+    index: NonNegative
+    offset: NonNegative
+    nbytes: Positive
+
+
 class KVLayoutInfo(msgspec.Struct, frozen=True):
     """An engine's KV cache as a peer needs it to build READ descriptors.
 
     `group_data_refs[g]` are the refs of KV cache group g; `block_sizes[g]` its tokens per
     block (an empty list: not stated). `compat_hash` (pd/kv_transfer/compat.py) is equal
-    on two engines iff they may exchange KV blocks.
+    on two engines iff they may exchange KV blocks. `group_pieces[g]`, when given, says
+    which heads each ref of group g holds where: a worker holding other heads (another
+    tensor-parallel size) reads only the pieces it lacks.
     """
 
     engine_id: str
@@ -65,6 +77,7 @@ class KVLayoutInfo(msgspec.Struct, frozen=True):
     compat_hash: str
     device_kind: DeviceKind = "DRAM"
     lease_words: TensorInfo | None = None  # its lease table (leases.py), host memory, one 8-byte word a row
+    group_pieces: list[list[PieceInfo]] = []
 
     def __post_init__(self) -> None:
         # Runs on decode too: a layout from the network that names a missing tensor or
@@ -80,6 +93,19 @@ class KVLayoutInfo(msgspec.Struct, frozen=True):
                 row = self.tensors[ref.tensor_idx].row_bytes
                 if ref.offset_bytes + ref.page_size_bytes > row:
                     raise ValueError(f"group {group_id}: {ref} runs past the row of {row} bytes")
+        self._check_pieces()
+
+    def _check_pieces(self) -> None:
+        if not self.group_pieces:
+            return
+        if len(self.group_pieces) != len(self.group_data_refs):
+            raise ValueError(f"{len(self.group_pieces)} piece lists for {len(self.group_data_refs)} groups")
+        for group_id, (refs, pieces) in enumerate(zip(self.group_data_refs, self.group_pieces)):
+            size = min(ref.page_size_bytes for ref in refs)
+            if any(p.offset + p.nbytes > size for p in pieces):
+                raise ValueError(f"group {group_id}: a piece runs past its {size}-byte ref")
+            if len({(p.kind, p.index) for p in pieces}) != len(pieces):
+                raise ValueError(f"group {group_id}: a piece is named twice")
 
 
 # --- side channel --------------------------------------------------------------------

@@ -28,8 +28,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from connectors.nixl.descriptors import read_descriptors
-from connectors.nixl.peer_messages import DataRefInfo, DeviceKind, HandshakeResponse, KVLayoutInfo, TensorInfo
+from connectors.nixl.descriptors import piece_runs, read_descriptors
+from connectors.nixl.peer_messages import DataRefInfo, DeviceKind, HandshakeResponse, KVLayoutInfo, PieceInfo, TensorInfo
 from pd.kv_cache.canonical import CanonicalKVCaches, KVCacheBlockTensor
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,8 @@ class NixlTransport:
         self._tensors = [_tensor_info(t) for t in kv_caches.tensors]
         self._refs = [[DataRefInfo(r.tensor_idx, r.page_size_bytes, r.offset_bytes) for r in refs]
                       for refs in kv_caches.group_data_refs]
+        self._pieces = [[PieceInfo(p.key[0], p.key[1], p.offset, p.nbytes) for p in pieces]
+                        for pieces in kv_caches.group_pieces]
         if block_sizes and len(block_sizes) != len(self._refs):
             raise ValueError(f"{len(block_sizes)} block sizes for {len(self._refs)} KV cache groups")
         self._block_sizes = list(block_sizes)
@@ -108,7 +110,8 @@ class NixlTransport:
 
     def local_layout(self, compat_hash: str) -> KVLayoutInfo:
         return KVLayoutInfo(self.engine_id, list(self._tensors), [list(refs) for refs in self._refs],
-                            list(self._block_sizes), compat_hash, self.device_kind, self._lease_words)
+                            list(self._block_sizes), compat_hash, self.device_kind, self._lease_words,
+                            [list(pieces) for pieces in self._pieces])
 
     def add_peer(self, response: HandshakeResponse, expected_compat_hash: str | None = None) -> str:
         """Load a peer's agent metadata and remember its layout; returns its agent name
@@ -151,12 +154,17 @@ class NixlTransport:
         if layout.block_sizes and self._block_sizes and layout.block_sizes != self._block_sizes:
             raise IncompatiblePeer(f"incompatible KV layout: peer {peer!r} block sizes {layout.block_sizes}, "
                                    f"this engine {self._block_sizes}")
+        if self._holds_other_heads(layout):
+            return  # pages differ with the heads held; the pieces say what matches (piece_runs)
         for group_id, (ours, theirs) in enumerate(zip(self._refs, layout.group_data_refs)):
             our_pages = [(r.page_size_bytes, self._tensors[r.tensor_idx].row_bytes) for r in ours]
             their_pages = [(r.page_size_bytes, layout.tensors[r.tensor_idx].row_bytes) for r in theirs]
             if our_pages != their_pages:
                 raise IncompatiblePeer(f"incompatible KV layout: group {group_id} of peer {peer!r} has "
                                        f"(page, row) bytes per ref {their_pages}, this engine {our_pages}")
+
+    def _holds_other_heads(self, layout: KVLayoutInfo) -> bool:
+        return bool(self._pieces and layout.group_pieces and layout.group_pieces != self._pieces)
 
     def remove_peer(self, engine_id: str) -> None:
         """Forget a peer (e.g. after it failed); a later add_peer connects afresh."""
@@ -179,15 +187,22 @@ class NixlTransport:
         local_block_ids: list[list[int]],
         remote_block_ids: list[list[int]],
         notif: bytes = b"",
+        taken: list[set] | None = None,
     ) -> TransferHandle:
         """Post one READ of the peer's `remote_block_ids` into our `local_block_ids`
         (per group, position by position; null positions are skipped). `notif` reaches
         the peer after the data moved; with nothing to move it is sent on its own.
 
+        A peer holding other heads (another tensor-parallel rank) gives the pieces of each
+        block we hold and it holds, less those in `taken` (per group: read from another
+        rank of the same peer already; filled in here).
+
         Raises ValueError for an unknown peer or bad block lists. A failure of NIXL or
         the peer does not raise: the handle is then in state ERR."""
         peer = self._peer(peer_engine_id)
-        local, remote = read_descriptors(self._tensors, self._refs, peer.layout, local_block_ids, remote_block_ids)
+        runs = piece_runs(self._pieces, peer.layout.group_pieces, taken or [set() for _ in self._refs])
+        local, remote = read_descriptors(self._tensors, self._refs, peer.layout, local_block_ids, remote_block_ids,
+                                         runs)
         handle = TransferHandle(peer_engine_id, len(local), int(local[:, 1].sum()))
         if not len(local):
             return self._notify_only(handle, peer, notif)

@@ -40,6 +40,7 @@ from pd.worker.rank_setup import build_model, build_runner
 logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
+STARTUP_S = 300.0  # a rank's process may take this long to start and join (imports on a loaded host)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -60,11 +61,13 @@ class TensorParallelRanks:
         self.timeout = timedelta(seconds=config.tp_timeout)
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine is already running in this process: one per process")
-        self.store = dist.TCPStore(HOST, 0, self.size, is_master=True, timeout=self.timeout, wait_for_workers=False)
+        startup = timedelta(seconds=max(STARTUP_S, config.tp_timeout))
+        self.store = dist.TCPStore(HOST, 0, self.size, is_master=True, timeout=startup, wait_for_workers=False)
         self.pipes: list[Connection] = []
         self.procs: list[subprocess.Popen] = []
         for rank in range(1, self.size):
             self._start(config, rank)
+        self._wait_joined(startup.total_seconds())
         dist.init_process_group(backend(config.torch_device), store=self.store, rank=0, world_size=self.size,
                                 timeout=self.timeout)
 
@@ -79,6 +82,19 @@ class TensorParallelRanks:
         pipe.send((config, rank, self.store.port))
         self.pipes.append(pipe)
         self.procs.append(proc)
+
+    def _wait_joined(self, seconds: float) -> None:
+        """Until every rank reached the store (it then opens the group at once): the
+        group's own timeout is `--tp-timeout`, sized for steps, not for starting Python."""
+        keys = [_joined_key(rank) for rank in range(1, self.size)]
+        deadline = time.monotonic() + seconds
+        while not self.store.check(keys):
+            for rank, proc in enumerate(self.procs, start=1):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"tensor-parallel rank {rank} exited (code {proc.returncode}) while starting")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel ranks did not start within {seconds:.0f} s")
+            time.sleep(0.05)
 
     @property
     def pids(self) -> list[int]:
@@ -130,6 +146,10 @@ class TensorParallelRanks:
             dist.destroy_process_group()
 
 
+def _joined_key(rank: int) -> str:
+    return f"pd-tp-rank-{rank}-joined"
+
+
 def _die_with_parent() -> None:
     """SIGKILL this process when the engine that started it exits, however it exits."""
     parent = os.getppid()
@@ -169,7 +189,8 @@ def _build(config: EngineConfig, rank: int, store_port: int) -> ModelRunner:
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     size, timeout = config.tensor_parallel_size, timedelta(seconds=config.tp_timeout)
-    store = dist.TCPStore(HOST, store_port, size, is_master=False, timeout=timeout)
+    store = dist.TCPStore(HOST, store_port, size, is_master=False, timeout=timedelta(seconds=STARTUP_S))
+    store.set(_joined_key(rank), "1")
     dist.init_process_group(backend(config.torch_device), store=store, rank=rank, world_size=size, timeout=timeout)
     shard = TPShard(rank, size)
     device = rank_device(config.torch_device, rank)

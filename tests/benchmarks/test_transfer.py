@@ -31,3 +31,18 @@ def test_cma_read_copies_ranges_of_another_process(tmp_path) -> None:
     copied = transfer.cma_read(os.getpid(), [(dst.data_ptr() + d * 1024, 1024) for _, d in ranges],
                                [(src.data_ptr() + s * 1024, 1024) for s, _ in ranges])
     assert copied == 2048 and torch.equal(dst[5], src[3]) and torch.equal(dst[0], src[9])
+
+
+def test_the_tensor_parallel_sweep_reads_each_heads_bytes_once(tmp_path, capsys) -> None:
+    """(P TP, D TP) pairs: decode rank 0 gets exactly its heads (checked inside), with one
+    descriptor per block per prefill rank it reads from."""
+    result = transfer.main(["--skip-block-sweep", "--tp-pairs", "1x2", "2x1", "2x2", "--block-kib", "64",
+                            "--read-mib", "1", "--repeats", "2", "--output", str(tmp_path / "t.json")])
+    rows = {(r["p_tp"], r["d_tp"]): r for r in result["tp_pairs"]}
+    assert set(rows) == {(1, 2), (2, 1), (2, 2)} and result["sweep"] == []
+    assert [rows[pair]["p_ranks_read"] for pair in sorted(rows)] == [1, 2, 1]
+    assert rows[(1, 2)]["descriptors"] == rows[(1, 2)]["blocks"]  # half of each block from the one P rank
+    assert rows[(2, 1)]["descriptors"] == 2 * rows[(2, 1)]["blocks"]  # a half from each P rank
+    assert rows[(2, 2)]["descriptors"] == rows[(2, 2)]["blocks"]  # whole rows, scattered: one per block
+    assert all(r["bytes"] == r["blocks"] * (64 << 10) // r["d_tp"] for r in rows.values())
+    assert "| 2 | 1 | 64 KiB |" in capsys.readouterr().out
