@@ -194,8 +194,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         print(format_sweep(sweep))
     tp_rows = [bench_pair(kib << 10, p_tp, d_tp, args) for p_tp, d_tp in args.tp_pairs for kib in args.block_kib]
     if tp_rows:
-        print(f"\nDecode rank 0 reading its heads of {args.read_mib} MiB / D TP of scattered blocks from the prefill "
-              f"ranks holding them; medians of {args.repeats} interleaved repeats.")
+        print(f"\nDecode rank 0 reading {args.read_mib} MiB of its heads of scattered blocks from the prefill ranks "
+              f"holding them (block: the whole block's bytes); medians of {args.repeats} interleaved repeats.")
         print(format_pairs(tp_rows))
     rows = []
     with tempfile.TemporaryDirectory() as model_root:

@@ -2,7 +2,7 @@
 
 For a (P TP, D TP) pair and a block size: P's ranks are processes, each holding its
 heads of every block (a block of B bytes has 4 heads; rank r of t holds B / t bytes of
-it); D's rank 0 reads its heads of `--read-mib` of scattered blocks from the P ranks
+it); D's rank 0 reads `--read-mib` of its heads of scattered blocks from the P ranks
 that hold them (every other block, reversed: no run of blocks merges), timed as
 
 - NIXL: one READ per P rank, posted together and polled until all are DONE; descriptors
@@ -66,7 +66,7 @@ def serve_rank(conn, engine_id: str, num_blocks: int, block_bytes: int, tp: int,
 
 
 def bench_pair(block_bytes: int, p_tp: int, d_tp: int, args: argparse.Namespace) -> dict:
-    count = max(4, (args.read_mib << 20) // block_bytes // d_tp)  # blocks read by D rank 0
+    count = max(4, (args.read_mib << 20) * d_tp // block_bytes)  # blocks D rank 0 reads `--read-mib` of
     num_blocks = 2 * count + 1
     remote_ids = [1 + 2 * i for i in range(count)]
     local_ids = remote_ids[::-1]

@@ -44,5 +44,5 @@ def test_the_tensor_parallel_sweep_reads_each_heads_bytes_once(tmp_path, capsys)
     assert rows[(1, 2)]["descriptors"] == rows[(1, 2)]["blocks"]  # half of each block from the one P rank
     assert rows[(2, 1)]["descriptors"] == 2 * rows[(2, 1)]["blocks"]  # a half from each P rank
     assert rows[(2, 2)]["descriptors"] == rows[(2, 2)]["blocks"]  # whole rows, scattered: one per block
-    assert all(r["bytes"] == r["blocks"] * (64 << 10) // r["d_tp"] for r in rows.values())
+    assert all(r["bytes"] == r["blocks"] * (64 << 10) // r["d_tp"] == 1 << 20 for r in rows.values())
     assert "| 2 | 1 | 64 KiB |" in capsys.readouterr().out

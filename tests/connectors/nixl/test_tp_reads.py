@@ -77,7 +77,7 @@ def wait(transport: NixlTransport, handle) -> str:
     return state
 
 
-@pytest.mark.parametrize("p_tp, d_tp", [(1, 2), (2, 1), (2, 2), (1, 4), (4, 2)])
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 2), (2, 1), (1, 4), (4, 2)])  # equal sizes: test_transport.py
 def test_decode_ranks_read_their_heads_from_prefill_ranks(p_tp: int, d_tp: int) -> None:
     configure_ucx("127.0.0.1", "auto")
     whole = rank_cache(1, 0, "canonical", NUM_BLOCKS)
