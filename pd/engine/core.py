@@ -77,6 +77,9 @@ class EngineCore:
         self.scheduler = Scheduler(self._scheduler_config(), self.kv_cache_manager,
                                    connector.build_scheduler(context, worker_connector), grammars)
         self.logits: dict[str, list[torch.Tensor]] = {}
+        # Unseeded requests sample from the global generator: every tensor-parallel rank
+        # starts serving from the same state (building may have drawn from it unequally).
+        torch.manual_seed(config.seed)
 
     @property
     def kv_events_endpoints(self) -> dict[str, str] | None:

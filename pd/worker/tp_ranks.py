@@ -185,7 +185,6 @@ def rank_main(config: EngineConfig, rank: int, store_port: int, pipe: Connection
 
 
 def _build(config: EngineConfig, rank: int, store_port: int) -> ModelRunner:
-    torch.manual_seed(config.seed)  # every rank draws what rank 0 draws for unseeded requests
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     size, timeout = config.tensor_parallel_size, timedelta(seconds=config.tp_timeout)
@@ -195,7 +194,9 @@ def _build(config: EngineConfig, rank: int, store_port: int) -> ModelRunner:
     shard = TPShard(rank, size)
     device = rank_device(config.torch_device, rank)
     model_config, model = build_model(config, shard, device)
-    return build_runner(config, model_config, model, device)
+    runner = build_runner(config, model_config, model, device)
+    torch.manual_seed(config.seed)  # as rank 0 does once built: the same draws for unseeded requests
+    return runner
 
 
 if __name__ == "__main__":

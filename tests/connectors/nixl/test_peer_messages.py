@@ -15,6 +15,7 @@ from connectors.nixl.peer_messages import (
     KVLayoutInfo,
     MessageDecodeError,
     NotifDecodeError,
+    PieceInfo,
     ReadDone,
     Reject,
     TensorInfo,
@@ -93,6 +94,11 @@ def test_a_layout_from_the_network_is_validated() -> None:
         ("group_data_refs", [[{"tensor_idx": 0, "page_size_bytes": 4097}], [{"tensor_idx": 1, "page_size_bytes": 8}]]),
         ("block_sizes", [16]),  # one block size for two groups
         ("device_kind", "FILE"),
+        ("group_pieces", [[["head", 0, 0, 8]]]),  # pieces for one group of two
+        ("group_pieces", [[["head", 0, 0, 4097]], [["head", 0, 0, 8]]]),  # past the 4096-byte ref
+        ("group_pieces", [[["head", 0, 0, 4], ["head", 0, 4, 4]], [["head", 0, 0, 8]]]),  # a head twice
+        ("group_pieces", [[["layer", 0, 0, 8]], [["head", 0, 0, 8]]]),  # not a kind of piece
+        ("group_pieces", [[["head", -1, 0, 8]], [["head", 0, 0, 8]]]),
     ]
     for key, value in bad_cases:
         data = dict(good, layout=dict(good["layout"], **{key: value}))
@@ -100,6 +106,12 @@ def test_a_layout_from_the_network_is_validated() -> None:
             decode_reply(msgspec.msgpack.encode(data))
     with pytest.raises(MessageDecodeError):
         decode_request(encode(HandshakeError("a reply is not a request")))
+
+
+def test_a_layout_s_pieces_travel() -> None:
+    pieces = [[PieceInfo("head", 0, 0, 2048), PieceInfo("head", 1, 2048, 2048)], [PieceInfo("shared", 0, 0, 1024)]]
+    sent = HandshakeResponse(b"m", layout(group_pieces=pieces))
+    assert decode_reply(encode(sent)).layout.group_pieces == pieces
 
 
 def test_layout_checks_its_refs_when_built() -> None:

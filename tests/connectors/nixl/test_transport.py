@@ -288,13 +288,14 @@ def test_add_peer_rejects_other_shapes_and_hashes(setup: Setup) -> None:
     renamed = msgspec.structs.replace(layout, engine_id="X")
     with pytest.raises(IncompatiblePeer, match="incompatible KV layout: peer 'X' has hash"):
         setup.d.add_peer(HandshakeResponse(b"", renamed), expected_compat_hash="0" * 64)
-    fewer = msgspec.structs.replace(renamed, group_data_refs=renamed.group_data_refs[:2], block_sizes=[4, 4])
+    fewer = msgspec.structs.replace(renamed, group_data_refs=renamed.group_data_refs[:2], block_sizes=[4, 4],
+                                    group_pieces=renamed.group_pieces[:2])
     with pytest.raises(IncompatiblePeer, match="2 KV cache groups, this engine 3"):
         setup.d.add_peer(HandshakeResponse(b"", fewer))
     refs = [list(r) for r in renamed.group_data_refs]
     refs[2][0] = msgspec.structs.replace(refs[2][0], page_size_bytes=refs[2][0].page_size_bytes // 2)
-    with pytest.raises(IncompatiblePeer, match="group 2"):
-        setup.d.add_peer(HandshakeResponse(b"", msgspec.structs.replace(renamed, group_data_refs=refs)))
+    with pytest.raises(IncompatiblePeer, match="group 2"):  # a layout that names no heads: pages must match
+        setup.d.add_peer(HandshakeResponse(b"", msgspec.structs.replace(renamed, group_data_refs=refs, group_pieces=[])))
     assert "X" not in setup.d.peers
 
 

@@ -74,6 +74,22 @@ def test_llm_tp2_gives_tp1_logits_and_tokens(tiny_models, arch: str) -> None:
             assert (want - got).abs().max().item() <= LOGIT_TOL
 
 
+def test_unseeded_sampling_keeps_every_rank_on_the_same_tokens(tiny_models) -> None:
+    """Every rank samples from the same gathered logits with the same generator state:
+    were rank 1 to draw other tokens, its inputs, and so the logits after the next
+    all-reduce, would leave TP = 1's."""
+    prompts = random_prompts([12, 20], seed=3)
+    params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    results = {}
+    for tp in (1, 2):
+        with LLM(str(tiny_models["qwen3"]), dtype="float32", tensor_parallel_size=tp, num_threads=1,
+                 keep_logits=True) as llm:
+            results[tp] = ([o.token_ids for o in llm.generate(prompts, params)], llm.engine.logits)
+    assert results[1][0] == results[2][0]
+    for req_id, rows in results[1][1].items():
+        assert all((want - got).abs().max().item() <= LOGIT_TOL for want, got in zip(rows, results[2][1][req_id]))
+
+
 def _stream_until_error(server, engine_pid: int, hurt) -> list[str]:
     body = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True}
     with http_client().stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
