@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -46,7 +45,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 import torch
 
-from benchmarks.transfer_peer import P_SEED, cma_read, interleaved, start_peer, timed, timed_read
+from benchmarks.transfer_peer import P_SEED, cma_read, interleaved, start_peer, sweep_row, timed, timed_read
 from benchmarks.transfer_request import LAYOUTS, bench_one, format_table, kv_config
 from benchmarks.transfer_tp import bench_pair, format_pairs
 from connectors.nixl.handshake import SideChannelServer, fetch_remote_layout
@@ -127,18 +126,7 @@ def bench_block_size(block_bytes: int, args: argparse.Namespace) -> dict:
         if d is not None:
             d.close()
         peer.stop()
-    return sweep_row(block_bytes, count, times)
-
-
-def sweep_row(block_bytes: int, count: int, times: dict[str, list[float]]) -> dict:
-    num_bytes = count * block_bytes
-    row = {"block_bytes": block_bytes, "blocks": count, "bytes": num_bytes, "ucx_tls": os.environ.get("UCX_TLS")}
-    for name, values in times.items():
-        row[f"{name}_gbps"] = num_bytes / statistics.median(values) / 1e9
-        row[f"{name}_median_ms"] = statistics.median(values) * 1e3
-    # each round's NIXL against the CMA copy next to it: the pairing cancels the machine's drift
-    row["nixl_over_cma"] = statistics.median(c / n for n, c in zip(times["nixl"], times["cma"]))
-    return row
+    return sweep_row(block_bytes, count, count * block_bytes, times)
 
 
 def format_sweep(rows: Sequence[dict]) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -105,3 +106,15 @@ def interleaved(fns: dict, repeats: int) -> dict[str, list[float]]:
             fn()
             times[name].append(time.perf_counter() - started)
     return times
+
+
+def sweep_row(block_bytes: int, count: int, num_bytes: int, times: dict[str, list[float]]) -> dict:
+    """A sweep's figures for `count` blocks of `block_bytes` moving `num_bytes`: each
+    way's median time and rate, and NIXL over CMA."""
+    row = {"block_bytes": block_bytes, "blocks": count, "bytes": num_bytes, "ucx_tls": os.environ.get("UCX_TLS")}
+    for name, values in times.items():
+        row[f"{name}_gbps"] = num_bytes / statistics.median(values) / 1e9
+        row[f"{name}_median_ms"] = statistics.median(values) * 1e3
+    # each round's NIXL against the CMA copy next to it: the pairing cancels the machine's drift
+    row["nixl_over_cma"] = statistics.median(c / n for n, c in zip(times["nixl"], times["cma"]))
+    return row

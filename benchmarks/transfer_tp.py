@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 import numpy as np
 import torch
 
-from benchmarks.transfer_peer import P_SEED, POLL_DEADLINE_S, cma_read, interleaved, start_peer
+from benchmarks.transfer_peer import P_SEED, POLL_DEADLINE_S, cma_read, interleaved, start_peer, sweep_row
 from connectors.nixl.descriptors import piece_ranges, piece_runs
 from connectors.nixl.handshake import SideChannelServer, fetch_remote_layout
 from connectors.nixl.peer_messages import DataRefInfo, HandshakeRequest, HandshakeResponse, TensorInfo
@@ -115,14 +114,8 @@ def bench_pair(block_bytes: int, p_tp: int, d_tp: int, args: argparse.Namespace)
             d.close()
         for peer in peers:
             peer.stop()
-    num_bytes = count * block_bytes // d_tp
-    row = {"p_tp": p_tp, "d_tp": d_tp, "block_bytes": block_bytes, "blocks": count, "bytes": num_bytes,
-           "descriptors": descriptors, "p_ranks_read": len(readers), "ucx_tls": os.environ.get("UCX_TLS")}
-    for name, values in times.items():
-        row[f"{name}_median_ms"] = statistics.median(values) * 1e3
-        row[f"{name}_gbps"] = num_bytes / statistics.median(values) / 1e9
-    row["nixl_over_cma"] = statistics.median(c / n for n, c in zip(times["nixl"], times["cma"]))
-    return row
+    return {"p_tp": p_tp, "d_tp": d_tp, "descriptors": descriptors, "p_ranks_read": len(readers),
+            **sweep_row(block_bytes, count, count * block_bytes // d_tp, times)}
 
 
 def _cma_ranges(d: NixlTransport, layouts, local_ids: list[int], remote_ids: list[int]) -> list:

@@ -118,11 +118,9 @@ class KVCacheAllocation:
             else:
                 refs.append([KVCacheBlockDataRef(tensor_idx=i, page_size_bytes=page) for i in range(n)])
             first_head, first_group = first_heads[len(group_pieces)] if first_heads else (0, 0)
-            group_pieces.append(row_order.pieces(group.spec, self._layers_per_region(group), first_head, first_group))
+            group_pieces.append(row_order.pieces(group.spec, _layers_per_region(self.layout, group),
+                                                 first_head, first_group))
         return CanonicalKVCaches(tensors=tensors, group_data_refs=refs, group_pieces=group_pieces)
-
-    def _layers_per_region(self, group: KVCacheGroup) -> int:
-        return len(group.layer_names) if self.layout == "canonical" else 1
 
 
 def allocate_kv_caches(
@@ -142,13 +140,17 @@ def allocate_kv_caches(
         raise ValueError(f"unknown KV cache layout {layout!r}; expected 'canonical' or 'per-layer'")
     layer_caches: dict[str, LayerCache] = {}
     for group in config.groups:
+        layers = _layers_per_region(layout, group)
         for slot, name in enumerate(group.layer_names):
-            if layout == "canonical":
-                region = _Region(buffers[0], len(group.layer_names), slot)
-            else:
-                region = _Region(buffers[slot], 1, 0)
+            region = _Region(buffers[0], layers, slot) if layout == "canonical" else _Region(buffers[slot], layers, 0)
             layer_caches[name] = _layer_cache(group.spec, region)
     return KVCacheAllocation(buffers=buffers, layer_caches=layer_caches, layout=layout, config=config)
+
+
+def _layers_per_region(layout: KVLayout, group: KVCacheGroup) -> int:
+    """Layers of a group sharing one region of a row: all of them in the canonical
+    buffer, one per buffer in the per-layer layout."""
+    return len(group.layer_names) if layout == "canonical" else 1
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ def pieces(spec: KVCacheSpec, num_layers: int, first_head: int = 0, first_group:
     Head and group indices start at `first_head` / `first_group`: the global index of a
     tensor-parallel rank's first head (its own heads are numbered from 0 in the spec).
     """
-    head = num_layers * spec.head_page_bytes
+    head = head_stride(spec, num_layers)
     if isinstance(spec, FullAttentionSpec):
         return tuple(Piece(("head", first_head + h), h * head, head) for h in range(spec.num_kv_heads))
     if isinstance(spec, MambaSpec):
@@ -67,11 +67,6 @@ def mamba_group_stride(spec: MambaSpec, num_layers: int) -> int:
 def head_stride(spec: KVCacheSpec, num_layers: int) -> int:
     """Bytes between head h and h + 1 (within one Mamba group for Mamba)."""
     return num_layers * spec.head_page_bytes
-
-
-def data_bytes(spec: KVCacheSpec, num_layers: int) -> int:
-    """Bytes of a region's data (its padding excluded)."""
-    return num_layers * spec.real_page_size_bytes
 
 
 def transfer_runs(source: tuple[Piece, ...], destination: tuple[Piece, ...],

@@ -12,7 +12,7 @@ from torch import nn
 
 from pd.distributed.shard import TPShard
 from pd.models import fused
-from pd.models.parallel import Published, RowParallelLinear, full_rows, head_rows, tp_reduce
+from pd.models.parallel import Published, RowParallelLinear, head_rows, tp_reduce
 
 
 class RMSNorm(nn.Module):
@@ -189,7 +189,7 @@ class MergedLinear(nn.Linear):
                  source_rows: list[slice] | None = None, published_sizes: list[int] | None = None) -> None:
         super().__init__(in_features, sum(out_sizes), bias=bias)
         self.out_sizes = out_sizes
-        self.source_rows = source_rows or full_rows(out_sizes)
+        self.source_rows = source_rows or [slice(0, n) for n in out_sizes]
         self.published_sizes = published_sizes or out_sizes
 
     def shard_source(self, leaf: str, index: int | None, published: Published) -> torch.Tensor:

@@ -31,10 +31,6 @@ from pd.distributed.shard import TPShard
 Published = Any
 
 
-def full_rows(sizes: list[int]) -> list[slice]:
-    return [slice(0, n) for n in sizes]
-
-
 def head_rows(shard: TPShard, heads: int, head_size: int, replicated: bool = False) -> slice:
     """The published rows of this rank's heads (`head_size` rows each)."""
     first, count = shard.replicated_split(heads, "heads") if replicated else shard.split(heads, "heads")

@@ -96,10 +96,6 @@ class TensorParallelRanks:
                 raise RuntimeError(f"tensor-parallel ranks did not start within {seconds:.0f} s")
             time.sleep(0.05)
 
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
-
     def wait_ready(self, deadline_seconds: float) -> None:
         """Block until every rank built its model and runner; RuntimeError with a rank's
         reason if one failed or died."""

@@ -117,7 +117,7 @@ def test_q8_0_dequantizes_bitwise_as_gguf_does(tmp_path) -> None:
     import gguf
     import torch
 
-    from pd.models.gguf import _dequantize
+    from pd.models.gguf_weights import _dequantize
 
     values = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32) * 3
     values[2, :32] = 0  # a block of zeros: scale 0
