@@ -142,6 +142,20 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.kv_connector != NULL_CONNECTOR:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} serves alone for now: moving KV "
                              f"between prefill and decode ranks (--kv-connector {self.kv_connector}) needs TP = 1")
+        if self.tensor_parallel_size > 1 and self.torch_device.startswith("cuda"):
+            self._check_cuda_devices()
+
+    def _check_cuda_devices(self) -> None:
+        """A CUDA engine's ranks take one device each, from its own on (NCCL refuses two
+        ranks on one device)."""
+        import torch
+
+        first = int(self.torch_device.partition(":")[2] or 0)
+        present = torch.cuda.device_count()
+        if first + self.tensor_parallel_size > present:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} on {self.torch_device} needs CUDA devices "
+                             f"{first}..{first + self.tensor_parallel_size - 1}, one per rank; this machine has "
+                             f"{present}")
 
     def _check_kv_events(self) -> None:
         if self.kv_events_port is None:

@@ -49,8 +49,12 @@ def backend(device: str) -> str:
 
 
 def rank_device(device: str, rank: int) -> str:
-    """Rank r's device: the r-th CUDA device on a CUDA engine, else the engine's."""
-    return f"cuda:{rank}" if device.startswith("cuda") else device
+    """Rank r's device: on a CUDA engine the r-th device from the engine's own (`cuda:2`'s
+    rank 1 is `cuda:3`), else the engine's."""
+    if not device.startswith("cuda"):
+        return device
+    first = int(device.partition(":")[2] or 0)
+    return f"cuda:{first + rank}"
 
 
 class TensorParallelRanks:

@@ -15,8 +15,11 @@ import torch
 
 from launch import http_client
 from pd import LLM
+from pd.config import EngineConfig
 from pd.scheduling.sampling_params import SamplingParams
+from pd.worker.tp_ranks import rank_device
 from tests.support.hf_reference import random_prompts
+from tests.support.llm_runs import assert_logits_close
 from tests.support.server_harness import running_server, wait_until
 
 pytestmark = pytest.mark.slow
@@ -62,16 +65,14 @@ def test_llm_tp2_gives_tp1_logits_and_tokens(tiny_models, arch: str) -> None:
         with LLM(str(tiny_models[arch]), dtype="float32", tensor_parallel_size=tp, num_threads=1,
                  keep_logits=True) as llm:
             outputs = llm.generate(prompts, params)
-            results[tp] = ([o.token_ids for o in outputs], llm.engine.logits)
+            results[tp] = ([o.token_ids for o in outputs], [o.logits for o in outputs])
             if tp == 2:
                 engine_children = rank_pids(os.getpid())
                 assert len(engine_children) == 1
         if tp == 2:
             assert not any(alive(p) for p in engine_children), "a rank outlived its engine"
     assert results[1][0] == results[2][0]
-    for req_id, rows in results[1][1].items():
-        for want, got in zip(rows, results[2][1][req_id]):
-            assert (want - got).abs().max().item() <= LOGIT_TOL
+    assert_logits_close(results[1][1], results[2][1], LOGIT_TOL)
 
 
 def test_unseeded_sampling_keeps_every_rank_on_the_same_tokens(tiny_models) -> None:
@@ -84,10 +85,10 @@ def test_unseeded_sampling_keeps_every_rank_on_the_same_tokens(tiny_models) -> N
     for tp in (1, 2):
         with LLM(str(tiny_models["qwen3"]), dtype="float32", tensor_parallel_size=tp, num_threads=1,
                  keep_logits=True) as llm:
-            results[tp] = ([o.token_ids for o in llm.generate(prompts, params)], llm.engine.logits)
+            outputs = llm.generate(prompts, params)
+            results[tp] = ([o.token_ids for o in outputs], [o.logits for o in outputs])
     assert results[1][0] == results[2][0]
-    for req_id, rows in results[1][1].items():
-        assert all((want - got).abs().max().item() <= LOGIT_TOL for want, got in zip(rows, results[2][1][req_id]))
+    assert_logits_close(results[1][1], results[2][1], LOGIT_TOL)
 
 
 def _stream_until_error(server, engine_pid: int, hurt) -> list[str]:
@@ -139,3 +140,14 @@ def test_tp_size_that_does_not_divide_the_heads_is_refused_at_start(tiny_models)
     with pytest.raises(Exception, match="does not divide"):
         LLM(str(tiny_models["qwen3"]), dtype="float32", tensor_parallel_size=3, num_threads=1)
     assert torch.distributed.is_initialized() is False
+
+
+def test_rank_devices_count_from_the_engines_own() -> None:
+    assert [rank_device("cuda:1", r) for r in range(3)] == ["cuda:1", "cuda:2", "cuda:3"]
+    assert rank_device("cuda", 1) == "cuda:1"
+
+
+def test_more_ranks_than_devices_is_refused_at_start(tiny_models) -> None:
+    ranks = max(2, torch.cuda.device_count() + 1)
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={ranks} on cuda needs CUDA devices 0..{ranks - 1}"):
+        EngineConfig(model=str(tiny_models["qwen3"]), device="cuda", tensor_parallel_size=ranks)
