@@ -27,7 +27,7 @@ from pd.scheduling.request import Request, RequestOutput
 from pd.scheduling.scheduler import Scheduler
 from pd.structured.matchers import GrammarMatchers
 from pd.tokenizer import Tokenizer
-from pd.worker.rank_setup import build_model, build_runner, kv_cache_config
+from pd.worker.rank_setup import build_model, build_runner, kv_cache_config, whole_kv_cache_config
 from pd.worker.tp_ranks import TensorParallelRanks, rank_device
 
 
@@ -97,10 +97,13 @@ class EngineCore:
                                 self.config.kv_events_replay_port, self.kv_cache_manager.pool.cached_events)
 
     def compat_hash(self) -> str:
-        """Equal for two engines whose KV blocks mean the same thing byte for byte."""
+        """Equal for two engines whose KV blocks mean the same thing byte for byte, whatever
+        their tensor-parallel sizes: it is taken of the whole model's groups (which heads
+        a rank holds, its pieces, the handshake says)."""
         model_id = json.dumps(self.model_config.hf_config, sort_keys=True, default=str)
-        return compat_hash(model_id, self.config.dtype, self.kv_cache_config.block_sizes,
-                           self.config.kv_layout, [repr(g.spec) + repr(g.layer_names) for g in self.kv_cache_config.groups])
+        whole = whole_kv_cache_config(self.config)
+        return compat_hash(model_id, self.config.dtype, whole.block_sizes, self.config.kv_layout,
+                           [repr(g.spec) + repr(g.layer_names) for g in whole.groups])
 
     def _scheduler_config(self) -> SchedulerConfig:
         mamba = [g.spec.block_size for g in self.kv_cache_config.groups if isinstance(g.spec, MambaSpec)]

@@ -52,21 +52,26 @@ def _keep(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return tensor
 
 
-def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> CausalLM:
-    """Build the model `config.architectures` names on `device` in `config.dtype` and
-    load its weights; the model is in eval mode."""
-    cls = model_class(config.architectures)
-    if is_gguf(config.model_dir):
-        weights = open_gguf(config.model_dir).lazy_weights()  # each read and dequantized when narrowed
-    else:
-        weights = iterate_weights(safetensors_files(config.model_dir))  # finds the files now: fails fast
+def model_skeleton(config: ModelConfig, device: torch.device | str = "meta") -> CausalLM:
+    """The model `config.architectures` names, built on `device` in `config.dtype`, its
+    parameters not filled (on `meta`: shapes only, no memory)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype(config.dtype))
     try:
         with torch.device(device), _no_random_init():
-            model = cls(config)
+            return model_class(config.architectures)(config)
     finally:
         torch.set_default_dtype(previous)
+
+
+def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> CausalLM:
+    """Build the model `config.architectures` names on `device` in `config.dtype` and
+    load its weights; the model is in eval mode."""
+    if is_gguf(config.model_dir):
+        weights = open_gguf(config.model_dir).lazy_weights()  # each read and dequantized when narrowed
+    else:
+        weights = iterate_weights(safetensors_files(config.model_dir))  # finds the files now: fails fast
+    model = model_skeleton(config, device)
     with torch.no_grad():
         model.load_weights(weights)
     return model.eval()

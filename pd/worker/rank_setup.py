@@ -8,10 +8,10 @@ import torch
 
 from pd.config import EngineConfig
 from pd.distributed.shard import TPShard
-from pd.kv_cache.layout import make_kv_cache_config
+from pd.kv_cache.layout import KVCacheLayoutError, make_kv_cache_config
 from pd.kv_cache.spec import KVCacheConfig
 from pd.models.base import CausalLM
-from pd.models.loader import load_model
+from pd.models.loader import load_model, model_skeleton
 from pd.models.model_config import ModelConfig
 from pd.models.packed import pack_linears
 from pd.models.quantized import quantize_linears
@@ -30,11 +30,33 @@ def build_model(config: EngineConfig, shard: TPShard, device: str) -> tuple[Mode
     return model_config, model
 
 
+def whole_kv_cache_config(config: EngineConfig) -> KVCacheConfig:
+    """The KV cache groups of the whole (unsharded) model, from its skeleton on the meta
+    device: what a block means whatever the tensor-parallel size (the compatibility hash
+    is taken of it), and the block sizes every rank of every TP size uses."""
+    whole = model_skeleton(ModelConfig.from_dir(config.model, config.dtype, config.max_model_len))
+    specs = whole.kv_cache_specs(config.block_size, hybrid=config.hybrid_kv_cache)
+    return make_kv_cache_config(specs, 1 << 62)  # the groups and block sizes; no memory is taken
+
+
 def kv_cache_config(config: EngineConfig, model_config: ModelConfig, model: CausalLM) -> KVCacheConfig:
     """The KV cache of one rank: `kv_cache_memory` bytes of its heads' blocks. Every
-    rank of an engine has the same shapes, so the same number of blocks."""
-    specs = model.kv_cache_specs(config.block_size, hybrid=config.hybrid_kv_cache)
-    return make_kv_cache_config(specs, config.kv_cache_memory, model_config.context_len)
+    rank of an engine has the same shapes, so the same number of blocks; every TP size
+    the whole model's block sizes (a hybrid's block size is raised until an attention
+    page holds a Mamba state, and sharding changes the two unequally), so that servers
+    of different TP sizes exchange blocks of the same tokens."""
+    if model_config.tp.size == 1:
+        specs = model.kv_cache_specs(config.block_size, hybrid=config.hybrid_kv_cache)
+        return make_kv_cache_config(specs, config.kv_cache_memory, model_config.context_len)
+    block_sizes = whole_kv_cache_config(config).block_sizes
+    specs = model.kv_cache_specs(max(block_sizes), hybrid=config.hybrid_kv_cache)
+    rank = make_kv_cache_config(specs, config.kv_cache_memory, model_config.context_len)
+    if rank.block_sizes != block_sizes:
+        raise KVCacheLayoutError(
+            f"tensor-parallel size {model_config.tp.size} shards this model's KV into blocks of {rank.block_sizes} "
+            f"tokens where the whole model's are {block_sizes}: servers of other TP sizes could not read them; "
+            f"raise --block-size to {max(rank.block_sizes)} on every server of the deployment")
+    return rank
 
 
 def build_runner(config: EngineConfig, model_config: ModelConfig, model: CausalLM, device: str | torch.device,

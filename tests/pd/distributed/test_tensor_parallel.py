@@ -6,12 +6,19 @@ from __future__ import annotations
 import multiprocessing as mp
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from pd.config import EngineConfig
 from pd.distributed.shard import TPShard
+from pd.kv_cache.layout import KVCacheLayoutError
+from pd.models.loader import load_model
 from pd.models.make_model import make_model
+from pd.models.model_config import ModelConfig
+from pd.worker import rank_setup
+from pd.worker.rank_setup import kv_cache_config, whole_kv_cache_config
 from tests.support.gguf_files import write_qwen3_gguf
 from tests.support.hf_reference import random_prompts
 from tests.support.tp_forward import rank_logits
@@ -102,3 +109,26 @@ def test_tp4_replicates_the_kv_heads(checkpoints) -> None:
     """Two KV heads over four ranks: each rank holds one, replicated (its k and v
     projections too: 8 % more than a quarter of the weights on this model)."""
     assert_same_logits(checkpoints["qwen3"], size=4, weight_slack=1.1)
+
+
+@pytest.mark.parametrize("arch", ["bamba", "granitehybrid"])
+def test_every_tp_size_keeps_the_whole_models_block_size(checkpoints, arch: str) -> None:
+    """A hybrid's block size is raised until an attention page holds a Mamba state; at
+    TP = 4 the tiny hybrids' KV heads are replicated and their Mamba heads split, so a
+    rank alone would pick 80 tokens where TP = 1 picks 144, and servers of the two sizes
+    could not exchange blocks."""
+    config = EngineConfig(model=str(checkpoints[arch]), dtype="float32", kv_cache_memory=1 << 26)
+    sizes = {}
+    for tp in (1, 2, 4):
+        model_config = ModelConfig.from_dir(config.model, "float32", tp=TPShard(0, tp))
+        sizes[tp] = kv_cache_config(config, model_config, load_model(model_config)).block_sizes
+    assert sizes[1] == sizes[2] == sizes[4] == whole_kv_cache_config(config).block_sizes
+
+
+def test_a_rank_that_cannot_hold_the_whole_models_block_size_is_refused(checkpoints, monkeypatch) -> None:
+    config = EngineConfig(model=str(checkpoints["bamba"]), dtype="float32", kv_cache_memory=1 << 26)
+    model_config = ModelConfig.from_dir(config.model, "float32", tp=TPShard(0, 2))
+    model = load_model(model_config)
+    monkeypatch.setattr(rank_setup, "whole_kv_cache_config", lambda _: SimpleNamespace(block_sizes=[16, 16, 16]))
+    with pytest.raises(KVCacheLayoutError, match=r"raise --block-size to 144 on every server"):
+        kv_cache_config(config, model_config, model)

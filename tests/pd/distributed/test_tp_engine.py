@@ -60,12 +60,13 @@ def rank_pids(engine_pid: int) -> list[int]:
 def test_llm_tp2_gives_tp1_logits_and_tokens(tiny_models, arch: str) -> None:
     prompts = random_prompts([29, 7, 40], seed=11)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    results = {}
+    results, hashes = {}, {}
     for tp in (1, 2):
         with LLM(str(tiny_models[arch]), dtype="float32", tensor_parallel_size=tp, num_threads=1,
                  keep_logits=True) as llm:
             outputs = llm.generate(prompts, params)
             results[tp] = ([o.token_ids for o in outputs], [o.logits for o in outputs])
+            hashes[tp] = llm.engine.compat_hash()
             if tp == 2:
                 engine_children = rank_pids(os.getpid())
                 assert len(engine_children) == 1
@@ -73,6 +74,7 @@ def test_llm_tp2_gives_tp1_logits_and_tokens(tiny_models, arch: str) -> None:
             assert not any(alive(p) for p in engine_children), "a rank outlived its engine"
     assert results[1][0] == results[2][0]
     assert_logits_close(results[1][1], results[2][1], LOGIT_TOL)
+    assert hashes[1] == hashes[2], "blocks mean the same whatever the TP size: one compatibility hash"
 
 
 def test_unseeded_sampling_keeps_every_rank_on_the_same_tokens(tiny_models) -> None:
