@@ -8,6 +8,8 @@ KV-transfer figures read from all their servers' /metrics around a run.
 - `pd`: a prefill and a decode server (NIXL, canonical layout) behind `pd proxy`, the
   cores split between them; `pd-per-layer`: with the per-layer KV layout on both;
   `pd-no-skip-partial`: with `--no-skip-partial-groups-on-remote-prefill` on the decode server;
+  `pd-decode-tp2`: with the decode server's model sharded over two tensor-parallel ranks
+  (a narrow P, a wide D: each D rank reads its heads from P's one rank);
 - `2p2d-round_robin`, `2p2d-prefix_aware`, `2p2d-kv_aware`: two prefill and two decode
   servers behind `pd proxy --policy ...` (kv_aware: the servers publish KV events);
 - `1p1d-all-cache`: `pd` whose one prefill server has the KV cache of the 2P2D
@@ -39,7 +41,7 @@ COLOCATED = {"colocated": [], "no-prefix-cache": ["--no-enable-prefix-caching"],
                                "--num-threads", str(max(1, (os.cpu_count() or 2) // 2))]}
 ROUTED = {"2p2d-round_robin": "round_robin", "2p2d-prefix_aware": "prefix_aware", "2p2d-kv_aware": "kv_aware"}
 CONFIGS = ("colocated", "pd", "pd-per-layer", "pd-no-skip-partial", "no-prefix-cache", *ROUTED, "1p1d-all-cache",
-           "colocated-tp2")
+           "colocated-tp2", "pd-decode-tp2")
 ROUTED_PREFILL_SERVERS = 2
 
 
@@ -95,6 +97,8 @@ def _server_flags(config: str, args: argparse.Namespace) -> tuple[list[str], lis
         prefill += ["--kv-cache-memory", str(args.prefill_kv_cache_memory * scale)]
     if config == "pd-no-skip-partial":
         decode.append("--no-skip-partial-groups-on-remote-prefill")
+    if config == "pd-decode-tp2":
+        decode += ["--tensor-parallel-size", "2"]
     return prefill, decode
 
 

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launch import Launched, exited, free_port, health_status, log_tail, pd_command
 from launch import start_logged, stop_process, wait_ready
@@ -108,7 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float32",
                         help="weights and KV cache dtype of every server (default float32)")
     parser.add_argument("--cpus-per-server", type=positive_float, default=0.5, metavar="N",
-                        help="Ray CPUs each server's actor reserves (default 0.5)")
+                        help="Ray CPUs each server's actor reserves per tensor-parallel rank (default 0.5)")
+    parser.add_argument("--prefill-tp", type=positive_int, default=1, metavar="N",
+                        help="tensor-parallel size of each prefill server (default 1)")
+    parser.add_argument("--decode-tp", type=positive_int, default=1, metavar="N",
+                        help="tensor-parallel size of each decode server (default 1); P and D may differ")
     parser.add_argument("--ready-timeout", type=positive_float, default=180.0, metavar="S",
                         help="seconds the servers may take to be placed and answer /health (default 180)")
     parser.add_argument("--run-seconds", type=positive_float, default=None, metavar="S",
@@ -146,17 +152,26 @@ def connect_ray(address: str | None) -> None:
                      object_store_memory=LOCAL_OBJECT_STORE_BYTES)
 
 
-def actor_resources(args: argparse.Namespace) -> dict[str, float]:
-    """The actor options for one server; raises if the cluster cannot hold them all."""
-    count = args.prefill + args.decode
+def server_bundle(args: argparse.Namespace, tp: int, gpus_present: bool) -> dict[str, float]:
+    """What one server of `tp` ranks reserves: its engine starts the ranks as processes of
+    its own, so they share its node (one bundle, packed: CPUs per rank, a GPU each)."""
+    bundle = {"CPU": args.cpus_per_server * tp}
+    if gpus_present:
+        bundle["GPU"] = float(tp)
+    return bundle
+
+
+def check_resources(args: argparse.Namespace) -> bool:
+    """Whether the cluster has GPUs; raises if it cannot hold every server's ranks."""
     total = ray.cluster_resources()
     cpus, gpus = total.get("CPU", 0.0), total.get("GPU", 0.0)
-    if cpus < count * args.cpus_per_server:
-        raise RuntimeError(f"the Ray cluster has {cpus:g} CPUs; {count} servers at --cpus-per-server "
-                           f"{args.cpus_per_server:g} need {count * args.cpus_per_server:g}")
-    if 0 < gpus < count:
-        raise RuntimeError(f"the Ray cluster has {gpus:g} GPUs; {count} servers need one each")
-    return {"num_cpus": args.cpus_per_server, "num_gpus": 1 if gpus > 0 else 0}
+    ranks = args.prefill * args.prefill_tp + args.decode * args.decode_tp
+    if cpus < ranks * args.cpus_per_server:
+        raise RuntimeError(f"the Ray cluster has {cpus:g} CPUs; {ranks} tensor-parallel ranks at --cpus-per-server "
+                           f"{args.cpus_per_server:g} need {ranks * args.cpus_per_server:g}")
+    if 0 < gpus < ranks:
+        raise RuntimeError(f"the Ray cluster has {gpus:g} GPUs; {ranks} tensor-parallel ranks need one each")
+    return gpus > 0
 
 
 @dataclass
@@ -165,17 +180,25 @@ class Deployment:
     pending or not) and the proxy."""
 
     starts: dict[Any, ray.ObjectRef] = field(default_factory=dict)
+    groups: list[Any] = field(default_factory=list)  # each server's placement group
     proxy: subprocess.Popen | None = None
 
 
 def launch_servers(args: argparse.Namespace, log_dir: Path, deployment: Deployment) -> None:
-    """One actor per server, each asked to start its server (placement may wait for resources)."""
-    server_cls = ray.remote(PDServer).options(**actor_resources(args))
+    """One actor per server in a placement group of its own that holds all its ranks
+    (`server_bundle`), each asked to start its server (placement may wait for resources)."""
+    gpus = check_resources(args)
     model, flags = str(args.model.resolve()), serve_flags(args)
     secret = os.environ.get(SECRET_ENV) or secrets.token_hex(32)  # one per deployment
-    for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+    for role, count, tp in (("prefill", args.prefill, args.prefill_tp), ("decode", args.decode, args.decode_tp)):
+        bundle = server_bundle(args, tp, gpus)
         for index in range(count):
-            actor = server_cls.remote(role, index, model, flags, str(log_dir), secret)
+            group = placement_group([bundle], strategy="STRICT_PACK")
+            deployment.groups.append(group)
+            actor = ray.remote(PDServer).options(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+            ).remote(role, index, model, [*flags, "--tensor-parallel-size", str(tp)], str(log_dir), secret)
             deployment.starts[actor] = actor.start.remote()
 
 
@@ -249,6 +272,9 @@ def teardown(deployment: Deployment) -> None:
         stop_process(deployment.proxy)
     if ray.is_initialized():
         stop_servers(deployment.starts)
+        for group in deployment.groups:  # on a shared cluster they would hold their CPUs and GPUs on
+            with contextlib.suppress(Exception):
+                remove_placement_group(group)
     ray.shutdown()  # also when ray.init was cut short
     print("ray_pd: stopped everything it started", flush=True)
 

@@ -3,7 +3,7 @@
 #
 #   deploy/xpyd.sh --prefill X --decode Y [--model DIR|FILE.gguf] [--port 8000] [--policy P]
 #                  [--prefill-base-port 8100] [--decode-base-port 8200] [--dtype D]
-#                  [--num-threads T] [--detach] [-- EXTRA pd serve FLAGS]
+#                  [--num-threads T] [--prefill-tp N] [--decode-tp N] [--detach] [-- EXTRA pd serve FLAGS]
 #   deploy/xpyd.sh stop
 #
 # Starts every server (P with --role prefill, D with --role decode: NIXL between them),
@@ -11,8 +11,10 @@
 # stops everything it started on Ctrl-C, or with `deploy/xpyd.sh stop` (from another
 # shell, or after --detach). Without --model it makes a tiny Bamba (Mamba2 + attention)
 # with `pd make-model`. The machine's cores are split between the servers (--num-threads,
-# default cores / (X + Y), at least 1). PIDs and logs go to $PD_DEPLOY_DIR (default
-# ${TMPDIR:-/tmp}/pd-deploy-$UID); processes are stopped by those PIDs only.
+# default cores / (X + Y), at least 1; per rank). --prefill-tp / --decode-tp: the
+# tensor-parallel size of each prefill / decode server (default 1; they may differ). PIDs
+# and logs go to $PD_DEPLOY_DIR (default ${TMPDIR:-/tmp}/pd-deploy-$UID); processes are
+# stopped by those PIDs only.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,7 +23,7 @@ PIDS="$STATE/pids"
 PD="${PD:-$ROOT/.venv/bin/pd}"
 [ -x "$PD" ] || PD="$(command -v pd || true)"
 
-usage() { sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 stop_all() {
     [ -f "$PIDS" ] || { echo "xpyd: nothing to stop ($PIDS not found)"; return 0; }
@@ -42,7 +44,7 @@ stop_all() {
 if [ "${1:-}" = "stop" ]; then stop_all; exit 0; fi
 
 NUM_P=1 NUM_D=1 MODEL="" PORT=8000 POLICY=round_robin P_BASE=8100 D_BASE=8200 DTYPE=auto
-THREADS="" DETACH=0 EXTRA=()
+THREADS="" DETACH=0 EXTRA=() P_TP=1 D_TP=1
 while [ $# -gt 0 ]; do
     case "$1" in
         --prefill) NUM_P="$2"; shift 2 ;;
@@ -54,6 +56,8 @@ while [ $# -gt 0 ]; do
         --decode-base-port) D_BASE="$2"; shift 2 ;;
         --dtype) DTYPE="$2"; shift 2 ;;
         --num-threads) THREADS="$2"; shift 2 ;;
+        --prefill-tp) P_TP="$2"; shift 2 ;;
+        --decode-tp) D_TP="$2"; shift 2 ;;
         --detach) DETACH=1; shift ;;
         -h|--help) usage; exit 0 ;;
         --) shift; EXTRA=("$@"); break ;;
@@ -61,6 +65,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 [[ "$NUM_P" =~ ^[1-9][0-9]*$ && "$NUM_D" =~ ^[1-9][0-9]*$ ]] || { echo "xpyd: --prefill and --decode must be positive integers" >&2; exit 2; }
+[[ "$P_TP" =~ ^[1-9][0-9]*$ && "$D_TP" =~ ^[1-9][0-9]*$ ]] || { echo "xpyd: --prefill-tp and --decode-tp must be positive integers" >&2; exit 2; }
 [ -n "$PD" ] || { echo "xpyd: no pd command: install the project first (see README)" >&2; exit 1; }
 if [ -f "$PIDS" ]; then
     for pid in $(cat "$PIDS"); do
@@ -69,7 +74,7 @@ if [ -f "$PIDS" ]; then
 fi
 mkdir -p "$STATE"
 : > "$PIDS"
-[ -n "$THREADS" ] || THREADS=$(( $(nproc) / (NUM_P + NUM_D) )); [ "$THREADS" -ge 1 ] || THREADS=1
+[ -n "$THREADS" ] || THREADS=$(( $(nproc) / (NUM_P * P_TP + NUM_D * D_TP) )); [ "$THREADS" -ge 1 ] || THREADS=1
 if [ -z "$MODEL" ]; then
     MODEL="$STATE/tiny-bamba"
     [ -f "$MODEL/config.json" ] || "$PD" make-model --arch bamba --out "$MODEL" > /dev/null
@@ -102,12 +107,12 @@ wait_healthy() {  # name url
 P_URLS=() D_URLS=()
 for i in $(seq 0 $((NUM_P - 1))); do
     start "prefill-$i" "$PD" serve --model "$MODEL" --host 127.0.0.1 --port $((P_BASE + i)) --role prefill \
-        --dtype "$DTYPE" --num-threads "$THREADS" "${EXTRA[@]}"
+        --dtype "$DTYPE" --num-threads "$THREADS" --tensor-parallel-size "$P_TP" "${EXTRA[@]}"
     P_URLS+=("http://127.0.0.1:$((P_BASE + i))")
 done
 for i in $(seq 0 $((NUM_D - 1))); do
     start "decode-$i" "$PD" serve --model "$MODEL" --host 127.0.0.1 --port $((D_BASE + i)) --role decode \
-        --dtype "$DTYPE" --num-threads "$THREADS" "${EXTRA[@]}"
+        --dtype "$DTYPE" --num-threads "$THREADS" --tensor-parallel-size "$D_TP" "${EXTRA[@]}"
     D_URLS+=("http://127.0.0.1:$((D_BASE + i))")
 done
 for i in $(seq 0 $((NUM_P - 1))); do wait_healthy "prefill-$i" "${P_URLS[$i]}"; done
@@ -115,7 +120,7 @@ for i in $(seq 0 $((NUM_D - 1))); do wait_healthy "decode-$i" "${D_URLS[$i]}"; d
 start proxy "$PD" proxy --prefill "${P_URLS[@]}" --decode "${D_URLS[@]}" --host 127.0.0.1 --port "$PORT" --policy "$POLICY"
 wait_healthy proxy "http://127.0.0.1:$PORT"
 
-echo "xpyd: ${NUM_P}P${NUM_D}D of $MODEL, $THREADS thread(s) per server, policy $POLICY"
+echo "xpyd: ${NUM_P}P${NUM_D}D of $MODEL (TP $P_TP / $D_TP), $THREADS thread(s) per rank, policy $POLICY"
 echo "  prefill: ${P_URLS[*]}"
 echo "  decode:  ${D_URLS[*]}"
 echo "  proxy:   http://127.0.0.1:$PORT  (OpenAI API under /v1; logs in $STATE)"

@@ -139,9 +139,6 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.tp_timeout <= 0:
             raise ValueError(f"tp_timeout must be positive, got {self.tp_timeout}")
-        if self.tensor_parallel_size > 1 and self.kv_connector != NULL_CONNECTOR:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} serves alone for now: moving KV "
-                             f"between prefill and decode ranks (--kv-connector {self.kv_connector}) needs TP = 1")
         if self.tensor_parallel_size > 1 and self.torch_device.startswith("cuda"):
             self._check_cuda_devices()
 

@@ -15,7 +15,8 @@ class NixlConnector(KVConnector):
         return NixlConnectorWorker(NixlWorkerConfig(context.engine_id, config.host, config.side_channel_port,
                                                     context.compat_hash, lease_seconds=config.lease_seconds,
                                                     read_timeout_s=config.read_timeout_s,
-                                                    ucx_transports=config.ucx_transports))
+                                                    ucx_transports=config.ucx_transports,
+                                                    rank=context.rank, tp_size=context.tp_size))
 
     @staticmethod
     def build_scheduler(context: ConnectorContext, worker: NixlConnectorWorker) -> NixlConnectorScheduler:
@@ -23,4 +24,4 @@ class NixlConnector(KVConnector):
         config = context.config
         return NixlConnectorScheduler(context.engine_id, config.host, worker.side_channel_port,
                                       context.block_sizes, config.lease_seconds, secret=config.secret,
-                                      leases=worker.leases)
+                                      leases=worker.leases, tp_size=context.tp_size)

@@ -5,7 +5,8 @@ unpickled: a decoder accepts exactly these types, and any other bytes raise a
 `MessageDecodeError` (a `ValueError`) that the receiver can catch and log.
 
 - Side channel (ZMQ, see `handshake.py`): D sends a `HandshakeRequest`; P answers with a
-  `HandshakeResponse` (its NIXL agent metadata and KV layout) or a `HandshakeError`.
+  `HandshakeResponse` (its NIXL agent metadata and KV layout, one per tensor-parallel
+  rank) or a `HandshakeError`.
 - Notifications (bytes carried by NIXL, see `transport.py`): `ReadDone` tells P that D
   read the blocks and checked P's lease word (leases.py); `Reject` that D will not read; `KeepAlive`
   tells P that D still will (the request waits in D's queue): P extends the lease.
@@ -116,9 +117,34 @@ class HandshakeRequest(msgspec.Struct, frozen=True, tag="handshake_request"):
     compat_hash: str
 
 
-class HandshakeResponse(msgspec.Struct, frozen=True, tag="handshake_response"):
+MAX_RANKS = 256  # tensor-parallel ranks a handshake may describe
+
+
+class RankAgent(msgspec.Struct, frozen=True):
+    """One tensor-parallel rank's NIXL agent and the KV layout of its heads."""
+
     agent_metadata: bytes
     layout: KVLayoutInfo
+
+
+class HandshakeResponse(msgspec.Struct, frozen=True, tag="handshake_response"):
+    """P's rank 0 agent and layout; with tensor parallelism, `ranks` are ranks 1..N-1's
+    (each holds other heads of the same blocks; their layouts name engine id
+    `<P's engine id>-tp<rank>`)."""
+
+    agent_metadata: bytes
+    layout: KVLayoutInfo
+    ranks: Annotated[list[RankAgent], msgspec.Meta(max_length=MAX_RANKS - 1)] = []
+
+    @property
+    def agents(self) -> list[RankAgent]:
+        """Every rank's agent and layout, rank 0 first."""
+        return [RankAgent(self.agent_metadata, self.layout), *self.ranks]
+
+
+def rank_agent_name(engine_id: str, rank: int) -> str:
+    """The NIXL agent (and layout engine id) of an engine's tensor-parallel rank."""
+    return engine_id if rank == 0 else f"{engine_id}-tp{rank}"
 
 
 class HandshakeError(msgspec.Struct, frozen=True, tag="handshake_error"):

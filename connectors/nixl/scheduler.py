@@ -90,7 +90,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
     def __init__(self, engine_id: str, host: str, side_channel_port: int, block_sizes: list[int],
                  lease_seconds: float = 60.0, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, secret: str | None = None,
-                 leases: LeaseTable | None = None) -> None:
+                 leases: LeaseTable | None = None, tp_size: int = 1) -> None:
         if len(set(block_sizes)) != 1:
             raise ValueError(f"the NIXL connector needs one block size across KV cache groups, got {block_sizes}")
         self.engine_id = engine_id
@@ -102,6 +102,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.wall_clock = wall_clock
         self.secret = secret  # signs the parameters P hands out (pd/kv_transfer/signing.py)
         self.leases = leases  # P: the worker half's lease table (None: parameters name no lease word)
+        self.tp_size = tp_size  # P: its ranks hold the blocks' heads between them (D handshakes with them all)
         self._meta = NixlConnectorMetadata()
         self.num_rejected = 0
         self._lease_end: dict[str, float] = {}  # D: waiting request -> wall-clock end of P's lease, as known here
@@ -164,7 +165,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 do_remote_prefill=True, remote_engine_id=self.engine_id, remote_host=self.host,
                 remote_port=self.side_channel_port, remote_request_id=request.request_id,
                 remote_block_ids=block_ids, num_prompt_tokens=request.num_prompt_tokens,
-                first_token_ids=request.first_token_ids, block_size=self.block_sizes[0],
+                first_token_ids=request.first_token_ids, block_size=self.block_sizes[0], tp_size=self.tp_size,
                 lease_expires_at=self.wall_clock() + self.lease_seconds, lease_seconds=self.lease_seconds,
                 prompt_digest=prompt_digest(request.prompt_token_ids), lease_slot=slot, lease_token=token,
                 first_logprobs=request.first_logprobs, prompt_logprobs=request.prompt_logprobs)

@@ -108,6 +108,11 @@ class NixlTransport:
     def agent_metadata(self) -> bytes:
         return self._agent.get_agent_metadata()
 
+    @property
+    def pieces(self) -> list[list[PieceInfo]]:
+        """Per group, which heads this worker's blocks hold where (`KVLayoutInfo.group_pieces`)."""
+        return self._pieces
+
     def local_layout(self, compat_hash: str) -> KVLayoutInfo:
         return KVLayoutInfo(self.engine_id, list(self._tensors), [list(refs) for refs in self._refs],
                             list(self._block_sizes), compat_hash, self.device_kind, self._lease_words,

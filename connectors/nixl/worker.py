@@ -19,6 +19,17 @@ channel on which peers fetch this engine's agent metadata and layout.
   scheduler then recomputes or fails the request). A read whose parameters were not
   signed with the deployment's secret (or name no lease word) is reported in
   `unverified` as well: it may serve its request, never the prefix cache.
+- Tensor parallelism: every rank has a worker half with its own agent (named
+  `rank_agent_name(engine id, rank)`) and its own KV memory registered; rank 0's is the
+  engine's. P's rank 0 serves every rank's agent and layout on its side channel (ranks
+  hand theirs over once built: `rank_info`, `add_ranks`). On D every rank handshakes
+  itself and reads, from the P ranks holding heads it holds (the ranks with its own
+  heads first), each piece once (`taken`); a rank > 0 reports its share of each request
+  (`finished_recving` / `failed_recving`) and rank 0 gathers them (`add_rank_outputs`):
+  only when every rank's READs are final does it read the lease word (after every
+  rank's data moved) or fail the request, so no block is given up while a rank may
+  still write into it. Leases, notifications and KeepAlives are rank 0's alone; a P
+  rank > 0 only polls its agent, each step.
 - P: blocks kept for a reader are released (`finished_sending`) on its read-done
   notification, on its reject, on a release from the scheduler half, or when the
   lease expires, and their lease word reads 0 from then on; a KeepAlive from D (the
@@ -32,17 +43,23 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from connectors.nixl.descriptors import piece_runs
 from connectors.nixl.handshake import SideChannelServer
 from connectors.nixl.leases import LeaseTable
 from pd.kv_cache.canonical import CanonicalKVCaches
 from pd.kv_transfer.params import RemotePrefillParams
 from pd.scheduling.connector_api import KVConnectorOutput, KVConnectorWorker
 from connectors.nixl.peer_messages import (HandshakeError, HandshakeRequest, HandshakeResponse, KeepAlive,
-                                      NotifDecodeError, ReadDone, Reject, decode_notif, encode_notif)
+                                           NotifDecodeError, RankAgent, ReadDone, Reject, decode_notif, encode_notif,
+                                           rank_agent_name)
 from connectors.nixl.peers import PeerHandshakes
 from connectors.nixl.scheduler import NixlConnectorMetadata, ReqToRecv
 from connectors.nixl.stats import TransferStats
+
+if TYPE_CHECKING:
+    from connectors.nixl.transport import TransferHandle
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +72,13 @@ NOTIF_FLUSH_S = 5.0
 @dataclass
 class _Loading:
     request: ReqToRecv
-    handle: object
+    handles: list[TransferHandle]  # the data READs (one per P rank read from); then the lease word's
     started: float
     num_bytes: int
     num_descriptors: int
+    error: str | None = None  # a READ could not be posted: the request fails once the others are final
+    notified: bool = False  # the read-done notification rode on the data READ
+    outcome: str | None = None  # this rank's data READs are final: "DONE", "ERR", "TIMEOUT" or "ERR: why"
     landing: int | None = None  # the lease word its verifying read lands in, once posted
 
 
@@ -75,6 +95,8 @@ class NixlWorkerConfig:
     ucx_transports: str = "auto"  # UCX_TLS, or auto (ucx.configure_ucx)
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
+    rank: int = 0  # the tensor-parallel rank whose KV memory this worker moves
+    tp_size: int = 1
 
 
 class NixlConnectorWorker(KVConnectorWorker):
@@ -82,9 +104,13 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.config = config
         self.transport = None
         self.side_channel = None
-        self.peers: set[str] = set()
-        self.handshakes = PeerHandshakes(HandshakeRequest(config.engine_id, config.compat_hash),
+        self.agent_name = rank_agent_name(config.engine_id, config.rank)
+        self.peers: dict[str, list[str]] = {}  # peer engine id -> the agents of its ranks to read from, in order
+        self.peer_sizes: dict[str, int] = {}  # peer engine id -> its tensor-parallel size
+        self.handshakes = PeerHandshakes(HandshakeRequest(self.agent_name, config.compat_hash),
                                          config.handshake_timeout_s, config.handshake_backoff_s, config.clock)
+        self.rank_agents: list[RankAgent] = []  # rank 0: ranks 1..N-1's agents and layouts
+        self.rank_results: dict[str, dict[int, str | None]] = {}  # rank 0: request -> rank -> why it failed
         # engine id -> what waits for its handshake: (do it, fail it with why)
         self.waiting_for_peer: dict[str, list[tuple[Callable[[], None], Callable[[str], None]]]] = {}
         self.loading: dict[str, _Loading] = {}
@@ -101,9 +127,28 @@ class NixlConnectorWorker(KVConnectorWorker):
         from connectors.nixl.ucx import configure_ucx
 
         configure_ucx(self.config.host, self.config.ucx_transports)
+        if self.config.rank > 0:  # its reads only: leases and the side channel are rank 0's
+            self.transport = NixlTransport(self.agent_name, kv_caches)
+            return
         self.leases = LeaseTable(kv_caches.tensors[0].num_blocks)  # a held request holds a block at least
-        self.transport = NixlTransport(self.config.engine_id, kv_caches, lease_words=self.leases.words)
+        self.transport = NixlTransport(self.agent_name, kv_caches, lease_words=self.leases.words)
         self.side_channel = SideChannelServer(self.config.host, self.config.side_channel_port, self._respond)
+
+    def rank_info(self) -> RankAgent:
+        return RankAgent(self.transport.agent_metadata(), self.transport.local_layout(self.config.compat_hash))
+
+    def add_ranks(self, infos: list[object]) -> None:
+        self.rank_agents = [info for info in infos if isinstance(info, RankAgent)]
+        if len(self.rank_agents) != self.config.tp_size - 1:
+            raise ValueError(f"{len(self.rank_agents)} ranks reported their NIXL agents, "
+                             f"{self.config.tp_size - 1} expected")
+
+    def add_rank_outputs(self, outputs: list[KVConnectorOutput]) -> None:
+        for rank, output in enumerate(outputs, start=1):
+            for req_id in output.finished_recving:
+                self.rank_results.setdefault(req_id, {})[rank] = None
+            for req_id, why in output.failed_recving.items():
+                self.rank_results.setdefault(req_id, {})[rank] = why
 
     @property
     def side_channel_port(self) -> int:
@@ -115,7 +160,8 @@ class NixlConnectorWorker(KVConnectorWorker):
             return HandshakeError(f"incompatible KV layout: peer {request.engine_id!r} has "
                                   f"{request.compat_hash[:12]}, this engine {self.config.compat_hash[:12]} "
                                   f"(model, dtype, block size, layout or KV cache groups differ)")
-        return HandshakeResponse(self.transport.agent_metadata(), self.transport.local_layout(self.config.compat_hash))
+        return HandshakeResponse(self.transport.agent_metadata(), self.transport.local_layout(self.config.compat_hash),
+                                 self.rank_agents)
 
     def _when_peer_ready(self, remote: RemotePrefillParams, action: Callable[[], None],
                          fail: Callable[[str], None]) -> None:
@@ -136,11 +182,8 @@ class NixlConnectorWorker(KVConnectorWorker):
         for engine_id, outcome, seconds in self.handshakes.completed():
             if isinstance(outcome, HandshakeResponse):
                 try:
-                    if outcome.layout.engine_id != engine_id:
-                        raise ValueError(f"the side channel there belongs to engine {outcome.layout.engine_id!r}, "
-                                         f"not {engine_id!r}")
-                    self.transport.add_peer(outcome)
-                    self.peers.add(engine_id)
+                    self.peers[engine_id] = self._add_agents(engine_id, outcome)
+                    self.peer_sizes[engine_id] = len(outcome.agents)
                 except Exception as exc:
                     outcome = exc
                     self.handshakes.mark_failed(engine_id, str(exc))
@@ -152,8 +195,37 @@ class NixlConnectorWorker(KVConnectorWorker):
             for action, fail in self.waiting_for_peer.pop(engine_id, []):
                 action() if engine_id in self.peers else fail(str(outcome))
 
+    def _add_agents(self, engine_id: str, response: HandshakeResponse) -> list[str]:
+        """Load the agents of the peer's ranks this rank reads from: those holding heads
+        it holds and no rank before gave it (a rank with this rank's very heads first),
+        and, on rank 0, the peer's rank 0 (leases, notifications); their names in the
+        order the reads go. ValueError if they hold not every head this rank holds."""
+        agents = response.agents
+        for rank, agent in enumerate(agents):
+            if agent.layout.engine_id != rank_agent_name(engine_id, rank):
+                raise ValueError(f"the side channel there belongs to engine {agent.layout.engine_id!r}, "
+                                 f"not {rank_agent_name(engine_id, rank)!r}")
+        ours = self.transport.pieces
+        taken: list[set] = [set() for _ in ours]
+        chosen = []
+        for rank in sorted(range(len(agents)), key=lambda r: agents[r].layout.group_pieces != ours):
+            runs = piece_runs(ours, agents[rank].layout.group_pieces, taken)
+            if runs is None or any(runs) or (rank == 0 and self.config.rank == 0):
+                chosen.append(rank)
+        lacking = [(g, key) for g, pieces in enumerate(ours) for key in ((p.kind, p.index) for p in pieces)
+                   if key not in taken[g]]
+        if lacking:
+            raise ValueError(f"the ranks of {engine_id!r} hold none of the bytes of {lacking[:4]} (group, piece) "
+                             f"that this rank holds")
+        return [self.transport.add_peer(HandshakeResponse(agents[r].agent_metadata, agents[r].layout))
+                for r in chosen]
+
     # --- every step ---------------------------------------------------------------
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        for recv in metadata.reqs_to_recv:
+            self._start_read(recv)
+        if self.config.rank > 0:
+            return  # leases, rejects and KeepAlives are rank 0's
         for send in metadata.reqs_to_send:
             self.deadlines[send.request_id] = send.deadline
         for req_id in metadata.reqs_to_release:
@@ -161,8 +233,6 @@ class NixlConnectorWorker(KVConnectorWorker):
                 self._end_lease(req_id)
                 self.released.add(req_id)
                 self.stats.released += 1
-        for recv in metadata.reqs_to_recv:
-            self._start_read(recv)
         for remote, reason in metadata.reqs_to_reject:
             self._reject(remote, reason)
         for remote in metadata.reqs_to_keep_alive:
@@ -172,19 +242,35 @@ class NixlConnectorWorker(KVConnectorWorker):
         self._when_peer_ready(recv.remote, lambda: self._post_read(recv), lambda why: self._fail_read(recv, why))
 
     def _post_read(self, recv: ReqToRecv) -> None:
-        """The data READ; its read-done notification rides on it only when there is no
-        lease word to check after it."""
+        """The data READs, one per P rank read from; the read-done notification rides on
+        the READ only when it is the one READ of the request and there is no lease word
+        to check after it. A READ that cannot be posted fails the request, once those
+        already posted are final."""
         posting = self.config.clock()
-        done = b"" if recv.remote.lease_token is not None else encode_notif(ReadDone(recv.remote.remote_request_id))
-        try:
-            handle = self.transport.start_read(recv.remote.remote_engine_id, recv.local_block_ids,
-                                               recv.remote_block_ids, done)
-        except Exception as exc:  # any transport failure fails this request only
-            self._fail_read(recv, str(exc))
+        remote = recv.remote
+        agents = self.peers[remote.remote_engine_id]
+        if remote.tp_size != self.peer_sizes[remote.remote_engine_id]:
+            self._fail_read(recv, f"its parameters name tensor-parallel size {remote.tp_size}, its side channel "
+                                  f"{self.peer_sizes[remote.remote_engine_id]} ranks")
+            return
+        one_read = remote.lease_token is None and len(agents) == 1 and self.config.tp_size == 1
+        done = encode_notif(ReadDone(remote.remote_request_id)) if one_read else b""
+        taken: list[set] = [set() for _ in recv.local_block_ids]
+        handles, error = [], None
+        for agent in agents:
+            try:
+                handles.append(self.transport.start_read(agent, recv.local_block_ids, recv.remote_block_ids,
+                                                         done, taken))
+            except Exception as exc:  # any transport failure fails this request only
+                error = str(exc)
+                break
+        if error is not None and not handles:
+            self._fail_read(recv, error)
             return
         self.stats.post_time.observe(self.config.clock() - posting)
-        self.loading[recv.request_id] = _Loading(recv, handle, self.config.clock(),
-                                                 handle.num_bytes, handle.num_descriptors)
+        self.loading[recv.request_id] = _Loading(recv, handles, self.config.clock(),
+                                                 sum(h.num_bytes for h in handles),
+                                                 sum(h.num_descriptors for h in handles), error, one_read)
 
     def _post_check(self, loading: _Loading) -> str | None:
         """After the data READ: the READ of P's lease word; why it could not be posted, or None."""
@@ -194,7 +280,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         except RuntimeError as exc:
             return str(exc)
         try:
-            loading.handle = self.transport.start_word_read(remote.remote_engine_id, remote.lease_slot, landing)
+            loading.handles = [self.transport.start_word_read(remote.remote_engine_id, remote.lease_slot, landing)]
         except Exception as exc:
             self.leases.landed(landing)
             return f"its lease word could not be read: {exc}"
@@ -202,8 +288,13 @@ class NixlConnectorWorker(KVConnectorWorker):
         return None
 
     def _fail_read(self, recv: ReqToRecv, why: str) -> None:
+        """The request's READs could not start on this rank. Rank 0 of several waits for the
+        other ranks' READs to be final before it reports the request (and tells P)."""
         logger.warning("KV read for %s from %s failed to start: %s", recv.request_id, recv.remote.remote_engine_id, why)
         where = f"{recv.remote.remote_host}:{recv.remote.remote_port}"
+        if self.config.rank == 0 and self.config.tp_size > 1:
+            self.loading[recv.request_id] = _Loading(recv, [], self.config.clock(), 0, 0, error=f"could not start: {why}")
+            return
         self.failed[recv.request_id] = f"the read from {where} could not start: {why}"
         self.stats.failures += 1
 
@@ -232,25 +323,71 @@ class NixlConnectorWorker(KVConnectorWorker):
         output = KVConnectorOutput(finished_sending=self.released, failed_recving=self.failed)
         self.failed, self.released = {}, set()
         self._poll_reads(output)
+        if self.config.rank > 0:
+            self.transport.get_notifs()  # progresses this agent: P's ranks are read, D's ranks read
+            return output
         self._read_notifs(output)
         self._expire_leases(output)
         return output
 
     def _poll_reads(self, output: KVConnectorOutput) -> None:
         for req_id, loading in list(self.loading.items()):
-            state = self.transport.poll(loading.handle)
-            if state == "PROC" and self.config.clock() - loading.started >= self.config.read_timeout_s:
-                if not self.transport.cancel(loading.handle):
-                    continue  # NIXL cannot stop it yet: the blocks stay this read's until it can
-                state = "TIMEOUT"
+            if loading.outcome is None:
+                loading.outcome = self._poll_handles(loading)
+                if loading.outcome is None:
+                    continue
+                if self.config.rank > 0:  # this rank's share, for rank 0
+                    del self.loading[req_id]
+                    self._report_share(loading, output)
+                    continue
+            state = self._poll_handles(loading) if loading.landing is not None else self._with_ranks(req_id, loading)
             if state == "DONE" and loading.landing is None and loading.request.remote.lease_token is not None:
-                why = self._post_check(loading)  # the data moved: now the lease word
+                why = self._post_check(loading)  # every rank's data moved: now the lease word
                 if why is None:
                     continue
                 state = f"ERR: {why}"
-            if state != "PROC":
+            if state is not None:
                 del self.loading[req_id]
                 self._read_ended(loading, state, output)
+
+    def _poll_handles(self, loading: _Loading) -> str | None:
+        """None while a READ of the request's on this rank is under way (one past the
+        read timeout is cancelled); else DONE, ERR, TIMEOUT or "ERR: why"."""
+        states = [self.transport.poll(handle) for handle in loading.handles]
+        if "PROC" in states:
+            if self.config.clock() - loading.started < self.config.read_timeout_s:
+                return None
+            if not all([self.transport.cancel(handle) for handle in loading.handles]):
+                return None  # NIXL cannot stop one yet: the blocks stay its until it can
+            return "TIMEOUT"
+        if loading.error is not None:
+            return f"ERR: {loading.error}"
+        return "ERR" if "ERR" in states else "DONE"
+
+    def _with_ranks(self, req_id: str, loading: _Loading) -> str | None:
+        """Rank 0: the request's data state once every rank's READs are final (None until
+        then): this rank's, else the first failed rank's."""
+        if self.config.tp_size == 1:
+            return loading.outcome
+        results = self.rank_results.get(req_id, {})
+        if len(results) < self.config.tp_size - 1:
+            return None
+        del self.rank_results[req_id]
+        failed = [(rank, why) for rank, why in sorted(results.items()) if why is not None]
+        if loading.outcome != "DONE" or not failed:
+            return loading.outcome
+        rank, why = failed[0]
+        return f"ERR: (tensor-parallel rank {rank}) {why}"
+
+    def _report_share(self, loading: _Loading, output: KVConnectorOutput) -> None:
+        """A rank > 0: its READs of the request are final."""
+        req_id = loading.request.request_id
+        if loading.outcome == "DONE":
+            output.finished_recving.add(req_id)
+            self.stats.read_done(self.config.clock() - loading.started, loading.num_bytes, loading.num_descriptors)
+            return
+        output.failed_recving[req_id] = _failure(loading.outcome, self.config.read_timeout_s)
+        self.stats.failures += 1
 
     def _read_ended(self, loading: _Loading, state: str, output: KVConnectorOutput) -> None:
         """Report a read whose READs are final: received (verified or not) or failed."""
@@ -263,15 +400,14 @@ class NixlConnectorWorker(KVConnectorWorker):
             why = "ended after the prefill server's lease"
         elif state == "DONE":
             output.finished_recving.add(req_id)
-            if word is not None:  # checked: P may free the blocks now
+            if not loading.notified:  # checked (or no word to check): P may free the blocks now
                 self._notify(remote, ReadDone(remote.remote_request_id))
             if word is None or not loading.request.trusted:
                 output.unverified.add(req_id)
             self.stats.read_done(self.config.clock() - loading.started, loading.num_bytes, loading.num_descriptors)
             return
         else:
-            why = {"ERR": "failed in transfer", "TIMEOUT": f"was still under way after "
-                   f"{self.config.read_timeout_s:g} s"}.get(state, state.removeprefix("ERR: "))
+            why = _failure(state, self.config.read_timeout_s)
             self._reject(remote, f"the read {why}")  # nothing retries it: P frees its blocks
         logger.warning("KV read for %s from %s %s", req_id, remote.remote_engine_id, why)
         output.failed_recving[req_id] = f"the read from {remote.remote_engine_id} {why}"
@@ -339,3 +475,9 @@ class NixlConnectorWorker(KVConnectorWorker):
             self.side_channel.close()
         if self.transport is not None:
             self.transport.close()
+
+
+def _failure(state: str, read_timeout_s: float) -> str:
+    """What a failed READ state says, after "the read ..."."""
+    return {"ERR": "failed in transfer",
+            "TIMEOUT": f"was still under way after {read_timeout_s:g} s"}.get(state, state.removeprefix("ERR: "))

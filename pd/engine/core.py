@@ -7,7 +7,6 @@ process behind ZMQ for `pd serve` (see `process.py`).
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
@@ -20,14 +19,12 @@ from pd.engine.kv_event_publisher import KVEventPublisher, NoKVEvents
 from pd.engine.malloc import keep_freed_memory
 from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_cache.spec import KVCacheConfig, MambaSpec
-from pd.kv_transfer.compat import compat_hash
 from pd.kv_transfer.connectors import KV_CONNECTORS
-from pd.scheduling.connector_api import ConnectorContext
 from pd.scheduling.request import Request, RequestOutput
 from pd.scheduling.scheduler import Scheduler
 from pd.structured.matchers import GrammarMatchers
 from pd.tokenizer import Tokenizer
-from pd.worker.rank_setup import build_model, build_runner, kv_cache_config, whole_kv_cache_config
+from pd.worker.rank_setup import build_model, build_runner, connector_context, kv_cache_config
 from pd.worker.tp_ranks import TensorParallelRanks, rank_device
 
 
@@ -51,7 +48,9 @@ class EngineCore:
         self.num_steps = 0
         self.step_seconds = dict.fromkeys(STEP_PARTS, 0.0)
         device = config.torch_device
-        self.tp_ranks = TensorParallelRanks(config) if config.tensor_parallel_size > 1 else None
+        self.engine_id = f"pd-{uuid.uuid4().hex[:12]}"
+        self.connector_context = connector_context(config, self.engine_id)
+        self.tp_ranks = TensorParallelRanks(config, self.connector_context) if config.tensor_parallel_size > 1 else None
         try:
             self.model_config, self.model = build_model(config, TPShard(0, config.tensor_parallel_size),
                                                         rank_device(device, 0))
@@ -65,17 +64,16 @@ class EngineCore:
         self.kv_cache_config = kv_cache_config(config, self.model_config, self.model)
         self.kv_cache_manager = KVCacheManager(self.kv_cache_config, config.enable_prefix_caching,
                                                self.max_model_len, record_events=config.kv_events_port is not None)
-        self.engine_id = f"pd-{uuid.uuid4().hex[:12]}"
         self.kv_events = self._kv_events()
-        context = ConnectorContext(self.engine_id, config.connector_config(), self.compat_hash(),
-                                   self.kv_cache_config.block_sizes)
         connector = KV_CONNECTORS.get(config.kv_connector)
-        worker_connector = connector.build_worker(context)
+        worker_connector = connector.build_worker(self.connector_context)
         self.runner = build_runner(config, self.model_config, self.model, rank_device(device, 0), worker_connector,
                                    keep_logits)
+        if self.tp_ranks is not None:
+            worker_connector.add_ranks(self.tp_ranks.rank_infos)
         grammars = GrammarMatchers(lambda: Tokenizer(config.model).json(), self.model_config.eos_token_ids)
         self.scheduler = Scheduler(self._scheduler_config(), self.kv_cache_manager,
-                                   connector.build_scheduler(context, worker_connector), grammars)
+                                   connector.build_scheduler(self.connector_context, worker_connector), grammars)
         self.logits: dict[str, list[torch.Tensor]] = {}
         # Unseeded requests sample from the global generator: every tensor-parallel rank
         # starts serving from the same state (building may have drawn from it unequally).
@@ -100,10 +98,7 @@ class EngineCore:
         """Equal for two engines whose KV blocks mean the same thing byte for byte, whatever
         their tensor-parallel sizes: it is taken of the whole model's groups (which heads
         a rank holds, its pieces, the handshake says)."""
-        model_id = json.dumps(self.model_config.hf_config, sort_keys=True, default=str)
-        whole = whole_kv_cache_config(self.config)
-        return compat_hash(model_id, self.config.dtype, whole.block_sizes, self.config.kv_layout,
-                           [repr(g.spec) + repr(g.layer_names) for g in whole.groups])
+        return self.connector_context.compat_hash
 
     def _scheduler_config(self) -> SchedulerConfig:
         mamba = [g.spec.block_size for g in self.kv_cache_config.groups if isinstance(g.spec, MambaSpec)]
@@ -146,6 +141,8 @@ class EngineCore:
         if self.tp_ranks is not None:
             self.tp_ranks.send(scheduler_output)
         runner_output = self.runner.execute_model(scheduler_output)
+        if self.tp_ranks is not None:
+            self.runner.connector.add_rank_outputs(self.tp_ranks.collect())
         self._keep_logits(runner_output.logits)
         executed = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)

@@ -40,6 +40,7 @@ HexDigest = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]  # sha256
 MAX_GROUPS = 256
 BlockIds = Annotated[list[Annotated[list[BlockId], msgspec.Meta(max_length=INT32)]],
                      msgspec.Meta(min_length=1, max_length=MAX_GROUPS)]
+MAX_TP_SIZE = 256  # tensor-parallel ranks of a prefill server
 MAX_SEQUENCES = 1024  # first tokens a set may carry (the server holds them to the request's n)
 
 
@@ -82,7 +83,7 @@ class RemotePrefillParams(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     num_prompt_tokens: Count
     first_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_SEQUENCES)]
     block_size: Count
-    tp_size: Literal[1] = 1
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)] = 1  # P's ranks, each holding some heads
     lease_expires_at: WallClock | None = None  # a read ending later is a failure
     lease_seconds: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)] | None = None  # what a KeepAlive extends by
     prompt_digest: HexDigest | None = None  # of the prompt P prefilled (pd/kv_transfer/signing.py)

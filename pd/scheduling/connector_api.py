@@ -40,13 +40,17 @@ if TYPE_CHECKING:
 class ConnectorContext:
     """What a connector is built from: the engine's id (handed out in
     kv_transfer_params), the connector's settings, a hash equal for engines whose KV
-    blocks mean the same thing byte for byte (pd/kv_transfer/compat.py), and the block
-    size of each KV cache group."""
+    blocks mean the same thing byte for byte (pd/kv_transfer/compat.py), the block
+    size of each KV cache group, and which tensor-parallel rank of how many builds it
+    (every rank has a worker half for its own KV memory; rank 0's is the engine's, and
+    the scheduler half talks to it alone)."""
 
     engine_id: str
     config: ConnectorConfig
     compat_hash: str
     block_sizes: list[int]
+    rank: int = 0  # the tensor-parallel rank whose worker half this is
+    tp_size: int = 1
 
 
 class KVLoadRefused(Exception):
@@ -146,6 +150,19 @@ class KVConnectorWorker(ABC):
     def malformed_messages(self) -> dict[str, int]:
         """Messages from peers dropped as malformed so far, by listener (for metrics)."""
         return {}
+
+    # --- tensor parallelism: ranks 1..N-1 report to rank 0 over their socket pairs ---
+    def rank_info(self) -> object:
+        """A rank > 0: what rank 0 needs of this rank's half once its KV caches are
+        registered (picklable; it crosses a socket pair to the engine, no network)."""
+        return None
+
+    def add_ranks(self, infos: list[object]) -> None:
+        """Rank 0: every other rank's `rank_info`, in rank order, before the first step."""
+
+    def add_rank_outputs(self, outputs: list[KVConnectorOutput]) -> None:
+        """Rank 0, after each step: what every other rank's `get_finished` reported, in
+        rank order (a rank's finished and failed loads are its share of a request's)."""
 
     def shutdown(self) -> None:
         """Release transfer resources; called once at engine shutdown."""

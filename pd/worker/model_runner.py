@@ -65,7 +65,10 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache_config: KVCacheConfig, *, max_num_reqs: int,
                  max_model_len: int, device: torch.device | str, layout: KVLayout = "canonical",
                  connector: KVConnectorWorker, keep_logits: bool = False,
-                 eos_token_ids: frozenset[int] = frozenset(), logprobs_mode: str = "processed") -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), logprobs_mode: str = "processed",
+                 first_heads: list[tuple[int, int]] | None = None) -> None:
+        """`first_heads[g]`: the global index of KV cache group g's first head and Mamba
+        group on this tensor-parallel rank (the pieces its connector hands out)."""
         self.model = model
         self.eos_token_ids = eos_token_ids  # what min_tokens holds back
         self.logprobs_mode = logprobs_mode  # pd/logprobs.py
@@ -79,7 +82,7 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequest] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.connector = connector  # NullConnectorWorker when serving alone
-        self.connector.register_kv_caches(self.kv_allocation.describe())
+        self.connector.register_kv_caches(self.kv_allocation.describe(first_heads))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.kv_allocation.copy_blocks(scheduler_output.block_copies)  # before any KV is written

@@ -4,18 +4,21 @@ core does for rank 0 and every other tensor-parallel rank does for itself
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from pd.config import EngineConfig
 from pd.distributed.shard import TPShard
 from pd.kv_cache.layout import KVCacheLayoutError, make_kv_cache_config
-from pd.kv_cache.spec import KVCacheConfig
+from pd.kv_cache.spec import KVCacheConfig, MambaSpec
 from pd.models.base import CausalLM
 from pd.models.loader import load_model, model_skeleton
 from pd.models.model_config import ModelConfig
 from pd.models.packed import pack_linears
 from pd.models.quantized import quantize_linears
-from pd.scheduling.connector_api import KVConnectorWorker, NullConnectorWorker
+from pd.kv_transfer.compat import compat_hash
+from pd.scheduling.connector_api import ConnectorContext, KVConnectorWorker, NullConnectorWorker
 from pd.worker.model_runner import ModelRunner
 
 
@@ -30,13 +33,26 @@ def build_model(config: EngineConfig, shard: TPShard, device: str) -> tuple[Mode
     return model_config, model
 
 
-def whole_kv_cache_config(config: EngineConfig) -> KVCacheConfig:
+def whole_kv_cache_config(config: EngineConfig, model_config: ModelConfig | None = None) -> KVCacheConfig:
     """The KV cache groups of the whole (unsharded) model, from its skeleton on the meta
     device: what a block means whatever the tensor-parallel size (the compatibility hash
     is taken of it), and the block sizes every rank of every TP size uses."""
-    whole = model_skeleton(ModelConfig.from_dir(config.model, config.dtype, config.max_model_len))
-    specs = whole.kv_cache_specs(config.block_size, hybrid=config.hybrid_kv_cache)
+    model_config = model_config or ModelConfig.from_dir(config.model, config.dtype, config.max_model_len)
+    specs = model_skeleton(model_config).kv_cache_specs(config.block_size, hybrid=config.hybrid_kv_cache)
     return make_kv_cache_config(specs, 1 << 62)  # the groups and block sizes; no memory is taken
+
+
+def connector_context(config: EngineConfig, engine_id: str) -> ConnectorContext:
+    """What every rank's connector half is built from (rank 0's; a rank > 0 replaces the
+    rank): the compatibility hash and block sizes are the whole model's, equal on P and
+    D whatever their tensor-parallel sizes."""
+    model_config = ModelConfig.from_dir(config.model, config.dtype, config.max_model_len)
+    whole = whole_kv_cache_config(config, model_config)
+    model_id = json.dumps(model_config.hf_config, sort_keys=True, default=str)
+    hashed = compat_hash(model_id, config.dtype, whole.block_sizes, config.kv_layout,
+                         [repr(g.spec) + repr(g.layer_names) for g in whole.groups])
+    return ConnectorContext(engine_id, config.connector_config(), hashed, whole.block_sizes,
+                            tp_size=config.tensor_parallel_size)
 
 
 def kv_cache_config(config: EngineConfig, model_config: ModelConfig, model: CausalLM) -> KVCacheConfig:
@@ -59,9 +75,27 @@ def kv_cache_config(config: EngineConfig, model_config: ModelConfig, model: Caus
     return rank
 
 
+def first_heads(whole: KVCacheConfig, shard: TPShard) -> list[tuple[int, int]]:
+    """Per KV cache group, the global index of the first head and Mamba group a rank
+    holds, by the rules the model shards by: KV heads split or, fewer than ranks,
+    replicated (`attention_projections`); Mamba heads split, Mamba groups split or
+    replicated (`Mamba2Mixer`)."""
+    out = []
+    for group in whole.groups:
+        spec = group.spec
+        if isinstance(spec, MambaSpec):
+            out.append((shard.split(spec.num_heads, "Mamba heads")[0],
+                        shard.replicated_split(spec.n_groups, "Mamba groups")[0]))
+        else:
+            out.append((shard.replicated_split(spec.num_kv_heads, "KV heads")[0], 0))
+    return out
+
+
 def build_runner(config: EngineConfig, model_config: ModelConfig, model: CausalLM, device: str | torch.device,
                  connector: KVConnectorWorker | None = None, keep_logits: bool = False) -> ModelRunner:
+    heads = first_heads(whole_kv_cache_config(config), model_config.tp) if model_config.tp.size > 1 else None
     return ModelRunner(model, kv_cache_config(config, model_config, model), max_num_reqs=config.max_num_seqs,
                        max_model_len=model_config.context_len, device=device, layout=config.kv_layout,
                        keep_logits=keep_logits, connector=connector or NullConnectorWorker(),
-                       eos_token_ids=frozenset(model_config.eos_token_ids), logprobs_mode=config.logprobs_mode)
+                       eos_token_ids=frozenset(model_config.eos_token_ids), logprobs_mode=config.logprobs_mode,
+                       first_heads=heads)

@@ -7,7 +7,9 @@ to its own child: nothing from a network is unpickled), then runs rank 0's runne
 forward the ranks meet in `torch.distributed` collectives (gloo on CPU, NCCL on CUDA)
 on a group rank 0 opens on 127.0.0.1. Every rank samples from the same gathered
 logits with the same generators, so every runner keeps the same tokens; rank 0's
-output is the engine's.
+output is the engine's, but for the KV connector: each rank has its own connector
+worker half (its own KV memory moves), which says what rank 0's needs of it once built
+(`rank_info`) and sends its report of every step back (`collect`).
 
 Faults: a rank that exits, is killed or hangs makes the next collective (or send) fail
 within `tp_timeout`, and `RankLost` stops the engine; a rank dies with the engine
@@ -24,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
@@ -33,6 +36,8 @@ import torch.distributed as dist
 from pd.config import EngineConfig
 from pd.distributed.collectives import RankLost
 from pd.distributed.shard import TPShard
+from pd.kv_transfer.connectors import KV_CONNECTORS
+from pd.scheduling.connector_api import ConnectorContext, KVConnectorOutput
 from pd.scheduling.outputs import SchedulerOutput
 from pd.worker.model_runner import ModelRunner
 from pd.worker.rank_setup import build_model, build_runner
@@ -60,7 +65,7 @@ def rank_device(device: str, rank: int) -> str:
 class TensorParallelRanks:
     """Ranks 1..N-1 of an engine, and rank 0's membership of their group."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, context: ConnectorContext) -> None:
         self.size = config.tensor_parallel_size
         self.timeout = timedelta(seconds=config.tp_timeout)
         if dist.is_initialized():
@@ -69,13 +74,14 @@ class TensorParallelRanks:
         self.store = dist.TCPStore(HOST, 0, self.size, is_master=True, timeout=startup, wait_for_workers=False)
         self.pipes: list[Connection] = []
         self.procs: list[subprocess.Popen] = []
+        self.rank_infos: list[object] = []  # each rank's connector `rank_info`, once ready
         for rank in range(1, self.size):
-            self._start(config, rank)
+            self._start(config, rank, context)
         self._wait_joined(startup.total_seconds())
         dist.init_process_group(backend(config.torch_device), store=self.store, rank=0, world_size=self.size,
                                 timeout=self.timeout)
 
-    def _start(self, config: EngineConfig, rank: int) -> None:
+    def _start(self, config: EngineConfig, rank: int, context: ConnectorContext) -> None:
         """A plain child process (the engine may itself be a daemonic multiprocessing
         child, which may not start those), given one end of a socket pair."""
         ours, theirs = socket.socketpair()
@@ -83,7 +89,7 @@ class TensorParallelRanks:
             proc = subprocess.Popen([sys.executable, "-m", "pd.worker.tp_ranks", str(theirs.fileno())],
                                     pass_fds=[theirs.fileno()])
         pipe = Connection(ours.detach())
-        pipe.send((config, rank, self.store.port))
+        pipe.send((config, rank, self.store.port, replace(context, rank=rank)))
         self.pipes.append(pipe)
         self.procs.append(proc)
 
@@ -113,6 +119,7 @@ class TensorParallelRanks:
             kind, detail = pipe.recv()
             if kind != "ready":
                 raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {detail}")
+            self.rank_infos.append(detail)
 
     def check(self) -> None:
         """RankLost if a rank has exited (one that hangs is found by the next collective)."""
@@ -127,6 +134,21 @@ class TensorParallelRanks:
                 pipe.send(scheduler_output)
             except (OSError, ValueError) as exc:
                 raise RankLost(f"tensor-parallel rank {rank} is gone: {exc}") from exc
+
+    def collect(self) -> list[KVConnectorOutput]:
+        """Every other rank's connector report of the step just run (they end it with
+        rank 0, whose collectives they share); RankLost if one is gone or takes longer
+        than `--tp-timeout`."""
+        outputs = []
+        for rank, pipe in enumerate(self.pipes, start=1):
+            try:
+                if not pipe.poll(self.timeout.total_seconds()):
+                    raise RankLost(f"tensor-parallel rank {rank} did not end its step within "
+                                   f"{self.timeout.total_seconds():g} s")
+                outputs.append(pipe.recv())
+            except (EOFError, OSError) as exc:
+                raise RankLost(f"tensor-parallel rank {rank} is gone: {exc}") from exc
+        return outputs
 
     def shutdown(self) -> None:
         for pipe in self.pipes:
@@ -161,22 +183,24 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def rank_main(config: EngineConfig, rank: int, store_port: int, pipe: Connection) -> None:
-    """A rank's process: join the group, build the shard and its runner, then run every
-    step rank 0 sends until it sends None or goes away."""
+def rank_main(config: EngineConfig, rank: int, store_port: int, context: ConnectorContext,
+              pipe: Connection) -> None:
+    """A rank's process: join the group, build the shard, its runner and its connector
+    half, then run every step rank 0 sends (and send back the connector's report) until
+    it sends None or goes away."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s")
     try:
-        runner = _build(config, rank, store_port)
+        runner = _build(config, rank, store_port, context)
     except BaseException as exc:
         pipe.send(("error", f"{type(exc).__name__}: {exc}"))
         raise
-    pipe.send(("ready", None))
+    pipe.send(("ready", runner.connector.rank_info()))
     try:
         while True:
             step = pipe.recv()
             if step is None:
                 break
-            runner.execute_model(step)
+            pipe.send(runner.execute_model(step).kv_connector_output)
     except EOFError:
         pass  # the engine went away
     finally:
@@ -184,7 +208,7 @@ def rank_main(config: EngineConfig, rank: int, store_port: int, pipe: Connection
         dist.destroy_process_group()
 
 
-def _build(config: EngineConfig, rank: int, store_port: int) -> ModelRunner:
+def _build(config: EngineConfig, rank: int, store_port: int, context: ConnectorContext) -> ModelRunner:
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     size, timeout = config.tensor_parallel_size, timedelta(seconds=config.tp_timeout)
@@ -194,7 +218,8 @@ def _build(config: EngineConfig, rank: int, store_port: int) -> ModelRunner:
     shard = TPShard(rank, size)
     device = rank_device(config.torch_device, rank)
     model_config, model = build_model(config, shard, device)
-    runner = build_runner(config, model_config, model, device)
+    connector = KV_CONNECTORS.get(config.kv_connector).build_worker(context)
+    runner = build_runner(config, model_config, model, device, connector)
     torch.manual_seed(config.seed)  # as rank 0 does once built: the same draws for unseeded requests
     return runner
 
@@ -202,5 +227,5 @@ def _build(config: EngineConfig, rank: int, store_port: int) -> ModelRunner:
 if __name__ == "__main__":
     _die_with_parent()
     _pipe = Connection(int(sys.argv[1]))
-    _config, _rank, _port = _pipe.recv()
-    rank_main(_config, _rank, _port, _pipe)
+    _config, _rank, _port, _context = _pipe.recv()
+    rank_main(_config, _rank, _port, _context, _pipe)

@@ -124,7 +124,7 @@ def test_ray_pd_refuses_fewer_than_one_server(tiny_qwen3) -> None:
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
 def test_ray_pd_serves_through_the_proxy_and_a_signal_stops_every_server(tmp_path, tiny_qwen3, signum) -> None:
     urls_file, log_path = tmp_path / "urls.json", tmp_path / "ray_pd.log"
-    cmd = [sys.executable, str(ROOT / "deploy" / "ray_pd.py"), "--prefill", "1", "--decode", "1",
+    cmd = [sys.executable, str(ROOT / "deploy" / "ray_pd.py"), "--prefill", "1", "--decode", "1", "--decode-tp", "2",
            "--model", str(tiny_qwen3), "--num-threads", "1", "--port", str(free_port()),
            "--urls-file", str(urls_file), "--log-dir", str(tmp_path / "logs")]
     env = dict(os.environ, NIXL_LOG_LEVEL="WARN", RAY_USAGE_STATS_ENABLED="0")

@@ -75,10 +75,10 @@ def test_xpyd_detached_serves_through_the_proxy_and_stop_ends_everything(tmp_pat
     env, flags = deployment_env(tmp_path), ports()
     pids_file = tmp_path / "state" / "pids"
     try:
-        out = subprocess.run([str(ROOT / "deploy/xpyd.sh"), "--prefill", "2", "--decode", "1", "--detach", *flags],
-                             env=env, capture_output=True, text=True, timeout=300)
+        out = subprocess.run([str(ROOT / "deploy/xpyd.sh"), "--prefill", "2", "--decode", "1", "--decode-tp", "2",
+                              "--detach", *flags], env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stdout + out.stderr
-        assert "2P1D" in out.stdout and "proxy:" in out.stdout
+        assert "2P1D" in out.stdout and "(TP 1 / 2)" in out.stdout and "proxy:" in out.stdout
         pids = [int(p) for p in pids_file.read_text().split()]
         assert len(pids) == 4 and all(alive(p) for p in pids)  # 2 P, 1 D, the proxy
         assert complete(flags[1])["usage"]["completion_tokens"] == 4

@@ -13,9 +13,11 @@ from connectors.nixl.peer_messages import (
     HandshakeRequest,
     HandshakeResponse,
     KVLayoutInfo,
+    MAX_RANKS,
     MessageDecodeError,
     NotifDecodeError,
     PieceInfo,
+    RankAgent,
     ReadDone,
     Reject,
     TensorInfo,
@@ -24,6 +26,7 @@ from connectors.nixl.peer_messages import (
     decode_request,
     encode,
     encode_notif,
+    rank_agent_name,
 )
 
 
@@ -120,3 +123,47 @@ def test_layout_checks_its_refs_when_built() -> None:
     with pytest.raises(ValueError, match="runs past the row"):
         layout(group_data_refs=[[DataRefInfo(0, 4096, 1)], [DataRefInfo(0, 8)]])
     assert layout(block_sizes=[]).block_sizes == []  # not stated is allowed
+
+
+def test_every_ranks_agent_travels_and_a_bad_rank_is_refused_at_decode() -> None:
+    """A tensor-parallel P describes ranks 1..N-1 beside rank 0; their layouts are
+    validated as rank 0's, and a list longer than MAX_RANKS - 1 is refused."""
+    ranks = [RankAgent(b"rank-1", layout(engine_id="P-0-tp1")), RankAgent(b"rank-2", layout(engine_id="P-0-tp2"))]
+    sent = HandshakeResponse(b"m", layout(), ranks)
+    received = decode_reply(encode(sent))
+    assert received == sent
+    assert [a.layout.engine_id for a in received.agents] == ["P-0", "P-0-tp1", "P-0-tp2"]
+    assert [rank_agent_name("P-0", r) for r in range(3)] == ["P-0", "P-0-tp1", "P-0-tp2"]
+    good = msgspec.msgpack.decode(encode(sent))
+    bad_rank = dict(good["ranks"][0], layout=dict(good["ranks"][0]["layout"], block_sizes=[16]))
+    too_many = [good["ranks"][0]] * MAX_RANKS
+    for ranks_field in ([bad_rank], too_many, [{"agent_metadata": b"x"}], "not a list"):
+        with pytest.raises(MessageDecodeError):
+            decode_reply(msgspec.msgpack.encode(dict(good, ranks=ranks_field)))
+
+
+_REPLY_WITH_RANKS = encode(HandshakeResponse(b"m", layout(), [RankAgent(b"r", layout(engine_id="P-0-tp1"))]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_any_mutation_of_a_reply_with_ranks_decodes_or_raises_the_specific_error(data) -> None:
+    """Bytes flipped, cut or inserted anywhere in a reply describing two ranks: a reply
+    (validated) or MessageDecodeError, never another exception."""
+    payload = bytearray(_REPLY_WITH_RANKS)
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(payload) - 1))
+        action = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        if action == "flip":
+            payload[at] ^= data.draw(st.integers(1, 255))
+        elif action == "cut":
+            del payload[at:at + data.draw(st.integers(1, 8))]
+        else:
+            payload[at:at] = data.draw(st.binary(min_size=1, max_size=8))
+        if not payload:
+            return
+    try:
+        reply = decode_reply(bytes(payload))
+    except MessageDecodeError:
+        return
+    assert isinstance(reply, (HandshakeResponse, HandshakeError))

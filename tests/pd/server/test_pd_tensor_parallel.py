@@ -1,0 +1,125 @@
+"""Prefill and decode servers of different tensor-parallel sizes (real servers, real NIXL
+between every rank's agent on 127.0.0.1): P at TP 1 and D at TP 2, P at 2 and D at 1,
+both at 2. Every answer equals the colocated TP = 1 server's, for an attention model,
+a sliding-window one and a Mamba hybrid, prompts around the block sizes; every read
+came from P (none fell back to recomputing) and every server's KV is back to 0. Faults:
+a side channel that leaves a rank out, a P gone before D reads; D computes the request
+itself, with the right tokens, and serves on."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+
+import msgspec
+import pytest
+
+from connectors.nixl.handshake import SideChannelServer, fetch_remote_layout
+from connectors.nixl.peer_messages import HandshakeRequest, HandshakeResponse
+from launch import http_client
+from pd.kv_transfer.params import RemotePrefillParams
+from pd.kv_transfer.signing import secret_from_env, sign
+from tests.support.pd_client import complete, p_then_d, prefill
+from tests.support.server_harness import running_server, started_together
+
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
+# Around the block sizes (16; 144 for the hybrid): single tokens, partial, exact and
+# just-over blocks, several blocks.
+PROMPT_LENGTHS = [1, 15, 16, 17, 50, 143, 144, 145, 300]
+MAX_TOKENS = 6
+PAIRS = [("one", "two"), ("two", "one"), ("two", "other_two")]  # (P, D): TP 1 -> 2, 2 -> 1, 2 -> 2
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma3", "bamba"])
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def servers(arch, tiny_models, colocated, tmp_path_factory):
+    logs = tmp_path_factory.mktemp(f"pd-tp-{arch}")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    with contextlib.ExitStack() as stack:
+        start = lambda name, tp: stack.enter_context(running_server(  # noqa: E731
+            tiny_models[arch], logs / f"{name}.log", "--kv-connector", "nixl", "--tensor-parallel-size", tp,
+            wait=False))
+        servers = {"one": start("one", "1"), "two": start("two", "2"), "other_two": start("other_two", "2")}
+        reference = colocated[arch]
+        started_together(stack, *servers.values())
+        yield servers | {"c": reference}
+
+
+def counter(server, name: str) -> float:
+    return server.metrics().get(name, 0.0)
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=["p1-d2", "p2-d1", "p2-d2"])
+def test_p_then_d_of_other_tp_sizes_gives_the_colocated_tokens(servers, arch, pair) -> None:
+    p, d = servers[pair[0]], servers[pair[1]]
+    rng = random.Random(f"tp-{arch}-{pair}")
+    reads_before = counter(d, "pd_kv_transfer_reads_total")
+    for n in PROMPT_LENGTHS:
+        body = {"prompt": [rng.randrange(300, 3800) for _ in range(n)], "max_tokens": MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True}
+        expected = complete(servers["c"], body)
+        got = p_then_d(p, d, body)
+        assert (got.token_ids, got.text) == (expected.token_ids, expected.text), n
+    assert counter(d, "pd_kv_transfer_reads_total") - reads_before == len(PROMPT_LENGTHS)
+    for server in (p, d):
+        assert counter(server, "pd_kv_transfer_failures_total") == 0
+        assert server.wait_for_metric("pd_kv_requests_held", lambda v: v == 0) == 0
+        assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+
+
+def resigned(params: dict, **changes) -> dict:
+    """P's parameters with `changes`, signed again with the deployment's secret (as a P
+    that lies about its side channel would)."""
+    typed = msgspec.structs.replace(msgspec.convert(params, RemotePrefillParams), **changes)
+    return sign(typed, secret_from_env()).to_json()
+
+
+def assert_serves_and_kv_back_to_0(servers, d) -> None:
+    body = {"prompt": "After the fault the server answers as before.", "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True}
+    assert complete(d, body).token_ids == complete(servers["c"], body).token_ids
+    assert d.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3"], indirect=True)
+def test_a_side_channel_missing_a_rank_fails_the_read_and_d_recomputes(servers, arch) -> None:
+    """A P side channel (forged, signed parameters pointing at it) that describes P's rank
+    0 but not rank 1: D's rank 1 finds no P rank with its heads, while rank 0's data has
+    landed. The request is computed on D with the right tokens (rank 0 waited for rank 1
+    before giving the blocks up), P is told and frees its blocks, D's KV is back to 0."""
+    p, d = servers["two"], servers["other_two"]
+    body = {"prompt": "A prefill server's side channel leaves out one of its ranks. " * 3,
+            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    params = prefill(p, body).body["kv_transfer_params"]
+    compat = http_client().get(f"{p.url}/v1/kv_config", timeout=10).json()["compat_hash"]
+    real = fetch_remote_layout("127.0.0.1", params["remote_port"], HandshakeRequest("test", compat), 5.0)
+    assert len(real.ranks) == 1  # P's rank 1
+    forged = SideChannelServer("127.0.0.1", 0, lambda _: HandshakeResponse(real.agent_metadata, real.layout))
+    failures = counter(d, "pd_kv_transfer_failures_total")
+    try:
+        got = complete(d, body | {"kv_transfer_params": resigned(params, remote_port=forged.port)})
+    finally:
+        forged.close()
+    assert got.token_ids == complete(servers["c"], body).token_ids
+    assert counter(d, "pd_kv_transfer_failures_total") == failures + 1
+    assert p.wait_for_metric("pd_kv_requests_held", lambda v: v == 0) == 0  # the reject reached P
+    assert_serves_and_kv_back_to_0(servers, d)
+
+
+@pytest.mark.parametrize("arch", ["qwen3"], indirect=True)
+def test_p_gone_before_d_reads_d_recomputes_on_every_rank(servers, arch, tiny_models, tmp_path) -> None:
+    """P (TP 2) stops after its prefill: every D rank's handshake fails; the request is
+    computed on D (TP 2) with the right tokens and D's KV is back to 0."""
+    body = {"prompt": "The prefill server went away before the decode server read. " * 3,
+            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    with running_server(tiny_models[arch], tmp_path / "gone.log", "--kv-connector", "nixl",
+                        "--tensor-parallel-size", "2") as gone:
+        params = prefill(gone, body).body["kv_transfer_params"]
+    d = servers["other_two"]
+    assert complete(d, body | {"kv_transfer_params": params}).token_ids == complete(servers["c"], body).token_ids
+    assert_serves_and_kv_back_to_0(servers, d)
