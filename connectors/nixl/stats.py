@@ -36,8 +36,8 @@ class Histogram:
 @dataclass
 class TransferStats:
     """Cumulative figures: counters, and histograms per completed read (its time from
-    post to completion, the time posting it took, its bytes and descriptors) and per
-    handshake."""
+    post to completion, the time posting it took, its bytes and descriptors: with tensor
+    parallelism each decode rank's share of a request) and per handshake."""
 
     reads: int = 0
     read_bytes: int = 0
@@ -64,11 +64,14 @@ class TransferStats:
     def histograms(self) -> dict[str, Histogram]:
         return {name: value for name, value in vars(self).items() if isinstance(value, Histogram)}
 
-    def read_done(self, seconds: float, num_bytes: int, num_descriptors: int) -> None:
+    def read_done(self, seconds: float, shares: list[tuple[int, int]]) -> None:
+        """One request received: its time, and each rank's share (bytes, descriptors); a
+        share is "a read" of the per-read histograms (with TP = 1 the one share)."""
         self.reads += 1
-        self.read_bytes += num_bytes
-        self.read_descriptors += num_descriptors
         self.read_seconds += seconds
         self.xfer_time.observe(seconds)
-        self.bytes_per_read.observe(num_bytes)
-        self.descriptors_per_read.observe(num_descriptors)
+        for num_bytes, num_descriptors in shares:
+            self.read_bytes += num_bytes
+            self.read_descriptors += num_descriptors
+            self.bytes_per_read.observe(num_bytes)
+            self.descriptors_per_read.observe(num_descriptors)

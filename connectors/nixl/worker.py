@@ -5,8 +5,9 @@ polls, once per engine step) with the whole KV cache registered once, and the si
 channel on which peers fetch this engine's agent metadata and layout.
 
 - D: for each request to receive, handshake with P once per peer (side channel, on a
-  background thread: `peers.py`; the request waits, the step goes on), then post one
-  READ of all its runs and, once it is DONE, a second READ of P's lease word for the
+  background thread: `peers.py`; then its agents are loaded: `peer_agents.py`; the
+  request waits, the step goes on), then post one READ of all its runs (one per P rank
+  read from) and, once it is DONE, a second READ of P's lease word for the
   request (leases.py). The blocks are the request's only if the word still holds the
   token P named: otherwise P freed them (its lease ended, or they were released)
   before the data READ ended, and they may hold another request's KV. Then D tells P
@@ -45,7 +46,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from connectors.nixl.descriptors import piece_runs
 from connectors.nixl.handshake import SideChannelServer
 from connectors.nixl.leases import LeaseTable
 from pd.kv_cache.canonical import CanonicalKVCaches
@@ -54,6 +54,7 @@ from pd.scheduling.connector_api import KVConnectorOutput, KVConnectorWorker
 from connectors.nixl.peer_messages import (HandshakeError, HandshakeRequest, HandshakeResponse, KeepAlive,
                                            NotifDecodeError, RankAgent, ReadDone, Reject, decode_notif, encode_notif,
                                            rank_agent_name)
+from connectors.nixl.peer_agents import PeerAgents
 from connectors.nixl.peers import PeerHandshakes
 from connectors.nixl.scheduler import NixlConnectorMetadata, ReqToRecv
 from connectors.nixl.stats import TransferStats
@@ -105,21 +106,19 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.transport = None
         self.side_channel = None
         self.agent_name = rank_agent_name(config.engine_id, config.rank)
-        self.peers: dict[str, list[str]] = {}  # peer engine id -> the agents of its ranks to read from, in order
-        self.peer_sizes: dict[str, int] = {}  # peer engine id -> its tensor-parallel size
-        self.handshakes = PeerHandshakes(HandshakeRequest(self.agent_name, config.compat_hash),
-                                         config.handshake_timeout_s, config.handshake_backoff_s, config.clock)
+        self.stats = TransferStats()
+        self.peers = PeerAgents(PeerHandshakes(HandshakeRequest(self.agent_name, config.compat_hash),
+                                               config.handshake_timeout_s, config.handshake_backoff_s, config.clock),
+                                config.rank, self.stats)
         self.rank_agents: list[RankAgent] = []  # rank 0: ranks 1..N-1's agents and layouts
         self.rank_results: dict[str, dict[int, str | None]] = {}  # rank 0: request -> rank -> why it failed
-        # engine id -> what waits for its handshake: (do it, fail it with why)
-        self.waiting_for_peer: dict[str, list[tuple[Callable[[], None], Callable[[str], None]]]] = {}
+        self.rank_sizes: dict[str, list[tuple[int, int]]] = {}  # rank 0: request -> what other ranks read of it
         self.loading: dict[str, _Loading] = {}
         self.failed: dict[str, str] = {}  # failed before a read could be posted -> why
         self.deadlines: dict[str, float] = {}  # P: request id -> monotonic end of its lease
         self.leases: LeaseTable | None = None  # lease words (P's slots, D's landing words), made with the transport
         self.released: set[str] = set()  # P: leases ended by a release, reported next poll
         self._poll_until = 0.0  # keep progressing NIXL until then (a late read; a notification on its way)
-        self.stats = TransferStats()
 
     # --- set-up -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: CanonicalKVCaches) -> None:
@@ -128,10 +127,11 @@ class NixlConnectorWorker(KVConnectorWorker):
 
         configure_ucx(self.config.host, self.config.ucx_transports)
         if self.config.rank > 0:  # its reads only: leases and the side channel are rank 0's
-            self.transport = NixlTransport(self.agent_name, kv_caches)
+            self.transport = self.peers.transport = NixlTransport(self.agent_name, kv_caches)
             return
         self.leases = LeaseTable(kv_caches.tensors[0].num_blocks)  # a held request holds a block at least
-        self.transport = NixlTransport(self.agent_name, kv_caches, lease_words=self.leases.words)
+        self.transport = self.peers.transport = NixlTransport(self.agent_name, kv_caches,
+                                                              lease_words=self.leases.words)
         self.side_channel = SideChannelServer(self.config.host, self.config.side_channel_port, self._respond)
 
     def rank_info(self) -> RankAgent:
@@ -147,6 +147,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         for rank, output in enumerate(outputs, start=1):
             for req_id in output.finished_recving:
                 self.rank_results.setdefault(req_id, {})[rank] = None
+                self.rank_sizes.setdefault(req_id, []).append(output.load_sizes.get(req_id, (0, 0)))
             for req_id, why in output.failed_recving.items():
                 self.rank_results.setdefault(req_id, {})[rank] = why
 
@@ -162,63 +163,6 @@ class NixlConnectorWorker(KVConnectorWorker):
                                   f"(model, dtype, block size, layout or KV cache groups differ)")
         return HandshakeResponse(self.transport.agent_metadata(), self.transport.local_layout(self.config.compat_hash),
                                  self.rank_agents)
-
-    def _when_peer_ready(self, remote: RemotePrefillParams, action: Callable[[], None],
-                         fail: Callable[[str], None]) -> None:
-        """Run `action` once this engine knows the peer (now, or after its handshake);
-        `fail(why)` instead if the handshake fails or failed a moment ago."""
-        if remote.remote_engine_id in self.peers:
-            action()
-        elif (why := self.handshakes.failed_recently(remote.remote_engine_id)) is not None:
-            fail(why)
-        elif (why := self.handshakes.start(remote.remote_engine_id, remote.remote_host,
-                                           remote.remote_port)) is not None:
-            fail(why)
-        else:
-            self.waiting_for_peer.setdefault(remote.remote_engine_id, []).append((action, fail))
-
-    def _finish_handshakes(self) -> None:
-        """Load the agents of peers whose handshake ended; run or fail what waited."""
-        for engine_id, outcome, seconds in self.handshakes.completed():
-            if isinstance(outcome, HandshakeResponse):
-                try:
-                    self.peers[engine_id] = self._add_agents(engine_id, outcome)
-                    self.peer_sizes[engine_id] = len(outcome.agents)
-                except Exception as exc:
-                    outcome = exc
-                    self.handshakes.mark_failed(engine_id, str(exc))
-            if engine_id in self.peers:
-                self.stats.handshakes += 1
-                self.stats.handshake_time.observe(seconds)
-            else:
-                self.stats.handshake_failures += 1
-            for action, fail in self.waiting_for_peer.pop(engine_id, []):
-                action() if engine_id in self.peers else fail(str(outcome))
-
-    def _add_agents(self, engine_id: str, response: HandshakeResponse) -> list[str]:
-        """Load the agents of the peer's ranks this rank reads from: those holding heads
-        it holds and no rank before gave it (a rank with this rank's very heads first),
-        and, on rank 0, the peer's rank 0 (leases, notifications); their names in the
-        order the reads go. ValueError if they hold not every head this rank holds."""
-        agents = response.agents
-        for rank, agent in enumerate(agents):
-            if agent.layout.engine_id != rank_agent_name(engine_id, rank):
-                raise ValueError(f"the side channel there belongs to engine {agent.layout.engine_id!r}, "
-                                 f"not {rank_agent_name(engine_id, rank)!r}")
-        ours = self.transport.pieces
-        taken: list[set] = [set() for _ in ours]
-        chosen = []
-        for rank in sorted(range(len(agents)), key=lambda r: agents[r].layout.group_pieces != ours):
-            runs = piece_runs(ours, agents[rank].layout.group_pieces, taken)
-            if runs is None or any(runs) or (rank == 0 and self.config.rank == 0):
-                chosen.append(rank)
-        lacking = [(g, key) for g, pieces in enumerate(ours) for key in ((p.kind, p.index) for p in pieces)
-                   if key not in taken[g]]
-        if lacking:
-            raise ValueError(f"the ranks of {engine_id!r} hold none of the bytes of {lacking[:4]} (group, piece) "
-                             f"that this rank holds")
-        return [self.transport.add_peer(HandshakeResponse(agents[r].agent_metadata, agents[r].layout))
-                for r in chosen]
 
     # --- every step ---------------------------------------------------------------
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
@@ -239,7 +183,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             self._notify(remote, KeepAlive(remote.remote_request_id))
 
     def _start_read(self, recv: ReqToRecv) -> None:
-        self._when_peer_ready(recv.remote, lambda: self._post_read(recv), lambda why: self._fail_read(recv, why))
+        self.peers.when_ready(recv.remote, lambda: self._post_read(recv), lambda why: self._fail_read(recv, why))
 
     def _post_read(self, recv: ReqToRecv) -> None:
         """The data READs, one per P rank read from; the read-done notification rides on
@@ -248,10 +192,10 @@ class NixlConnectorWorker(KVConnectorWorker):
         already posted are final."""
         posting = self.config.clock()
         remote = recv.remote
-        agents = self.peers[remote.remote_engine_id]
-        if remote.tp_size != self.peer_sizes[remote.remote_engine_id]:
+        agents = self.peers.agents[remote.remote_engine_id]
+        if remote.tp_size != self.peers.sizes[remote.remote_engine_id]:
             self._fail_read(recv, f"its parameters name tensor-parallel size {remote.tp_size}, its side channel "
-                                  f"{self.peer_sizes[remote.remote_engine_id]} ranks")
+                                  f"{self.peers.sizes[remote.remote_engine_id]} ranks")
             return
         one_read = remote.lease_token is None and len(agents) == 1 and self.config.tp_size == 1
         done = encode_notif(ReadDone(remote.remote_request_id)) if one_read else b""
@@ -316,10 +260,10 @@ class NixlConnectorWorker(KVConnectorWorker):
             logger.info("could not send %s to %s: %s", notif, remote.remote_engine_id, why)
             self.stats.failed_notifications += 1
 
-        self._when_peer_ready(remote, send, unreachable)
+        self.peers.when_ready(remote, send, unreachable)
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
-        self._finish_handshakes()
+        self.peers.finish()
         output = KVConnectorOutput(finished_sending=self.released, failed_recving=self.failed)
         self.failed, self.released = {}, set()
         self._poll_reads(output)
@@ -384,7 +328,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         req_id = loading.request.request_id
         if loading.outcome == "DONE":
             output.finished_recving.add(req_id)
-            self.stats.read_done(self.config.clock() - loading.started, loading.num_bytes, loading.num_descriptors)
+            output.load_sizes[req_id] = (loading.num_bytes, loading.num_descriptors)
             return
         output.failed_recving[req_id] = _failure(loading.outcome, self.config.read_timeout_s)
         self.stats.failures += 1
@@ -393,6 +337,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         """Report a read whose READs are final: received (verified or not) or failed."""
         req_id, remote = loading.request.request_id, loading.request.remote
         word = self.leases.landed(loading.landing) if loading.landing is not None else None
+        shares = [(loading.num_bytes, loading.num_descriptors), *self.rank_sizes.pop(req_id, [])]
         lease = remote.lease_expires_at
         if state == "DONE" and word is not None and word != remote.lease_token:
             why = "found its blocks freed by the prefill server before the read ended (released, or its lease ended)"
@@ -404,7 +349,7 @@ class NixlConnectorWorker(KVConnectorWorker):
                 self._notify(remote, ReadDone(remote.remote_request_id))
             if word is None or not loading.request.trusted:
                 output.unverified.add(req_id)
-            self.stats.read_done(self.config.clock() - loading.started, loading.num_bytes, loading.num_descriptors)
+            self.stats.read_done(self.config.clock() - loading.started, shares)
             return
         else:
             why = _failure(state, self.config.read_timeout_s)
@@ -458,7 +403,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         a decode server may still be reading, and without a progress thread its read
         moves only while both sides poll (it then ends, as a failure, on D); and for a
         while after a notification was sent, which moves only while the sender polls."""
-        busy = self.deadlines or self.loading or self.handshakes.num_pending or self.waiting_for_peer
+        busy = self.deadlines or self.loading or self.peers.busy
         return bool(busy) or self.config.clock() < self._poll_until
 
     def malformed_messages(self) -> dict[str, int]:
@@ -470,7 +415,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         return len(self.deadlines)
 
     def shutdown(self) -> None:
-        self.handshakes.close()
+        self.peers.close()
         if self.side_channel is not None:
             self.side_channel.close()
         if self.transport is not None:

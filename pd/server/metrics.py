@@ -83,9 +83,9 @@ class EngineStatsCollector(Collector):
 # metric name (without pd_kv_transfer_ and _total) -> (connector stats field, help)
 KV_TRANSFER_COUNTERS = {
     "reads": ("reads", "KV reads completed (decode side)."),
-    "bytes": ("read_bytes", "Bytes of KV read from prefill servers."),
+    "bytes": ("read_bytes", "Bytes of KV read from prefill servers (by every tensor-parallel rank)."),
     "seconds": ("read_seconds", "Seconds KV reads took, from post to completion."),
-    "descriptors": ("read_descriptors", "Transfer descriptors of completed reads (one per run of blocks per group)."),
+    "descriptors": ("read_descriptors", "Transfer descriptors of completed reads (one per run of blocks per group; per block per prefill rank between tensor-parallel sizes)."),
     "failures": ("failures", "KV reads that failed or ended after the prefill server's lease."),
     "leases_expired": ("leases_expired", "Requests whose KV blocks a prefill server freed unread after the lease."),
     "rejects": ("rejects_received", "Requests a decode server rejected (their blocks freed at once)."),
@@ -112,8 +112,8 @@ def kv_transfer_metrics(values: dict[str, float]) -> Iterator[Metric]:
 KV_TRANSFER_HISTOGRAMS = {
     "xfer_time": ("pd_kv_transfer_xfer_time_seconds", "Seconds a KV read took, from post to completion."),
     "post_time": ("pd_kv_transfer_post_time_seconds", "Seconds posting a KV read took."),
-    "bytes_per_read": ("pd_kv_transfer_bytes_per_read", "Bytes moved by one KV read."),
-    "descriptors_per_read": ("pd_kv_transfer_descriptors_per_read", "Transfer descriptors of one KV read."),
+    "bytes_per_read": ("pd_kv_transfer_bytes_per_read", "Bytes moved by one KV read (with tensor parallelism: one decode rank's share of a request)."),
+    "descriptors_per_read": ("pd_kv_transfer_descriptors_per_read", "Transfer descriptors of one KV read (with tensor parallelism: one decode rank's share of a request)."),
     "handshake_time": ("pd_kv_transfer_handshake_time_seconds", "Seconds a side-channel handshake took."),
 }
 

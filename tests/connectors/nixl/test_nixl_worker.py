@@ -123,7 +123,7 @@ def test_an_incompatible_peer_or_unreachable_p_fails_the_request_only(pair) -> N
         # a peer that just failed is not tried again: the next request naming it fails at once
         again = ReqToRecv("d3", remote_prefill("P9", "127.0.0.1", 1, "p9"), [[1], [2]], [[3], [4]])
         other.start_load_kv(NixlConnectorMetadata(reqs_to_recv=[again]))
-        assert other.get_finished(set()).failed_recving.keys() == {"d3"} and other.handshakes.num_pending == 0
+        assert other.get_finished(set()).failed_recving.keys() == {"d3"} and other.peers.handshakes.num_pending == 0
     finally:
         other.shutdown()
 

@@ -18,9 +18,11 @@ import pytest
 from connectors.nixl.handshake import SideChannelServer, fetch_remote_layout
 from connectors.nixl.peer_messages import HandshakeRequest, HandshakeResponse
 from launch import http_client
+from pd.config import EngineConfig
 from pd.kv_transfer.params import RemotePrefillParams
 from pd.kv_transfer.signing import secret_from_env, sign
 from tests.support.pd_client import complete, p_then_d, prefill
+from pd.worker.rank_setup import whole_kv_cache_config
 from tests.support.server_harness import running_server, started_together
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
@@ -29,6 +31,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 PROMPT_LENGTHS = [1, 15, 16, 17, 50, 143, 144, 145, 300]
 MAX_TOKENS = 6
 PAIRS = [("one", "two"), ("two", "one"), ("two", "other_two")]  # (P, D): TP 1 -> 2, 2 -> 1, 2 -> 2
+SIZES = {"one": 1, "two": 2, "other_two": 2}
+KV_MEMORY = 32 << 20  # per rank: five ranks run at once beside the rest of the suite
 
 
 @pytest.fixture(scope="module", params=["qwen3", "gemma3", "bamba"])
@@ -43,8 +47,8 @@ def servers(arch, tiny_models, colocated, tmp_path_factory):
     with contextlib.ExitStack() as stack:
         start = lambda name, tp: stack.enter_context(running_server(  # noqa: E731
             tiny_models[arch], logs / f"{name}.log", "--kv-connector", "nixl", "--tensor-parallel-size", tp,
-            wait=False))
-        servers = {"one": start("one", "1"), "two": start("two", "2"), "other_two": start("other_two", "2")}
+            "--kv-cache-memory", str(KV_MEMORY), wait=False))
+        servers = {name: start(name, str(size)) for name, size in SIZES.items()}
         reference = colocated[arch]
         started_together(stack, *servers.values())
         yield servers | {"c": reference}
@@ -55,16 +59,26 @@ def counter(server, name: str) -> float:
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=["p1-d2", "p2-d1", "p2-d2"])
-def test_p_then_d_of_other_tp_sizes_gives_the_colocated_tokens(servers, arch, pair) -> None:
+def test_p_then_d_of_other_tp_sizes_gives_the_colocated_tokens(servers, arch, pair, tiny_models) -> None:
+    """Streamed and not. For qwen3 (one full-attention group, its two KV heads split at
+    TP 2) D's ranks read together exactly the prompt's blocks, whole, once, and in at
+    most one descriptor per block per (P rank, D rank) pair: never one per layer."""
     p, d = servers[pair[0]], servers[pair[1]]
     rng = random.Random(f"tp-{arch}-{pair}")
     reads_before = counter(d, "pd_kv_transfer_reads_total")
-    for n in PROMPT_LENGTHS:
+    row_bytes = whole_kv_cache_config(EngineConfig(model=str(tiny_models[arch]))).cross_layer_page_bytes
+    ranks = max(SIZES[name] for name in pair)
+    for i, n in enumerate(PROMPT_LENGTHS):
         body = {"prompt": [rng.randrange(300, 3800) for _ in range(n)], "max_tokens": MAX_TOKENS,
                 "temperature": 0, "ignore_eos": True}
         expected = complete(servers["c"], body)
-        got = p_then_d(p, d, body)
+        read = (counter(d, "pd_kv_transfer_bytes_total"), counter(d, "pd_kv_transfer_descriptors_total"))
+        got = p_then_d(p, d, body, streamed=i % 2 == 1)
         assert (got.token_ids, got.text) == (expected.token_ids, expected.text), n
+        if arch == "qwen3":
+            blocks = -(-n // 16)
+            assert counter(d, "pd_kv_transfer_bytes_total") - read[0] == blocks * row_bytes, n
+            assert counter(d, "pd_kv_transfer_descriptors_total") - read[1] <= blocks * ranks, n
     assert counter(d, "pd_kv_transfer_reads_total") - reads_before == len(PROMPT_LENGTHS)
     for server in (p, d):
         assert counter(server, "pd_kv_transfer_failures_total") == 0
@@ -87,27 +101,30 @@ def assert_serves_and_kv_back_to_0(servers, d) -> None:
 
 
 @pytest.mark.parametrize("arch", ["qwen3"], indirect=True)
-def test_a_side_channel_missing_a_rank_fails_the_read_and_d_recomputes(servers, arch) -> None:
+def test_a_side_channel_missing_a_rank_fails_the_read_and_d_recomputes(servers, arch, tiny_models,
+                                                                      tmp_path) -> None:
     """A P side channel (forged, signed parameters pointing at it) that describes P's rank
     0 but not rank 1: D's rank 1 finds no P rank with its heads, while rank 0's data has
     landed. The request is computed on D with the right tokens (rank 0 waited for rank 1
     before giving the blocks up), P is told and frees its blocks, D's KV is back to 0."""
-    p, d = servers["two"], servers["other_two"]
+    d = servers["other_two"]
     body = {"prompt": "A prefill server's side channel leaves out one of its ranks. " * 3,
             "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-    params = prefill(p, body).body["kv_transfer_params"]
-    compat = http_client().get(f"{p.url}/v1/kv_config", timeout=10).json()["compat_hash"]
-    real = fetch_remote_layout("127.0.0.1", params["remote_port"], HandshakeRequest("test", compat), 5.0)
-    assert len(real.ranks) == 1  # P's rank 1
-    forged = SideChannelServer("127.0.0.1", 0, lambda _: HandshakeResponse(real.agent_metadata, real.layout))
-    failures = counter(d, "pd_kv_transfer_failures_total")
-    try:
-        got = complete(d, body | {"kv_transfer_params": resigned(params, remote_port=forged.port)})
-    finally:
-        forged.close()
-    assert got.token_ids == complete(servers["c"], body).token_ids
-    assert counter(d, "pd_kv_transfer_failures_total") == failures + 1
-    assert p.wait_for_metric("pd_kv_requests_held", lambda v: v == 0) == 0  # the reject reached P
+    with running_server(tiny_models[arch], tmp_path / "p.log", "--kv-connector", "nixl",  # a P no D has met
+                        "--tensor-parallel-size", "2", "--kv-cache-memory", str(KV_MEMORY)) as p:
+        params = prefill(p, body).body["kv_transfer_params"]
+        compat = http_client().get(f"{p.url}/v1/kv_config", timeout=10).json()["compat_hash"]
+        real = fetch_remote_layout("127.0.0.1", params["remote_port"], HandshakeRequest("test", compat), 5.0)
+        assert len(real.ranks) == 1  # P's rank 1
+        forged = SideChannelServer("127.0.0.1", 0, lambda _: HandshakeResponse(real.agent_metadata, real.layout))
+        failures = counter(d, "pd_kv_transfer_failures_total")
+        try:
+            got = complete(d, body | {"kv_transfer_params": resigned(params, remote_port=forged.port)})
+        finally:
+            forged.close()
+        assert got.token_ids == complete(servers["c"], body).token_ids
+        assert counter(d, "pd_kv_transfer_failures_total") == failures + 1
+        assert p.wait_for_metric("pd_kv_requests_held", lambda v: v == 0) == 0  # the reject reached P
     assert_serves_and_kv_back_to_0(servers, d)
 
 
@@ -118,7 +135,7 @@ def test_p_gone_before_d_reads_d_recomputes_on_every_rank(servers, arch, tiny_mo
     body = {"prompt": "The prefill server went away before the decode server read. " * 3,
             "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     with running_server(tiny_models[arch], tmp_path / "gone.log", "--kv-connector", "nixl",
-                        "--tensor-parallel-size", "2") as gone:
+                        "--tensor-parallel-size", "2", "--kv-cache-memory", str(KV_MEMORY)) as gone:
         params = prefill(gone, body).body["kv_transfer_params"]
     d = servers["other_two"]
     assert complete(d, body | {"kv_transfer_params": params}).token_ids == complete(servers["c"], body).token_ids

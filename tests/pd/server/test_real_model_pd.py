@@ -3,7 +3,8 @@ in bfloat16 (`--dtype auto` on this machine, whose CPU computes bfloat16 nativel
 float32 elsewhere: the comparison holds either way). Every answer must equal the
 colocated server's token for token, including a prompt longer than the 512-token sliding
 window, whose window blocks D pulls from P, and logprobs, echo, n and a JSON schema with
-them. A base model: chat is a clear 400."""
+them; and from P to a decode server of two tensor-parallel ranks. A base model: chat is
+a clear 400."""
 
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ def deployment(tmp_path_factory):
     with contextlib.ExitStack() as stack:
         start = lambda name, *args: stack.enter_context(  # noqa: E731
             running_server(model, logs / f"{name}.log", "--max-model-len", "2048", *args, wait=False))
-        servers = {"p": start("p", "--role", "prefill"), "d": start("d", "--role", "decode"), "c": start("c")}
+        servers = {"p": start("p", "--role", "prefill"), "d": start("d", "--role", "decode"), "c": start("c"),
+                   "d_tp2": start("d_tp2", "--role", "decode", "--tensor-parallel-size", "2",
+                                  "--kv-cache-memory", str(128 << 20))}
         started_together(stack, *servers.values())
         servers["proxy"] = stack.enter_context(running_proxy(
             logs / "proxy.log", "--prefill", servers["p"].url, "--decode", servers["d"].url))
@@ -53,6 +56,19 @@ def test_p_then_d_and_the_proxy_equal_the_colocated_server(deployment) -> None:
         assert p_then_d(deployment["p"], deployment["d"], body(prompt)).token_ids == reference.token_ids
         assert stream(deployment["proxy"], body(prompt)).token_ids == reference.token_ids
     assert "France" in complete(deployment["proxy"], body(PROMPTS[0])).text
+
+
+def test_a_decode_server_of_two_ranks_gives_the_colocated_tokens(deployment) -> None:
+    """P of one rank, D of two (each D rank reads its KV heads of P's blocks), streamed
+    and not, a prompt past the sliding window included; every read came from P."""
+    d = deployment["d_tp2"]
+    text = (Path(os.__file__).parent / "LICENSE.txt").read_text()[:3000]  # ~700 tokens
+    reads = d.metrics().get("pd_kv_transfer_reads_total", 0.0)
+    for i, prompt in enumerate([*PROMPTS, text]):
+        reference = complete(deployment["c"], body(prompt, 12))
+        assert p_then_d(deployment["p"], d, body(prompt, 12), streamed=i % 2 == 1).token_ids == reference.token_ids
+    assert d.metrics()["pd_kv_transfer_reads_total"] - reads == len(PROMPTS) + 1
+    assert d.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
 
 
 def test_a_prompt_longer_than_the_sliding_window_matches_under_pd(deployment) -> None:
