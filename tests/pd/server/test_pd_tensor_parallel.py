@@ -25,7 +25,7 @@ from tests.support.pd_client import complete, p_then_d, prefill
 from pd.worker.rank_setup import whole_kv_cache_config
 from tests.support.server_harness import running_server, started_together
 
-pytestmark = [pytest.mark.slow, pytest.mark.heavy]
+pytestmark = pytest.mark.slow  # not heavy: its five ranks should not start beside the heavy Gemma modules
 # Around the block sizes (16; 144 for the hybrid): single tokens, partial, exact and
 # just-over blocks, several blocks.
 PROMPT_LENGTHS = [1, 15, 16, 17, 50, 143, 144, 145, 300]

@@ -1,9 +1,9 @@
 """The real Gemma 3 270M GGUF served as 1P1D (NIXL between P and D) and behind the proxy,
-in bfloat16 (`--dtype auto` on this machine, whose CPU computes bfloat16 natively, or
-float32 elsewhere: the comparison holds either way). Every answer must equal the
-colocated server's token for token, including a prompt longer than the 512-token sliding
-window, whose window blocks D pulls from P, and logprobs, echo, n and a JSON schema with
-them; and from P to a decode server of two tensor-parallel ranks. A base model: chat is
+in float32, the decode server sharded over two tensor-parallel ranks (each D rank reads
+its KV heads of P's blocks; float32 because TP changes the order of sums, which
+bfloat16 would show). Every answer must equal the colocated one-rank server's token for
+token, including a prompt longer than the 512-token sliding window, whose window blocks
+D pulls from P, and logprobs, echo, n and a JSON schema with them. A base model: chat is
 a clear 400."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from tests.support.pd_client import assert_choices_close, choices, complete, p_t
 from tests.support.server_harness import running_proxy, running_server, started_together
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
+LOGPROB_TOL = 1e-4  # D's two ranks sum o_proj, the MLP and the logits in another order than one rank (seen: 1.1e-5)
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a small village by the sea,",
@@ -36,10 +37,10 @@ def deployment(tmp_path_factory):
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     with contextlib.ExitStack() as stack:
         start = lambda name, *args: stack.enter_context(  # noqa: E731
-            running_server(model, logs / f"{name}.log", "--max-model-len", "2048", *args, wait=False))
-        servers = {"p": start("p", "--role", "prefill"), "d": start("d", "--role", "decode"), "c": start("c"),
-                   "d_tp2": start("d_tp2", "--role", "decode", "--tensor-parallel-size", "2",
-                                  "--kv-cache-memory", str(128 << 20))}
+            running_server(model, logs / f"{name}.log", "--dtype", "float32", "--max-model-len", "2048", *args,
+                           wait=False))
+        servers = {"p": start("p", "--role", "prefill"),
+                   "d": start("d", "--role", "decode", "--tensor-parallel-size", "2"), "c": start("c")}
         started_together(stack, *servers.values())
         servers["proxy"] = stack.enter_context(running_proxy(
             logs / "proxy.log", "--prefill", servers["p"].url, "--decode", servers["d"].url))
@@ -56,19 +57,6 @@ def test_p_then_d_and_the_proxy_equal_the_colocated_server(deployment) -> None:
         assert p_then_d(deployment["p"], deployment["d"], body(prompt)).token_ids == reference.token_ids
         assert stream(deployment["proxy"], body(prompt)).token_ids == reference.token_ids
     assert "France" in complete(deployment["proxy"], body(PROMPTS[0])).text
-
-
-def test_a_decode_server_of_two_ranks_gives_the_colocated_tokens(deployment) -> None:
-    """P of one rank, D of two (each D rank reads its KV heads of P's blocks), streamed
-    and not, a prompt past the sliding window included; every read came from P."""
-    d = deployment["d_tp2"]
-    text = (Path(os.__file__).parent / "LICENSE.txt").read_text()[:3000]  # ~700 tokens
-    reads = d.metrics().get("pd_kv_transfer_reads_total", 0.0)
-    for i, prompt in enumerate([*PROMPTS, text]):
-        reference = complete(deployment["c"], body(prompt, 12))
-        assert p_then_d(deployment["p"], d, body(prompt, 12), streamed=i % 2 == 1).token_ids == reference.token_ids
-    assert d.metrics()["pd_kv_transfer_reads_total"] - reads == len(PROMPTS) + 1
-    assert d.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
 
 
 def test_a_prompt_longer_than_the_sliding_window_matches_under_pd(deployment) -> None:
@@ -118,5 +106,5 @@ def test_logprobs_echo_and_n_through_pd_equal_the_colocated_server(deployment) -
     for request in ({"prompt": [prompt], "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True, "seed": 1234},
                     {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0.8, "seed": 3, "n": 3, "logprobs": 5}):
         expected = choices(deployment["c"], request)
-        assert_choices_close(p_then_d_choices(deployment["p"], deployment["d"], request), expected)
-        assert_choices_close(choices(deployment["proxy"], request, streamed=True), expected)
+        assert_choices_close(p_then_d_choices(deployment["p"], deployment["d"], request), expected, atol=LOGPROB_TOL)
+        assert_choices_close(choices(deployment["proxy"], request, streamed=True), expected, atol=LOGPROB_TOL)
