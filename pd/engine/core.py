@@ -52,14 +52,23 @@ class EngineCore:
         self.connector_context = connector_context(config, self.engine_id)
         self.tp_ranks = TensorParallelRanks(config, self.connector_context) if config.tensor_parallel_size > 1 else None
         try:
-            self.model_config, self.model = build_model(config, TPShard(0, config.tensor_parallel_size),
-                                                        rank_device(device, 0))
-            if self.tp_ranks is not None:
-                self.tp_ranks.wait_ready(deadline_seconds=max(600.0, config.tp_timeout))
-        except BaseException:
+            self._build(config, device, keep_logits)
+        except BaseException:  # ranks already started must not outlive a failed start
             if self.tp_ranks is not None:
                 self.tp_ranks.shutdown()
             raise
+        self.logits: dict[str, list[torch.Tensor]] = {}
+        # Unseeded requests sample from the global generator: every tensor-parallel rank
+        # starts serving from the same state (building may have drawn from it unequally).
+        torch.manual_seed(config.seed)
+
+    def _build(self, config: EngineConfig, device: str, keep_logits: bool) -> None:
+        """Rank 0's model, KV cache and runner, the connector (given the other ranks'
+        agents) and the scheduler."""
+        self.model_config, self.model = build_model(config, TPShard(0, config.tensor_parallel_size),
+                                                    rank_device(device, 0))
+        if self.tp_ranks is not None:
+            self.tp_ranks.wait_ready(deadline_seconds=max(600.0, config.tp_timeout))
         self.max_model_len = self.model_config.context_len
         self.kv_cache_config = kv_cache_config(config, self.model_config, self.model)
         self.kv_cache_manager = KVCacheManager(self.kv_cache_config, config.enable_prefix_caching,
@@ -74,10 +83,6 @@ class EngineCore:
         grammars = GrammarMatchers(lambda: Tokenizer(config.model).json(), self.model_config.eos_token_ids)
         self.scheduler = Scheduler(self._scheduler_config(), self.kv_cache_manager,
                                    connector.build_scheduler(self.connector_context, worker_connector), grammars)
-        self.logits: dict[str, list[torch.Tensor]] = {}
-        # Unseeded requests sample from the global generator: every tensor-parallel rank
-        # starts serving from the same state (building may have drawn from it unequally).
-        torch.manual_seed(config.seed)
 
     @property
     def kv_events_endpoints(self) -> dict[str, str] | None:

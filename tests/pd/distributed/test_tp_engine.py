@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -153,3 +154,17 @@ def test_more_ranks_than_devices_is_refused_at_start(tiny_models) -> None:
     ranks = max(2, torch.cuda.device_count() + 1)
     with pytest.raises(ValueError, match=f"tensor_parallel_size={ranks} on cuda needs CUDA devices 0..{ranks - 1}"):
         EngineConfig(model=str(tiny_models["qwen3"]), device="cuda", tensor_parallel_size=ranks)
+
+
+def test_a_start_that_fails_after_the_ranks_are_up_leaves_no_rank_behind(tiny_models) -> None:
+    """Rank 0's side channel cannot bind (its port is taken) once the other ranks have
+    built their models and connectors: the start fails with the reason, and rank 1 is
+    stopped with it (the LLM's process lives on, so nothing else would end it)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(Exception, match="Address already in use"):
+            LLM(str(tiny_models["qwen3"]), dtype="float32", tensor_parallel_size=2, num_threads=1,
+                kv_connector="nixl", kv_side_channel_port=busy.getsockname()[1], kv_transfer_secret="x" * 32)
+    assert wait_until(lambda: not rank_pids(os.getpid()), timeout=10), "a rank outlived the failed start"
+    assert torch.distributed.is_initialized() is False
