@@ -4,6 +4,7 @@ core does for rank 0 and every other tensor-parallel rank does for itself
 
 from __future__ import annotations
 
+import functools
 import json
 
 import torch
@@ -33,11 +34,12 @@ def build_model(config: EngineConfig, shard: TPShard, device: str) -> tuple[Mode
     return model_config, model
 
 
-def whole_kv_cache_config(config: EngineConfig, model_config: ModelConfig | None = None) -> KVCacheConfig:
+@functools.lru_cache(maxsize=8)  # the engine's context, its KV cache and its runner each ask
+def whole_kv_cache_config(config: EngineConfig) -> KVCacheConfig:
     """The KV cache groups of the whole (unsharded) model, from its skeleton on the meta
     device: what a block means whatever the tensor-parallel size (the compatibility hash
     is taken of it), and the block sizes every rank of every TP size uses."""
-    model_config = model_config or ModelConfig.from_dir(config.model, config.dtype, config.max_model_len)
+    model_config = ModelConfig.from_dir(config.model, config.dtype, config.max_model_len)
     specs = model_skeleton(model_config).kv_cache_specs(config.block_size, hybrid=config.hybrid_kv_cache)
     return make_kv_cache_config(specs, 1 << 62)  # the groups and block sizes; no memory is taken
 
@@ -47,7 +49,7 @@ def connector_context(config: EngineConfig, engine_id: str) -> ConnectorContext:
     rank): the compatibility hash and block sizes are the whole model's, equal on P and
     D whatever their tensor-parallel sizes."""
     model_config = ModelConfig.from_dir(config.model, config.dtype, config.max_model_len)
-    whole = whole_kv_cache_config(config, model_config)
+    whole = whole_kv_cache_config(config)
     model_id = json.dumps(model_config.hf_config, sort_keys=True, default=str)
     hashed = compat_hash(model_id, config.dtype, whole.block_sizes, config.kv_layout,
                          [repr(g.spec) + repr(g.layer_names) for g in whole.groups])
