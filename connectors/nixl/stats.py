@@ -57,21 +57,30 @@ class TransferStats:
     bytes_per_read: Histogram = field(default_factory=lambda: Histogram(BYTES_BUCKETS))
     descriptors_per_read: Histogram = field(default_factory=lambda: Histogram(COUNT_BUCKETS))
     handshake_time: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))
+    rank_bytes: dict[int, int] = field(default_factory=dict)  # tensor-parallel rank -> bytes it read
+    rank_descriptors: dict[int, int] = field(default_factory=dict)  # rank -> descriptors of its reads
 
     def counters(self) -> dict[str, float]:
-        return {name: float(value) for name, value in vars(self).items() if not isinstance(value, Histogram)}
+        return {name: float(value) for name, value in vars(self).items() if isinstance(value, (int, float))}
+
+    def by_rank(self) -> dict[str, dict[int, int]]:
+        """The read figures of each tensor-parallel rank of this decode server."""
+        return {"bytes": dict(self.rank_bytes), "descriptors": dict(self.rank_descriptors)}
 
     def histograms(self) -> dict[str, Histogram]:
         return {name: value for name, value in vars(self).items() if isinstance(value, Histogram)}
 
-    def read_done(self, seconds: float, shares: list[tuple[int, int]]) -> None:
-        """One request received: its time, and each rank's share (bytes, descriptors); a
-        share is "a read" of the per-read histograms (with TP = 1 the one share)."""
+    def read_done(self, seconds: float, shares: dict[int, tuple[int, int]]) -> None:
+        """One request received: its time, and each rank's share (rank -> bytes,
+        descriptors); a share is "a read" of the per-read histograms (with TP = 1 the one
+        share)."""
         self.reads += 1
         self.read_seconds += seconds
         self.xfer_time.observe(seconds)
-        for num_bytes, num_descriptors in shares:
+        for rank, (num_bytes, num_descriptors) in shares.items():
             self.read_bytes += num_bytes
             self.read_descriptors += num_descriptors
+            self.rank_bytes[rank] = self.rank_bytes.get(rank, 0) + num_bytes
+            self.rank_descriptors[rank] = self.rank_descriptors.get(rank, 0) + num_descriptors
             self.bytes_per_read.observe(num_bytes)
             self.descriptors_per_read.observe(num_descriptors)

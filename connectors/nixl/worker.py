@@ -112,7 +112,7 @@ class NixlConnectorWorker(KVConnectorWorker):
                                 config.rank, self.stats)
         self.rank_agents: list[RankAgent] = []  # rank 0: ranks 1..N-1's agents and layouts
         self.rank_results: dict[str, dict[int, str | None]] = {}  # rank 0: request -> rank -> why it failed
-        self.rank_sizes: dict[str, list[tuple[int, int]]] = {}  # rank 0: request -> what other ranks read of it
+        self.rank_sizes: dict[str, dict[int, tuple[int, int]]] = {}  # rank 0: request -> rank -> (bytes, descriptors)
         self.loading: dict[str, _Loading] = {}
         self.failed: dict[str, str] = {}  # failed before a read could be posted -> why
         self.deadlines: dict[str, float] = {}  # P: request id -> monotonic end of its lease
@@ -147,7 +147,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         for rank, output in enumerate(outputs, start=1):
             for req_id in output.finished_recving:
                 self.rank_results.setdefault(req_id, {})[rank] = None
-                self.rank_sizes.setdefault(req_id, []).append(output.load_sizes.get(req_id, (0, 0)))
+                self.rank_sizes.setdefault(req_id, {})[rank] = output.load_sizes.get(req_id, (0, 0))
             for req_id, why in output.failed_recving.items():
                 self.rank_results.setdefault(req_id, {})[rank] = why
 
@@ -337,7 +337,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         """Report a read whose READs are final: received (verified or not) or failed."""
         req_id, remote = loading.request.request_id, loading.request.remote
         word = self.leases.landed(loading.landing) if loading.landing is not None else None
-        shares = [(loading.num_bytes, loading.num_descriptors), *self.rank_sizes.pop(req_id, [])]
+        shares = {0: (loading.num_bytes, loading.num_descriptors), **self.rank_sizes.pop(req_id, {})}
         lease = remote.lease_expires_at
         if state == "DONE" and word is not None and word != remote.lease_token:
             why = "found its blocks freed by the prefill server before the read ended (released, or its lease ended)"

@@ -191,7 +191,8 @@ class EngineCore:
             group_names=group_names(self.kv_cache_config),
             group_queries=list(prefix.group_queries), group_hits=list(prefix.group_hits),
             kv_transfer=self._transfer_counters(), kv_load_failures=dict(self.scheduler.remote_kv.load_failures),
-            kv_transfer_histograms=self._transfer_histograms(),
+            kv_transfer_histograms=self._transfer_histograms(), kv_transfer_by_rank=self._transfer_by_rank(),
+            kv_cache_bytes=[self.runner.kv_allocation.nbytes, *(self.tp_ranks.kv_bytes if self.tp_ranks else [])],
             prompt_tokens_by_source=dict(self.scheduler.prompt_sources.counts),
             malformed_messages=self._malformed_messages(), kv_events_replies_dropped=self.kv_events.dropped_replies,
             num_steps=self.num_steps, step_seconds=dict(self.step_seconds))
@@ -207,6 +208,10 @@ class EngineCore:
         if stats is None:
             return {}
         return stats.counters() | {"requests_held": float(connector.num_requests_held)}
+
+    def _transfer_by_rank(self) -> dict[str, dict[int, int]]:
+        stats = getattr(self.runner.connector, "stats", None)
+        return stats.by_rank() if stats is not None else {}
 
     def _transfer_histograms(self) -> dict[str, HistogramSnapshot]:
         stats = getattr(self.runner.connector, "stats", None)

@@ -92,6 +92,11 @@ class KVCacheAllocation:
     layout: KVLayout
     config: KVCacheConfig
 
+    @property
+    def nbytes(self) -> int:
+        """The KV cache memory this worker holds (with tensor parallelism: its heads)."""
+        return sum(buffer.nbytes for buffer in self.buffers)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each (source, destination) block's data, every group and layer of it (a
         block id is one group's at a time, and its rows hold all of that group's data)."""

@@ -71,12 +71,14 @@ class EngineStatsCollector(Collector):
             for family in (running, waiting, usage, preemptions, queries, hits):
                 family.add_metric([], 0)
         yield from (running, waiting, usage, preemptions, queries, hits)
+        yield kv_cache_bytes_metric(stats.kv_cache_bytes if stats is not None else [])
         yield prompt_source_metric(stats.prompt_tokens_by_source if stats is not None else {})
         yield from listener_metrics(stats)
         yield from step_metrics(stats)
         if stats is not None and stats.kv_transfer:  # a connector is configured
             yield from kv_transfer_metrics(stats.kv_transfer)
             yield from kv_transfer_histograms(stats.kv_transfer_histograms)
+            yield from kv_transfer_rank_metrics(stats.kv_transfer_by_rank)
             yield from kv_load_failure_metrics(stats.kv_load_failures)
 
 
@@ -106,6 +108,33 @@ def kv_transfer_metrics(values: dict[str, float]) -> Iterator[Metric]:
     held = GaugeMetricFamily("pd_kv_requests_held", "Requests whose KV blocks a prefill server keeps for a reader.")
     held.add_metric([], values.get("requests_held", 0.0))
     yield held
+
+
+def kv_cache_bytes_metric(values: list[int]) -> Metric:
+    """pd_kv_cache_bytes{rank}: each tensor-parallel rank's KV cache memory. Every rank
+    holds the same blocks (its heads of them), so pd_kv_cache_usage is each rank's too."""
+    family = GaugeMetricFamily("pd_kv_cache_bytes", "KV cache memory of each tensor-parallel rank (its heads of "
+                               "every block; pd_kv_cache_usage applies to each).", labels=["rank"])
+    for rank, value in enumerate(values):
+        family.add_metric([str(rank)], value)
+    return family
+
+
+# figure in the connector's by-rank stats -> (metric name, help)
+KV_TRANSFER_RANK_COUNTERS = {
+    "bytes": ("pd_kv_transfer_rank_bytes", "Bytes of KV each tensor-parallel rank of this decode server read."),
+    "descriptors": ("pd_kv_transfer_rank_descriptors", "Transfer descriptors of each tensor-parallel rank's reads."),
+}
+
+
+def kv_transfer_rank_metrics(values: dict[str, dict[int, int]]) -> Iterator[Metric]:
+    """pd_kv_transfer_rank_*_total{rank}: the transfer counters per decode rank (their
+    sums are pd_kv_transfer_bytes_total and _descriptors_total)."""
+    for key, (name, help_text) in KV_TRANSFER_RANK_COUNTERS.items():
+        family = CounterMetricFamily(name, help_text, labels=["rank"])
+        for rank, value in sorted(values.get(key, {}).items()):
+            family.add_metric([str(rank)], value)
+        yield family
 
 
 # histogram name in the connector's stats -> (metric name, help)

@@ -75,6 +75,7 @@ class TensorParallelRanks:
         self.pipes: list[Connection] = []
         self.procs: list[subprocess.Popen] = []
         self.rank_infos: list[object] = []  # each rank's connector `rank_info`, once ready
+        self.kv_bytes: list[int] = []  # each rank's KV cache memory, once ready
         for rank in range(1, self.size):
             self._start(config, rank, context)
         self._wait_joined(startup.total_seconds())
@@ -119,7 +120,9 @@ class TensorParallelRanks:
             kind, detail = pipe.recv()
             if kind != "ready":
                 raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {detail}")
-            self.rank_infos.append(detail)
+            info, kv_bytes = detail
+            self.rank_infos.append(info)
+            self.kv_bytes.append(kv_bytes)
 
     def check(self) -> None:
         """RankLost if a rank has exited (one that hangs is found by the next collective)."""
@@ -194,7 +197,7 @@ def rank_main(config: EngineConfig, rank: int, store_port: int, context: Connect
     except BaseException as exc:
         pipe.send(("error", f"{type(exc).__name__}: {exc}"))
         raise
-    pipe.send(("ready", runner.connector.rank_info()))
+    pipe.send(("ready", (runner.connector.rank_info(), runner.kv_allocation.nbytes)))
     try:
         while True:
             step = pipe.recv()

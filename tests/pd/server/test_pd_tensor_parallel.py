@@ -72,18 +72,40 @@ def test_p_then_d_of_other_tp_sizes_gives_the_colocated_tokens(servers, arch, pa
         body = {"prompt": [rng.randrange(300, 3800) for _ in range(n)], "max_tokens": MAX_TOKENS,
                 "temperature": 0, "ignore_eos": True}
         expected = complete(servers["c"], body)
-        read = (counter(d, "pd_kv_transfer_bytes_total"), counter(d, "pd_kv_transfer_descriptors_total"))
+        before = d.metrics()
         got = p_then_d(p, d, body, streamed=i % 2 == 1)
         assert (got.token_ids, got.text) == (expected.token_ids, expected.text), n
         if arch == "qwen3":
-            blocks = -(-n // 16)
-            assert counter(d, "pd_kv_transfer_bytes_total") - read[0] == blocks * row_bytes, n
-            assert counter(d, "pd_kv_transfer_descriptors_total") - read[1] <= blocks * ranks, n
+            blocks, read = -(-n // 16), read_since(d, before)
+            assert read["pd_kv_transfer_bytes_total"] == blocks * row_bytes, n
+            assert read["pd_kv_transfer_descriptors_total"] <= blocks * ranks, n
+            # each D rank read its heads of every block: its share of the row, none twice
+            d_ranks = [str(r) for r in range(SIZES[pair[1]])]
+            assert [read[f'pd_kv_transfer_rank_bytes_total{{rank="{r}"}}'] for r in d_ranks] == \
+                [blocks * row_bytes // len(d_ranks)] * len(d_ranks), n
+            assert sum(read[f'pd_kv_transfer_rank_descriptors_total{{rank="{r}"}}'] for r in d_ranks) == \
+                read["pd_kv_transfer_descriptors_total"], n
     assert counter(d, "pd_kv_transfer_reads_total") - reads_before == len(PROMPT_LENGTHS)
     for server in (p, d):
         assert counter(server, "pd_kv_transfer_failures_total") == 0
         assert server.wait_for_metric("pd_kv_requests_held", lambda v: v == 0) == 0
         assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+
+
+def read_since(server, before: dict[str, float]) -> dict[str, float]:
+    """How far each transfer counter of `server` moved since `before`."""
+    return {key: value - before.get(key, 0.0) for key, value in server.metrics().items()
+            if key.startswith("pd_kv_transfer_")}
+
+
+def test_kv_memory_is_reported_per_rank(servers) -> None:
+    """pd_kv_cache_bytes{rank}: one series per rank, each holding its heads of the same
+    blocks within the memory it was given."""
+    for name, size in SIZES.items():
+        metrics = servers[name].metrics()
+        per_rank = [metrics.get(f'pd_kv_cache_bytes{{rank="{r}"}}') for r in range(size)]
+        assert len(set(per_rank)) == 1 and 0 < per_rank[0] <= KV_MEMORY, (name, per_rank)
+        assert f'pd_kv_cache_bytes{{rank="{size}"}}' not in metrics
 
 
 def resigned(params: dict, **changes) -> dict:
