@@ -6,6 +6,10 @@ import ipaddress
 import os
 
 ONE_HOST_UCX_TLS = "sm,self,tcp"  # shared memory (cma: one process_vm_readv per run); tcp for wire-up
+# On a host with CUDA devices: NIXL's UCX backend refuses to start without a CUDA
+# transport there, even for KV in host memory ("NVIDIA GPU(s) are present, but this
+# setting does not enable CUDA memory support"); KV in GPU memory moves by CUDA IPC.
+ONE_HOST_CUDA_UCX_TLS = ONE_HOST_UCX_TLS + ",cuda_copy,cuda_ipc"
 # NIXL hands UCX the registered memory handle of every transfer, so UCX's registration
 # cache, and the malloc and mmap hooks that keep that cache true, serve nothing here
 # (ai-dynamo/nixl#1762 turns the caches off for the same reason). Installing the hooks
@@ -14,12 +18,13 @@ ONE_HOST_UCX_TLS = "sm,self,tcp"  # shared memory (cma: one process_vm_readv per
 NO_MEMORY_HOOKS = {"UCX_MEM_EVENTS": "no", "UCX_RCACHE_ENABLE": "n"}
 
 
-def configure_ucx(host: str, transports: str = "auto") -> None:
+def configure_ucx(host: str, transports: str = "auto", cuda: bool = False) -> None:
     """Set UCX's environment for this process, before the first agent starts UCX.
 
     - Transports: `transports` is a UCX_TLS list, or "auto". Auto, for a loopback
       `host` (one machine), is ONE_HOST_UCX_TLS: a READ is then one CMA copy per run
-      (`benchmarks/transfer.py` measures it against a bare process_vm_readv); elsewhere
+      (`benchmarks/transfer.py` measures it against a bare process_vm_readv), and
+      ONE_HOST_CUDA_UCX_TLS where the host has CUDA devices (`cuda`); elsewhere
       auto keeps UCX's choice (rc/ud/cuda_ipc where they exist). An operator's own
       UCX_TLS wins over auto, not over an explicit list.
     - Listening: UCX's TCP transport listens on every network interface unless told
@@ -39,4 +44,4 @@ def configure_ucx(host: str, transports: str = "auto") -> None:
     if transports != "auto":
         os.environ["UCX_TLS"] = transports
     elif loopback:
-        os.environ.setdefault("UCX_TLS", ONE_HOST_UCX_TLS)
+        os.environ.setdefault("UCX_TLS", ONE_HOST_CUDA_UCX_TLS if cuda else ONE_HOST_UCX_TLS)

@@ -360,6 +360,8 @@ def test_device_kind_follows_the_tensors() -> None:
 
 @pytest.mark.parametrize("host, transports, env, expected", [
     ("127.0.0.1", "auto", {}, {"UCX_TLS": "sm,self,tcp", "UCX_NET_DEVICES": "lo"}),
+    ("127.0.0.1", ("auto", True), {}, {"UCX_TLS": "sm,self,tcp,cuda_copy,cuda_ipc"}),  # a host with GPUs
+    ("10.1.2.3", ("auto", True), {}, {"UCX_TLS": None}),
     ("localhost", "auto", {"UCX_TLS": "tcp"}, {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}),  # the operator's wins
     ("10.1.2.3", "auto", {}, {"UCX_TLS": None, "UCX_NET_DEVICES": None}),  # UCX's own choice (rc, ud, ...)
     ("10.1.2.3", "rc,ud,sm,self", {"UCX_TLS": "tcp"}, {"UCX_TLS": "rc,ud,sm,self", "UCX_NET_DEVICES": None}),
@@ -372,5 +374,5 @@ def test_configure_ucx_picks_transports_per_deployment(monkeypatch, host, transp
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    configure_ucx(host, transports)
+    configure_ucx(host, *(transports if isinstance(transports, tuple) else (transports,)))
     assert {name: os.environ.get(name) for name in expected} == expected
