@@ -51,6 +51,27 @@ def test_float32_greedy_tokens_equal_transformers(gemma_gguf) -> None:
     assert "France" in outputs[0].text  # a base model's continuation, in English
 
 
+def test_pd_convert_writes_a_folder_transformers_loads(gemma_gguf, tmp_path) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "gemma-hf"
+    done = subprocess.run([str(Path(sys.executable).parent / "pd"), "convert", str(gemma_gguf), str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    assert ids[0].tolist() == Tokenizer(gemma_gguf).encode(PROMPTS[0])  # BOS included, same ids
+    converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        got = converted(ids).logits
+        expected = hf_gemma(gemma_gguf, torch.float32)(ids).logits
+    assert torch.equal(got, expected)
+
+
 def test_float32_tp2_greedy_tokens_equal_tp1(gemma_gguf) -> None:
     """Two ranks (its one KV head replicated, the 262k vocabulary split) give one rank's
     greedy tokens; each rank read only its slices of the quantized file."""
@@ -85,6 +106,7 @@ def reference_logits(gemma_gguf, english_tokens) -> tuple[torch.Tensor, torch.Te
     for dtype in (torch.float32, torch.bfloat16):  # bfloat16 as loaded (model.to() would round RoPE's table)
         with torch.inference_mode():
             logits[dtype] = hf_gemma(gemma_gguf, dtype)(torch.tensor([english_tokens])).logits[0].float()
+    hf_gemma.cache_clear()  # the tests above are done with transformers' models (1.6 GB): the worker's peak is below
     return logits[torch.float32], logits[torch.bfloat16]
 
 
@@ -167,6 +189,7 @@ def test_bfloat16_cached_prefixes_differ_from_transformers_only_at_near_ties(bfl
     outputs = fresh(bfloat16_llm).generate([tokens[:k] for k in range(1, len(tokens) + 1)],
                                            SamplingParams(max_tokens=1, temperature=0))
     ours = torch.stack([out.logits[0] for out in outputs]).float()
+    del outputs  # their rows (512 MB) are in `ours` now: this module sets the suite's memory peak
     exact, reference = reference_logits
     agree = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()
     diff = (ours - reference).abs()
@@ -177,27 +200,6 @@ def test_bfloat16_cached_prefixes_differ_from_transformers_only_at_near_ties(bfl
           f"float32 margins where we differ {[round(m, 3) for m in margins.tolist()]}")
     assert agree >= 0.96
     assert (margins < NEAR_TIE).all(), "a disagreement that is not a near-tie: a numerical bug, not rounding"
-
-
-def test_pd_convert_writes_a_folder_transformers_loads(gemma_gguf, tmp_path) -> None:
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = tmp_path / "gemma-hf"
-    done = subprocess.run([str(Path(sys.executable).parent / "pd"), "convert", str(gemma_gguf), str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    ids = tokenizer(PROMPTS[0], return_tensors="pt").input_ids
-    assert ids[0].tolist() == Tokenizer(gemma_gguf).encode(PROMPTS[0])  # BOS included, same ids
-    converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        got = converted(ids).logits
-        expected = hf_gemma(gemma_gguf, torch.float32)(ids).logits
-    assert torch.equal(got, expected)
 
 
 def test_int8_teacher_forced_top1_agreement_with_transformers(gemma_gguf, english_tokens, reference_logits) -> None:
