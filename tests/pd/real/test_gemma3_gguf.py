@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pd.llm import LLM
+from pd.models.packed import widens
 from pd.models.gguf import GGUFModel
 from pd.scheduling.sampling_params import SamplingParams
 from pd.tokenizer import Tokenizer
@@ -132,7 +133,8 @@ def test_bfloat16_teacher_forced_top1_agrees_with_transformers(bfloat16_llm, eng
 
     torch: with the torch ops (PD_NATIVE_KERNELS=0, or any other device) every op is
     transformers' op in its order, so bfloat16 against bfloat16 agrees at >= 99 % (100 %
-    measured). native: the CPU kernels (the default here) round in another order (fused
+    measured); where linears are widened (pd/models/packed.py) it is held as native is.
+    native: the CPU kernels (the default here) round in another order (fused
     norm and activation passes, float32 attention scores in place of SDPA's blocks). Then
     any perturbation flips bfloat16 near-ties (transformers' own bfloat16 picks float32's
     top-1 at only ~97.7 % of positions), so the kernels are held to float32, the truth
@@ -163,9 +165,12 @@ def test_bfloat16_teacher_forced_top1_agrees_with_transformers(bfloat16_llm, eng
           f"float32: {reference_exact:.4f}); |logprob diff| with transformers bfloat16 over the prompt token and "
           f"top 5: max {diff.max().item():.4f}, mean {diff.mean().item():.5f}; mean |logprob - float32| "
           f"{error:.5f} (transformers bfloat16: {reference_error:.5f})")
-    if kernels == "torch":
+    if kernels == "torch" and not widens(torch.bfloat16, torch.device("cpu")):
         assert agree >= 0.99
         return
+    # the native kernels; or torch's ops with linears widened to float32 (a CPU without
+    # oneDNN's bfloat16 kernels), which sum in another order than transformers' (measured
+    # there: 99.0 % with its bfloat16)
     assert agree >= 0.97
     assert agree_exact >= reference_exact - 0.01
     assert error <= 1.1 * reference_error
