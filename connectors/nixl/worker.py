@@ -127,8 +127,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         from connectors.nixl.transport import NixlTransport  # imports nixl: only when used
         from connectors.nixl.ucx import configure_ucx
 
-        cuda = kv_caches.tensors[0].device.type == "cuda" or torch.cuda.is_available()
-        configure_ucx(self.config.host, self.config.ucx_transports, cuda)
+        configure_ucx(self.config.host, self.config.ucx_transports, cuda=torch.cuda.is_available())
         if self.config.rank > 0:  # its reads only: leases and the side channel are rank 0's
             self.transport = self.peers.transport = NixlTransport(self.agent_name, kv_caches)
             return

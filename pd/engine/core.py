@@ -184,14 +184,15 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         prefix = self.kv_cache_manager.stats
+        counters, histograms, by_rank = self._transfer_figures()
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,
             kv_usage=self.kv_cache_manager.usage, num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
             group_names=group_names(self.kv_cache_config),
             group_queries=list(prefix.group_queries), group_hits=list(prefix.group_hits),
-            kv_transfer=self._transfer_counters(), kv_load_failures=dict(self.scheduler.remote_kv.load_failures),
-            kv_transfer_histograms=self._transfer_histograms(), kv_transfer_by_rank=self._transfer_by_rank(),
+            kv_transfer=counters, kv_transfer_histograms=histograms, kv_transfer_by_rank=by_rank,
+            kv_load_failures=dict(self.scheduler.remote_kv.load_failures),
             kv_cache_bytes=[self.runner.kv_allocation.nbytes, *(self.tp_ranks.kv_bytes if self.tp_ranks else [])],
             prompt_tokens_by_source=dict(self.scheduler.prompt_sources.counts),
             malformed_messages=self._malformed_messages(), kv_events_replies_dropped=self.kv_events.dropped_replies,
@@ -202,23 +203,17 @@ class EngineCore:
         loop adds its input's)."""
         return {"kv_events_replay": self.kv_events.malformed_requests} | self.runner.connector.malformed_messages()
 
-    def _transfer_counters(self) -> dict[str, float]:
+    def _transfer_figures(self) -> tuple[dict[str, float], dict[str, HistogramSnapshot], dict[str, dict[int, int]]]:
+        """The connector's transfer counters, histograms and per-rank figures (empty
+        without a connector that counts)."""
         connector = self.runner.connector
         stats = getattr(connector, "stats", None)
         if stats is None:
-            return {}
-        return stats.counters() | {"requests_held": float(connector.num_requests_held)}
-
-    def _transfer_by_rank(self) -> dict[str, dict[int, int]]:
-        stats = getattr(self.runner.connector, "stats", None)
-        return stats.by_rank() if stats is not None else {}
-
-    def _transfer_histograms(self) -> dict[str, HistogramSnapshot]:
-        stats = getattr(self.runner.connector, "stats", None)
-        if stats is None:
-            return {}
-        return {name: HistogramSnapshot(list(h.buckets), list(h.counts), h.total)
-                for name, h in stats.histograms().items()}
+            return {}, {}, {}
+        histograms = {name: HistogramSnapshot(list(h.buckets), list(h.counts), h.total)
+                      for name, h in stats.histograms().items()}
+        counters = stats.counters() | {"requests_held": float(connector.num_requests_held)}
+        return counters, histograms, stats.by_rank()
 
     def _keep_logits(self, logits: dict[str, torch.Tensor] | None) -> None:
         for req_id, row in (logits or {}).items():
