@@ -157,6 +157,19 @@ def _run_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_tp_rank_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--join", required=True, metavar="HOST:PORT", help="the server's --tp-host:--tp-port; tried until it answers or --join-timeout passes")
+    parser.add_argument("--rank", type=int, required=True, help="this rank: one of the server's ranks past its --tp-local-ranks (K..N-1), each joined once")
+    parser.add_argument("--device", default=None, help="this rank's torch device, e.g. cuda:1 (default: the server's device type, first device: cuda or cpu)")
+    parser.add_argument("--join-timeout", type=float, default=300.0, help="seconds to keep trying to reach the server (default %(default)s)")
+
+
+def _run_tp_rank(args: argparse.Namespace) -> int:
+    from pd.worker.tp_ranks import run_remote_rank
+
+    return run_remote_rank(args.join, args.rank, args.device, args.join_timeout)
+
+
 COMMANDS: dict[str, Command] = {
     "version": Command("print the pd-serve version", lambda parser: None, _run_version),
     "make-model": Command("write a tiny random checkpoint in a family's published HF format",
@@ -167,6 +180,10 @@ COMMANDS: dict[str, Command] = {
                        _add_convert_flags, _run_convert),
     "serve": Command("serve a model over an OpenAI-compatible HTTP API (engine core in its own process)",
                      _add_serve_flags, _run_serve),
+    "tp-rank": Command("run one tensor-parallel rank of a server on another node: it joins the server's "
+                       "--tp-host:--tp-port (the deployment's secret in PD_KV_TRANSFER_SECRET), loads its shard "
+                       "of the same model path and runs every step the server sends until the server stops",
+                       _add_tp_rank_flags, _run_tp_rank),
     "proxy": Command("front prefill and decode servers: P prefills and keeps the KV, then D decodes with P's "
                      "kv_transfer_params",
                      _add_proxy_flags, _run_proxy),

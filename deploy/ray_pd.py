@@ -47,26 +47,30 @@ class PDServer:
     """
 
     def __init__(self, role: str, index: int, model: str, serve_args: list[str], log_dir: str,
-                 transfer_secret: str) -> None:
+                 transfer_secret: str, remote_ranks: bool = False) -> None:
         self.role, self.index, self.model = role, index, model
         self.serve_args, self.log_dir = serve_args, Path(log_dir)
+        self.remote_ranks = remote_ranks  # its ranks past 0 join from actors of their own (`--tp-span-nodes`)
         self.transfer_secret = transfer_secret  # the deployment's: P signs kv_transfer_params, D checks them
         self.process: subprocess.Popen | None = None
         self.url, self.log_path = "", self.log_dir / f"{role}-{index}.log"
         atexit.register(self.stop)
 
     def start(self) -> dict[str, Any]:
-        """Start the server on a free port of this node; its role, URL, node, port, PID and log."""
+        """Start the server on a free port of this node; its role, URL, node, port, PID and
+        log (and where its other ranks join, with remote ranks)."""
         host = ray.util.get_node_ip_address()
         port = free_port(host)
         self.url = f"http://{host}:{port}"
+        join = []
+        if self.remote_ranks:  # rank 0 only here; the others join at this node's address
+            join = ["--tp-local-ranks", "1", "--tp-host", host, "--tp-port", str(free_port(host))]
         cmd = pd_command("serve", "--model", self.model, "--role", self.role, "--host", host, "--port", str(port),
-                         "--kv-host", host, *self.serve_args)
-        env = dict(os.environ) | {SECRET_ENV: self.transfer_secret}  # in the environment: not in `ps`
-        env.setdefault("NIXL_LOG_LEVEL", "WARN")
-        self.process = start_logged(cmd, self.log_path, env, die_with_parent=True)
-        return {"role": self.role, "url": self.url, "node_ip": host, "port": port,
-                "pid": self.process.pid, "log": str(self.log_path)}
+                         "--kv-host", host, *join, *self.serve_args)
+        self.process = start_logged(cmd, self.log_path, secret_env(self.transfer_secret), die_with_parent=True)
+        return {"role": self.role, "url": self.url, "node_ip": host, "port": port, "pid": self.process.pid,
+                "log": str(self.log_path), "node_id": ray.get_runtime_context().get_node_id(),
+                "tp_join": f"{host}:{join[-1]}" if join else None}
 
     def ready(self) -> bool:
         """Whether /health answers 200; raises, with the log's tail, if the server exited."""
@@ -85,6 +89,34 @@ class PDServer:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.stop()
+
+
+class PDRank:
+    """One tensor-parallel rank (`pd tp-rank`) of a server, on the node Ray placed this
+    actor on: it joins the server at the address the server's actor reported."""
+
+    def __init__(self, rank: int, log_dir: str, transfer_secret: str) -> None:
+        self.rank, self.log_dir, self.transfer_secret = rank, Path(log_dir), transfer_secret
+        self.process: subprocess.Popen | None = None
+        atexit.register(self.stop)
+
+    def start(self, server: dict[str, Any]) -> dict[str, Any]:
+        """Join `server` (its actor's `start` result); where this rank runs."""
+        log_path = self.log_dir / f"{server['role']}-{server['port']}-rank{self.rank}.log"
+        cmd = pd_command("tp-rank", "--join", server["tp_join"], "--rank", str(self.rank))
+        self.process = start_logged(cmd, log_path, secret_env(self.transfer_secret), die_with_parent=True)
+        return {"server": server["url"], "rank": self.rank, "node_ip": ray.util.get_node_ip_address(),
+                "node_id": ray.get_runtime_context().get_node_id(), "pid": self.process.pid, "log": str(log_path)}
+
+    def stop(self) -> int | None:
+        return None if self.process is None else stop_process(self.process)
+
+
+def secret_env(secret: str) -> dict[str, str]:
+    """The servers' and ranks' environment: the deployment's secret in it (not in `ps`)."""
+    env = dict(os.environ) | {SECRET_ENV: secret}
+    env.setdefault("NIXL_LOG_LEVEL", "WARN")
+    return env
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tensor-parallel size of each prefill server (default 1)")
     parser.add_argument("--decode-tp", type=positive_int, default=1, metavar="N",
                         help="tensor-parallel size of each decode server (default 1); P and D may differ")
+    parser.add_argument("--tp-span-nodes", action="store_true",
+                        help="give each tensor-parallel rank a placement bundle of its own, placed PACK (one node "
+                             "when they fit, several when not): rank 0 is the server's engine, each other rank a "
+                             "Ray actor running `pd tp-rank` that joins it over TCP at its node's address. Default: "
+                             "a server's ranks are its engine's processes, on one node (STRICT_PACK)")
     parser.add_argument("--ready-timeout", type=positive_float, default=180.0, metavar="S",
                         help="seconds the servers may take to be placed and answer /health (default 180)")
     parser.add_argument("--run-seconds", type=positive_float, default=None, metavar="S",
@@ -152,13 +189,15 @@ def connect_ray(address: str | None) -> None:
                      object_store_memory=LOCAL_OBJECT_STORE_BYTES)
 
 
-def server_bundle(args: argparse.Namespace, tp: int, gpus_present: bool) -> dict[str, float]:
-    """What one server of `tp` ranks reserves: its engine starts the ranks as processes of
-    its own, so they share its node (one bundle, packed: CPUs per rank, a GPU each)."""
-    bundle = {"CPU": args.cpus_per_server * tp}
+def server_bundles(args: argparse.Namespace, tp: int, gpus_present: bool) -> list[dict[str, float]]:
+    """What one server of `tp` ranks reserves (CPUs per rank, a GPU each): one bundle when
+    its engine starts the ranks as processes of its own, on its node; one per rank with
+    `--tp-span-nodes`."""
+    ranks_per_bundle = 1 if args.tp_span_nodes else tp
+    bundle = {"CPU": args.cpus_per_server * ranks_per_bundle}
     if gpus_present:
-        bundle["GPU"] = float(tp)
-    return bundle
+        bundle["GPU"] = float(ranks_per_bundle)
+    return [bundle] * (tp // ranks_per_bundle)
 
 
 def check_resources(args: argparse.Namespace) -> bool:
@@ -180,26 +219,38 @@ class Deployment:
     pending or not) and the proxy."""
 
     starts: dict[Any, ray.ObjectRef] = field(default_factory=dict)
+    ranks: dict[Any, ray.ObjectRef] = field(default_factory=dict)  # `--tp-span-nodes`: rank actors past 0
     groups: list[Any] = field(default_factory=list)  # each server's placement group
     proxy: subprocess.Popen | None = None
 
 
 def launch_servers(args: argparse.Namespace, log_dir: Path, deployment: Deployment) -> None:
     """One actor per server in a placement group of its own that holds all its ranks
-    (`server_bundle`), each asked to start its server (placement may wait for resources)."""
+    (`server_bundles`), each asked to start its server (placement may wait for resources);
+    with `--tp-span-nodes`, one actor per rank past 0 in the bundles after the server's,
+    each joining the server once its actor has started it."""
     gpus = check_resources(args)
     model, flags = str(args.model.resolve()), serve_flags(args)
     secret = os.environ.get(SECRET_ENV) or secrets.token_hex(32)  # one per deployment
     for role, count, tp in (("prefill", args.prefill, args.prefill_tp), ("decode", args.decode, args.decode_tp)):
-        bundle = server_bundle(args, tp, gpus)
+        bundles = server_bundles(args, tp, gpus)
         for index in range(count):
-            group = placement_group([bundle], strategy="STRICT_PACK")
+            group = placement_group(bundles, strategy="PACK" if len(bundles) > 1 else "STRICT_PACK")
             deployment.groups.append(group)
-            actor = ray.remote(PDServer).options(
-                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
-            ).remote(role, index, model, [*flags, "--tensor-parallel-size", str(tp)], str(log_dir), secret)
-            deployment.starts[actor] = actor.start.remote()
+            actor = placed(PDServer, group, 0, bundles[0]).remote(
+                role, index, model, [*flags, "--tensor-parallel-size", str(tp)], str(log_dir), secret,
+                remote_ranks=len(bundles) > 1)
+            deployment.starts[actor] = started = actor.start.remote()
+            for rank in range(1, len(bundles)):
+                rank_actor = placed(PDRank, group, rank, bundles[rank]).remote(rank, str(log_dir), secret)
+                deployment.ranks[rank_actor] = rank_actor.start.remote(started)
+
+
+def placed(cls: type, group: Any, bundle_index: int, bundle: dict[str, float]) -> Any:
+    """`cls` as a Ray actor in bundle `bundle_index` of `group`, reserving all of it."""
+    return ray.remote(cls).options(
+        num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle_index))
 
 
 def get_by(refs: list[ray.ObjectRef], deadline: float, late: str) -> list[Any]:
@@ -237,25 +288,28 @@ def start_proxy(args: argparse.Namespace, servers: list[dict[str, Any]], log_dir
     return start_logged(cmd, log_dir / "proxy.log", die_with_parent=True)
 
 
-def write_urls(path: Path, proxy_url: str, servers: list[dict[str, Any]]) -> None:
+def write_urls(path: Path, proxy_url: str, servers: list[dict[str, Any]], ranks: list[dict[str, Any]]) -> None:
     """Written whole (via a rename), so a reader never sees half of it."""
     urls = {"proxy": proxy_url, "prefill": [s["url"] for s in servers if s["role"] == "prefill"],
-            "decode": [s["url"] for s in servers if s["role"] == "decode"], "servers": servers}
+            "decode": [s["url"] for s in servers if s["role"] == "decode"], "servers": servers, "ranks": ranks}
     partial = path.with_name(f"{path.name}.partial")
     partial.write_text(json.dumps(urls, indent=2))
     partial.replace(path)
 
 
-def announce(args: argparse.Namespace, proxy_url: str, servers: list[dict[str, Any]], log_dir: Path) -> None:
+def announce(args: argparse.Namespace, proxy_url: str, servers: list[dict[str, Any]], ranks: list[dict[str, Any]],
+             log_dir: Path) -> None:
     print(f"ray_pd: {args.prefill}P{args.decode}D up on Ray ({args.address or 'local cluster'})")
     print(f"  proxy:   {proxy_url}  (log {log_dir / 'proxy.log'})")
     for s in servers:
         print(f"  {s['role'] + ':':8} {s['url']}  (pid {s['pid']} on {s['node_ip']}, log {s['log']})")
+    for r in ranks:
+        print(f"    rank {r['rank']} of {r['server']}  (pid {r['pid']} on {r['node_ip']}, log {r['log']})")
     until = f"for {args.run_seconds:g} s" if args.run_seconds else "until Ctrl-C / SIGTERM"
     print(f"ray_pd: serving {until}; then everything stops", flush=True)
 
 
-def stop_servers(starts: dict[Any, ray.ObjectRef]) -> None:
+def stop_actors(starts: dict[Any, ray.ObjectRef]) -> None:
     """`stop()` every actor that started its server and wait (bounded); then kill every actor."""
     started = [actor for actor, ref in starts.items() if ray.wait([ref], timeout=0)[0]]
     with contextlib.suppress(ray.exceptions.RayError):
@@ -271,7 +325,8 @@ def teardown(deployment: Deployment) -> None:
     if deployment.proxy is not None:
         stop_process(deployment.proxy)
     if ray.is_initialized():
-        stop_servers(deployment.starts)
+        stop_actors(deployment.starts)
+        stop_actors(deployment.ranks)  # each ended with its server already; their actors go
         for group in deployment.groups:  # on a shared cluster they would hold their CPUs and GPUs on
             with contextlib.suppress(Exception):
                 remove_placement_group(group)
@@ -284,13 +339,14 @@ def run(args: argparse.Namespace, deployment: Deployment) -> None:
     connect_ray(args.address)
     launch_servers(args, log_dir, deployment)
     servers = wait_for_servers(deployment.starts, args.ready_timeout)
+    ranks = get_by(list(deployment.ranks.values()), time.monotonic() + 10, "a rank's actor did not report")
     deployment.proxy = start_proxy(args, servers, log_dir)
     proxy_url = f"http://{args.host}:{args.port}"
     proxy = Launched(proxy_url, deployment.proxy, log_dir / "proxy.log")
     wait_ready(proxy, timeout_s=PROXY_READY_TIMEOUT_S, name="pd proxy")
     if args.urls_file is not None:
-        write_urls(args.urls_file, proxy_url, servers)
-    announce(args, proxy_url, servers, log_dir)
+        write_urls(args.urls_file, proxy_url, servers, ranks)
+    announce(args, proxy_url, servers, ranks, log_dir)
     keep_running(proxy, args.run_seconds, "pd proxy")
 
 

@@ -62,6 +62,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None: torch's default (all cores)
     tensor_parallel_size: int = 1  # ranks the model is sharded over, one process each (pd/worker/tp_ranks.py)
     tp_timeout: float = 60.0  # seconds a collective waits for the other ranks before the engine stops
+    tp_local_ranks: int | None = None  # ranks the engine starts on its node (rank 0 included); None: all
+    tp_host: str = "127.0.0.1"  # with ranks on other nodes: where they join and reach the ranks' store
+    tp_port: int = 0  # the join listener's port (needed, not 0, when ranks are on other nodes)
     kv_events_port: int | None = None  # publish KV events (kv_events/) on tcp://kv_events_host:port; None: off
     kv_events_replay_port: int | None = None  # their replay socket; None: kv_events_port + 1
     kv_events_host: str = "127.0.0.1"
@@ -139,20 +142,31 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.tp_timeout <= 0:
             raise ValueError(f"tp_timeout must be positive, got {self.tp_timeout}")
-        if self.tensor_parallel_size > 1 and self.torch_device.startswith("cuda"):
+        if not 1 <= self.local_ranks <= self.tensor_parallel_size:
+            raise ValueError(f"tp_local_ranks must be in 1..tensor_parallel_size ({self.tensor_parallel_size}), "
+                             f"got {self.tp_local_ranks}")
+        if self.local_ranks < self.tensor_parallel_size and not 0 < self.tp_port < 65536:
+            raise ValueError("ranks on other nodes join at --tp-host:--tp-port: give a port (they must know it), "
+                             f"got {self.tp_port}")
+        if self.local_ranks > 1 and self.torch_device.startswith("cuda"):
             self._check_cuda_devices()
 
+    @property
+    def local_ranks(self) -> int:
+        """Ranks on the engine's own node, rank 0 included: 0..local_ranks-1; the others
+        join from other nodes (`pd tp-rank`)."""
+        return self.tensor_parallel_size if self.tp_local_ranks is None else self.tp_local_ranks
+
     def _check_cuda_devices(self) -> None:
-        """A CUDA engine's ranks take one device each, from its own on (NCCL refuses two
-        ranks on one device)."""
+        """A CUDA engine's ranks on its node take one device each, from its own on (NCCL
+        refuses two ranks on one device)."""
         import torch
 
         first = int(self.torch_device.partition(":")[2] or 0)
         present = torch.cuda.device_count()
-        if first + self.tensor_parallel_size > present:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} on {self.torch_device} needs CUDA devices "
-                             f"{first}..{first + self.tensor_parallel_size - 1}, one per rank; this machine has "
-                             f"{present}")
+        if first + self.local_ranks > present:
+            raise ValueError(f"{self.local_ranks} tensor-parallel ranks on {self.torch_device} need CUDA devices "
+                             f"{first}..{first + self.local_ranks - 1}, one per rank; this machine has {present}")
 
     def _check_kv_events(self) -> None:
         if self.kv_events_port is None:
@@ -232,6 +246,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-threads", type=int, default=ENGINE_DEFAULTS["num_threads"], help="CPU threads the engine's torch ops use (default: torch's, one per core); when P and D share a machine, split its cores between them: oversubscribed threads spin and slow both")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=ENGINE_DEFAULTS["tensor_parallel_size"], help="shard the model over this many ranks, one process each (the engine starts them; torch.distributed, gloo on CPU): attention and Mamba heads, MLP channels and the vocabulary are split, each rank loads only its slices, and holds --kv-cache-memory of KV for its heads (default %(default)s)")
     parser.add_argument("--tp-timeout", type=float, default=ENGINE_DEFAULTS["tp_timeout"], help="seconds a tensor-parallel collective waits for the other ranks; a rank that died or hangs longer stops the engine (/health answers 503) (default %(default)s)")
+    parser.add_argument("--tp-local-ranks", type=int, default=ENGINE_DEFAULTS["tp_local_ranks"], metavar="K", help="ranks this server starts on its own node, rank 0 included (ranks 0..K-1); ranks K..N-1 run on other nodes, each started there with `pd tp-rank --join HOST:PORT --rank R` and the same model path and secret, and join at --tp-host:--tp-port (default: all N here)")
+    parser.add_argument("--tp-host", default=ENGINE_DEFAULTS["tp_host"], help="with --tp-local-ranks: the address ranks on other nodes join at, and where torch.distributed's store listens for them (torch's store listens on every interface: keep its port inside the cluster) (default %(default)s)")
+    parser.add_argument("--tp-port", type=int, default=ENGINE_DEFAULTS["tp_port"], help="with --tp-local-ranks: the TCP port ranks on other nodes join at; a joining rank and this server prove to each other that they hold the deployment's secret (" + SECRET_ENV + ") before anything else is read (default: none)")
     parser.add_argument("--seed", type=int, default=ENGINE_DEFAULTS["seed"], help="seed for requests that sample without their own seed (default %(default)s)")
 
 

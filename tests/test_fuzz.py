@@ -9,7 +9,9 @@ that are random JSON, valid bodies with a field mutated, or random bytes; the KV
 replay socket and the KV side channel (ZMQ DEALER frames: random, and mutated valid
 messages, among them msgpack maps whose keys are not UTF-8); NIXL notifications to P
 (from a NIXL agent of our own, after a handshake as any decode server makes); and
-random bytes on every TCP port. A server answers a bad request with a 4xx, never a
+random bytes on every TCP port; the tensor-parallel join listener (a listener as a server
+with ranks on other nodes opens while it starts: frames random and mutated, framed and
+not). A server answers a bad request with a 4xx, never a
 5xx (but 503 `kv_held_limit`); nothing received stops an engine.
 
 Every new route, listener or message type is added here (docs/architecture.md, Testing).
@@ -36,7 +38,8 @@ from launch import free_port, http_client
 from tests.support.server_harness import running_proxy, running_server, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
-BUDGET = {"server_http": 500, "proxy_http": 300, "replay": 400, "side_channel": 300, "tcp": 200, "nixl": 300}
+BUDGET = {"server_http": 500, "proxy_http": 300, "replay": 400, "side_channel": 300, "tcp": 200, "nixl": 300,
+          "tp_join": 300}
 FUZZ = settings(deadline=None, database=None, suppress_health_check=list(HealthCheck), derandomize=False)
 
 
@@ -247,6 +250,34 @@ def test_random_bytes_on_every_tcp_port(deployment) -> None:
 
     fuzz()
     assert_unharmed(deployment)
+
+
+def test_the_tensor_parallel_join_listener() -> None:
+    """Each connection is refused and closed, nothing joins, and the awaited rank joins after."""
+    from pd.worker.rank_channel import ENCODER, HEADER, Hello
+    from pd.worker.rank_join import RankListener, join
+
+    secret = "s" * 64
+    listener = RankListener("127.0.0.1", 0, secret, {1})
+    valid = ENCODER.encode(Hello(1, b"n" * 32, b"m" * 32))
+    try:
+        @budget("tp_join")
+        @given(payload=msgpack_like(valid), framed=st.booleans())
+        def fuzz(payload, framed) -> None:
+            with socket.create_connection(("127.0.0.1", listener.port), timeout=5) as raw, \
+                    contextlib.suppress(OSError):  # closed with bytes unread: a reset
+                raw.sendall(HEADER.pack(len(payload)) + payload if framed else payload)
+                raw.shutdown(socket.SHUT_WR)
+                while raw.recv(4096):  # until the listener closes it
+                    pass
+
+        fuzz()
+        assert not listener.joined and listener.refused >= BUDGET["tp_join"]
+        channel = join("127.0.0.1", listener.port, 1, secret, timeout=10)
+        assert list(listener.wait(10, lambda: None)) == [1]
+        channel.close()
+    finally:
+        listener.close()
 
 
 # ---- NIXL notifications --------------------------------------------------------------

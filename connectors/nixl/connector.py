@@ -3,12 +3,16 @@ pd/kv_transfer/connectors.py)."""
 
 from __future__ import annotations
 
-from connectors.nixl.scheduler import NixlConnectorScheduler
+from connectors.nixl.peer_messages import RankAgent
+from connectors.nixl.scheduler import NixlConnectorMetadata, NixlConnectorScheduler
 from connectors.nixl.worker import NixlConnectorWorker, NixlWorkerConfig
 from pd.scheduling.connector_api import ConnectorContext, KVConnector
 
 
 class NixlConnector(KVConnector):
+    metadata_type = NixlConnectorMetadata
+    rank_info_type = RankAgent
+
     @staticmethod
     def build_worker(context: ConnectorContext) -> NixlConnectorWorker:
         config = context.config

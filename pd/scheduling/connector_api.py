@@ -154,10 +154,10 @@ class KVConnectorWorker(ABC):
         """Messages from peers dropped as malformed so far, by listener (for metrics)."""
         return {}
 
-    # --- tensor parallelism: ranks 1..N-1 report to rank 0 over their socket pairs ---
+    # --- tensor parallelism: ranks 1..N-1 report to rank 0 over their rank channels ---
     def rank_info(self) -> object:
         """A rank > 0: what rank 0 needs of this rank's half once its KV caches are
-        registered (picklable; it crosses a socket pair to the engine, no network)."""
+        registered (of the connector's `rank_info_type`: it crosses the rank channel)."""
         return None
 
     def add_ranks(self, infos: list[object]) -> None:
@@ -201,7 +201,12 @@ class NullConnectorWorker(KVConnectorWorker):
 class KVConnector(ABC):
     """A connector as registered by name (pd/kv_transfer/connectors.py): how to build its halves.
     The engine builds the worker half, hands it the KV caches
-    (`register_kv_caches`), then builds the scheduler half."""
+    (`register_kv_caches`), then builds the scheduler half. `metadata_type` and
+    `rank_info_type` are what its metadata and `rank_info` decode as when they cross to
+    and from tensor-parallel ranks (msgspec schemas: a rank may be on another node)."""
+
+    metadata_type: type = KVConnectorMetadata
+    rank_info_type: type = type(None)
 
     @staticmethod
     @abstractmethod

@@ -162,3 +162,43 @@ def test_ray_pd_serves_through_the_proxy_and_a_signal_stops_every_server(tmp_pat
     if left := wait_until_gone(ours, 30):
         warnings.warn(f"Ray processes left after ray.shutdown(): {[' '.join(argv(p))[:120] for p in left]}",
                       stacklevel=1)
+
+
+def test_ray_pd_spreads_a_servers_ranks_over_nodes(tmp_path, tiny_qwen3, monkeypatch) -> None:
+    """Three Ray nodes of one CPU each (a test cluster on this machine): with
+    `--tp-span-nodes`, the decode server's two ranks cannot share a node, so rank 1 runs
+    on another node as a `pd tp-rank` actor that joins over TCP; a request is served, and
+    SIGTERM to the script ends the rank with its server."""
+    from ray.cluster_utils import Cluster
+
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    node = {"num_cpus": 1, "object_store_memory": 80 * 1024**2}
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    urls_file, log_path = tmp_path / "urls.json", tmp_path / "ray_pd.log"
+    process = None
+    try:
+        for _ in range(2):
+            cluster.add_node(**node)
+        cmd = [sys.executable, str(ROOT / "deploy" / "ray_pd.py"), "--address", cluster.address, "--prefill", "1",
+               "--decode", "1", "--decode-tp", "2", "--tp-span-nodes", "--cpus-per-server", "1",
+               "--model", str(tiny_qwen3), "--num-threads", "1", "--port", str(free_port()),
+               "--urls-file", str(urls_file), "--log-dir", str(tmp_path / "logs")]
+        with open(log_path, "w") as log:
+            process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       env=dict(os.environ, NIXL_LOG_LEVEL="WARN"), start_new_session=True)
+        urls = wait_for_urls(process, urls_file, log_path)
+        (decode,) = [s for s in urls["servers"] if s["role"] == "decode"]
+        (rank,) = urls["ranks"]
+        assert rank["server"] == decode["url"] and rank["rank"] == 1
+        assert rank["node_id"] != decode["node_id"], "the ranks were not spread over nodes"
+        response = http_client().post(f"{urls['proxy']}/v1/completions", timeout=120,
+                                      json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 4
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=EXIT_TIMEOUT_S) == 0, log_path.read_text()[-6000:]
+        assert not wait_until_gone({rank["pid"], decode["pid"]}, 30), "a rank or server outlived the deployment"
+    finally:
+        if process is not None:
+            stop(process)
+        cluster.shutdown()

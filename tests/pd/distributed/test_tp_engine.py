@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,39 +21,11 @@ from pd.worker.tp_ranks import rank_device
 from tests.support.hf_reference import random_prompts
 from tests.support.llm_runs import assert_logits_close
 from tests.support.server_harness import running_server, wait_until
+from tests.support.tp_processes import alive, rank_pids, stream_until_error
 
 pytestmark = pytest.mark.slow
 
 LOGIT_TOL = 2e-4
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (children first), from /proc."""
-    out, stack = [], [pid]
-    while stack:
-        parent = stack.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            out.extend(children)
-            stack.extend(children)
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
-
-def rank_pids(engine_pid: int) -> list[int]:
-    """The engine's tensor-parallel rank processes (its spawned children)."""
-    return [p for p in descendants(engine_pid)
-            if b"pd.worker.tp_ranks" in Path(f"/proc/{p}/cmdline").read_bytes() and alive(p)]
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "bamba"])
@@ -94,15 +65,6 @@ def test_unseeded_sampling_keeps_every_rank_on_the_same_tokens(tiny_models) -> N
     assert_logits_close(results[1][1], results[2][1], LOGIT_TOL)
 
 
-def _stream_until_error(server, engine_pid: int, hurt) -> list[str]:
-    body = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True}
-    with http_client().stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
-        lines = response.iter_lines()
-        assert next(line for line in lines if line.startswith("data: "))
-        hurt()
-        return [line for line in lines if line.startswith("data: ")]
-
-
 @pytest.mark.parametrize("fault", ["kill", "hang"])
 def test_a_lost_rank_stops_the_engine_and_answers_what_was_in_flight(tiny_models, tmp_path, fault: str) -> None:
     with running_server(tiny_models["qwen3"], tmp_path / "server.log", "--tensor-parallel-size", "2",
@@ -112,7 +74,7 @@ def test_a_lost_rank_stops_the_engine_and_answers_what_was_in_flight(tiny_models
         family = [engine_pid, rank]
         start = time.monotonic()
         sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
-        events = _stream_until_error(server, engine_pid, lambda: os.kill(rank, sig))  # a process this test started
+        events = stream_until_error(server, engine_pid, lambda: os.kill(rank, sig))  # a process this test started
         assert events[-1] == "data: [DONE]"
         assert json.loads(events[-2][len("data: "):])["error"]["code"] == 500
         assert time.monotonic() - start < 30
@@ -152,7 +114,7 @@ def test_rank_devices_count_from_the_engines_own() -> None:
 
 def test_more_ranks_than_devices_is_refused_at_start(tiny_models) -> None:
     ranks = max(2, torch.cuda.device_count() + 1)
-    with pytest.raises(ValueError, match=f"tensor_parallel_size={ranks} on cuda needs CUDA devices 0..{ranks - 1}"):
+    with pytest.raises(ValueError, match=f"{ranks} tensor-parallel ranks on cuda need CUDA devices 0..{ranks - 1}"):
         EngineConfig(model=str(tiny_models["qwen3"]), device="cuda", tensor_parallel_size=ranks)
 
 
