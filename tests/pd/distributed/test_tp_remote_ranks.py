@@ -46,10 +46,11 @@ def remote_tp2(model: Path, tmp_path: Path, tp_port: int, *args: str):
                           "--tp-port", str(tp_port), *args, wait=False)
 
 
-def test_a_rank_from_another_node_joins_past_intruders_and_serves_tp1_tokens(tiny_models, tmp_path) -> None:
+def test_a_rank_from_another_node_joins_past_intruders_and_serves_tp1_tokens(tiny_models, colocated,
+                                                                           tmp_path) -> None:
     secret = deployment_secret()
-    with running_server(tiny_models["qwen3"], tmp_path / "one.log") as single:
-        expected = [choices(single, BODY), choices(single, {**BODY, "stream": True}, streamed=True)]
+    single = colocated["qwen3"]
+    expected = [choices(single, BODY), choices(single, {**BODY, "stream": True}, streamed=True)]
     tp_port = free_port()
     processes: list[subprocess.Popen] = []
     try:
