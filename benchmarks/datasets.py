@@ -1,7 +1,7 @@
 """Request datasets for the serving benchmark.
 
 A dataset is a list of `SampleRequest`s: a prompt (token ids or text), its length in
-tokens, and how many tokens to ask for. Four kinds:
+tokens, and how many tokens to ask for. Five kinds:
 
 - `random`: prompts of exactly `--random-input-len` random token ids in
   [`LOW_TOKEN_ID`, `--vocab-size`), the first `--random-prefix-len` of them shared by every
@@ -17,6 +17,7 @@ tokens, and how many tokens to ask for. Four kinds:
   conversation's turn k is sent before any turn k+1 (the conversations in a random order
   each turn), so with more conversations than requests in flight a turn finds the last
   one's blocks cached (on the server that prefilled it).
+- `trace`: a JSONL trace in the public Mooncake format, replayed at its own times (below).
 - `sharegpt`: a ShareGPT JSON file (a list of `{"conversations": [{"from": "human",
   "value": ...}, {"from": "gpt", "value": ...}, ...]}`); the first turn is the prompt
   text and the second turn's length sets the output length. Without a tokenizer, lengths
@@ -30,6 +31,19 @@ own way, so a chat prompt's token count only approximates the id count (usage re
 the real one), and a shared id prefix becomes a shared text prefix.
 
 All datasets are deterministic given `--seed`.
+
+Trace replay (`--dataset trace --dataset-path FILE`). Each line of the trace is one
+request: `timestamp` (milliseconds from the trace's start), `input_length` and
+`output_length` (tokens), and `hash_ids`, one id per block of `--trace-block-tokens` prompt
+tokens (512 in the published traces), equal ids meaning equal token blocks: a shared
+system prompt, a document, the earlier turns of a conversation. Other fields are
+ignored, so published traces are read unchanged. Every hash id gets one random block of
+ids (seeded, made the first time the id appears); a prompt is its blocks in order, cut
+to its length, and tokens past what its ids cover are fresh random ids.
+`--trace-scale-tokens` scales every length and the block size with it (so shared blocks
+stay shared), `--trace-scale-output` the output lengths, `--trace-time-scale` the gaps
+between arrivals (0.1: ten times faster). Requests are sent at their arrival times
+(open loop; `--max-concurrency` still bounds what is in flight), not at `--request-rate`.
 """
 
 from __future__ import annotations
@@ -38,10 +52,12 @@ import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
+import msgspec
 import numpy as np
 
-DATASETS = ("random", "prefix-repetition", "multi-turn", "sharegpt")
+DATASETS = ("random", "prefix-repetition", "multi-turn", "trace", "sharegpt")
 # Ids below this are left out of random prompts: most vocabularies put special tokens
 # (pad, bos, eos, unk) at the lowest ids.
 LOW_TOKEN_ID = 10
@@ -58,6 +74,7 @@ class SampleRequest:
     prompt: str | list[int]
     prompt_len: int
     output_len: int
+    arrival: float | None = None  # seconds after the run's start (a trace's); None: sent at --request-rate
 
     def text(self) -> str:
         """The prompt as text (ids spelled as words, see `ids_to_text`)."""
@@ -128,6 +145,61 @@ def multi_turn_dataset(num_prompts: int, turns: int, system_len: int, user_len: 
     return samples
 
 
+MOONCAKE_BLOCK_TOKENS = 512  # the block size the published Mooncake traces' hash ids count
+
+
+class TraceRecord(msgspec.Struct, frozen=True):
+    timestamp: Annotated[float, msgspec.Meta(ge=0)]
+    input_length: Annotated[int, msgspec.Meta(ge=1)]
+    output_length: Annotated[int, msgspec.Meta(ge=0)]
+    hash_ids: list[int] = []
+
+
+def read_trace(path: str | Path) -> list[TraceRecord]:
+    """Every record of the trace, in file order; ValueError naming the line that is not one."""
+    decoder = msgspec.json.Decoder(TraceRecord)
+    records = []
+    with open(path, "rb") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(decoder.decode(line))
+            except msgspec.DecodeError as exc:  # ValidationError is one
+                raise ValueError(f"{path}, line {number}: not a Mooncake trace record: {exc}") from None
+    if not records:
+        raise ValueError(f"{path}: no trace records")
+    return records
+
+
+def trace_dataset(path: str | Path, num_prompts: int, block_tokens: int, scale_tokens: float, scale_output: float,
+                  time_scale: float, vocab_size: int, seed: int, low: int = LOW_TOKEN_ID) -> list[SampleRequest]:
+    """The trace's first `num_prompts` requests as token-id prompts, in arrival order, each
+    with its arrival in seconds after the first."""
+    if block_tokens < 1 or scale_tokens <= 0 or scale_output <= 0 or time_scale < 0:
+        raise ValueError("the trace's block size and scales must be positive (the time scale may be 0)")
+    records = sorted(read_trace(path)[:num_prompts], key=lambda r: r.timestamp)
+    rng = np.random.default_rng(seed)
+    block = max(1, round(block_tokens * scale_tokens))
+    blocks: dict[int, list[int]] = {}
+    start = records[0].timestamp
+    samples = []
+    for record in records:
+        length = max(1, round(record.input_length * scale_tokens))
+        ids: list[int] = []
+        for hash_id in record.hash_ids:
+            if len(ids) >= length:
+                break
+            if hash_id not in blocks:
+                blocks[hash_id] = rng.integers(low, vocab_size, size=block).tolist()
+            ids += blocks[hash_id]
+        if len(ids) < length:
+            ids += rng.integers(low, vocab_size, size=length - len(ids)).tolist()
+        samples.append(SampleRequest(ids[:length], length, max(1, round(record.output_length * scale_output)),
+                                     arrival=(record.timestamp - start) / 1000.0 * time_scale))
+    return samples
+
+
 def estimate_tokens(text: str) -> int:
     """Token count of `text` without a tokenizer: one token per `CHARS_PER_TOKEN` chars."""
     return max(1, round(len(text) / CHARS_PER_TOKEN))
@@ -169,7 +241,7 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("dataset")
     group.add_argument("--dataset", choices=DATASETS, default="random",
                        help="where prompts come from (default: random)")
-    group.add_argument("--dataset-path", help="ShareGPT JSON file (required for --dataset sharegpt)")
+    group.add_argument("--dataset-path", help="ShareGPT JSON file, or a Mooncake-format JSONL trace (required for --dataset sharegpt and trace)")
     group.add_argument("--vocab-size", type=int, default=4096,
                        help=f"random token ids are drawn from [{LOW_TOKEN_ID}, V) (default: 4096)")
     group.add_argument("--random-input-len", type=int, default=1024,
@@ -197,6 +269,15 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
                             "(default: 128)")
     group.add_argument("--multi-turn-output-len", type=int, default=64,
                        help="multi-turn: tokens to generate per request (default: 64)")
+    group.add_argument("--trace-block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS,
+                       help="trace: prompt tokens per hash id (default %(default)s, the published Mooncake traces')")
+    group.add_argument("--trace-scale-tokens", type=float, default=1.0,
+                       help="trace: scale every prompt length and the block size by this (default %(default)s)")
+    group.add_argument("--trace-scale-output", type=float, default=1.0,
+                       help="trace: scale every output length by this (default %(default)s)")
+    group.add_argument("--trace-time-scale", type=float, default=1.0,
+                       help="trace: scale the gaps between arrivals by this; 0.1 replays ten times faster, "
+                            "0 sends everything at once (default %(default)s)")
     group.add_argument("--sharegpt-output-len", type=int,
                        help="sharegpt: fixed output length instead of the reply's estimated length")
 
@@ -216,5 +297,8 @@ def load_samples(args: argparse.Namespace) -> list[SampleRequest]:
                                   args.multi_turn_user_len, args.multi_turn_answer_len, args.multi_turn_output_len,
                                   args.vocab_size, args.seed)
     if not args.dataset_path:
-        raise ValueError("--dataset sharegpt needs --dataset-path")
+        raise ValueError(f"--dataset {args.dataset} needs --dataset-path")
+    if args.dataset == "trace":
+        return trace_dataset(args.dataset_path, args.num_prompts, args.trace_block_tokens, args.trace_scale_tokens,
+                             args.trace_scale_output, args.trace_time_scale, args.vocab_size, args.seed)
     return sharegpt_dataset(args.dataset_path, args.num_prompts, args.seed, args.sharegpt_output_len)

@@ -197,6 +197,14 @@ def parse_goodput(items: Sequence[str] | None) -> dict[str, float]:
     return slos
 
 
+def arrivals(samples: list[SampleRequest], args: argparse.Namespace) -> list[float]:
+    """When each request is sent, in seconds after the start: a trace's own times, else
+    gaps drawn for --request-rate and --burstiness."""
+    if samples and all(s.arrival is not None for s in samples):
+        return [s.arrival for s in samples]
+    return send_offsets(arrival_intervals(len(samples), args.request_rate, args.burstiness, args.seed))
+
+
 async def benchmark(args: argparse.Namespace) -> dict:
     slos = parse_goodput(args.goodput)
     samples = load_samples(args)
@@ -208,7 +216,7 @@ async def benchmark(args: argparse.Namespace) -> dict:
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
         model = args.model or await first_model(client, args.base_url)
         payloads = [build_payload(args.endpoint, model, s, args.ignore_eos) for s in samples]
-        offsets = send_offsets(arrival_intervals(len(samples), args.request_rate, args.burstiness, args.seed))
+        offsets = arrivals(samples, args)
         before = await scrape_metrics(client, metrics_url)
         prefill_url = args.prefill_url + args.endpoint if args.prefill_url else None
         records, duration = await run_requests(client, args.base_url + args.endpoint, payloads,
