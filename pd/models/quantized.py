@@ -5,7 +5,7 @@ sums the int8 products exactly and scales the sums back (W8A8, activations quant
 time). Both sides are first rotated by a block Hadamard matrix, which spreads a row's few
 outlier channels over their block; `pd/csrc/int8_linear.c` says why the activations are
 quantized too, and why the rotation. Half the weight bytes of bfloat16 and, on a CPU with
-AVX-512 VNNI, twice the multiplies per instruction.
+AVX-512 VNNI, twice the multiplies per instruction (on AVX2, vpmaddwd: int8_linear.c).
 
 On CPU the native kernel computes it. Elsewhere (another device, no compiler,
 `PD_NATIVE_KERNELS=0`) `reference` does the same arithmetic with torch ops: the rotation
