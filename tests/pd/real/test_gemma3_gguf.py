@@ -185,9 +185,9 @@ def test_bfloat16_cached_prefixes_differ_from_transformers_only_at_near_ties(bfl
     """Position by position, one request per prefix, sent in waves of `PREFIX_WAVE`: each
     wave finds the blocks of the waves before it in the prefix cache, so each request
     computes a few tokens against cached KV in mixed batches, a different order of
-    bfloat16 roundings than one forward. (Sent all at once, most of them were admitted
-    before anything was cached and computed their whole prefix: ~4x the tokens.) Its one sampled row of logits per position is
-    held against transformers' bfloat16 row.
+    bfloat16 roundings than one forward (sent all at once, most were admitted before
+    anything was cached and computed their whole prefix). Its one sampled row of logits
+    per position is held against transformers' bfloat16 row.
 
     transformers in bfloat16 itself picks float32's top-1 at only ~97.7 % of these
     positions: where two tokens are within rounding of each other, any two bfloat16
