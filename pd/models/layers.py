@@ -99,11 +99,16 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_size = head_size
         self.rotary_dim = rotary_dim or head_size
-        inv_freq, scale = _inv_freq(self.rotary_dim, params)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", torch.cat((freqs, freqs), dim=-1).cos() * scale, persistent=False)
-        sin = freqs.sin() * scale
-        self.register_buffer("signed_sin", torch.cat((-sin, sin), dim=-1), persistent=False)
+        if torch.get_default_device().type == "meta":  # a skeleton, shapes only: nothing to compute (computed
+            # on meta, each op runs a Python decomposition whose first use imports torch._dynamo: 2 s a process)
+            cos, signed_sin = (torch.empty(max_position, self.rotary_dim, dtype=torch.float32) for _ in range(2))
+        else:
+            inv_freq, scale = _inv_freq(self.rotary_dim, params)
+            freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+            cos, sin = torch.cat((freqs, freqs), dim=-1).cos() * scale, freqs.sin() * scale
+            signed_sin = torch.cat((-sin, sin), dim=-1)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("signed_sin", signed_sin, persistent=False)
         self._rows: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
         self._checked: torch.Tensor | None = None
 

@@ -104,7 +104,7 @@ class Mamba2Mixer(nn.Module):
                                 bias=conv_bias, padding=d_conv - 1)
         self.conv1d.shard_source = lambda leaf, index, published: torch.cat([published[r] for r in conv_rows])
         self.dt_bias = nn.Parameter(torch.ones(local_heads))
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, local_heads + 1, dtype=torch.float32)))
+        self.A_log = nn.Parameter(torch.empty(local_heads, dtype=torch.float32))  # read from the checkpoint
         self.D = nn.Parameter(torch.ones(local_heads))
         self.norm = GatedRMSNorm(self.intermediate_size, inner // n_groups, rms_norm_eps, shard,
                                  first_group, n_groups)

@@ -109,3 +109,22 @@ def test_config_reads_published_forms(tmp_path: Path) -> None:
     assert loaded.context_len == 32
     with pytest.raises(ValueError, match="dtype"):
         ModelConfig.from_dir(tmp_path, dtype="int4")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "bamba"])
+def test_a_skeleton_for_the_kv_layout_costs_no_torch_dynamo_import(arch: str, tmp_path: Path) -> None:
+    """Every engine and rank builds the model on `meta` to size its KV cache: RoPE's
+    tables and Mamba's A_log computed there ran Python decompositions whose first use
+    imports torch._dynamo (~1 s of CPU per process start). In a fresh process, since this
+    one may hold it."""
+    import subprocess
+    import sys
+
+    model = make_model(arch, tmp_path / arch, seed=1)
+    script = ("import sys; from pd.models.loader import model_skeleton; from pd.models.model_config import ModelConfig;"
+              f"skeleton = model_skeleton(ModelConfig.from_dir({str(model)!r}));"
+              "assert skeleton.kv_cache_specs(16, hybrid=True);"
+              "print('torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
