@@ -94,7 +94,10 @@ def wait_for_urls(process: subprocess.Popen, urls_file: Path, log_path: Path) ->
         assert process.poll() is None, f"ray_pd.py exited with {process.returncode}:\n{log_path.read_text()[-6000:]}"
         assert time.monotonic() < deadline, f"no {urls_file} after {READY_TIMEOUT_S} s:\n{log_path.read_text()[-6000:]}"
         time.sleep(0.5)
-    return json.loads(urls_file.read_text())
+    urls = json.loads(urls_file.read_text())
+    nodes = {entry["node_ip"] for entry in urls["servers"] + urls.get("ranks", [])}
+    assert nodes == {"127.0.0.1"}, f"Ray put servers on {nodes}: the suite's traffic stays on loopback"
+    return urls
 
 
 def wait_until_gone(pids_: set[int], timeout: float) -> set[int]:
