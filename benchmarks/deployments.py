@@ -10,6 +10,8 @@ KV-transfer figures read from all their servers' /metrics around a run.
   `pd-no-skip-partial`: with `--no-skip-partial-groups-on-remote-prefill` on the decode server;
   `pd-decode-tp2`: with the decode server's model sharded over two tensor-parallel ranks
   (a narrow P, a wide D: each D rank reads its heads from P's one rank);
+  `pd-conditional`: `pd` behind `pd proxy --disagg-policy conditional`, the decode
+  server publishing KV events (it prefills itself the requests it lacks little of);
 - `2p2d-round_robin`, `2p2d-prefix_aware`, `2p2d-kv_aware`: two prefill and two decode
   servers behind `pd proxy --policy ...` (kv_aware: the servers publish KV events);
 - `1p1d-all-cache`: `pd` whose one prefill server has the KV cache of the 2P2D
@@ -40,8 +42,9 @@ COLOCATED = {"colocated": [], "no-prefix-cache": ["--no-enable-prefix-caching"],
              "colocated-tp2": ["--tensor-parallel-size", "2",
                                "--num-threads", str(max(1, (os.cpu_count() or 2) // 2))]}
 ROUTED = {"2p2d-round_robin": "round_robin", "2p2d-prefix_aware": "prefix_aware", "2p2d-kv_aware": "kv_aware"}
+CONDITIONAL = "pd-conditional"
 CONFIGS = ("colocated", "pd", "pd-per-layer", "pd-no-skip-partial", "no-prefix-cache", *ROUTED, "1p1d-all-cache",
-           "colocated-tp2", "pd-decode-tp2")
+           "colocated-tp2", "pd-decode-tp2", CONDITIONAL)
 ROUTED_PREFILL_SERVERS = 2
 
 
@@ -78,14 +81,20 @@ def deploy(config: str, args: argparse.Namespace, workdir: Path) -> Iterator[Dep
         pairs = ROUTED_PREFILL_SERVERS if config in ROUTED else 1
         threads = ["--num-threads", str(max(1, (os.cpu_count() or 2) // (2 * pairs)))]
         prefill, decode = _server_flags(config, args)
-        events = (lambda: ["--kv-events-port", str(free_port()), "--kv-events-replay-port", str(free_port())]) \
-            if ROUTED.get(config) == "kv_aware" else list
-        ps = [start(f"prefill{i}", "--role", "prefill", *threads, *prefill, *events()) for i in range(pairs)]
-        ds = [start(f"decode{i}", "--role", "decode", *threads, *decode, *events()) for i in range(pairs)]
+        routed = ROUTED.get(config) == "kv_aware"
+        ps = [start(f"prefill{i}", "--role", "prefill", *threads, *prefill, *_events(routed)) for i in range(pairs)]
+        ds = [start(f"decode{i}", "--role", "decode", *threads, *decode, *_events(routed or config == CONDITIONAL))
+              for i in range(pairs)]
+        disagg = ["--disagg-policy", "conditional"] if config == CONDITIONAL else []
         proxy = start("proxy", "--prefill", *ps, "--decode", *ds, "--policy", ROUTED.get(config, "round_robin"),
-                      "--log-level", "warning", *shlex.split(args.proxy_args), command="proxy",
+                      *disagg, "--log-level", "warning", *shlex.split(args.proxy_args), command="proxy",
                       shared=["--host", "127.0.0.1"])
         yield Deployment(proxy, f"{ds[0]}/metrics", ps, ds)
+
+
+def _events(published: bool) -> list[str]:
+    """A server's flags to publish its KV events (on free ports), if `published`."""
+    return ["--kv-events-port", str(free_port()), "--kv-events-replay-port", str(free_port())] if published else []
 
 
 def _server_flags(config: str, args: argparse.Namespace) -> tuple[list[str], list[str]]:

@@ -63,9 +63,11 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = any(i.healthy for i in upstream.prefill.instances) and any(i.healthy for i in upstream.decode.instances)
+        prefills = any(i.healthy for i in upstream.prefill.instances) or config.disagg_policy == "conditional"
+        ok = prefills and any(i.healthy for i in upstream.decode.instances)  # conditional: D prefills without P
         body = {"status": "ok" if ok else "unavailable", "policy": config.policy,
                 "prefill_policy": config.prefill_policy, "decode_policy": config.decode_policy,
+                "disagg_policy": config.disagg_policy,
                 "prefill": [i.state() for i in upstream.prefill.instances],
                 "decode": [i.state() for i in upstream.decode.instances]}
         return JSONResponse(body, status_code=200 if ok else 503)
@@ -146,12 +148,12 @@ async def _models(upstream: Upstream, request: Request) -> Response:
 
 
 def _follow_kv_events(upstream: Upstream) -> list[asyncio.Task[None]]:
-    """A task following the KV events of each instance a kv_aware pool picks among."""
+    """A task following the KV events of each instance whose pool routes by them."""
     headers = {"Authorization": upstream.config.server_authorization} if upstream.config.server_authorization else {}
     return [asyncio.create_task(follow_kv_events(
                 instance, upstream.client, headers,
                 upstream.metrics.kv_events_malformed.labels(url=instance.url).inc, upstream.config.probe_interval_s))
-            for pool in (upstream.prefill, upstream.decode) if pool.policy == "kv_aware"
+            for pool in (upstream.prefill, upstream.decode) if upstream.config.follows_events(pool.role)
             for instance in pool.instances]
 
 

@@ -9,6 +9,11 @@
 4. Decode: the original body plus those parameters goes to D, whose answer (streamed or
    not) is passed back unchanged. Both get the same `X-Request-Id`.
 
+Under `--disagg-policy conditional`, step 3 is skipped for a request D can well compute
+itself (`disagg.py`), or that no P could be reached for: the body goes to D as it is.
+Which path a request took comes back in the `X-PD-Path` header (`local` or
+`disaggregated`).
+
 Once P holds blocks for the request, a D that refuses it (4xx), fails (5xx), cannot be
 reached at all, or a client that disconnects before D's response is opened, makes the
 proxy ask P to release them (`Upstream.release`). A client that disconnects closes
@@ -33,9 +38,10 @@ from starlette.requests import ClientDisconnect
 from proxy.admission import QueueFull, QueueTimeout
 from proxy.answers import overloaded_response
 from proxy.body import BodyError, parse_body, read_body
+from proxy.disagg import DISAGGREGATED, LOCAL, choose_path
 from proxy.errors import error_body, error_response
 from proxy.instances import Instance, NoInstanceError, OverloadedError, Route
-from proxy.upstream import Call, NoRoom, Opened, Prefilled, Upstream
+from proxy.upstream import Call, NoRoom, Opened, Prefilled, Unreached, Upstream
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +95,7 @@ async def forward(upstream: Upstream, request: Request, endpoint: str) -> Respon
     body.pop("priority", None)
     request_id = request.headers.get("x-request-id") or f"pdx-{uuid.uuid4().hex}"
     call = Call(endpoint, body, upstream.headers(request, request_id), Route(prefix_key(body)), request_id)
-    if config.kv_aware:
+    if config.needs_tokens:
         call.route.tokens = await upstream.tokenize(call)
         call.route.salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
     try:
@@ -106,10 +112,11 @@ async def forward(upstream: Upstream, request: Request, endpoint: str) -> Respon
 
 
 async def _place(upstream: Upstream, request: Request, call: Call,
-                 rank: int) -> tuple[Instance, Prefilled] | Response:
-    """The decode server picked (bound to the call) and P's parameters; or the response
-    for the client. When no server has room, the request waits in the queue
-    (admission.py) and tries again as room frees up; ClientGone if the client leaves."""
+                 rank: int) -> tuple[Instance, Prefilled | None] | Response:
+    """The decode server picked (bound to the call) and P's parameters (None: D prefills
+    the request itself); or the response for the client. When no server has room, the
+    request waits in the queue (admission.py) and tries again as room frees up;
+    ClientGone if the client leaves."""
     admission = upstream.admission
     ticket, counted = admission.ticket(rank), False
     while True:
@@ -132,8 +139,10 @@ async def _place(upstream: Upstream, request: Request, call: Call,
         admission.no_room(ticket, outcome.retry_after_s)
 
 
-async def _try_place(upstream: Upstream, request: Request, call: Call) -> tuple[Instance, Prefilled] | NoRoom | Response:
-    """One try: pick D, bind it, prefill on a P (P's blocks released if the client left meanwhile)."""
+async def _try_place(upstream: Upstream, request: Request,
+                     call: Call) -> tuple[Instance, Prefilled | None] | NoRoom | Response:
+    """One try: pick D, bind it, and prefill on a P (P's blocks released if the client
+    left meanwhile) unless D is to prefill the request itself."""
     try:
         decode = upstream.decode.pick(call.route)
     except OverloadedError as exc:
@@ -141,16 +150,25 @@ async def _try_place(upstream: Upstream, request: Request, call: Call) -> tuple[
     except NoInstanceError as exc:
         return error_response(f"{exc}: the request is not sent to a prefill server", 503, "service_unavailable")
     call.bind(decode)  # counted against its --max-outstanding from now
-    try:
-        prefilled = await until_disconnected(request, upstream.prefill_once(call))
-    except ClientGone as gone:
-        call.unbind()
-        if isinstance(gone.result, Prefilled):
-            await upstream.release(gone.result, call.headers)
-        raise
-    if not isinstance(prefilled, Prefilled):
-        call.unbind()
-        return prefilled
+    config = upstream.config
+    path = choose_path(call.route, decode, upstream.prefill, config.disagg_policy, config.local_prefill_max_tokens)
+    prefilled = None
+    if path == DISAGGREGATED:
+        try:
+            prefilled = await until_disconnected(request, upstream.prefill_once(call))
+        except ClientGone as gone:
+            call.unbind()
+            if isinstance(gone.result, Prefilled):
+                await upstream.release(gone.result, call.headers)
+            raise
+        if isinstance(prefilled, Unreached) and config.disagg_policy == "conditional":
+            logger.warning("no prefill server took request %s: the decode server prefills it", call.request_id)
+            path, prefilled = LOCAL, None
+        elif not isinstance(prefilled, Prefilled):
+            call.unbind()
+            return prefilled.answer if isinstance(prefilled, Unreached) else prefilled
+    call.path = path
+    upstream.metrics.paths.labels(path=path).inc()
     return decode, prefilled
 
 
@@ -164,20 +182,21 @@ def priority(body: dict[str, Any]) -> int:
     return value
 
 
-async def _decode(upstream: Upstream, request: Request, call: Call, prefilled: Prefilled,
+async def _decode(upstream: Upstream, request: Request, call: Call, prefilled: Prefilled | None,
                   decode: Instance) -> Response:
     """D's answer for the client; P's blocks released whenever no D will read them."""
     try:
-        opened = await until_disconnected(request, upstream.open_decode(call, decode, prefilled.params))
+        opened = await until_disconnected(request, upstream.open_decode(
+            call, decode, None if prefilled is None else prefilled.params))
     except ClientGone as gone:
         if isinstance(gone.result, Opened):
             await gone.result.close()  # aborts the request on D
-        await upstream.release(prefilled, call.headers)
+        await _release(upstream, prefilled, call)
         return Response(status_code=CLIENT_CLOSED)
     if not isinstance(opened, Opened):
-        await upstream.release(prefilled, call.headers)
+        await _release(upstream, prefilled, call)
         return opened
-    headers = {"X-Request-Id": call.request_id} | call.route_headers()
+    headers = {"X-Request-Id": call.request_id, "X-PD-Path": call.path} | call.route_headers()
     if call.stream:
         return StreamingResponse(_relay(upstream, opened), media_type="text/event-stream",
                                  headers=headers | {"Cache-Control": "no-cache"})
@@ -192,6 +211,11 @@ async def _decode(upstream: Upstream, request: Request, call: Call, prefilled: P
     finally:
         await opened.close()
     return Response(content, opened.response.status_code, media_type="application/json", headers=headers)
+
+
+async def _release(upstream: Upstream, prefilled: Prefilled | None, call: Call) -> None:
+    if prefilled is not None:
+        await upstream.release(prefilled, call.headers)
 
 
 async def _relay(upstream: Upstream, opened: Opened) -> AsyncIterator[bytes]:

@@ -119,6 +119,11 @@ class Instance:
             return 0
         return self.kv_index.overlap(route.block_hashes(self.block_size)) * self.block_size
 
+    def lacking_tokens(self, route: Route) -> int | None:
+        """Prompt tokens of the request the instance does not hold (None when the prompt
+        is not known)."""
+        return None if route.tokens is None else max(0, len(route.tokens) - self.overlap_tokens(route))
+
     def expect(self, route: Route) -> None:
         """The request is sent to it: its prompt's blocks count as held until its events
         say (`KVIndex.expect`)."""
@@ -159,6 +164,10 @@ class InstancePool:
         self._ring = sorted((_point(f"{inst.url}#{v}"), i) for i, inst in enumerate(self.instances)
                             for v in range(VIRTUAL_NODES))
 
+    @property
+    def role(self) -> str:
+        return self.instances[0].role
+
     @classmethod
     def of(cls, urls: Sequence[str], role: str, policy: str, breaker: tuple[int, float] = (1, 5.0),
            **settings: float) -> InstancePool:
@@ -170,10 +179,10 @@ class InstancePool:
         breaker or excluded, OverloadedError if the others are all full."""
         available = [i for i in self.instances if i.url not in exclude and i.breaker.allows()]
         if not available:
-            raise NoInstanceError(f"no healthy {self.instances[0].role} instance left")
+            raise NoInstanceError(f"no healthy {self.role} instance left")
         candidates = [i for i in available if not self.max_outstanding or i.in_flight < self.max_outstanding]
         if not candidates:
-            raise OverloadedError(f"every {self.instances[0].role} instance has {self.max_outstanding} requests "
+            raise OverloadedError(f"every {self.role} instance has {self.max_outstanding} requests "
                                   "in flight")
         least = min(i.in_flight for i in candidates)
         if self.policy == "kv_aware":

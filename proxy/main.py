@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from proxy.disagg import DISAGG_POLICIES
 from proxy.instances import POLICIES
 from proxy.proxy_config import PROXY_DEFAULTS, ProxyConfig
 
@@ -43,6 +44,15 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-slack", type=int, default=PROXY_DEFAULTS["load_slack"], metavar="N",
                         help="prefix_aware and kv_aware: a server with more than N requests in flight above the "
                              "least loaded one is passed over, whatever it holds (default %(default)s)")
+    parser.add_argument("--disagg-policy", choices=DISAGG_POLICIES, default=PROXY_DEFAULTS["disagg_policy"],
+                        help="always: every prompt is computed on a prefill server; conditional: the decode server "
+                             "computes it itself when it lacks at most --local-prefill-max-tokens of it (by its KV "
+                             "events: start decode servers with --kv-events-port), when the least loaded prefill "
+                             "server has more prompt tokens queued than that, or when no prefill server is healthy "
+                             "(default %(default)s)")
+    parser.add_argument("--local-prefill-max-tokens", type=int, default=PROXY_DEFAULTS["local_prefill_max_tokens"],
+                        metavar="N", help="conditional: the most prompt tokens a decode server computes itself for "
+                                          "a request (default %(default)s)")
 
 
 def _add_fault_flags(parser: argparse.ArgumentParser) -> None:
@@ -104,7 +114,8 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
                            retry_backoff_s=args.retry_backoff, breaker_failures=args.breaker_failures,
                            breaker_cooldown_s=args.breaker_cooldown, max_outstanding=args.max_outstanding,
                            max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
-                           max_request_bytes=args.max_request_bytes)
+                           max_request_bytes=args.max_request_bytes, disagg_policy=args.disagg_policy,
+                           local_prefill_max_tokens=args.local_prefill_max_tokens)
     except ValueError as exc:
         raise SystemExit(f"pd proxy: {exc}") from None
 
@@ -118,7 +129,7 @@ def run_proxy(args: argparse.Namespace) -> int:
     config = proxy_config(args)
     app = build_proxy_app(config)
     print(f"pd proxy: {len(args.prefill)} prefill ({config.prefill_policy}), {len(args.decode)} decode "
-          f"({config.decode_policy}) "
+          f"({config.decode_policy}), disaggregation {config.disagg_policy} "
           f"at http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_keep_alive=SERVER_KEEPALIVE_S)

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from proxy.disagg import PATHS
 from proxy.instances import InstancePool
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -71,6 +72,11 @@ class ProxyMetrics:
                                            "KV event batches or replays received from a server that were not "
                                            "ones (dropped).", ["url"], registry=self.registry)
 
+        self.paths = Counter("pd_proxy_requests_by_path", "Requests placed, by where their prompt is computed: "
+                             "disaggregated (a prefill server) or local (the decode server, --disagg-policy "
+                             "conditional).", ["path"], registry=self.registry)
+        for path in PATHS:
+            self.paths.labels(path=path)
         self.retries = Counter("pd_proxy_retries", "Requests sent again to another server after one failed, by "
                                "role.", ["role"], registry=self.registry)
         self.overloaded = Counter("pd_proxy_overloaded", "Requests answered 429: every instance of the role had "

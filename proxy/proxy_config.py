@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, fields
 
 from proxy.body import MAX_DEPTH, MAX_REQUEST_BYTES
+from proxy.disagg import DISAGG_POLICIES, LOCAL_PREFILL_MAX_TOKENS
 from proxy.instances import LOAD_SLACK, POLICIES
 
 
@@ -34,6 +35,8 @@ class ProxyConfig:
     release_timeout_s: float = 5.0  # one `/v1/kv/release` to a prefill server
     max_request_bytes: int = MAX_REQUEST_BYTES
     max_depth: int = MAX_DEPTH  # of a request body's nested objects and arrays
+    disagg_policy: str = "always"  # or "conditional": D prefills itself what it lacks little of (disagg.py)
+    local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS  # conditional: D computes at most this many itself
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:
@@ -62,13 +65,23 @@ class ProxyConfig:
             raise ValueError(f"the request size limit must be positive, got {self.max_request_bytes}")
         if not 1 <= self.max_depth <= 256:  # the depth check recurses this deep
             raise ValueError(f"the nesting limit must be within 1 and 256, got {self.max_depth}")
+        if self.disagg_policy not in DISAGG_POLICIES:
+            raise ValueError(f"disagg_policy must be one of {', '.join(DISAGG_POLICIES)}, got {self.disagg_policy!r}")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(f"local_prefill_max_tokens must not be negative, got {self.local_prefill_max_tokens}")
         if "" in (self.api_key, self.server_api_key):
             raise ValueError("an API key must not be empty")
 
     @property
-    def kv_aware(self) -> bool:
-        """Whether a policy reads the servers' KV events (and so needs requests' tokens)."""
-        return "kv_aware" in (self.prefill_policy, self.decode_policy)
+    def needs_tokens(self) -> bool:
+        """Whether routing reads the servers' KV events (and so needs requests' tokens):
+        a kv_aware policy, or conditional disaggregation (D's events)."""
+        return "kv_aware" in (self.prefill_policy, self.decode_policy) or self.disagg_policy == "conditional"
+
+    def follows_events(self, role: str) -> bool:
+        """Whether the proxy follows the KV events of the servers of `role`."""
+        policy = self.prefill_policy if role == "prefill" else self.decode_policy
+        return policy == "kv_aware" or (role == "decode" and self.disagg_policy == "conditional")
 
     @property
     def server_authorization(self) -> str | None:

@@ -38,6 +38,7 @@ from proxy.answers import (ENGINE_DEAD, KV_HELD_LIMIT, OVERLOADED_RETRY_AFTER_S,
                            is_server_failure, kv_held_response, overloaded_response, passed_back, retry_after_s)
 from proxy.admission import Admission
 from proxy.body import BodyError, parse_body, prefill_body
+from proxy.disagg import DISAGGREGATED
 from proxy.errors import error_response
 from proxy.instances import Instance, InstancePool, NoInstanceError, OverloadedError, Route
 from proxy.metrics import ProxyMetrics
@@ -67,6 +68,7 @@ class Call:
     request_id: str
     picked: dict[str, tuple[int, int]] = field(default_factory=dict)
     bound: Instance | None = None
+    path: str = DISAGGREGATED  # or LOCAL: D prefills it (disagg.py)
 
     def bind(self, instance: Instance) -> None:
         self.bound = instance
@@ -85,8 +87,7 @@ class Call:
     def work_tokens(self, instance: Instance) -> int:
         """The prompt tokens `instance` has to work through for it (compute on P, pull
         on D): those it does not hold already (0 when the prompt is not known)."""
-        tokens = self.route.tokens
-        return 0 if tokens is None else max(0, len(tokens) - instance.overlap_tokens(self.route))
+        return instance.lacking_tokens(self.route) or 0
 
     def note_pick(self, pool: InstancePool, instance: Instance) -> None:
         held = instance.overlap_tokens(self.route)
@@ -133,6 +134,15 @@ class NoRoom:
     answer: Response
     retry_after_s: float | None = None
     overloaded: str | None = None  # the role whose every instance is at --max-outstanding
+
+
+@dataclass(frozen=True)
+class Unreached:
+    """No prefill server took the request (none healthy, or none could be reached or
+    had a live engine): nothing was computed for it. `answer` is the client's 503,
+    unless the decode server prefills the request itself (`disagg.py`)."""
+
+    answer: Response
 
 
 @dataclass(frozen=True)
@@ -226,11 +236,12 @@ class Upstream:
         else:
             logger.warning("%s server %s failed: %s", instance.role, instance.url, why)
 
-    async def prefill_once(self, call: Call) -> Prefilled | NoRoom | Response:
+    async def prefill_once(self, call: Call) -> Prefilled | NoRoom | Unreached | Response:
         """P's parameters from the first P that takes the request; NoRoom when every P is
-        full or holds too many blocks for unread requests; or the response for the client
-        (a server's verdict, 502 for a P that failed serving it, 503 when no P could be
-        reached after `max_retries` tries, each after an exponential backoff with jitter)."""
+        full or holds too many blocks for unread requests; Unreached when no P could be
+        reached after `max_retries` tries, each after an exponential backoff with jitter;
+        or the response for the client (a server's verdict, 502 for a P that failed
+        serving it)."""
         tried: set[str] = set()
         held: list[float] = []  # Retry-After of each P that refused for kv_held_limit
         for attempt in range(self.config.max_retries + 1):
@@ -252,8 +263,8 @@ class Upstream:
                 held.append(answer.retry_after_s)
         if held:
             return NoRoom(kv_held_response(min(held)), min(held))
-        return error_response(f"no healthy prefill instance took the request after {len(tried)} tries",
-                              503, "service_unavailable")
+        return Unreached(error_response(f"no healthy prefill instance took the request after {len(tried)} tries",
+                                        503, "service_unavailable"))
 
     async def _prefill_at(self, instance: Instance, call: Call) -> Prefilled | Response | TryAnother:
         work = call.work_tokens(instance)
@@ -304,11 +315,12 @@ class Upstream:
                                   "(is it started with --kv-connector nixl?)", 502)
         return Prefilled(instance, params)
 
-    async def open_decode(self, call: Call, first: Instance, params: dict[str, Any]) -> Opened | Response:
+    async def open_decode(self, call: Call, first: Instance, params: dict[str, Any] | None) -> Opened | Response:
         """D's 200 response, from `first` unless it is unhealthy by now, then from any
         other D while none could be reached (nothing was sent: another may take the same
-        parameters); or the response for the client (D's verdict, 502, 503)."""
-        body = call.body | {"kv_transfer_params": params}
+        parameters); or the response for the client (D's verdict, 502, 503). Without
+        P's `params`, D prefills the request itself."""
+        body = call.body if params is None else call.body | {"kv_transfer_params": params}
         tried: set[str] = set()
         instance = first
         while True:

@@ -1,0 +1,41 @@
+"""Where a request's prompt is computed: on a prefill server (disaggregated) or on the
+decode server itself (local), per `--disagg-policy`.
+
+- `always`: every request is prefilled on a P; D pulls the blocks it lacks.
+- `conditional`: the decode server is picked first, as always; then D prefills the
+  request itself (the request goes to it without `kv_transfer_params`, as to a colocated
+  server) when
+  - what D lacks of the prompt, the prompt tokens minus those its KV events say it holds
+    (`Instance.overlap_tokens`), is at most `--local-prefill-max-tokens`: the next turn of
+    a conversation D decoded, whose earlier turns and answers D holds; or
+  - the prompt tokens already queued on the least loaded prefill server (those it has to
+    work through for requests in flight) exceed what D lacks: waiting for P alone would
+    cost more than D computing the request; or
+  - no prefill server is healthy (rather than a 503).
+
+  Otherwise P prefills it, as under `always`. The prompt's tokens are needed (the proxy
+  tokenizes it, as for kv_aware), and D's events: without `--kv-events-port` on D, D
+  holds nothing as far as the proxy knows and only short prompts are computed there.
+"""
+
+from __future__ import annotations
+
+from proxy.instances import Instance, InstancePool, Route
+
+DISAGG_POLICIES = ("always", "conditional")
+LOCAL, DISAGGREGATED = "local", "disaggregated"
+PATHS = (LOCAL, DISAGGREGATED)
+LOCAL_PREFILL_MAX_TOKENS = 256
+
+
+def choose_path(route: Route, decode: Instance, prefill: InstancePool, policy: str, local_max_tokens: int) -> str:
+    """LOCAL or DISAGGREGATED for a request whose decode server is `decode`."""
+    lacking = decode.lacking_tokens(route)
+    if policy != "conditional" or lacking is None:
+        return DISAGGREGATED
+    if lacking <= local_max_tokens:
+        return LOCAL
+    available = [i for i in prefill.instances if i.healthy]
+    if not available or min(prefill.load_tokens(i) for i in available) > lacking:
+        return LOCAL
+    return DISAGGREGATED

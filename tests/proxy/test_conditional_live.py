@@ -1,0 +1,76 @@
+"""`--disagg-policy conditional` in front of real servers (1P1D, NIXL, D's KV events): a
+conversation's first turn is prefilled on P; each next turn, whose earlier turns and
+answers the decode server holds, is prefilled on D itself (no P, no transfer), finds
+them in D's prefix cache, and answers what a colocated server answers, streamed or not.
+For a hybrid (Mamba) model too, whose D skipped Mamba alignment while P prefilled."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+
+import pytest
+
+from launch import http_client
+from tests.support.pd_client import complete, stream
+from tests.support.proxy_fakes import proxy_metric, wait_until
+from tests.support.server_harness import Starter, free_port, running_proxy
+
+pytestmark = pytest.mark.slow
+NEW, ANSWER = 10, 12  # tokens of each next user message, of each answer
+
+
+def local_max(block: int) -> int:
+    """`--local-prefill-max-tokens`: past what a next turn lacks (its new message, the last
+    answer, and the last turn's block not full: D holds full blocks only)."""
+    return block + NEW + ANSWER
+
+
+@pytest.fixture(scope="module", params=["qwen3", "bamba"])
+def deployment(request, tiny_models, tmp_path_factory):
+    logs = tmp_path_factory.mktemp(f"conditional-{request.param}")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    with contextlib.ExitStack() as stack:
+        start = Starter(tiny_models[request.param], logs, stack)
+        events = ["--kv-events-port", str(free_port()), "--kv-events-replay-port", str(free_port())]
+        p, d = start.all(("p", "--role", "prefill"), ("d", "--role", "decode", *events))
+        config = http_client().get(f"{d.url}/v1/kv_config", timeout=10).json()
+        block = config["groups"][config["routing_group"]]["block_size"]  # 16, or 144 for bamba's Mamba pages
+        front = stack.enter_context(running_proxy(
+            logs / "proxy.log", "--prefill", p.url, "--decode", d.url, "--disagg-policy", "conditional",
+            "--local-prefill-max-tokens", str(local_max(block)), "--probe-interval", "0.5"))
+        yield request.param, block, p, d, front
+
+
+def decode_blocks(front) -> int:
+    state = http_client().get(f"{front.url}/health", timeout=5).json()["decode"][0]["kv_index"]
+    return 0 if state is None else state["blocks"]
+
+
+def paths(front) -> dict[str, float]:
+    return {path: proxy_metric(front.url, f'pd_proxy_requests_by_path_total{{path="{path}"}}')
+            for path in ("local", "disaggregated")}
+
+
+def test_the_next_turns_are_prefilled_on_d_from_its_cache_and_answer_as_colocated(deployment, colocated) -> None:
+    arch, block, p, d, front = deployment
+    rng = random.Random(7)
+    words = lambda n: [rng.randrange(10, 200) for _ in range(n)]  # noqa: E731
+    prompt, answer = words(4 * block + 4), []  # more than D computes itself
+    for k, expected in enumerate(["disaggregated", "local", "local"]):
+        if k:
+            held = (len(prompt) + len(answer) - 1) // block  # full blocks of the last turn D computed or read
+            prompt = prompt + answer + words(NEW)
+            assert wait_until(lambda: decode_blocks(front) >= held, 30), (decode_blocks(front), held)
+        before = paths(front)
+        body = {"prompt": prompt, "max_tokens": ANSWER, "temperature": 0, "ignore_eos": True}
+        got = stream(front, body) if k == 2 else complete(front, body)
+        assert got.token_ids == complete(colocated[arch], body).token_ids, (arch, k)
+        assert paths(front)[expected] == before[expected] + 1, (k, paths(front), before)
+        if k == 1 and arch == "qwen3":  # a hybrid's D holds no Mamba state where the turn could resume
+            assert got.body["usage"]["prompt_tokens_details"]["cached_tokens"] >= (held - 1) * block
+        answer = got.token_ids
+    assert http_client().get(f"{front.url}/health", timeout=5).json()["prefill"][0]["requests"] == 1  # turn 1
+    for server in (p, d):
+        assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0

@@ -1,0 +1,112 @@
+"""`--disagg-policy conditional`: the decision (what D lacks against the threshold, P's
+queue, no healthy P) and the proxy in front of fake servers: a request computed on D goes
+to D as it is, nothing to P, and says so in `X-PD-Path` and /metrics."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from launch import http_client
+from proxy.disagg import DISAGGREGATED, LOCAL, choose_path
+from proxy.instances import Instance, InstancePool, Route
+from proxy.kv_index import KVIndex
+from proxy.main import add_proxy_flags, proxy_config
+from proxy.proxy_config import ProxyConfig
+from tests.support.proxy_fakes import fake, proxy_in_front, proxy_health, proxy_metric, refusing_port
+
+BLOCK = 4
+
+
+def decode_holding(route: Route, blocks: int) -> Instance:
+    """A decode server whose events say it holds the first `blocks` blocks of the prompt."""
+    instance = Instance("http://127.0.0.1:1", "decode", kv_index=KVIndex(), block_size=BLOCK)
+    instance.kv_index.blocks.update(route.block_hashes(BLOCK)[:blocks])
+    return instance
+
+
+def prefill_pool(*queued_tokens: int) -> InstancePool:
+    pool = InstancePool.of([f"http://127.0.0.1:{2 + i}" for i in range(len(queued_tokens))], "prefill", "round_robin")
+    for instance, queued in zip(pool.instances, queued_tokens):
+        instance.outstanding_tokens = queued
+    return pool
+
+
+def test_d_computes_what_it_lacks_up_to_the_threshold_and_p_the_rest() -> None:
+    route = Route("k", tokens=list(range(100)))  # 25 blocks of 4
+    pool = prefill_pool(0)
+    for held, expected in [(25, LOCAL), (24, LOCAL), (23, LOCAL), (22, DISAGGREGATED), (0, DISAGGREGATED)]:
+        # lacking: 0, 4, 8, 12, 100 tokens against a threshold of 8
+        assert choose_path(route, decode_holding(route, held), pool, "conditional", 8) == expected, held
+    assert choose_path(route, decode_holding(route, 25), pool, "always", 8) == DISAGGREGATED
+    assert choose_path(Route("k"), decode_holding(route, 25), pool, "conditional", 8) == DISAGGREGATED  # tokens unknown
+    assert choose_path(Route("k", tokens=[1, 2]), Instance("http://127.0.0.1:1", "decode"), pool, "conditional",
+                       8) == LOCAL  # no events followed: a short prompt still
+
+
+def test_a_queue_on_every_p_longer_than_what_d_lacks_keeps_the_request_on_d() -> None:
+    route = Route("k", tokens=list(range(100)))
+    decode = decode_holding(route, 0)  # lacks all 100
+    assert choose_path(route, decode, prefill_pool(101, 500), "conditional", 8) == LOCAL
+    assert choose_path(route, decode, prefill_pool(101, 100), "conditional", 8) == DISAGGREGATED  # one P has room
+    pool = prefill_pool(0, 0)
+    for instance in pool.instances:
+        instance.mark_failed("gone")  # breakers open
+    assert choose_path(route, decode, pool, "conditional", 8) == LOCAL
+
+
+@pytest.mark.parametrize(("flags", "message"), [(["--disagg-policy", "sometimes"], "invalid choice"),
+                                                (["--local-prefill-max-tokens", "-1"], "must not be negative")])
+def test_bad_flags_are_refused(flags, message, capsys) -> None:
+    parser = argparse.ArgumentParser()
+    add_proxy_flags(parser)
+    with pytest.raises(SystemExit) as exc:
+        proxy_config(parser.parse_args(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", *flags]))
+    assert message in f"{exc.value} {capsys.readouterr().err}"
+
+
+def test_the_flags_reach_the_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_proxy_flags(parser)
+    config = proxy_config(parser.parse_args(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+                                             "--disagg-policy", "conditional", "--local-prefill-max-tokens", "64"]))
+    assert (config.disagg_policy, config.local_prefill_max_tokens) == ("conditional", 64)
+    assert config.needs_tokens and config.follows_events("decode") and not config.follows_events("prefill")
+    assert not ProxyConfig(("a",), ("b",)).needs_tokens
+
+
+@pytest.mark.slow
+def test_a_short_prompt_goes_to_d_as_it_is_and_a_long_one_through_p() -> None:
+    with fake("prefill") as p, fake("decode") as d, proxy_in_front(
+            [p.url], [d.url], disagg_policy="conditional", local_prefill_max_tokens=8) as proxy:
+        for prompt, stream in [("short", False), ("eight ch", True)]:  # fake tokens: a character each
+            response = http_client().post(f"{proxy}/v1/completions", timeout=30,
+                                          json={"prompt": prompt, "max_tokens": 2, "stream": stream})
+            assert response.status_code == 200 and response.headers["x-pd-path"] == LOCAL, response.text
+        assert p.received == [] and [r.body for r in d.received] == [
+            {"prompt": "short", "max_tokens": 2, "stream": False},  # no kv_transfer_params: D prefills it
+            {"prompt": "eight ch", "max_tokens": 2, "stream": True}]
+        response = http_client().post(f"{proxy}/v1/completions", json={"prompt": "nine char", "max_tokens": 2},
+                                      timeout=30)
+        assert response.status_code == 200 and response.headers["x-pd-path"] == DISAGGREGATED
+        assert len(p.received) == 1 and d.received[-1].body["kv_transfer_params"]["remote_request_id"] == "p-1"
+        assert proxy_metric(proxy, 'pd_proxy_requests_by_path_total{path="local"}') == 2
+        assert proxy_metric(proxy, 'pd_proxy_requests_by_path_total{path="disaggregated"}') == 1
+
+
+@pytest.mark.slow
+def test_without_a_p_to_take_it_d_prefills_the_request_instead_of_a_503() -> None:
+    with refusing_port() as gone, fake("decode") as d, proxy_in_front(
+            [gone], [d.url], disagg_policy="conditional", local_prefill_max_tokens=0) as proxy:
+        for _ in range(2):  # P's breaker closed (tried, unreachable), then open (not tried)
+            response = http_client().post(f"{proxy}/v1/completions", json={"prompt": "x" * 50, "max_tokens": 2},
+                                          timeout=30)
+            assert response.status_code == 200 and response.headers["x-pd-path"] == LOCAL, response.text
+        assert not proxy_health(proxy)[gone]["healthy"]
+        assert http_client().get(f"{proxy}/health", timeout=5).status_code == 200  # D serves alone
+        assert [r.body.get("kv_transfer_params") for r in d.received] == [None, None]
+    with refusing_port() as gone, fake("decode") as d, proxy_in_front([gone], [d.url]) as proxy:  # always
+        response = http_client().post(f"{proxy}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert response.status_code == 503 and "no healthy prefill instance" in response.json()["error"]["message"]
+        assert d.received == []
