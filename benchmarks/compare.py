@@ -7,7 +7,8 @@ its variants, 2P2D behind each routing policy, and 1P1D with all the prefill cac
 
 Every configuration sees the same prompts: repetition r uses seed `--seed + r` for all of
 them (fresh prompts per repetition, so one repetition does not warm the next one's
-prefix cache); the warm-up uses other prompts. Prefix-cache and KV-transfer figures are
+prefix cache); the warm-up uses other prompts. The configurations run side by side,
+their repetitions interleaved (`run_configs`). Prefix-cache and KV-transfer figures are
 read from every server's /metrics before and after each run, and summed: "P hit rate"
 over the servers that prefill, "prefix hit rate" and "KV read" over those that decode
 (a colocated server is both).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -71,29 +73,52 @@ def _dataset_actions() -> list[argparse.Action]:
     return [a for a in parser._actions if a.option_strings and a.dest != "help"]
 
 
-def run_config(config: str, args: argparse.Namespace, workdir: Path) -> dict:
-    runs = []
-    with deploy(config, args, workdir) as deployment:
-        if args.warmup_prompts:
-            asyncio.run(serve.benchmark(serve_args(args, deployment, args.seed + WARMUP_SEED_OFFSET,
-                                                   args.warmup_prompts, f"{config}-warmup")))
-        for rep in range(args.repetitions):
-            before = scrape(deployment.prefill_urls), scrape(deployment.decode_urls)
-            result = asyncio.run(serve.benchmark(serve_args(args, deployment, args.seed + rep, args.num_prompts,
-                                                            f"{config}-{rep}")))
-            after = scrape(deployment.prefill_urls), scrape(deployment.decode_urls)
-            result["servers"] = {"prefill": combined_deltas(before[0], after[0]),
-                                 "decode": combined_deltas(before[1], after[1])}
-            failed = result["metrics"]["failed"]
-            print(f"  {config} repetition {rep + 1}/{args.repetitions}: "
-                  f"{result['metrics']['output_throughput']:.1f} output tok/s, {failed} failed", flush=True)
-            runs.append(result)
-    medians = {}
+def run_configs(configs: list[str], args: argparse.Namespace, workdir: Path) -> list[dict]:
+    """One row per configuration. Interleaved (the default), every configuration is
+    deployed at once and warmed up, then repetition r runs them in turn, in reverse order
+    on odd r (ABBA): a machine that drifts (other load, clocks, caches) shifts every
+    configuration alike instead of whichever ran last. Idle servers cost ~1 % of a core
+    each; memory is every deployment's together. Otherwise each is deployed, run and
+    stopped in turn."""
+    runs: dict[str, list[dict]] = {config: [] for config in configs}
+    with contextlib.ExitStack() as stack:
+        groups = [configs] if args.interleave else [[config] for config in configs]
+        for group in groups:
+            deployments = {}
+            for config in group:
+                print(f"== {config}", flush=True)
+                deployments[config] = stack.enter_context(deploy(config, args, workdir))
+                if args.warmup_prompts:
+                    asyncio.run(serve.benchmark(serve_args(args, deployments[config], args.seed + WARMUP_SEED_OFFSET,
+                                                           args.warmup_prompts, f"{config}-warmup")))
+            for rep in range(args.repetitions):
+                for config in group if rep % 2 == 0 else group[::-1]:
+                    runs[config].append(run_once(config, deployments[config], args, rep))
+            if not args.interleave:
+                stack.close()
+    return [{"config": config, "medians": medians(runs[config]), "runs": runs[config]} for config in configs]
+
+
+def run_once(config: str, deployment: Deployment, args: argparse.Namespace, rep: int) -> dict:
+    before = scrape(deployment.prefill_urls), scrape(deployment.decode_urls)
+    result = asyncio.run(serve.benchmark(serve_args(args, deployment, args.seed + rep, args.num_prompts,
+                                                    f"{config}-{rep}")))
+    after = scrape(deployment.prefill_urls), scrape(deployment.decode_urls)
+    result["servers"] = {"prefill": combined_deltas(before[0], after[0]),
+                         "decode": combined_deltas(before[1], after[1])}
+    print(f"  {config} repetition {rep + 1}/{args.repetitions}: "
+          f"{result['metrics']['output_throughput']:.1f} output tok/s, {result['metrics']['failed']} failed",
+          flush=True)
+    return result
+
+
+def medians(runs: list[dict]) -> dict:
+    figures = {}
     for key, (_, read) in FIGURES.items():
         values = [v for v in (read(r) for r in runs) if v is not None]
-        medians[key] = statistics.median(values) if values else None
-    medians["failed"] = sum(r["metrics"]["failed"] for r in runs)
-    return {"config": config, "medians": medians, "runs": runs}
+        figures[key] = statistics.median(values) if values else None
+    figures["failed"] = sum(r["metrics"]["failed"] for r in runs)
+    return figures
 
 
 def format_table(rows: list[dict]) -> str:
@@ -140,6 +165,10 @@ def build_parser(prog: str = "pd bench compare") -> argparse.ArgumentParser:
     add("--num-prompts", type=int, default=64, help="requests per repetition (default 64)")
     add("--warmup-prompts", type=int, default=8, help="requests sent first and not counted (default 8)")
     add("--repetitions", type=int, default=3, help="timed runs per configuration; medians reported (default 3)")
+    add("--interleave", action=argparse.BooleanOptionalAction, default=True,
+        help="deploy every configuration at once and alternate their repetitions (ABBA), so that the machine's "
+             "drift falls on all alike; --no-interleave runs one deployment at a time, for configurations that "
+             "do not fit in memory together (default on)")
     add("--request-rate", type=float, default=float("inf"), help="mean arrivals per second (default inf)")
     add("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (default 1: Poisson)")
     add("--max-concurrency", type=int, default=8, help="most requests in flight (default 8)")
@@ -171,11 +200,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "pd bench compare") -> l
         parser.error(f"{args.model} is neither a model directory (no config.json) nor a .gguf file")
     out = args.output_dir or Path(f"results/compare-{datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for config in configs:
-            print(f"== {config}", flush=True)
-            rows.append(run_config(config, args, Path(tmp)))
+        rows = run_configs(configs, args, Path(tmp))
     title = (f"{args.model.name} {args.dtype}, {args.dataset}, {args.num_prompts} prompts x {args.repetitions}, "
              f"concurrency {args.max_concurrency}, {os.cpu_count()} CPUs"
              + (f", servers with {args.server_args}" if args.server_args else "")

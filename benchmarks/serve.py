@@ -35,22 +35,15 @@ from tqdm import tqdm
 
 from benchmarks.datasets import SampleRequest, add_dataset_args, load_samples
 from proxy.body import prefill_body
-from benchmarks.serve_metrics import (  # noqa: F401  (re-exported for callers)
-    KV_TRANSFER_BYTES,
-    PREFIX_HITS,
-    PREFIX_QUERIES,
+from benchmarks.serve_metrics import (
     RequestRecord,
     Samples,
     SLO_NAMES,
     arrival_intervals,
     compute_metrics,
-    counter_deltas,
-    meets_slos,
     parse_prometheus,
-    peak_concurrency,
     send_offsets,
     server_metric_deltas,
-    summarize_ms,
 )
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")

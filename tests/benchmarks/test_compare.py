@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import compare, deployments, serve
+from benchmarks import compare, deployments, serve, serve_metrics
 from launch import free_port, pd_command, running
 from pd.models.make_model import make_model
 
@@ -44,7 +44,7 @@ def metrics_text(queries: float, hits: float, transferred: float | None = None) 
 
 
 def test_figures_over_several_servers_are_summed_before_the_rate() -> None:
-    parse = serve.parse_prometheus
+    parse = serve_metrics.parse_prometheus
     before = [parse(metrics_text(100, 10, 0)), parse(metrics_text(0, 0))]
     after = [parse(metrics_text(300, 10, 4096)), parse(metrics_text(100, 90))]
     assert deployments.combined_deltas(before, after) == {"queries": 300, "hits": 90, "hit_rate": 0.3,
@@ -101,19 +101,26 @@ def test_bench_serve_against_a_real_server_saves_every_figure(bamba, tmp_path) -
 
 
 @pytest.mark.slow
-def test_compare_writes_the_table_json_and_plot(bamba, tmp_path) -> None:
+def test_compare_writes_the_table_json_and_plot(bamba, tmp_path, capsys) -> None:
+    """Four configurations up at once, their repetitions interleaved (ABBA)."""
     out = tmp_path / "out"
-    rows = compare.main(["--model", str(bamba), "--configs", "colocated,pd,2p2d-kv_aware", "--num-prompts", "4",
+    configs = ["colocated", "pd", "2p2d-kv_aware", "pd-conditional"]
+    rows = compare.main(["--model", str(bamba), "--configs", ",".join(configs), "--num-prompts", "4",
                          "--warmup-prompts", "1", "--repetitions", "2", *SMALL, "--output-dir", str(out)])
-    assert [r["config"] for r in rows] == ["colocated", "pd", "2p2d-kv_aware"]
+    ran = [line.split()[0] for line in capsys.readouterr().out.splitlines() if " repetition " in line]
+    assert ran == configs + configs[::-1]
+    assert [r["config"] for r in rows] == configs
     for row in rows:
         assert len(row["runs"]) == 2 and row["medians"]["failed"] == 0
         for run in row["runs"]:
             check_metrics(run["metrics"], 4)
-            assert run["servers"]["prefill"]["queries"] > 0 and run["servers"]["decode"]["queries"] > 0
+            assert run["servers"]["decode"]["queries"] > 0
+            # pd-conditional: prompts of 176 tokens, within --local-prefill-max-tokens, are prefilled on D
+            assert (run["servers"]["prefill"]["queries"] > 0) == (row["config"] != "pd-conditional")
     assert rows[0]["medians"]["kv_mib"] is None and rows[1]["medians"]["kv_mib"] > 0  # only PD moves KV
     assert rows[2]["medians"]["kv_mib"] > 0  # read by two decode servers, summed
+    assert rows[3]["medians"]["kv_mib"] == 0  # nothing prefilled on P, nothing read
     table = (out / "compare.md").read_text()
     assert "| colocated |" in table and "| pd |" in table and "| 2p2d-kv_aware |" in table
-    assert len(json.loads((out / "compare.json").read_text())["rows"]) == 3
+    assert len(json.loads((out / "compare.json").read_text())["rows"]) == 4
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
