@@ -106,7 +106,8 @@ def test_compare_writes_the_table_json_and_plot(bamba, tmp_path, capsys) -> None
     out = tmp_path / "out"
     configs = ["colocated", "pd", "2p2d-kv_aware", "pd-conditional"]
     rows = compare.main(["--model", str(bamba), "--configs", ",".join(configs), "--num-prompts", "4",
-                         "--warmup-prompts", "1", "--repetitions", "2", *SMALL, "--output-dir", str(out)])
+                         "--warmup-prompts", "1", "--repetitions", "2", *SMALL, "--output-dir", str(out),
+                         "--proxy-args", "--local-prefill-max-tokens 1024"])
     ran = [line.split()[0] for line in capsys.readouterr().out.splitlines() if " repetition " in line]
     assert ran == configs + configs[::-1]
     assert [r["config"] for r in rows] == configs
@@ -115,7 +116,7 @@ def test_compare_writes_the_table_json_and_plot(bamba, tmp_path, capsys) -> None
         for run in row["runs"]:
             check_metrics(run["metrics"], 4)
             assert run["servers"]["decode"]["queries"] > 0
-            # pd-conditional: prompts of 176 tokens, within --local-prefill-max-tokens, are prefilled on D
+            # pd-conditional: prompts of 176 tokens, within --local-prefill-max-tokens, prefilled on D
             assert (run["servers"]["prefill"]["queries"] > 0) == (row["config"] != "pd-conditional")
     assert rows[0]["medians"]["kv_mib"] is None and rows[1]["medians"]["kv_mib"] > 0  # only PD moves KV
     assert rows[2]["medians"]["kv_mib"] > 0  # read by two decode servers, summed
