@@ -11,7 +11,9 @@ decode server itself (local), per `--disagg-policy`.
   - the prompt tokens already queued on the least loaded prefill server (those it has to
     work through for requests in flight) exceed what D lacks: waiting for P alone would
     cost more than D computing the request; or
-  - no prefill server is healthy (rather than a 503).
+  - no prefill server is healthy (rather than a 503); and `forward.py` falls back to D
+    likewise when the prefill servers tried could not be reached (nothing was sent).
+    A P that took the request and failed is not: the request may be what failed it.
 
   Otherwise P prefills it, as under `always`. The prompt's tokens are needed (the proxy
   tokenizes it, as for kv_aware), and D's events: without `--kv-events-port` on D, D
