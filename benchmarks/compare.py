@@ -11,7 +11,8 @@ prefix cache); the warm-up uses other prompts. The configurations run side by si
 their repetitions interleaved (`run_configs`). Prefix-cache and KV-transfer figures are
 read from every server's /metrics before and after each run, and summed: "P hit rate"
 over the servers that prefill, "prefix hit rate" and "KV read" over those that decode
-(a colocated server is both).
+(a colocated server is both); "prefilled on D" is the share of requests the proxy let a
+decode server prefill itself (`--disagg-policy conditional`).
 
     pd bench compare --model DIR --dataset prefix-repetition --num-prompts 64
 """
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from benchmarks import serve
 from benchmarks.datasets import add_dataset_args
-from benchmarks.deployments import CONFIGS, Deployment, combined_deltas, deploy, scrape
+from benchmarks.deployments import CONFIGS, Deployment, combined_deltas, deploy, local_share, scrape
 
 WARMUP_SEED_OFFSET = 10_000
 FIGURES = {  # column -> (title, how to read it from one run's result)
@@ -42,8 +43,9 @@ FIGURES = {  # column -> (title, how to read it from one run's result)
     "p_hit_rate": ("P hit rate", lambda r: r["servers"]["prefill"]["hit_rate"]),
     "prefix_hit_rate": ("prefix hit rate", lambda r: r["servers"]["decode"]["hit_rate"]),
     "kv_mib": ("KV read (MiB)", lambda r: _mib(r["servers"]["decode"]["kv_transfer_bytes"])),
+    "on_d": ("prefilled on D", lambda r: r["servers"]["local_share"]),
 }
-RATES = ("p_hit_rate", "prefix_hit_rate")
+RATES = ("p_hit_rate", "prefix_hit_rate", "on_d")
 
 
 def _mib(num_bytes: float | None) -> float | None:
@@ -100,12 +102,14 @@ def run_configs(configs: list[str], args: argparse.Namespace, workdir: Path) -> 
 
 
 def run_once(config: str, deployment: Deployment, args: argparse.Namespace, rep: int) -> dict:
-    before = scrape(deployment.prefill_urls), scrape(deployment.decode_urls)
+    proxy = [deployment.proxy_url] if deployment.proxy_url else []
+    before = scrape(deployment.prefill_urls), scrape(deployment.decode_urls), scrape(proxy)
     result = asyncio.run(serve.benchmark(serve_args(args, deployment, args.seed + rep, args.num_prompts,
                                                     f"{config}-{rep}")))
-    after = scrape(deployment.prefill_urls), scrape(deployment.decode_urls)
+    after = scrape(deployment.prefill_urls), scrape(deployment.decode_urls), scrape(proxy)
     result["servers"] = {"prefill": combined_deltas(before[0], after[0]),
-                         "decode": combined_deltas(before[1], after[1])}
+                         "decode": combined_deltas(before[1], after[1]),
+                         "local_share": local_share(*before[2], *after[2]) if proxy else None}
     print(f"  {config} repetition {rep + 1}/{args.repetitions}: "
           f"{result['metrics']['output_throughput']:.1f} output tok/s, {result['metrics']['failed']} failed",
           flush=True)

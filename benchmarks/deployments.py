@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.serve_metrics import Samples, parse_prometheus, server_metric_deltas
+from benchmarks.serve_metrics import Samples, counter_deltas, parse_prometheus, server_metric_deltas
 import launch
 from launch import free_port, pd_command, stop_process
 
@@ -46,6 +46,7 @@ CONDITIONAL = "pd-conditional"
 CONFIGS = ("colocated", "pd", "pd-per-layer", "pd-no-skip-partial", "no-prefix-cache", *ROUTED, "1p1d-all-cache",
            "colocated-tp2", "pd-decode-tp2", CONDITIONAL)
 ROUTED_PREFILL_SERVERS = 2
+PATHS = "pd_proxy_requests_by_path_total"  # the proxy's requests by where their prompt was computed
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Deployment:
     metrics_url: str
     prefill_urls: list[str] = field(default_factory=list)
     decode_urls: list[str] = field(default_factory=list)
+    proxy_url: str | None = None  # a PD deployment's
 
 
 @contextlib.contextmanager
@@ -89,7 +91,7 @@ def deploy(config: str, args: argparse.Namespace, workdir: Path) -> Iterator[Dep
         proxy = start("proxy", "--prefill", *ps, "--decode", *ds, "--policy", ROUTED.get(config, "round_robin"),
                       *disagg, "--log-level", "warning", *shlex.split(args.proxy_args), command="proxy",
                       shared=["--host", "127.0.0.1"])
-        yield Deployment(proxy, f"{ds[0]}/metrics", ps, ds)
+        yield Deployment(proxy, f"{ds[0]}/metrics", ps, ds, proxy)
 
 
 def _events(published: bool) -> list[str]:
@@ -113,6 +115,16 @@ def _server_flags(config: str, args: argparse.Namespace) -> tuple[list[str], lis
 
 def scrape(urls: list[str]) -> list[Samples]:
     return [parse_prometheus(httpx.get(f"{url}/metrics", timeout=10).text) for url in urls]
+
+
+def local_share(before: Samples | None, after: Samples | None) -> float | None:
+    """Of the requests the proxy placed between two scrapes, the share its decode servers
+    prefilled themselves (`--disagg-policy conditional`); None without a proxy."""
+    if before is None or after is None:
+        return None
+    placed = {dict(labels).get("path"): value for labels, value in counter_deltas(before, after, PATHS).items()}
+    total = sum(placed.values())
+    return placed.get("local", 0.0) / total if total else None
 
 
 def combined_deltas(before: list[Samples], after: list[Samples]) -> dict:

@@ -31,9 +31,19 @@ def test_serve_args_carry_the_dataset_flags_and_the_repetitions_seed() -> None:
 def test_the_table_shows_medians_and_dashes_for_missing_figures() -> None:
     rows = [{"config": "colocated", "medians": {"output_throughput": 100.0, "mean_ttft_ms": 50.0,
                                                 "p99_ttft_ms": 80.0, "mean_tpot_ms": 9.5, "p_hit_rate": 0.5,
-                                                "prefix_hit_rate": 0.25, "kv_mib": None, "failed": 0}}]
+                                                "prefix_hit_rate": 0.25, "kv_mib": None, "on_d": None,
+                                                "failed": 0}}]
     table = compare.format_table(rows)
-    assert table.splitlines()[2] == "| colocated | 100.0 | 50.0 | 80.0 | 9.5 | 50.0% | 25.0% | - | 0 |"
+    assert table.splitlines()[2] == "| colocated | 100.0 | 50.0 | 80.0 | 9.5 | 50.0% | 25.0% | - | - | 0 |"
+
+
+def test_the_share_prefilled_on_d_is_read_from_the_proxys_paths() -> None:
+    parse = serve_metrics.parse_prometheus
+    paths = ('pd_proxy_requests_by_path_total{{path="local"}} {}\n'
+             'pd_proxy_requests_by_path_total{{path="disaggregated"}} {}\n')
+    before, after = parse(paths.format(5, 10)), parse(paths.format(8, 19))
+    assert deployments.local_share(before, after) == 0.25  # 3 of the 12 placed meanwhile
+    assert deployments.local_share(before, before) is None and deployments.local_share(None, None) is None
 
 
 def metrics_text(queries: float, hits: float, transferred: float | None = None) -> str:
@@ -121,7 +131,9 @@ def test_compare_writes_the_table_json_and_plot(bamba, tmp_path, capsys) -> None
     assert rows[0]["medians"]["kv_mib"] is None and rows[1]["medians"]["kv_mib"] > 0  # only PD moves KV
     assert rows[2]["medians"]["kv_mib"] > 0  # read by two decode servers, summed
     assert rows[3]["medians"]["kv_mib"] == 0  # nothing prefilled on P, nothing read
+    assert [row["medians"]["on_d"] for row in rows] == [None, 0.0, 0.0, 1.0]  # the proxy's paths, per run
     table = (out / "compare.md").read_text()
     assert "| colocated |" in table and "| pd |" in table and "| 2p2d-kv_aware |" in table
+    assert "| prefilled on D |" in table and "| 100.0% |" in table
     assert len(json.loads((out / "compare.json").read_text())["rows"]) == 4
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
