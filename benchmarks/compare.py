@@ -83,9 +83,8 @@ def run_configs(configs: list[str], args: argparse.Namespace, workdir: Path) -> 
     each; memory is every deployment's together. Otherwise each is deployed, run and
     stopped in turn."""
     runs: dict[str, list[dict]] = {config: [] for config in configs}
-    with contextlib.ExitStack() as stack:
-        groups = [configs] if args.interleave else [[config] for config in configs]
-        for group in groups:
+    for group in [configs] if args.interleave else [[config] for config in configs]:
+        with contextlib.ExitStack() as stack:
             deployments = {}
             for config in group:
                 print(f"== {config}", flush=True)
@@ -96,24 +95,27 @@ def run_configs(configs: list[str], args: argparse.Namespace, workdir: Path) -> 
             for rep in range(args.repetitions):
                 for config in group if rep % 2 == 0 else group[::-1]:
                     runs[config].append(run_once(config, deployments[config], args, rep))
-            if not args.interleave:
-                stack.close()
     return [{"config": config, "medians": medians(runs[config]), "runs": runs[config]} for config in configs]
 
 
 def run_once(config: str, deployment: Deployment, args: argparse.Namespace, rep: int) -> dict:
-    proxy = [deployment.proxy_url] if deployment.proxy_url else []
-    before = scrape(deployment.prefill_urls), scrape(deployment.decode_urls), scrape(proxy)
+    before = _snapshot(deployment)
     result = asyncio.run(serve.benchmark(serve_args(args, deployment, args.seed + rep, args.num_prompts,
                                                     f"{config}-{rep}")))
-    after = scrape(deployment.prefill_urls), scrape(deployment.decode_urls), scrape(proxy)
+    after = _snapshot(deployment)
     result["servers"] = {"prefill": combined_deltas(before[0], after[0]),
                          "decode": combined_deltas(before[1], after[1]),
-                         "local_share": local_share(*before[2], *after[2]) if proxy else None}
+                         "local_share": local_share(before[2], after[2])}
     print(f"  {config} repetition {rep + 1}/{args.repetitions}: "
           f"{result['metrics']['output_throughput']:.1f} output tok/s, {result['metrics']['failed']} failed",
           flush=True)
     return result
+
+
+def _snapshot(deployment: Deployment) -> tuple:
+    """The prefill servers', the decode servers' and the proxy's (None without one) /metrics."""
+    proxy = scrape([deployment.proxy_url])[0] if deployment.proxy_url else None
+    return scrape(deployment.prefill_urls), scrape(deployment.decode_urls), proxy
 
 
 def medians(runs: list[dict]) -> dict:

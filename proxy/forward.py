@@ -167,7 +167,6 @@ async def _try_place(upstream: Upstream, request: Request,
         elif not isinstance(prefilled, Prefilled):
             call.unbind()
             return prefilled.answer if isinstance(prefilled, Unreached) else prefilled
-    call.path = path
     upstream.metrics.paths.labels(path=path).inc()
     return decode, prefilled
 
@@ -196,7 +195,8 @@ async def _decode(upstream: Upstream, request: Request, call: Call, prefilled: P
     if not isinstance(opened, Opened):
         await _release(upstream, prefilled, call)
         return opened
-    headers = {"X-Request-Id": call.request_id, "X-PD-Path": call.path} | call.route_headers()
+    path = DISAGGREGATED if prefilled is not None else LOCAL
+    headers = {"X-Request-Id": call.request_id, "X-PD-Path": path} | call.route_headers()
     if call.stream:
         return StreamingResponse(_relay(upstream, opened), media_type="text/event-stream",
                                  headers=headers | {"Cache-Control": "no-cache"})

@@ -48,8 +48,8 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
                         help="always: every prompt is computed on a prefill server; conditional: the decode server "
                              "computes it itself when it lacks at most --local-prefill-max-tokens of it (by its KV "
                              "events: start decode servers with --kv-events-port), when the least loaded prefill "
-                             "server has more prompt tokens queued than that, or when no prefill server is healthy "
-                             "(default %(default)s)")
+                             "server has more prompt tokens queued than the decode server lacks, or when no prefill "
+                             "server is healthy or reachable (default %(default)s)")
     parser.add_argument("--local-prefill-max-tokens", type=int, default=PROXY_DEFAULTS["local_prefill_max_tokens"],
                         metavar="N", help="conditional: the most prompt tokens a decode server computes itself for "
                                           "a request (default %(default)s)")

@@ -38,7 +38,6 @@ from proxy.answers import (ENGINE_DEAD, KV_HELD_LIMIT, OVERLOADED_RETRY_AFTER_S,
                            is_server_failure, kv_held_response, overloaded_response, passed_back, retry_after_s)
 from proxy.admission import Admission
 from proxy.body import BodyError, parse_body, prefill_body
-from proxy.disagg import DISAGGREGATED
 from proxy.errors import error_response
 from proxy.instances import Instance, InstancePool, NoInstanceError, OverloadedError, Route
 from proxy.metrics import ProxyMetrics
@@ -68,7 +67,6 @@ class Call:
     request_id: str
     picked: dict[str, tuple[int, int]] = field(default_factory=dict)
     bound: Instance | None = None
-    path: str = DISAGGREGATED  # or LOCAL: D prefills it (disagg.py)
 
     def bind(self, instance: Instance) -> None:
         self.bound = instance
