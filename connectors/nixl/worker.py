@@ -127,7 +127,8 @@ class NixlConnectorWorker(KVConnectorWorker):
         from connectors.nixl.transport import NixlTransport  # imports nixl: only when used
         from connectors.nixl.ucx import configure_ucx
 
-        configure_ucx(self.config.host, self.config.ucx_transports, cuda=torch.cuda.is_available())
+        configure_ucx(self.config.host, self.config.ucx_transports, cuda=torch.cuda.is_available(),
+                      kv_on_gpu=kv_caches.tensors[0].device.type == "cuda")
         if self.config.rank > 0:  # its reads only: leases and the side channel are rank 0's
             self.transport = self.peers.transport = NixlTransport(self.agent_name, kv_caches)
             return
