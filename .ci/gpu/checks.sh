@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, run on the device tool's machine after .ci/gpu/prepare.sh here:
 #   run(command="bash .ci/gpu/checks.sh", carry=[".whl"], timeout_s=480)
-# The CUDA tests (NIXL moving device memory included), then colocated vs PD on one GPU.
+# The CUDA tests (NIXL moving device memory included), D's KV read speed under UCX settings,
+# then colocated vs PD on one GPU.
 set -o pipefail
 T0=$(date +%s); at() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
 mkdir -p /tmp/site
@@ -16,6 +17,8 @@ timeout "${TEST_S:-210}" python3 -m pytest -q -n 4 --dist loadfile -p no:cachepr
 at model
 python3 -m cli.main make-model --arch qwen3 --out /tmp/tiny-qwen3 >/dev/null
 python3 .ci/gpu/make_model.py /tmp/tiny-qwen3 /tmp/qwen3-0.6b-shaped 2>&1 | tail -1
+at kv-reads
+timeout "${READS_S:-120}" python3 .ci/gpu/kv_reads.py /tmp/qwen3-0.6b-shaped 2>&1 | tee "$OUT/kv_reads.log"
 at bench
 timeout "${BENCH_S:-200}" python3 -m cli.main bench compare --model /tmp/qwen3-0.6b-shaped --dtype bfloat16 \
   --configs colocated,pd --num-prompts 64 --warmup-prompts 8 --max-concurrency 16 --dataset random \

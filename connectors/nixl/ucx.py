@@ -18,6 +18,12 @@ ONE_HOST_CUDA_UCX_TLS = ONE_HOST_UCX_TLS + ",cuda_copy,cuda_ipc"
 # KV in GPU memory keeps UCX's defaults: on one H200 (nixl-cu13 1.5.1, P and D on one
 # device) a 117 MB read took 1.76 s without them and 0.45 s with them.
 NO_MEMORY_HOOKS = {"UCX_MEM_EVENTS": "no", "UCX_RCACHE_ENABLE": "n"}
+# KV in GPU memory: D READs P's blocks, and UCX's cuda_ipc turns its GET off where it
+# finds no NVLink ("cuda-ipc get zcopy disabled as no nvlinks detected", UCX's
+# cuda_ipc_iface.c), so a read between two GPUs over PCIe, or two processes on one GPU,
+# went through host memory and TCP (~260 MB/s on the H200 above; vllm#52607 saw the
+# same; ai-dynamo/nixl#2208 turns it on in later NIXL). Not yet measured here.
+CUDA_IPC_GET = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 
 
 def configure_ucx(host: str, transports: str = "auto", cuda: bool = False, kv_on_gpu: bool = False) -> None:
@@ -33,12 +39,11 @@ def configure_ucx(host: str, transports: str = "auto", cuda: bool = False, kv_on
       otherwise; for a loopback `host` it stays on loopback (`UCX_NET_DEVICES=lo`, unless
       the operator set it). Other hosts keep UCX's choice: narrowing it there could
       exclude the RDMA devices.
-    - No memory hooks nor registration cache (NO_MEMORY_HOOKS) for KV in host memory,
-      unless the operator set those variables; UCX's defaults for KV on a GPU
-      (`kv_on_gpu`)."""
-    if not kv_on_gpu:
-        for name, value in NO_MEMORY_HOOKS.items():
-            os.environ.setdefault(name, value)
+    - No memory hooks nor registration cache (NO_MEMORY_HOOKS) for KV in host memory;
+      for KV on a GPU (`kv_on_gpu`) UCX's defaults, and CUDA IPC reads on with or
+      without NVLink (CUDA_IPC_GET). An operator's own values of these win."""
+    for name, value in (CUDA_IPC_GET if kv_on_gpu else NO_MEMORY_HOOKS).items():
+        os.environ.setdefault(name, value)
     try:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:

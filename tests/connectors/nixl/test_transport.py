@@ -368,11 +368,15 @@ def test_device_kind_follows_the_tensors() -> None:
     ("127.0.0.1", "auto", {"UCX_NET_DEVICES": "eth1"}, {"UCX_TLS": "sm,self,tcp", "UCX_NET_DEVICES": "eth1"}),
     ("10.1.2.3", "auto", {}, {"UCX_MEM_EVENTS": "no", "UCX_RCACHE_ENABLE": "n"}),  # NIXL passes memory handles
     ("127.0.0.1", "auto", {"UCX_RCACHE_ENABLE": "y"}, {"UCX_MEM_EVENTS": "no", "UCX_RCACHE_ENABLE": "y"}),
-    # KV on a GPU keeps UCX's cache and hooks: VRAM reads were 3.9x slower without them (H200)
-    ("127.0.0.1", ("auto", True, True), {}, {"UCX_MEM_EVENTS": None, "UCX_RCACHE_ENABLE": None}),
+    # KV on a GPU keeps UCX's cache and hooks (VRAM reads were 3.9x slower without them, H200)
+    # and reads by CUDA IPC without NVLink too (UCX turns them off there)
+    ("127.0.0.1", ("auto", True, True), {}, {"UCX_MEM_EVENTS": None, "UCX_RCACHE_ENABLE": None,
+                                             "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}),
+    ("10.1.2.3", ("auto", True, True), {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}, {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}),
+    ("127.0.0.1", ("auto", True), {}, {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": None}),  # KV in host memory
 ])
 def test_configure_ucx_picks_transports_per_deployment(monkeypatch, host, transports, env, expected) -> None:
-    for name in ("UCX_TLS", "UCX_NET_DEVICES", "UCX_MEM_EVENTS", "UCX_RCACHE_ENABLE"):
+    for name in ("UCX_TLS", "UCX_NET_DEVICES", "UCX_MEM_EVENTS", "UCX_RCACHE_ENABLE", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
