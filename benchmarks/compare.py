@@ -38,6 +38,7 @@ WARMUP_SEED_OFFSET = 10_000
 FIGURES = {  # column -> (title, how to read it from one run's result)
     "output_throughput": ("output tok/s", lambda r: r["metrics"]["output_throughput"]),
     "mean_ttft_ms": ("mean TTFT (ms)", lambda r: r["metrics"]["mean_ttft_ms"]),
+    "mean_ttft_later_ms": ("TTFT turns >= 2 (ms)", lambda r: r["metrics"].get("mean_ttft_later_turns_ms")),
     "p99_ttft_ms": ("p99 TTFT (ms)", lambda r: r["metrics"]["p99_ttft_ms"]),
     "mean_tpot_ms": ("mean TPOT (ms)", lambda r: r["metrics"]["mean_tpot_ms"]),
     "p_hit_rate": ("P hit rate", lambda r: r["servers"]["prefill"]["hit_rate"]),
@@ -46,6 +47,7 @@ FIGURES = {  # column -> (title, how to read it from one run's result)
     "on_d": ("prefilled on D", lambda r: r["servers"]["local_share"]),
 }
 RATES = ("p_hit_rate", "prefix_hit_rate", "on_d")
+ONLY_WHERE_MEASURED = ("mean_ttft_later_ms",)  # columns left out when no row has them (not multi-turn)
 
 
 def _mib(num_bytes: float | None) -> float | None:
@@ -128,12 +130,14 @@ def medians(runs: list[dict]) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    titles = [title for title, _ in FIGURES.values()]
+    keys = [key for key in FIGURES
+            if key not in ONLY_WHERE_MEASURED or any(row["medians"].get(key) is not None for row in rows)]
+    titles = [FIGURES[key][0] for key in keys]
     lines = ["| configuration | " + " | ".join(titles) + " | failed |", "|---|" + "---|" * (len(titles) + 1)]
     for row in rows:
         cells = []
-        for key in FIGURES:
-            value = row["medians"][key]
+        for key in keys:
+            value = row["medians"].get(key)
             cells.append("-" if value is None else (f"{value:.1%}" if key in RATES else f"{value:.1f}"))
         lines.append(f"| {row['config']} | " + " | ".join(cells) + f" | {row['medians']['failed']} |")
     return "\n".join(lines)

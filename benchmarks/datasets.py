@@ -75,6 +75,7 @@ class SampleRequest:
     prompt_len: int
     output_len: int
     arrival: float | None = None  # seconds after the run's start (a trace's); None: sent at --request-rate
+    turn: int = 0  # multi-turn: which turn of its conversation (0: the first)
 
     def text(self) -> str:
         """The prompt as text (ids spelled as words, see `ids_to_text`)."""
@@ -141,7 +142,7 @@ def multi_turn_dataset(num_prompts: int, turns: int, system_len: int, user_len: 
             if turn:
                 history += _random_ids(rng, answer_len, vocab_size, low)
             history += _random_ids(rng, user_len, vocab_size, low)
-            samples.append(SampleRequest(list(history), len(history), output_len))
+            samples.append(SampleRequest(list(history), len(history), output_len, turn=turn))
     return samples
 
 

@@ -153,6 +153,7 @@ async def run_requests(client: httpx.AsyncClient, url: str, payloads: list[dict]
         await asyncio.sleep(max(0.0, t0 + offsets[i] - time.perf_counter()))
         async with limit:
             record = await send_request(client, url, payloads[i], samples[i].prompt_len, t0, prefill_url)
+            record.turn = samples[i].turn
         progress.update(1)
         return record
 
@@ -235,7 +236,7 @@ def _notes(metrics: dict, server: dict | None, metrics_url: str) -> list[str]:
 
 def _record_json(r: RequestRecord) -> dict:
     return {"start": r.start, "ttft": r.ttft, "itl": r.itl, "e2el": r.e2el if r.success else None,
-            "output_len": r.output_len, "prompt_len": r.prompt_len, "error": r.error}
+            "output_len": r.output_len, "prompt_len": r.prompt_len, "turn": r.turn, "error": r.error}
 
 
 def _row(name: str, value: float | int | None, fmt: str = ".2f") -> str:
@@ -261,6 +262,9 @@ def format_table(result: dict) -> str:
         lines.append("{s:{c}^50}".format(s=f" {title} ", c="-"))
         lines += [_row(f"{stat.capitalize()} {key.upper()} (ms)", m[f"{stat}_{key}_ms"])
                   for stat in ("mean", "median", "std", "p99")]
+        if key == "ttft" and m["mean_ttft_later_turns_ms"] is not None:
+            lines += [_row(f"{stat.capitalize()} TTFT, turns >= 2 (ms)", m[f"{stat}_ttft_later_turns_ms"])
+                      for stat in ("mean", "median")]
     lines += _server_rows(result["server_metrics"])
     return "\n".join(lines + ["=" * 50] + result["notes"])
 

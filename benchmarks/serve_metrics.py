@@ -30,6 +30,7 @@ class RequestRecord:
     output_len: int = 0
     output_len_from_usage: bool = False
     error: str | None = None
+    turn: int = 0  # multi-turn: which turn of its conversation (0: the first)
 
     @property
     def e2el(self) -> float:
@@ -106,7 +107,9 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float,
     if goodput_slos:
         metrics["request_goodput"] = sum(meets_slos(r, goodput_slos) for r in ok) / duration
     series = {"ttft": [r.ttft for r in ok], "tpot": [r.tpot for r in ok if r.tpot is not None],
-              "itl": [gap for r in ok for gap in r.itl], "e2el": [r.e2el for r in ok]}
+              "itl": [gap for r in ok for gap in r.itl], "e2el": [r.e2el for r in ok],
+              # a conversation's later turns: what its earlier turns left cached (None unless multi-turn)
+              "ttft_later_turns": [r.ttft for r in ok if r.turn > 0]}
     for name, values in series.items():
         for stat, value in summarize_ms(values).items():
             metrics[f"{stat}_{name}_ms"] = value

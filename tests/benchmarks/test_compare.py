@@ -35,6 +35,12 @@ def test_the_table_shows_medians_and_dashes_for_missing_figures() -> None:
                                                 "failed": 0}}]
     table = compare.format_table(rows)
     assert table.splitlines()[2] == "| colocated | 100.0 | 50.0 | 80.0 | 9.5 | 50.0% | 25.0% | - | - | 0 |"
+    assert "turns >= 2" not in table  # not a multi-turn run: no such column
+    rows.append({"config": "pd", "medians": {**rows[0]["medians"], "mean_ttft_later_ms": 20.0}})
+    lines = compare.format_table(rows).splitlines()
+    assert "| TTFT turns >= 2 (ms) |" in lines[0]
+    assert lines[2:] == ["| colocated | 100.0 | 50.0 | - | 80.0 | 9.5 | 50.0% | 25.0% | - | - | 0 |",
+                         "| pd | 100.0 | 50.0 | 20.0 | 80.0 | 9.5 | 50.0% | 25.0% | - | - | 0 |"]
 
 
 def test_the_share_prefilled_on_d_is_read_from_the_proxys_paths() -> None:

@@ -58,6 +58,17 @@ def test_compute_metrics_matches_hand_computed_trace() -> None:
     assert m["mean_itl_ms"] == pytest.approx(40.0)
     assert m["median_itl_ms"] == pytest.approx(40.0)
     assert m["p99_itl_ms"] == pytest.approx(40 + 0.98 * 20)
+    assert m["mean_ttft_later_turns_ms"] is None  # no multi-turn requests
+
+
+def test_later_turns_have_their_own_ttft() -> None:
+    """A conversation's turns after the first, apart: what the earlier turns left cached
+    shows there (the first turns' TTFT dilutes it in the overall mean)."""
+    records = trace()
+    records[1].turn, records[2].turn, records[3].turn = 1, 3, 2  # the failed one is left out as everywhere
+    m = compute_metrics(records, duration=2.0)
+    assert m["mean_ttft_later_turns_ms"] == pytest.approx(250.0) and m["mean_ttft_ms"] == pytest.approx(200.0)
+    assert m["median_ttft_later_turns_ms"] == pytest.approx(250.0)
     assert m["mean_e2el_ms"] == pytest.approx((160 + 260 + 300) / 3)
     assert m["median_e2el_ms"] == pytest.approx(260.0)
     assert m["p99_e2el_ms"] == pytest.approx(260 + 0.98 * 40)
@@ -168,6 +179,7 @@ def test_multi_turn_dataset_extends_each_conversation_turn_by_turn() -> None:
     assert all(s.prompt[:10] == system and len(s.prompt) == s.prompt_len and s.output_len == 5 for s in samples)
     for turn in range(3):
         assert [len(s.prompt) for s in samples[4 * turn:4 * turn + 4]] == [10 + 4 + 6 * turn] * 4
+        assert [s.turn for s in samples[4 * turn:4 * turn + 4]] == [turn] * 4
     second = {conversation(samples, s.prompt): s.prompt for s in samples[4:8]}
     assert sorted(second) == [0, 1, 2, 3]  # turn 2 of each conversation, then turn 3 of each
     assert sorted(conversation(samples, s.prompt) for s in samples[8:]) == [0, 1, 2, 3]
@@ -370,6 +382,16 @@ def test_live_benchmark_against_streaming_server(server_url: str, tmp_path: Path
         assert len(r["itl"]) == r["output_len"] - 1 and all(gap >= 0 for gap in r["itl"])
         assert 0 < r["ttft"] <= r["e2el"] and r["start"] >= 0
         assert r["ttft"] + sum(r["itl"]) <= r["e2el"] + 1e-9
+
+
+def test_live_multi_turn_run_reports_the_later_turns_apart(server_url: str, capsys) -> None:
+    result = main(["--base-url", server_url, "--num-prompts", "6", "--dataset", "multi-turn", "--multi-turn-turns", "3",
+                   "--multi-turn-system-len", "4", "--multi-turn-user-len", "3", "--multi-turn-answer-len", "2",
+                   "--multi-turn-output-len", "3", "--ignore-eos"])
+    assert [r["turn"] for r in result["requests"]] == [0, 0, 1, 1, 2, 2]
+    m = result["metrics"]
+    assert m["mean_ttft_later_turns_ms"] > 0 and m["mean_ttft_ms"] > 0
+    assert "Mean TTFT, turns >= 2 (ms)" in capsys.readouterr().out
 
 
 def test_live_chat_endpoint_skips_role_chunk(server_url: str) -> None:
