@@ -34,7 +34,9 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-policy", choices=POLICIES, default=None,
                         help="the policy for prefill servers (default: --policy)")
     parser.add_argument("--decode-policy", choices=POLICIES, default=None,
-                        help="the policy for decode servers, which pull only the blocks they lack (default: --policy)")
+                        help="the policy for decode servers, which pull only the blocks they lack (default: --policy; "
+                             "kv_aware under --disagg-policy conditional, so that a conversation's next turn goes "
+                             "to the decode server holding its last one)")
     parser.add_argument("--kv-overlap-weight", type=float, default=PROXY_DEFAULTS["kv_overlap_weight"],
                         help="kv_aware: what one prompt token a server holds is worth against one token of its "
                              "load (prompt tokens of requests in flight it still works through) (default %(default)s)")

@@ -15,7 +15,7 @@ class ProxyConfig:
     decode_urls: tuple[str, ...]
     policy: str = "round_robin"
     prefill_policy: str | None = None  # None: `policy`
-    decode_policy: str | None = None  # None: `policy`
+    decode_policy: str | None = None  # None: `policy`; kv_aware under conditional disaggregation
     kv_overlap_weight: float = 1.0  # kv_aware: a prompt token held, against a token of load
     decode_load_tokens: int = 256  # kv_aware: the load one request being decoded counts for
     load_slack: int = LOAD_SLACK  # prefix_aware, kv_aware: requests in flight above the least loaded tolerated
@@ -41,6 +41,10 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:
             raise ValueError("at least one prefill and one decode server are needed")
+        if self.decode_policy is None and self.disagg_policy == "conditional":
+            # the next turn goes to the decode server holding the last one, which it then
+            # prefills itself: round robin would send it where nothing is held
+            object.__setattr__(self, "decode_policy", "kv_aware")
         for name in ("prefill_policy", "decode_policy"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, self.policy)

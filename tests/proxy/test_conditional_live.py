@@ -48,6 +48,11 @@ def decode_blocks(front) -> int:
     return 0 if state is None else state["blocks"]
 
 
+def all_decode_blocks(front) -> int:
+    states = [d["kv_index"] for d in http_client().get(f"{front.url}/health", timeout=5).json()["decode"]]
+    return sum(0 if state is None else state["blocks"] for state in states)
+
+
 def paths(front) -> dict[str, float]:
     return {path: proxy_metric(front.url, f'pd_proxy_requests_by_path_total{{path="{path}"}}')
             for path in ("local", "disaggregated")}
@@ -73,4 +78,48 @@ def test_the_next_turns_are_prefilled_on_d_from_its_cache_and_answer_as_colocate
         answer = got.token_ids
     assert http_client().get(f"{front.url}/health", timeout=5).json()["prefill"][0]["requests"] == 1  # turn 1
     for server in (p, d):
+        assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+
+
+@pytest.fixture(scope="module")
+def two_decoders(tiny_models, tmp_path_factory):
+    """1P2D qwen3 behind a conditional proxy with no --decode-policy (kv_aware by default)."""
+    logs = tmp_path_factory.mktemp("conditional-2d")
+    with contextlib.ExitStack() as stack:
+        start = Starter(tiny_models["qwen3"], logs, stack)
+        events = lambda: ["--kv-events-port", str(free_port()), "--kv-events-replay-port", str(free_port())]  # noqa: E731
+        p, *ds = start.all(("p", "--role", "prefill"), ("d0", "--role", "decode", *events()),
+                           ("d1", "--role", "decode", *events()))
+        front = stack.enter_context(running_proxy(
+            logs / "proxy.log", "--prefill", p.url, "--decode", *(d.url for d in ds), "--disagg-policy", "conditional",
+            "--local-prefill-max-tokens", str(local_max(16)), "--probe-interval", "0.5"))
+        yield p, ds, front
+
+
+def test_each_next_turn_goes_to_the_decode_server_holding_its_conversation(two_decoders, colocated) -> None:
+    """Four conversations over two decode servers; each round of turns in another order of
+    conversations (round robin would then send a next turn where nothing is held): every
+    next turn lands on its conversation's decode server and is prefilled there."""
+    p, ds, front = two_decoders
+    rng = random.Random(11)
+    words = lambda n: [rng.randrange(10, 200) for _ in range(n)]  # noqa: E731
+    prompts = [words(5 * 16 + 3) for _ in range(4)]
+    home: dict[int, str] = {}
+    held = [0] * 4  # full blocks of each conversation's last turn on its decode server
+    for turn, order in enumerate([[0, 1, 2, 3], [1, 0, 3, 2], [2, 3, 1, 0]]):
+        assert wait_until(lambda: all_decode_blocks(front) >= sum(held), 30), (all_decode_blocks(front), held)
+        for c in order:
+            body = {"prompt": prompts[c], "max_tokens": ANSWER, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True}
+            response = http_client().post(f"{front.url}/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            decode = response.headers["X-PD-Decode"].split(";")[0]
+            assert response.headers["X-PD-Path"] == ("disaggregated" if turn == 0 else "local"), (turn, c)
+            assert home.setdefault(c, decode) == decode, (turn, c, home)
+            tokens = response.json()["choices"][0]["token_ids"]
+            assert tokens == complete(colocated["qwen3"], body).token_ids, (turn, c)
+            held[c] = (len(prompts[c]) + len(tokens) - 1) // 16
+            prompts[c] = prompts[c] + tokens + words(NEW)
+    assert sorted(set(home.values())) == ["0", "1"]  # the conversations were spread over both
+    for server in (p, *ds):
         assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0

@@ -76,6 +76,16 @@ def test_the_flags_reach_the_config() -> None:
     assert not ProxyConfig(("a",), ("b",)).needs_tokens
 
 
+def test_conditional_routes_decode_by_what_the_servers_hold_unless_told_otherwise() -> None:
+    """The next turn is prefilled on D only where D holds the last one: under conditional
+    the decode side defaults to kv_aware (it was --policy's round robin)."""
+    conditional = ProxyConfig(("a",), ("b",), disagg_policy="conditional")
+    assert (conditional.decode_policy, conditional.prefill_policy) == ("kv_aware", "round_robin")
+    assert ProxyConfig(("a",), ("b",), disagg_policy="conditional", decode_policy="least_loaded").decode_policy == \
+        "least_loaded"
+    assert ProxyConfig(("a",), ("b",), policy="prefix_aware").decode_policy == "prefix_aware"
+
+
 @pytest.mark.slow
 def test_a_short_prompt_goes_to_d_as_it_is_and_a_long_one_through_p() -> None:
     with fake("prefill") as p, fake("decode") as d, proxy_in_front(
