@@ -16,7 +16,9 @@ tokens, and how many tokens to ask for. Five kinds:
   `--multi-turn-user-len` ids. `num_prompts // --multi-turn-turns` conversations; every
   conversation's turn k is sent before any turn k+1 (the conversations in a random order
   each turn), so with more conversations than requests in flight a turn finds the last
-  one's blocks cached (on the server that prefilled it).
+  one's blocks cached (on the server that prefilled it). `--multi-turn-loop closed`
+  sends as a chat client does instead: each conversation's next turn once its last is
+  answered, with the model's own answer in its history (`serve.run_conversations`).
 - `trace`: a JSONL trace in the public Mooncake format, replayed at its own times (below).
 - `sharegpt`: a ShareGPT JSON file (a list of `{"conversations": [{"from": "human",
   "value": ...}, {"from": "gpt", "value": ...}, ...]}`); the first turn is the prompt
@@ -58,6 +60,7 @@ import msgspec
 import numpy as np
 
 DATASETS = ("random", "prefix-repetition", "multi-turn", "trace", "sharegpt")
+MULTI_TURN_LOOPS = ("open", "closed")
 # Ids below this are left out of random prompts: most vocabularies put special tokens
 # (pad, bos, eos, unk) at the lowest ids.
 LOW_TOKEN_ID = 10
@@ -76,6 +79,8 @@ class SampleRequest:
     output_len: int
     arrival: float | None = None  # seconds after the run's start (a trace's); None: sent at --request-rate
     turn: int = 0  # multi-turn: which turn of its conversation (0: the first)
+    conversation: int = 0  # multi-turn: which conversation
+    message: list[int] | None = None  # multi-turn: this turn's new user message (the end of `prompt`)
 
     def text(self) -> str:
         """The prompt as text (ids spelled as words, see `ids_to_text`)."""
@@ -141,8 +146,10 @@ def multi_turn_dataset(num_prompts: int, turns: int, system_len: int, user_len: 
             history = histories[c]
             if turn:
                 history += _random_ids(rng, answer_len, vocab_size, low)
-            history += _random_ids(rng, user_len, vocab_size, low)
-            samples.append(SampleRequest(list(history), len(history), output_len, turn=turn))
+            message = _random_ids(rng, user_len, vocab_size, low)
+            history += message
+            samples.append(SampleRequest(list(history), len(history), output_len, turn=turn, conversation=int(c),
+                                         message=message))
     return samples
 
 
@@ -270,6 +277,12 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
                             "(default: 128)")
     group.add_argument("--multi-turn-output-len", type=int, default=64,
                        help="multi-turn: tokens to generate per request (default: 64)")
+    group.add_argument("--multi-turn-loop", choices=MULTI_TURN_LOOPS, default="open",
+                       help="multi-turn: open: every conversation's turn k is sent before any turn k+1, with "
+                            "stand-in answers; closed: as a chat client, each conversation's next turn once its last "
+                            "is answered, with the model's own answer (its token ids: /v1/completions and a server "
+                            "that returns them with return_token_ids; the stand-in where none came back) in its "
+                            "history (default: open)")
     group.add_argument("--trace-block-tokens", type=int, default=MOONCAKE_BLOCK_TOKENS,
                        help="trace: prompt tokens per hash id (default %(default)s, the published Mooncake traces')")
     group.add_argument("--trace-scale-tokens", type=float, default=1.0,

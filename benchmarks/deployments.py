@@ -14,6 +14,7 @@ KV-transfer figures read from all their servers' /metrics around a run.
   server publishing KV events (it prefills itself the requests it lacks little of);
 - `2p2d-round_robin`, `2p2d-prefix_aware`, `2p2d-kv_aware`: two prefill and two decode
   servers behind `pd proxy --policy ...` (kv_aware: the servers publish KV events);
+  `2p2d-conditional`: `2p2d-kv_aware` with `--disagg-policy conditional`;
 - `1p1d-all-cache`: `pd` whose one prefill server has the KV cache of the 2P2D
   deployments' two (`--prefill-kv-cache-memory` x 2): the prefix-cache hit rate the
   2P2D routing policies can at best reach.
@@ -41,10 +42,11 @@ from launch import free_port, pd_command, stop_process
 COLOCATED = {"colocated": [], "no-prefix-cache": ["--no-enable-prefix-caching"],
              "colocated-tp2": ["--tensor-parallel-size", "2",
                                "--num-threads", str(max(1, (os.cpu_count() or 2) // 2))]}
-ROUTED = {"2p2d-round_robin": "round_robin", "2p2d-prefix_aware": "prefix_aware", "2p2d-kv_aware": "kv_aware"}
-CONDITIONAL = "pd-conditional"
+ROUTED = {"2p2d-round_robin": "round_robin", "2p2d-prefix_aware": "prefix_aware", "2p2d-kv_aware": "kv_aware",
+          "2p2d-conditional": "kv_aware"}
+CONDITIONAL = ("pd-conditional", "2p2d-conditional")
 CONFIGS = ("colocated", "pd", "pd-per-layer", "pd-no-skip-partial", "no-prefix-cache", *ROUTED, "1p1d-all-cache",
-           "colocated-tp2", "pd-decode-tp2", CONDITIONAL)
+           "colocated-tp2", "pd-decode-tp2", CONDITIONAL[0])
 ROUTED_PREFILL_SERVERS = 2
 PATHS = "pd_proxy_requests_by_path_total"  # the proxy's requests by where their prompt was computed
 
@@ -85,9 +87,9 @@ def deploy(config: str, args: argparse.Namespace, workdir: Path) -> Iterator[Dep
         prefill, decode = _server_flags(config, args)
         routed = ROUTED.get(config) == "kv_aware"
         ps = [start(f"prefill{i}", "--role", "prefill", *threads, *prefill, *_events(routed)) for i in range(pairs)]
-        ds = [start(f"decode{i}", "--role", "decode", *threads, *decode, *_events(routed or config == CONDITIONAL))
+        ds = [start(f"decode{i}", "--role", "decode", *threads, *decode, *_events(routed or config in CONDITIONAL))
               for i in range(pairs)]
-        disagg = ["--disagg-policy", "conditional"] if config == CONDITIONAL else []
+        disagg = ["--disagg-policy", "conditional"] if config in CONDITIONAL else []
         proxy = start("proxy", "--prefill", *ps, "--decode", *ds, "--policy", ROUTED.get(config, "round_robin"),
                       *disagg, "--log-level", "warning", *shlex.split(args.proxy_args), command="proxy",
                       shared=["--host", "127.0.0.1"])

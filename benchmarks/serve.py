@@ -122,6 +122,8 @@ async def _read_stream(response: httpx.Response, record: RequestRecord, t0: floa
             return
         if data.get("choices") and first_choice is None:
             first_choice = time.perf_counter() - t0
+        for choice in data.get("choices") or []:
+            record.token_ids += choice.get("token_ids") or []
         if _chunk_text(data):
             now = time.perf_counter() - t0
             if last is None:
@@ -163,6 +165,43 @@ async def run_requests(client: httpx.AsyncClient, url: str, payloads: list[dict]
     return list(records), duration
 
 
+async def run_conversations(client: httpx.AsyncClient, url: str, payloads: list[dict],
+                            samples: list[SampleRequest], offsets: list[float],
+                            max_concurrency: int | None, prefill_url: str | None = None) -> tuple[list[RequestRecord], float]:
+    """Multi-turn, closed loop: each conversation starts at its first turn's offset and
+    sends its next turn once the last is answered, the prompt being the last prompt, the
+    model's answer (the token ids the server returned; the dataset's stand-in where it
+    returned none) and the turn's new message. At most `max_concurrency` requests in
+    flight; a conversation between turns holds no slot."""
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else nullcontext()
+    progress = tqdm(total=len(payloads), disable=not sys.stderr.isatty())
+    records: list[RequestRecord] = [RequestRecord(prompt_len=s.prompt_len) for s in samples]
+    conversations: dict[int, list[int]] = {}
+    for i, sample in enumerate(samples):
+        conversations.setdefault(sample.conversation, []).append(i)
+    t0 = time.perf_counter()
+
+    async def conversation(turns: list[int]) -> None:
+        await asyncio.sleep(max(0.0, t0 + offsets[turns[0]] - time.perf_counter()))
+        prompt, last = list(samples[turns[0]].prompt), samples[turns[0]]
+        for k, i in enumerate(turns):
+            sample = samples[i]
+            if k:
+                stand_in = sample.prompt[len(last.prompt):len(sample.prompt) - len(sample.message)]
+                answer = records[turns[k - 1]].token_ids or stand_in
+                prompt = prompt + answer + sample.message
+            async with limit:
+                record = await send_request(client, url, payloads[i] | {"prompt": prompt, "return_token_ids": True},
+                                            len(prompt), t0, prefill_url)
+            record.turn, records[i], last = sample.turn, record, sample
+            progress.update(1)
+
+    await asyncio.gather(*(conversation(turns) for turns in conversations.values()))
+    duration = time.perf_counter() - t0
+    progress.close()
+    return records, duration
+
+
 async def scrape_metrics(client: httpx.AsyncClient, url: str) -> Samples | None:
     try:
         response = await client.get(url)
@@ -199,6 +238,15 @@ def arrivals(samples: list[SampleRequest], args: argparse.Namespace) -> list[flo
     return send_offsets(arrival_intervals(len(samples), args.request_rate, args.burstiness, args.seed))
 
 
+def closed_loop(args: argparse.Namespace) -> bool:
+    """Whether the run is a closed-loop multi-turn one (ValueError where it cannot be)."""
+    if args.dataset != "multi-turn" or args.multi_turn_loop != "closed":
+        return False
+    if args.endpoint != "/v1/completions":
+        raise ValueError("--multi-turn-loop closed sends token ids: it needs --endpoint /v1/completions")
+    return True
+
+
 async def benchmark(args: argparse.Namespace) -> dict:
     slos = parse_goodput(args.goodput)
     samples = load_samples(args)
@@ -213,8 +261,9 @@ async def benchmark(args: argparse.Namespace) -> dict:
         offsets = arrivals(samples, args)
         before = await scrape_metrics(client, metrics_url)
         prefill_url = args.prefill_url + args.endpoint if args.prefill_url else None
-        records, duration = await run_requests(client, args.base_url + args.endpoint, payloads,
-                                               samples, offsets, args.max_concurrency, prefill_url)
+        run = run_conversations if closed_loop(args) else run_requests
+        records, duration = await run(client, args.base_url + args.endpoint, payloads,
+                                      samples, offsets, args.max_concurrency, prefill_url)
         after = await scrape_metrics(client, metrics_url)
     metrics = compute_metrics(records, duration, slos)
     server = server_metric_deltas(before, after) if before is not None and after is not None else None
@@ -319,6 +368,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.se
         parser.error("--max-concurrency must be at least 1")
     try:
         parse_goodput(args.goodput)
+        closed_loop(args)
     except ValueError as exc:
         parser.error(str(exc))
     args.base_url = args.base_url.rstrip("/")

@@ -31,6 +31,7 @@ class RequestRecord:
     output_len_from_usage: bool = False
     error: str | None = None
     turn: int = 0  # multi-turn: which turn of its conversation (0: the first)
+    token_ids: list[int] = field(default_factory=list)  # the answer's, where the server returned them
 
     @property
     def e2el(self) -> float:

@@ -6,6 +6,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import uvicorn
@@ -14,7 +15,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from benchmarks.datasets import (LOW_TOKEN_ID, SampleRequest, ids_to_text, multi_turn_dataset,
                                  prefix_repetition_dataset, random_dataset, sharegpt_dataset)
-from benchmarks.serve import build_payload, main, parse_goodput
+from benchmarks.serve import build_payload, main, parse_goodput, run_conversations
 from benchmarks.serve_metrics import (RequestRecord, arrival_intervals, compute_metrics, parse_prometheus,
                                       peak_concurrency, send_offsets, server_metric_deltas)
 
@@ -180,6 +181,11 @@ def test_multi_turn_dataset_extends_each_conversation_turn_by_turn() -> None:
     for turn in range(3):
         assert [len(s.prompt) for s in samples[4 * turn:4 * turn + 4]] == [10 + 4 + 6 * turn] * 4
         assert [s.turn for s in samples[4 * turn:4 * turn + 4]] == [turn] * 4
+        assert all(s.prompt[-4:] == s.message for s in samples[4 * turn:4 * turn + 4])
+    by_turn = {(s.conversation, s.turn): s for s in samples}
+    assert len(by_turn) == 12 and {s.conversation for s in samples} == {0, 1, 2, 3}
+    for s in samples[4:]:  # a turn extends its conversation's last turn
+        assert s.prompt[:len(by_turn[s.conversation, s.turn - 1].prompt)] == by_turn[s.conversation, s.turn - 1].prompt
     second = {conversation(samples, s.prompt): s.prompt for s in samples[4:8]}
     assert sorted(second) == [0, 1, 2, 3]  # turn 2 of each conversation, then turn 3 of each
     assert sorted(conversation(samples, s.prompt) for s in samples[8:]) == [0, 1, 2, 3]
@@ -392,6 +398,45 @@ def test_live_multi_turn_run_reports_the_later_turns_apart(server_url: str, caps
     m = result["metrics"]
     assert m["mean_ttft_later_turns_ms"] > 0 and m["mean_ttft_ms"] > 0
     assert "Mean TTFT, turns >= 2 (ms)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("returns_ids", [True, False])
+def test_closed_loop_turns_carry_the_models_answers(returns_ids: bool) -> None:
+    """Closed loop: a conversation's next turn is sent after its last was answered, its
+    prompt the last one, the answer's token ids (the dataset's stand-in where the server
+    returned none) and the new message."""
+    samples = multi_turn_dataset(6, turns=3, system_len=4, user_len=2, answer_len=3, output_len=2,
+                                 vocab_size=1000, seed=1)
+    sent = []
+
+    def answer(request):
+        body = json.loads(request.content)
+        sent.append(body["prompt"])
+        assert body["return_token_ids"] is True
+        chunks = [{"choices": [{"index": 0, "text": f" t{i}", **({"token_ids": [t]} if returns_ids else {})}]}
+                  for i, t in enumerate([len(body["prompt"]), 7])]  # an answer that depends on the prompt
+        chunks.append({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 2}})
+        return httpx.Response(200, content="".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n")
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            payloads = [build_payload("/v1/completions", "m", s, True) for s in samples]
+            return await run_conversations(client, "http://127.0.0.1:1/v1/completions", payloads, samples,
+                                           [0.0] * len(samples), 2)
+
+    records, _ = asyncio.run(run())
+    assert all(r.success for r in records) and [r.turn for r in records] == [s.turn for s in samples]
+    for c in range(2):
+        turns = [(s, r) for s, r in zip(samples, records) if s.conversation == c]
+        prompt = turns[0][0].prompt
+        for k, (sample, record) in enumerate(turns):
+            if k:
+                last = turns[k - 1][0]
+                got = [len(prompt), 7] if returns_ids else sample.prompt[len(last.prompt):-2]
+                prompt = prompt + got + sample.message
+            assert prompt in sent and record.prompt_len == len(prompt), (c, k)
+            assert record.token_ids == ([len(prompt), 7] if returns_ids else [])
+    assert len(sent) == 6
 
 
 def test_live_chat_endpoint_skips_role_chunk(server_url: str) -> None:
