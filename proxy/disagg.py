@@ -27,7 +27,7 @@ from proxy.instances import Instance, InstancePool, Route
 DISAGG_POLICIES = ("always", "conditional")
 LOCAL, DISAGGREGATED = "local", "disaggregated"
 PATHS = (LOCAL, DISAGGREGATED)
-LOCAL_PREFILL_MAX_TOKENS = 64  # measured: see the README (conditional disaggregation)
+LOCAL_PREFILL_MAX_TOKENS = 256  # measured: see the README (conditional disaggregation)
 
 
 def choose_path(route: Route, decode: Instance, prefill: InstancePool, policy: str, local_max_tokens: int) -> str:
