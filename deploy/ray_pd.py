@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray._private import ray_constants
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -38,6 +39,7 @@ from proxy.instances import POLICIES
 ROLES = ("prefill", "decode")
 PROXY_READY_TIMEOUT_S = 60.0
 LOCAL_OBJECT_STORE_BYTES = 200 * 1024**2
+RAY_NO_CLUSTER_NETWORKING = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's nodes on 127.0.0.1
 
 
 class PDServer:
@@ -184,7 +186,14 @@ def connect_ray(address: str | None) -> None:
         if address is not None:
             ray.init(address=address)
         else:
-            # "local": a new cluster, even where `ray start` left one (or its address file) behind.
+            # "local": a new cluster, even where `ray start` left one (or its address file) behind;
+            # on loopback, so that its servers bind 127.0.0.1 as `pd serve` does: Ray gives a node
+            # the machine's outward address unless told it has no cluster networking, which Ray
+            # reads once, at import (ray.init's _node_ip_address did not change what the
+            # workers saw). Its processes, started by ray.init, inherit the variable.
+            os.environ.setdefault(RAY_NO_CLUSTER_NETWORKING, "0")
+            if os.environ[RAY_NO_CLUSTER_NETWORKING] == "0":
+                ray_constants.ENABLE_RAY_CLUSTER = False
             ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False,
                      object_store_memory=LOCAL_OBJECT_STORE_BYTES)
 

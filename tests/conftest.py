@@ -30,9 +30,6 @@ def pytest_configure(config) -> None:
     servers share one transfer secret, as a deployment's do (the deploy scripts make
     one); a test of unsigned parameters starts its servers with
     `--kv-transfer-secret "" --allow-unsigned-kv-params`."""
-    # Ray's nodes take the machine's outward address unless told it has no cluster
-    # networking: the suite's Ray clusters (and everything they start) stay on 127.0.0.1.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist), before workers start
         _SESSION_DIRS.append(tempfile.mkdtemp(prefix="pd-test-tokenizers-"))
         os.environ["PD_TOKENIZER_CACHE"] = _SESSION_DIRS[-1]

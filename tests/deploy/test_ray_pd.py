@@ -175,7 +175,9 @@ def test_ray_pd_spreads_a_servers_ranks_over_nodes(tmp_path, tiny_qwen3, monkeyp
     from ray.cluster_utils import Cluster
 
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-    node = {"num_cpus": 1, "object_store_memory": 80 * 1024**2}
+    # the test cluster's nodes on 127.0.0.1: told here, and by the variable to the processes Ray starts
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    node = {"num_cpus": 1, "object_store_memory": 80 * 1024**2, "node_ip_address": "127.0.0.1"}
     cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
     urls_file, log_path = tmp_path / "urls.json", tmp_path / "ray_pd.log"
     process = None
