@@ -2,7 +2,8 @@
 conversation's first turn is prefilled on P; each next turn, whose earlier turns and
 answers the decode server holds, is prefilled on D itself (no P, no transfer), finds
 them in D's prefix cache, and answers what a colocated server answers, streamed or not.
-For a hybrid (Mamba) model too, whose D skipped Mamba alignment while P prefilled."""
+Every family: sliding window (gemma3) and the hybrids (Mamba: bamba, granitehybrid), whose
+D skipped Mamba alignment while P prefilled, too."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def local_max(block: int) -> int:
     return block + NEW + ANSWER
 
 
-@pytest.fixture(scope="module", params=["qwen3", "bamba"])
+@pytest.fixture(scope="module", params=["qwen3", "gemma3", "bamba", "granitehybrid"])
 def deployment(request, tiny_models, tmp_path_factory):
     logs = tmp_path_factory.mktemp(f"conditional-{request.param}")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
