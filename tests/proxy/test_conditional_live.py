@@ -124,3 +124,32 @@ def test_each_next_turn_goes_to_the_decode_server_holding_its_conversation(two_d
     assert sorted(set(home.values())) == ["0", "1"]  # the conversations were spread over both
     for server in (p, *ds):
         assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+
+
+def test_a_decode_server_lacking_what_the_decision_counted_on_computes_it(tiny_models, tmp_path, colocated) -> None:
+    """The proxy let D prefill the next turn on blocks D no longer holds (evicted between
+    the decision and the prefill; here D caches nothing, so the blocks the proxy expects
+    on it after the last turn are never there): D computes the whole prompt, the answer is
+    colocated's, nothing fails and no block is left."""
+    with contextlib.ExitStack() as stack:
+        start = Starter(tiny_models["qwen3"], tmp_path, stack)
+        events = ["--kv-events-port", str(free_port()), "--kv-events-replay-port", str(free_port())]
+        p, d = start.all(("p", "--role", "prefill"), ("d", "--role", "decode", "--no-enable-prefix-caching", *events))
+        front = stack.enter_context(running_proxy(
+            tmp_path / "proxy.log", "--prefill", p.url, "--decode", d.url, "--disagg-policy", "conditional",
+            "--local-prefill-max-tokens", str(local_max(16)), "--probe-interval", "0.5"))
+        rng = random.Random(5)
+        prompt = [rng.randrange(10, 200) for _ in range(5 * 16 + 3)]
+        for k, expected in enumerate(["disaggregated", "local"]):  # the second within the expectation's 10 s
+            body = {"prompt": prompt, "max_tokens": ANSWER, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True}
+            response = http_client().post(f"{front.url}/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200 and response.headers["X-PD-Path"] == expected, (k, response.text)
+            tokens = response.json()["choices"][0]["token_ids"]
+            assert tokens == complete(colocated["qwen3"], body).token_ids, k
+            if k:
+                assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # all computed on D
+            prompt = prompt + tokens + [rng.randrange(10, 200) for _ in range(NEW)]
+        assert decode_blocks(front) == 0  # D published nothing: the proxy only expected
+        for server in (p, d):
+            assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
