@@ -22,6 +22,11 @@ pytestmark = pytest.mark.slow
 NEW, ANSWER = 10, 12  # tokens of each next user message, of each answer
 
 
+def published_events() -> list[str]:
+    """A decode server's flags to publish its KV events, on free ports."""
+    return ["--kv-events-port", str(free_port()), "--kv-events-replay-port", str(free_port())]
+
+
 def local_max(block: int) -> int:
     """`--local-prefill-max-tokens`: past what a next turn lacks (its new message, the last
     answer, and the last turn's block not full: D holds full blocks only)."""
@@ -34,8 +39,7 @@ def deployment(request, tiny_models, tmp_path_factory):
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     with contextlib.ExitStack() as stack:
         start = Starter(tiny_models[request.param], logs, stack)
-        events = ["--kv-events-port", str(free_port()), "--kv-events-replay-port", str(free_port())]
-        p, d = start.all(("p", "--role", "prefill"), ("d", "--role", "decode", *events))
+        p, d = start.all(("p", "--role", "prefill"), ("d", "--role", "decode", *published_events()))
         config = http_client().get(f"{d.url}/v1/kv_config", timeout=10).json()
         block = config["groups"][config["routing_group"]]["block_size"]  # 16, or 144 for bamba's Mamba pages
         front = stack.enter_context(running_proxy(
@@ -88,9 +92,8 @@ def two_decoders(tiny_models, tmp_path_factory):
     logs = tmp_path_factory.mktemp("conditional-2d")
     with contextlib.ExitStack() as stack:
         start = Starter(tiny_models["qwen3"], logs, stack)
-        events = lambda: ["--kv-events-port", str(free_port()), "--kv-events-replay-port", str(free_port())]  # noqa: E731
-        p, *ds = start.all(("p", "--role", "prefill"), ("d0", "--role", "decode", *events()),
-                           ("d1", "--role", "decode", *events()))
+        p, *ds = start.all(("p", "--role", "prefill"), ("d0", "--role", "decode", *published_events()),
+                           ("d1", "--role", "decode", *published_events()))
         front = stack.enter_context(running_proxy(
             logs / "proxy.log", "--prefill", p.url, "--decode", *(d.url for d in ds), "--disagg-policy", "conditional",
             "--local-prefill-max-tokens", str(local_max(16)), "--probe-interval", "0.5"))
@@ -133,8 +136,8 @@ def test_a_decode_server_lacking_what_the_decision_counted_on_computes_it(tiny_m
     colocated's, nothing fails and no block is left."""
     with contextlib.ExitStack() as stack:
         start = Starter(tiny_models["qwen3"], tmp_path, stack)
-        events = ["--kv-events-port", str(free_port()), "--kv-events-replay-port", str(free_port())]
-        p, d = start.all(("p", "--role", "prefill"), ("d", "--role", "decode", "--no-enable-prefix-caching", *events))
+        p, d = start.all(("p", "--role", "prefill"),
+                         ("d", "--role", "decode", "--no-enable-prefix-caching", *published_events()))
         front = stack.enter_context(running_proxy(
             tmp_path / "proxy.log", "--prefill", p.url, "--decode", d.url, "--disagg-policy", "conditional",
             "--local-prefill-max-tokens", str(local_max(16)), "--probe-interval", "0.5"))
