@@ -129,9 +129,21 @@ def _json_type(value: Any) -> str:
     return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array"}[type(value)]
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], prefix: dict[str, Any] | None = None) -> dict[str, Any]:
     """The body P gets: the client's, unstreamed, asking P to keep the blocks for D. P
     validates it exactly as D will (so a request D would refuse is refused before any
     prefill) and itself stops after the first token of a do_remote_decode request, so
-    max_tokens, min_tokens, stream_options and the rest are sent as they are."""
-    return body | {"stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    max_tokens, min_tokens, stream_options and the rest are sent as they are. `prefix`:
+    a decode server's parameters for a prefix of the prompt it exported, for P to read."""
+    params: dict[str, Any] = {"do_remote_decode": True} | ({"prefix": prefix} if prefix is not None else {})
+    return body | {"stream": False, "kv_transfer_params": params}
+
+
+def export_body(body: dict[str, Any], prefix_ids: list[int]) -> dict[str, Any]:
+    """The body that has a decode server export the KV of `prefix_ids` (the first tokens of
+    the client's prompt, which it holds from an earlier turn) for a prefill server to read:
+    a one-token completion of them kept for a reader, under the client's model and
+    cache_salt (the salt is part of the blocks' names)."""
+    export = {key: body[key] for key in ("model", "cache_salt") if key in body}
+    return export | {"prompt": prefix_ids, "max_tokens": 1, "temperature": 0, "stream": False,
+                     "kv_transfer_params": {"do_remote_decode": True}}

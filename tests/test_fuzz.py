@@ -114,6 +114,11 @@ VALID = {
 }
 SPECIAL = st.sampled_from([
     {"do_remote_decode": True}, {"do_remote_prefill": True}, {"do_remote_prefill": True, "remote_port": 0},
+    {"do_remote_decode": True, "prefix": {"do_remote_prefill": True}}, {"do_remote_decode": True, "prefix": [1]},
+    {"do_remote_decode": True, "prefix": {
+        "do_remote_prefill": True, "remote_engine_id": "e", "remote_host": "127.0.0.1", "remote_port": 9,
+        "remote_request_id": "r", "remote_block_ids": [[1]], "num_prompt_tokens": 1, "first_token_ids": [5],
+        "block_size": 16}},
     "\udcff", "\x00" * 10, 2**63, -1, float("nan"), float("inf"), [[]], {"type": "json_schema"},
     {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/x"}}}, {"grammar": "start: start"},
 ])

@@ -22,6 +22,10 @@ Per request, from its `kv_transfer_params` (DESIGN.md, "PD protocol"):
   exactly its newly allocated positions: full attention blocks past the hit, the last
   window's blocks, and the Mamba block holding the final state; positions D holds as
   null (out of the window, behind the Mamba state) or as prefix-cache hits are not read.
+- **P reading a prefix from D** (`do_remote_decode` with a `prefix`: the proxy had D
+  export the KV of a prefix it holds from an earlier turn): the same read, for the
+  prefix's `num_prompt_tokens` in place of the prompt (`Request.kv_source`); then P
+  computes the rest. A prefix P holds already is not read (D is told to free it).
 
 The parameters arrive typed and bounded (pd/kv_transfer/params.py). A D request whose
 parameters do not fit it (wrong prompt length, block lists of the wrong shape) is not
@@ -109,21 +113,23 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
     # --- D side -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.remote_prefill
-        if params is None or not request.do_remote_prefill:
+        params = request.kv_source
+        if params is None:
             return 0, False
         try:
             check_fits(params, request, len(self.block_sizes), self.block_sizes[0])
+            if params.num_prompt_tokens <= num_computed_tokens:  # only a prefix can be: held here already
+                raise KVTransferParamsError(f"its {params.num_prompt_tokens} tokens are held here already")
         except KVTransferParamsError as exc:
-            self._meta.reqs_to_reject.append((params, str(exc)))  # P frees its blocks
+            self._meta.reqs_to_reject.append((params, str(exc)))  # their holder frees the blocks
             self.num_rejected += 1
             raise KVLoadRefused(request.request_id, f"its kv_transfer_params do not fit it: {exc}") from None
-        return max(request.num_prompt_tokens - num_computed_tokens, 0), True
+        return params.num_prompt_tokens - num_computed_tokens, True
 
     def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
-        params = request.remote_prefill
+        params = request.kv_source
         lease_end = self._lease_end.pop(request.request_id, None)
-        if params is None or not request.do_remote_prefill or num_external_tokens == 0:
+        if params is None or num_external_tokens == 0:
             return
         remote = params
         if lease_end is not None:  # kept alive while it waited
@@ -139,9 +145,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         KeepAlive was sent, less KEEP_ALIVE_MARGIN: P's extended lease ends later still."""
         now = self.wall_clock()
         for request in requests:
-            params = request.remote_prefill
-            if params is None or params.lease_seconds is None or params.lease_expires_at is None \
-                    or not request.do_remote_prefill:
+            params = request.kv_source
+            if params is None or params.lease_seconds is None or params.lease_expires_at is None:
                 continue
             end = self._lease_end.setdefault(request.request_id, params.lease_expires_at)
             if now >= end - params.lease_seconds / 2:
@@ -153,8 +158,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         never_loaded = request.num_computed_tokens == 0
         aborted = request.status is RequestStatus.FINISHED_ABORTED
         self._lease_end.pop(request.request_id, None)
-        if request.do_remote_prefill and aborted and never_loaded:
-            self._meta.reqs_to_reject.append((request.remote_prefill, "aborted on the decode server"))
+        if request.kv_source is not None and aborted and never_loaded:
+            self._meta.reqs_to_reject.append((request.kv_source, "aborted before its KV was read"))
             return False, None
         finished_well = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
         if not request.do_remote_decode or not finished_well or not request.output_token_ids:
@@ -190,14 +195,18 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
 
 def check_fits(params: RemotePrefillParams, request: Request, num_groups: int, block_size: int) -> None:
-    """Raises KVTransferParamsError saying what of P's (well-formed) parameters does not
-    fit this request or this server."""
-    if params.num_prompt_tokens != request.num_prompt_tokens:
-        raise KVTransferParamsError(f"the prefill covered {params.num_prompt_tokens} prompt tokens, "
+    """Raises KVTransferParamsError saying what of the (well-formed) parameters a request
+    loads from (P's for its prompt, or a decode server's for a prefix) does not fit this
+    request or this server."""
+    covered = params.num_prompt_tokens
+    if request.reads_prefix and covered >= request.num_prompt_tokens:
+        raise KVTransferParamsError(f"the prefix covers {covered} tokens of a prompt of {request.num_prompt_tokens}")
+    if not request.reads_prefix and covered != request.num_prompt_tokens:
+        raise KVTransferParamsError(f"the prefill covered {covered} prompt tokens, "
                                     f"this request has {request.num_prompt_tokens}")
     if params.block_size != block_size:
         raise KVTransferParamsError(f"block size {params.block_size} differs from ours ({block_size})")
-    expected = cdiv(request.num_prompt_tokens, block_size)
+    expected = cdiv(covered, block_size)
     remote = params.remote_block_ids
     if len(remote) != num_groups or any(len(ids) != expected for ids in remote):
         raise KVTransferParamsError(f"remote_block_ids must be {num_groups} lists of {expected} block ids")

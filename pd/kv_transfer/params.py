@@ -4,7 +4,10 @@ they enter a server.
 Three messages cross HTTP (DESIGN.md, "PD protocol"):
 
 - proxy -> P: `{"do_remote_decode": true}` (`RemoteDecodeParams`): prefill, sample the
-  first token, keep the blocks for a decode server.
+  first token, keep the blocks for a decode server. With `"prefix": {...}`, a decode
+  server's `RemotePrefillParams` for the first `num_prompt_tokens` of the prompt (KV it
+  holds from an earlier turn and exported for this request): P reads what it lacks of that
+  prefix from D instead of computing it, then computes the rest.
 - P -> proxy -> D: `RemotePrefillParams`, where P keeps the prompt's KV blocks, the
   first token P sampled for each sequence and, when the request asks, their logprobs and
   the prompt's. D reads those blocks instead of computing the prompt, and answers those
@@ -56,12 +59,6 @@ class TransferParamsError(ValueError):
     def __init__(self, message: str, field: str = "kv_transfer_params") -> None:
         super().__init__(message)
         self.field = field
-
-
-class RemoteDecodeParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field=KIND, tag="decode"):
-    """proxy -> P: prefill this request and keep its blocks for a decode server."""
-
-    do_remote_decode: Literal[True]
 
 
 class RemotePrefillParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field=KIND, tag="prefill"):
@@ -120,6 +117,22 @@ class RemotePrefillParams(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
             if bad:
                 raise TransferParamsError(f"kv_transfer_params.{name} holds token ids outside the vocabulary "
                                           f"[0, {vocab_size}): {bad[:5]}", f"kv_transfer_params.{name}")
+
+
+class RemoteDecodeParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field=KIND, tag="decode"):
+    """proxy -> P: prefill this request and keep its blocks for a decode server; with
+    `prefix`, read the prompt's first `prefix.num_prompt_tokens` tokens' KV from where
+    those parameters say (a decode server) rather than compute them."""
+
+    do_remote_decode: Literal[True]
+    prefix: RemotePrefillParams | None = None
+
+    def check_prefix(self, prompt_token_ids: Sequence[int]) -> None:
+        """TransferParamsError unless the prefix leaves at least one prompt token to compute."""
+        if self.prefix is not None and self.prefix.num_prompt_tokens >= len(prompt_token_ids):
+            raise TransferParamsError(f"kv_transfer_params.prefix covers {self.prefix.num_prompt_tokens} tokens of a "
+                                      f"prompt of {len(prompt_token_ids)}: it must leave one to compute",
+                                      "kv_transfer_params.prefix.num_prompt_tokens")
 
 
 def _check_rows(name: str, rows: Logprobs | None, token_ids: list[int], k: int | None) -> None:

@@ -8,8 +8,10 @@ that way. On D, a request whose prompt KV comes from P is parked in `waiting`
 (WAITING_FOR_REMOTE_KVS) with its blocks allocated until the connector reports the load
 done; the scheduler then continues it from P's first token of each sequence (and P's
 logprobs), or, if the load failed, computes it here or fails it, as the load failure
-policy says. A request aborted while its blocks load is kept in `aborted_while_loading`
-until the load ends. Once its remote KV has landed a request is local: a preemption
+policy says. On P, a request reading a prefix from a decode server (`Request.kv_source`)
+is parked the same way, then computes the rest of its prompt; a prefix it could not read
+it computes, whatever the policy. A request aborted while its blocks load is kept in
+`aborted_while_loading` until the load ends. Once its remote KV has landed a request is local: a preemption
 recomputes it here and never reads P again.
 """
 
@@ -112,9 +114,10 @@ class RemoteKV:
     def load_fails(self, request: Request) -> str | None:
         """Count a request whose remote KV could not be loaded (`kv_load_error`): the
         error to end it with when the policy is "fail", None when it is "recompute" (it
-        is computed here)."""
-        self.load_failures[self.load_failure_policy] += 1
-        if self.load_failure_policy == "recompute":
+        is computed here), as a prefix P could not read from D always is."""
+        policy = "recompute" if request.reads_prefix else self.load_failure_policy  # P computes a prefix it lacks
+        self.load_failures[policy] += 1
+        if policy == "recompute":
             return None
         return f"the KV cache of this request could not be loaded from the prefill server: {request.kv_load_error}"
 

@@ -31,7 +31,8 @@ class Request:
 
     `kv_transfer_params` are its typed PD parameters (pd/kv_transfer/params.py), if any. On
     D they are dropped once the remote KV has landed: from then on the request is a
-    local one (a preemption recomputes it here and never reads P again).
+    local one (a preemption recomputes it here and never reads P again). On P a prefix
+    read from a decode server is dropped from them likewise (`remote_kv_landed`).
     `cache_salt` keeps this request's prefix-cache entries apart from other salts.
 
     A request asking for n > 1 sequences forks at its first token: it stays sequence 0,
@@ -113,6 +114,29 @@ class Request:
     def do_remote_decode(self) -> bool:
         """True on P for a request whose blocks are kept for a decode server."""
         return isinstance(self.kv_transfer_params, RemoteDecodeParams)
+
+    @property
+    def reads_prefix(self) -> bool:
+        """True on P for a request that reads a prefix's KV from a decode server (or tried
+        to: a failed read is computed here, whatever the load failure policy)."""
+        params = self.kv_transfer_params
+        return isinstance(params, RemoteDecodeParams) and params.prefix is not None
+
+    @property
+    def kv_source(self) -> RemotePrefillParams | None:
+        """Where the KV this request loads before it computes is, while it is to be loaded:
+        on D, P's parameters for the whole prompt; on P, a decode server's for a prefix."""
+        if self.kv_load_error is not None:
+            return None
+        params = self.kv_transfer_params
+        return params.prefix if isinstance(params, RemoteDecodeParams) else params
+
+    def remote_kv_landed(self) -> None:
+        """Its remote KV is in its blocks: on D a local request from now on; on P one that
+        keeps its blocks for a decode server and reads nothing more."""
+        params = self.kv_transfer_params
+        self.kv_transfer_params = RemoteDecodeParams(do_remote_decode=True) \
+            if isinstance(params, RemoteDecodeParams) else None
 
     def append_output_token_ids(self, *token_ids: int) -> None:
         self.output_token_ids.extend(token_ids)

@@ -239,8 +239,9 @@ class Scheduler:
 
     def _skipped_groups(self, request: Request) -> frozenset[int]:
         """The KV cache groups left out of the request's prefix-cache hit search: for a
-        remote prefill, the groups keeping part of a prefix (P sends what they need)."""
-        if request.do_remote_prefill and self.config.skip_partial_groups_on_remote_prefill:
+        remote prefill (or a prefix read from D), the groups keeping part of a prefix
+        (the read brings what they need)."""
+        if request.kv_source is not None and self.config.skip_partial_groups_on_remote_prefill:
             return self.kv.partial_prefix_groups
         return frozenset()
 
@@ -320,7 +321,7 @@ class Scheduler:
                 continue
             if (first := RemoteKV.first_tokens(request)) is not None:
                 outputs += self._append_token(request, *first)
-            request.kv_transfer_params = None  # a local request from now on (P frees its blocks)
+            request.remote_kv_landed()  # its holder frees the blocks
         return outputs
 
     def _fails_on_load_error(self, request: Request) -> bool:

@@ -283,6 +283,9 @@ class Server:
         if isinstance(transfer, RemotePrefillParams) and transfer.remote_engine_id == self.client.info.engine_id:
             # Prefilled here: served from this server's own prefix cache (its blocks, once released).
             transfer, release_first = None, transfer.remote_request_id
+        elif isinstance(transfer, RemoteDecodeParams) and transfer.prefix is not None \
+                and transfer.prefix.remote_engine_id == self.client.info.engine_id:  # a prefix it holds itself
+            transfer, release_first = RemoteDecodeParams(do_remote_decode=True), transfer.prefix.remote_request_id
         stream = bool(body.stream)
         if stream and body.best_of not in (None, body.n or 1):
             raise RequestError("best_of cannot be used with stream (the best sequences are known only at "
@@ -310,15 +313,23 @@ class Server:
                                    param="kv_transfer_params", code="unsupported")
             if isinstance(transfer, RemotePrefillParams):
                 transfer.check_request(prompt_ids, params.n, params.logprobs, params.prompt_logprobs, self.vocab_size)
+            if isinstance(transfer, RemoteDecodeParams):
+                transfer.check_prefix(prompt_ids)
         except TransferParamsError as e:
             raise RequestError(str(e), param=e.field) from None
         if isinstance(transfer, RemotePrefillParams):
-            try:
-                self.transfer_guard.check(transfer, prompt_ids)
-            except TransferParamsRefused as e:
-                raise RequestError(str(e), param="kv_transfer_params", code="kv_transfer_params_refused",
-                                   status=403, type="permission_error") from None
+            self._guard(transfer, prompt_ids, "kv_transfer_params")
+        elif isinstance(transfer, RemoteDecodeParams) and transfer.prefix is not None:  # read from a decode server
+            self._guard(transfer.prefix, prompt_ids[:transfer.prefix.num_prompt_tokens], "kv_transfer_params.prefix")
         return transfer
+
+    def _guard(self, params: RemotePrefillParams, prompt_ids: list[int], field: str) -> None:
+        """RequestError (403) unless this server may read the KV these parameters name for `prompt_ids`."""
+        try:
+            self.transfer_guard.check(params, prompt_ids)
+        except TransferParamsRefused as e:
+            raise RequestError(str(e), param=field, code="kv_transfer_params_refused", status=403,
+                               type="permission_error") from None
 
 def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
     """A message as chat templates read it (transformers' convention): content a string,

@@ -256,3 +256,68 @@ def test_d_keeps_p_s_lease_alive_while_the_request_waits_and_reads_under_the_ext
     (recv,) = so.kv_connector_metadata.reqs_to_recv
     assert recv.remote.lease_expires_at == pytest.approx(wall.now + 30 * 0.9)  # what the KeepAlive bought
     assert recv.remote.lease_expires_at > params.lease_expires_at
+
+
+def export_on_d(model: str, prompt: list[int]) -> RemotePrefillParams:
+    """A decode server's parameters for `prompt` as a prefix (the proxy's export of what
+    it holds: a one-token completion kept for a reader)."""
+    return prefill_on_p(model, prompt)[3].kv_transfer_params
+
+
+def prefix_request(req_id: str, prompt: list[int], prefix: RemotePrefillParams) -> Request:
+    return Request(req_id, prompt, SamplingParams(max_tokens=1),
+                   kv_transfer_params=RemoteDecodeParams(True, prefix=prefix))
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_p_reads_the_prefix_from_d_then_computes_the_rest_and_keeps_all_for_d(model: str) -> None:
+    prompt = list(range(100, 100 + 7 * BLOCK + 3))
+    prefix = export_on_d(model, prompt[:4 * BLOCK])
+    p, p_kv, _ = make_side(model, "P", Clock())
+    p.add_request(prefix_request("p1", prompt, prefix))
+    so, _ = run_step(p)
+    (recv,) = so.kv_connector_metadata.reqs_to_recv
+    assert recv.remote.remote_request_id == "p1" and so.num_scheduled_tokens == {}  # D's export: waits for it
+    for group, spec in enumerate(p_kv.config.groups):
+        reads = [i for i, b in enumerate(recv.local_block_ids[group]) if b]
+        assert len(recv.local_block_ids[group]) == 4  # the prefix's positions
+        if isinstance(spec.spec, MambaSpec):
+            assert reads == [3]  # the state at the prefix's end
+        elif not isinstance(spec.spec, SlidingWindowSpec):
+            assert reads == [0, 1, 2, 3]
+    _, outs = run_step(p, connector_output=KVConnectorOutput(finished_recving={"p1"}))
+    assert outs == [] and p.requests["p1"].kv_transfer_params == RemoteDecodeParams(True)  # no first token from D
+    so, outs = run_step(p, token=42)
+    assert so.new_requests[0].num_computed_tokens == 4 * BLOCK and so.num_scheduled_tokens["p1"] == 3 * BLOCK + 3
+    assert p.prompt_sources.counts == {"computed": 3 * BLOCK + 3, "local_cache": 0, "remote": 4 * BLOCK}
+    (out,) = outs
+    assert out.new_token_ids == [42] and out.kv_transfer_params.num_prompt_tokens == len(prompt)  # all, for D
+    assert "p1" in p.remote_kv.delayed_free
+
+
+def test_a_prefix_p_cannot_read_is_computed_on_p_even_under_the_fail_policy() -> None:
+    prompt = list(range(100, 100 + 5 * BLOCK))
+    prefix = export_on_d("bamba", prompt[:2 * BLOCK])
+    p, p_kv, _ = make_side("bamba", "P", Clock())
+    p.remote_kv.load_failure_policy = "fail"
+    p.add_request(prefix_request("p1", prompt, prefix))
+    run_step(p)
+    so, outs = run_step(p, connector_output=KVConnectorOutput(failed_recving={"p1": "D is gone"}))
+    assert outs == [] and p.remote_kv.load_failures == {"recompute": 1, "fail": 0}
+    so, _ = run_step(p)  # computed from scratch, its Mamba state too
+    assert so.new_requests[0].num_computed_tokens == 0 and so.num_scheduled_tokens["p1"] == 4 * BLOCK  # a chunk
+
+
+def test_a_prefix_p_holds_already_is_not_read_and_d_is_told_to_free_it() -> None:
+    prompt = list(range(100, 100 + 5 * BLOCK))
+    prefix = export_on_d("gemma3", prompt[:2 * BLOCK])
+    p, p_kv, connector = make_side("gemma3", "P", Clock())
+    p.add_request(Request("warm", prompt[:4 * BLOCK], SamplingParams(max_tokens=1)))
+    while "warm" in p.requests:
+        run_step(p)
+    p.add_request(prefix_request("p1", prompt, prefix))
+    so, _ = run_step(p)
+    assert so.kv_connector_metadata.reqs_to_recv == [] and connector.num_rejected == 1
+    assert [r.remote_request_id for r, _ in so.kv_connector_metadata.reqs_to_reject] == ["p1"]
+    assert so.new_requests[0].num_computed_tokens == 4 * BLOCK  # its own hit (all groups), computed on
+    assert p.remote_kv.load_failures == {"recompute": 1, "fail": 0}

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from launch import http_client
+from proxy.body import export_body, prefill_body
 from tests.support.server_harness import wait_until
 from tests.support.listeners import ConnectionRecorder
 
@@ -33,16 +34,17 @@ def post(server, body: dict) -> httpx.Response:
 
 
 def prefill(p, body: dict = BODY) -> dict:
-    response = post(p, body | {"kv_transfer_params": {"do_remote_decode": True}})
+    response = post(p, {"kv_transfer_params": {"do_remote_decode": True}} | body)
     assert response.status_code == 200, response.text
     return response.json()["kv_transfer_params"]
 
 
-def assert_refused(d, body: dict, why: str) -> None:
+def assert_refused(d, body: dict, why: str, param: str = "kv_transfer_params") -> None:
     response = post(d, body)
     assert response.status_code == 403, response.text
     error = response.json()["error"]
     assert error["code"] == "kv_transfer_params_refused" and why in error["message"], error
+    assert error["param"] == param, error
 
 
 def test_signed_parameters_are_served_once_and_nothing_else_reaches_a_peer(start, recorder) -> None:
@@ -159,3 +161,31 @@ def test_forged_parameters_naming_many_engines_that_never_answer_do_not_delay_a_
     finally:
         for hole in holes:
             hole.close()
+
+
+def test_a_prefix_for_p_to_read_from_d_is_held_to_the_same_rules(start, recorder) -> None:
+    """kv_transfer_params.prefix (a decode server's parameters for a prefix of the prompt,
+    issue 34): P refuses forged, unsigned, re-targeted and replayed ones, and one of
+    another prompt, naming the field, before connecting anywhere; a prefix that leaves
+    nothing to compute is a 400; a signed one is read once."""
+    p, d = start.all(("p", "--role", "prefill", "--kv-transfer-secret", SECRET),
+                     ("d", "--role", "decode", "--kv-transfer-secret", SECRET))
+    ids = http_client().post(f"{p.url}/v1/tokenize", json={"prompt": BODY["prompt"]}, timeout=10).json()["tokens"]
+    body = BODY | {"prompt": ids}
+    prefix = post(d, export_body(body, ids[:16])).json()["kv_transfer_params"]
+    at_recorder = prefix | {"remote_port": recorder.port}
+    for bad, why in [(at_recorder, "does not match"),
+                     ({k: v for k, v in at_recorder.items() if k != "signature"}, "not signed")]:
+        assert_refused(p, prefill_body(body, bad), why, "kv_transfer_params.prefix")
+    assert_refused(p, prefill_body(body | {"prompt": ids[1:] + ids[:1]}, prefix), "another prompt",
+                   "kv_transfer_params.prefix")
+    whole = post(p, prefill_body(body | {"prompt": ids[:16]}, prefix))
+    assert whole.status_code == 400 and whole.json()["error"]["param"] == "kv_transfer_params.prefix.num_prompt_tokens"
+    held = prefill(p, body | {"kv_transfer_params": prefill_body(body, prefix)["kv_transfer_params"]})
+    assert p.metrics()['pd_prompt_tokens_by_source_total{source="remote"}'] == 16
+    http_client().post(f"{p.url}/v1/kv/release", timeout=10,  # no decode server reads P's blocks here
+                       json={"remote_request_id": held["remote_request_id"], "signature": held["signature"]})
+    assert_refused(p, prefill_body(body, prefix), "used already", "kv_transfer_params.prefix")  # replayed
+    assert recorder.accepted == 0
+    for server in (p, d):
+        assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
