@@ -10,9 +10,10 @@
    not) is passed back unchanged. Both get the same `X-Request-Id`.
 
 Under `--disagg-policy conditional`, step 3 is skipped for a request D can well compute
-itself (`disagg.py`), or that no P could be reached for: the body goes to D as it is.
-Which path a request took comes back in the `X-PD-Path` header (`local` or
-`disaggregated`).
+itself (`disagg.py`), or that no P could be reached for: the body goes to D as it is;
+and P reads from D first a prefix that D holds and P lacks (`reuse.py`). Which path a
+request took comes back in the `X-PD-Path` header (`local`, `disaggregated` or
+`disaggregated+reuse`).
 
 Once P holds blocks for the request, a D that refuses it (4xx), fails (5xx), cannot be
 reached at all, or a client that disconnects before D's response is opened, makes the
@@ -38,9 +39,10 @@ from starlette.requests import ClientDisconnect
 from proxy.admission import QueueFull, QueueTimeout
 from proxy.answers import overloaded_response
 from proxy.body import BodyError, parse_body, read_body
-from proxy.disagg import DISAGGREGATED, LOCAL, choose_path
+from proxy.disagg import DISAGGREGATED, LOCAL, REUSE, choose_path, reuse_tokens
 from proxy.errors import error_body, error_response
 from proxy.instances import Instance, NoInstanceError, OverloadedError, Route
+from proxy.reuse import prefill_reusing
 from proxy.upstream import Call, NoRoom, Opened, Prefilled, Unreached, Upstream
 
 logger = logging.getLogger(__name__)
@@ -151,11 +153,14 @@ async def _try_place(upstream: Upstream, request: Request,
         return error_response(f"{exc}: the request is not sent to a prefill server", 503, "service_unavailable")
     call.bind(decode)  # counted against its --max-outstanding from now
     config = upstream.config
-    path = choose_path(call.route, decode, upstream.prefill, config.disagg_policy, config.local_prefill_max_tokens)
+    path = choose_path(call.route, decode, upstream.prefill, config.disagg_policy, config.local_prefill_max_tokens,
+                       config.reuse_min_tokens)
     prefilled = None
-    if path == DISAGGREGATED:
+    if path != LOCAL:
+        prefill = upstream.prefill_once(call) if path == DISAGGREGATED else prefill_reusing(
+            upstream, call, decode, reuse_tokens(call.route, decode, upstream.prefill, config.reuse_min_tokens))
         try:
-            prefilled = await until_disconnected(request, upstream.prefill_once(call))
+            prefilled = await until_disconnected(request, prefill)
         except ClientGone as gone:
             call.unbind()
             if isinstance(gone.result, Prefilled):
@@ -167,6 +172,8 @@ async def _try_place(upstream: Upstream, request: Request,
         elif not isinstance(prefilled, Prefilled):
             call.unbind()
             return prefilled.answer if isinstance(prefilled, Unreached) else prefilled
+        else:
+            path = REUSE if prefilled.reused else DISAGGREGATED
     upstream.metrics.paths.labels(path=path).inc()
     return decode, prefilled
 
@@ -195,7 +202,7 @@ async def _decode(upstream: Upstream, request: Request, call: Call, prefilled: P
     if not isinstance(opened, Opened):
         await _release(upstream, prefilled, call)
         return opened
-    path = DISAGGREGATED if prefilled is not None else LOCAL
+    path = LOCAL if prefilled is None else REUSE if prefilled.reused else DISAGGREGATED
     headers = {"X-Request-Id": call.request_id, "X-PD-Path": path} | call.route_headers()
     if call.stream:
         return StreamingResponse(_relay(upstream, opened), media_type="text/event-stream",

@@ -55,6 +55,11 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill-max-tokens", type=int, default=PROXY_DEFAULTS["local_prefill_max_tokens"],
                         metavar="N", help="conditional: the most prompt tokens a decode server computes itself for "
                                           "a request (default %(default)s)")
+    parser.add_argument("--reuse-min-tokens", type=int, default=PROXY_DEFAULTS["reuse_min_tokens"], metavar="N",
+                        help="conditional: when a request goes to a prefill server and its decode server holds at "
+                             "least N more of the prompt than any prefill server is known to (an earlier turn and "
+                             "its answer), the prefill server reads that prefix from the decode server instead of "
+                             "computing it; 0 never (default %(default)s)")
 
 
 def _add_fault_flags(parser: argparse.ArgumentParser) -> None:
@@ -117,7 +122,8 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
                            breaker_cooldown_s=args.breaker_cooldown, max_outstanding=args.max_outstanding,
                            max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
                            max_request_bytes=args.max_request_bytes, disagg_policy=args.disagg_policy,
-                           local_prefill_max_tokens=args.local_prefill_max_tokens)
+                           local_prefill_max_tokens=args.local_prefill_max_tokens,
+                           reuse_min_tokens=args.reuse_min_tokens)
     except ValueError as exc:
         raise SystemExit(f"pd proxy: {exc}") from None
 

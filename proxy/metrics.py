@@ -73,10 +73,17 @@ class ProxyMetrics:
                                            "ones (dropped).", ["url"], registry=self.registry)
 
         self.paths = Counter("pd_proxy_requests_by_path", "Requests placed, by where their prompt is computed: "
-                             "disaggregated (a prefill server) or local (the decode server, --disagg-policy "
-                             "conditional).", ["path"], registry=self.registry)
+                             "disaggregated (a prefill server), local (the decode server, --disagg-policy "
+                             "conditional) or disaggregated+reuse (a prefill server, after reading the prefix the "
+                             "decode server holds).", ["path"], registry=self.registry)
         for path in PATHS:
             self.paths.labels(path=path)
+        self.reuse_fallbacks = Counter("pd_proxy_reuse_fallbacks", "Requests chosen for disaggregated+reuse that "
+                                       "were prefilled without the decode server's prefix, by reason: export (the "
+                                       "decode server did not export it) or refused (the prefill server refused "
+                                       "it).", ["reason"], registry=self.registry)
+        for reason in ("export", "refused"):
+            self.reuse_fallbacks.labels(reason=reason)
         self.retries = Counter("pd_proxy_retries", "Requests sent again to another server after one failed, by "
                                "role.", ["role"], registry=self.registry)
         self.overloaded = Counter("pd_proxy_overloaded", "Requests answered 429: every instance of the role had "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, fields
 
 from proxy.body import MAX_DEPTH, MAX_REQUEST_BYTES
-from proxy.disagg import DISAGG_POLICIES, LOCAL_PREFILL_MAX_TOKENS
+from proxy.disagg import DISAGG_POLICIES, LOCAL_PREFILL_MAX_TOKENS, REUSE_MIN_TOKENS
 from proxy.instances import LOAD_SLACK, POLICIES
 
 
@@ -37,6 +37,7 @@ class ProxyConfig:
     max_depth: int = MAX_DEPTH  # of a request body's nested objects and arrays
     disagg_policy: str = "always"  # or "conditional": D prefills itself what it lacks little of (disagg.py)
     local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS  # conditional: D computes at most this many itself
+    reuse_min_tokens: int = REUSE_MIN_TOKENS  # conditional: P reads a prefix from D holding this many more (0: never)
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:
@@ -71,8 +72,9 @@ class ProxyConfig:
             raise ValueError(f"the nesting limit must be within 1 and 256, got {self.max_depth}")
         if self.disagg_policy not in DISAGG_POLICIES:
             raise ValueError(f"disagg_policy must be one of {', '.join(DISAGG_POLICIES)}, got {self.disagg_policy!r}")
-        if self.local_prefill_max_tokens < 0:
-            raise ValueError(f"local_prefill_max_tokens must not be negative, got {self.local_prefill_max_tokens}")
+        if self.local_prefill_max_tokens < 0 or self.reuse_min_tokens < 0:
+            raise ValueError("local_prefill_max_tokens and reuse_min_tokens must not be negative, got "
+                             f"{self.local_prefill_max_tokens} and {self.reuse_min_tokens}")
         if "" in (self.api_key, self.server_api_key):
             raise ValueError("an API key must not be empty")
 

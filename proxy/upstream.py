@@ -67,6 +67,7 @@ class Call:
     request_id: str
     picked: dict[str, tuple[int, int]] = field(default_factory=dict)
     bound: Instance | None = None
+    prefix: dict[str, Any] | None = None  # a decode server's parameters for a prefix P reads (reuse.py)
 
     def bind(self, instance: Instance) -> None:
         self.bound = instance
@@ -97,10 +98,12 @@ class Call:
 
 @dataclass(frozen=True)
 class Prefilled:
-    """P's answer: the instance that holds the request's blocks, and its kv_transfer_params."""
+    """P's answer: the instance that holds the request's blocks, and its kv_transfer_params;
+    `reused`: P read a prefix from the decode server (reuse.py)."""
 
     instance: Instance
     params: dict[str, Any]
+    reused: bool = False
 
 
 @dataclass
@@ -271,7 +274,7 @@ class Upstream:
         instance.requests += 1
         instance.breaker.start()
         try:
-            response = await self.client.post(instance.url + call.endpoint, json=prefill_body(call.body),
+            response = await self.client.post(instance.url + call.endpoint, json=prefill_body(call.body, call.prefix),
                                               headers=call.headers, timeout=self.prefill_timeout)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing reached it
             self.failed(instance, f"{type(exc).__name__}: {exc}")
@@ -289,7 +292,7 @@ class Upstream:
             self.admission.changed()
         if response.status_code == 200:
             instance.mark_succeeded()
-            return self._prefilled(instance, response)
+            return self._prefilled(instance, response, call)
         if is_server_failure(response):
             self.failed(instance, f"HTTP {response.status_code}: {response.text[:200]}")
             return TryAnother() if error_code(response) == ENGINE_DEAD else passed_back(instance, response)
@@ -299,7 +302,7 @@ class Upstream:
             return TryAnother(retry_after_s(response))
         return passed_back(instance, response)
 
-    def _prefilled(self, instance: Instance, response: httpx.Response) -> Prefilled | Response:
+    def _prefilled(self, instance: Instance, response: httpx.Response, call: Call) -> Prefilled | Response:
         try:
             answer = parse_body(response.content, self.config.max_depth)
         except BodyError as exc:
@@ -311,7 +314,7 @@ class Upstream:
         if not isinstance(params, dict) or not params:
             return error_response(f"the prefill server {instance.url} kept no KV for the request "
                                   "(is it started with --kv-connector nixl?)", 502)
-        return Prefilled(instance, params)
+        return Prefilled(instance, params, reused=call.prefix is not None)
 
     async def open_decode(self, call: Call, first: Instance, params: dict[str, Any] | None) -> Opened | Response:
         """D's 200 response, from `first` unless it is unhealthy by now, then from any

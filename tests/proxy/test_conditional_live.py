@@ -44,7 +44,8 @@ def deployment(request, tiny_models, tmp_path_factory):
         block = config["groups"][config["routing_group"]]["block_size"]  # 16, or 144 for bamba's Mamba pages
         front = stack.enter_context(running_proxy(
             logs / "proxy.log", "--prefill", p.url, "--decode", d.url, "--disagg-policy", "conditional",
-            "--local-prefill-max-tokens", str(local_max(block)), "--probe-interval", "0.5"))
+            "--local-prefill-max-tokens", str(local_max(block)), "--reuse-min-tokens", str(block),
+            "--probe-interval", "0.5"))
         yield request.param, block, p, d, front
 
 
@@ -60,7 +61,7 @@ def all_decode_blocks(front) -> int:
 
 def paths(front) -> dict[str, float]:
     return {path: proxy_metric(front.url, f'pd_proxy_requests_by_path_total{{path="{path}"}}')
-            for path in ("local", "disaggregated")}
+            for path in ("local", "disaggregated", "disaggregated+reuse")}
 
 
 def test_the_next_turns_are_prefilled_on_d_from_its_cache_and_answer_as_colocated(deployment, colocated) -> None:
@@ -82,6 +83,35 @@ def test_the_next_turns_are_prefilled_on_d_from_its_cache_and_answer_as_colocate
             assert got.body["usage"]["prompt_tokens_details"]["cached_tokens"] >= (held - 1) * block
         answer = got.token_ids
     assert http_client().get(f"{front.url}/health", timeout=5).json()["prefill"][0]["requests"] == 1  # turn 1
+    for server in (p, d):
+        assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+
+
+def test_a_long_next_turn_is_prefilled_on_p_reading_what_d_holds_first(deployment, colocated) -> None:
+    """A conversation opened on D (its first turn short: computed there), then a turn
+    with a long new message: P reads from D the blocks of the first turn and its answer
+    (which P never saw) and computes only the new message; D reads from P what it lacks.
+    Then a short turn on D again. Tokens are colocated's at every turn."""
+    arch, block, p, d, front = deployment
+    rng = random.Random(9)
+    words = lambda n: [rng.randrange(10, 200) for _ in range(n)]  # noqa: E731
+    prompt, answer = words(local_max(block) - 8), []
+    read_by_p = proxy_metric(p.url, 'pd_prompt_tokens_by_source_total{source="remote"}')
+    for k, (expected, new) in enumerate([("local", 0), ("disaggregated+reuse", local_max(block) + 2 * block),
+                                         ("local", NEW)]):
+        if k:
+            held = (len(prompt) + len(answer) - 1) // block
+            prompt = prompt + answer + words(new)
+            assert wait_until(lambda: decode_blocks(front) >= held, 30), (decode_blocks(front), held)
+        before = paths(front)
+        body = {"prompt": prompt, "max_tokens": ANSWER, "temperature": 0, "ignore_eos": True}
+        got = stream(front, body) if k == 1 else complete(front, body)
+        assert got.token_ids == complete(colocated[arch], body).token_ids, (arch, k)
+        assert paths(front)[expected] == before[expected] + 1, (k, paths(front), before)
+        if k == 1:  # P read the first turn's full blocks from D
+            read = proxy_metric(p.url, 'pd_prompt_tokens_by_source_total{source="remote"}') - read_by_p
+            assert read == held * block, (read, held)
+        answer = got.token_ids
     for server in (p, d):
         assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
 
