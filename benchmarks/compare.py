@@ -12,7 +12,8 @@ their repetitions interleaved (`run_configs`). Prefix-cache and KV-transfer figu
 read from every server's /metrics before and after each run, and summed: "P hit rate"
 over the servers that prefill, "prefix hit rate" and "KV read" over those that decode
 (a colocated server is both); "prefilled on D" is the share of requests the proxy let a
-decode server prefill itself (`--disagg-policy conditional`).
+decode server prefill itself (`--disagg-policy conditional`), "P read from D" the share
+whose prefill server read a prefix from the decode server first.
 
     pd bench compare --model DIR --dataset prefix-repetition --num-prompts 64
 """
@@ -32,7 +33,7 @@ from pathlib import Path
 
 from benchmarks import serve
 from benchmarks.datasets import add_dataset_args
-from benchmarks.deployments import CONFIGS, Deployment, combined_deltas, deploy, local_share, scrape
+from benchmarks.deployments import CONFIGS, Deployment, combined_deltas, deploy, path_share, scrape
 
 WARMUP_SEED_OFFSET = 10_000
 FIGURES = {  # column -> (title, how to read it from one run's result)
@@ -45,9 +46,11 @@ FIGURES = {  # column -> (title, how to read it from one run's result)
     "prefix_hit_rate": ("prefix hit rate", lambda r: r["servers"]["decode"]["hit_rate"]),
     "kv_mib": ("KV read (MiB)", lambda r: _mib(r["servers"]["decode"]["kv_transfer_bytes"])),
     "on_d": ("prefilled on D", lambda r: r["servers"]["local_share"]),
+    "reuse": ("P read from D", lambda r: r["servers"].get("reuse_share")),
 }
-RATES = ("p_hit_rate", "prefix_hit_rate", "on_d")
-ONLY_WHERE_MEASURED = ("mean_ttft_later_ms",)  # columns left out when no row has them (not multi-turn)
+RATES = ("p_hit_rate", "prefix_hit_rate", "on_d", "reuse")
+ONLY_WHERE_MEASURED = ("mean_ttft_later_ms", "reuse")  # columns left out when no row has them (not multi-turn,
+# no proxy)
 
 
 def _mib(num_bytes: float | None) -> float | None:
@@ -107,7 +110,8 @@ def run_once(config: str, deployment: Deployment, args: argparse.Namespace, rep:
     after = _snapshot(deployment)
     result["servers"] = {"prefill": combined_deltas(before[0], after[0]),
                          "decode": combined_deltas(before[1], after[1]),
-                         "local_share": local_share(before[2], after[2])}
+                         "local_share": path_share(before[2], after[2], "local"),
+                         "reuse_share": path_share(before[2], after[2], "disaggregated+reuse")}
     print(f"  {config} repetition {rep + 1}/{args.repetitions}: "
           f"{result['metrics']['output_throughput']:.1f} output tok/s, {result['metrics']['failed']} failed",
           flush=True)

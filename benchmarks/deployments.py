@@ -11,10 +11,13 @@ KV-transfer figures read from all their servers' /metrics around a run.
   `pd-decode-tp2`: with the decode server's model sharded over two tensor-parallel ranks
   (a narrow P, a wide D: each D rank reads its heads from P's one rank);
   `pd-conditional`: `pd` behind `pd proxy --disagg-policy conditional`, the decode
-  server publishing KV events (it prefills itself the requests it lacks little of);
+  server publishing KV events (it prefills itself the requests it lacks little of, and
+  the prefill server reads from it what it holds of the others);
+  `pd-conditional-no-reuse`: the same with `--reuse-min-tokens 0` (P never reads from D);
 - `2p2d-round_robin`, `2p2d-prefix_aware`, `2p2d-kv_aware`: two prefill and two decode
   servers behind `pd proxy --policy ...` (kv_aware: the servers publish KV events);
   `2p2d-conditional`: `2p2d-kv_aware` with `--disagg-policy conditional`;
+  `2p2d-conditional-no-reuse`: with `--reuse-min-tokens 0` as well;
 - `1p1d-all-cache`: `pd` whose one prefill server has the KV cache of the 2P2D
   deployments' two (`--prefill-kv-cache-memory` x 2): the prefix-cache hit rate the
   2P2D routing policies can at best reach.
@@ -43,10 +46,11 @@ COLOCATED = {"colocated": [], "no-prefix-cache": ["--no-enable-prefix-caching"],
              "colocated-tp2": ["--tensor-parallel-size", "2",
                                "--num-threads", str(max(1, (os.cpu_count() or 2) // 2))]}
 ROUTED = {"2p2d-round_robin": "round_robin", "2p2d-prefix_aware": "prefix_aware", "2p2d-kv_aware": "kv_aware",
-          "2p2d-conditional": "kv_aware"}
-CONDITIONAL = ("pd-conditional", "2p2d-conditional")
+          "2p2d-conditional": "kv_aware", "2p2d-conditional-no-reuse": "kv_aware"}
+CONDITIONAL = ("pd-conditional", "2p2d-conditional", "pd-conditional-no-reuse", "2p2d-conditional-no-reuse")
+NO_REUSE = "-no-reuse"  # a conditional configuration whose prefill servers never read from decode servers
 CONFIGS = ("colocated", "pd", "pd-per-layer", "pd-no-skip-partial", "no-prefix-cache", *ROUTED, "1p1d-all-cache",
-           "colocated-tp2", "pd-decode-tp2", CONDITIONAL[0])
+           "colocated-tp2", "pd-decode-tp2", "pd-conditional", "pd-conditional-no-reuse")
 ROUTED_PREFILL_SERVERS = 2
 PATHS = "pd_proxy_requests_by_path_total"  # the proxy's requests by where their prompt was computed
 
@@ -90,6 +94,8 @@ def deploy(config: str, args: argparse.Namespace, workdir: Path) -> Iterator[Dep
         ds = [start(f"decode{i}", "--role", "decode", *threads, *decode, *_events(routed or config in CONDITIONAL))
               for i in range(pairs)]
         disagg = ["--disagg-policy", "conditional"] if config in CONDITIONAL else []
+        if config.endswith(NO_REUSE):
+            disagg += ["--reuse-min-tokens", "0"]
         proxy = start("proxy", "--prefill", *ps, "--decode", *ds, "--policy", ROUTED.get(config, "round_robin"),
                       *disagg, "--log-level", "warning", *shlex.split(args.proxy_args), command="proxy",
                       shared=["--host", "127.0.0.1"])
@@ -119,14 +125,15 @@ def scrape(urls: list[str]) -> list[Samples]:
     return [parse_prometheus(httpx.get(f"{url}/metrics", timeout=10).text) for url in urls]
 
 
-def local_share(before: Samples | None, after: Samples | None) -> float | None:
-    """Of the requests the proxy placed between two scrapes, the share its decode servers
-    prefilled themselves (`--disagg-policy conditional`); None without a proxy."""
+def path_share(before: Samples | None, after: Samples | None, path: str) -> float | None:
+    """Of the requests the proxy placed between two scrapes, the share that took `path`
+    (`local`: its decode servers prefilled them themselves; `disaggregated+reuse`: the
+    prefill server read a prefix from the decode server first); None without a proxy."""
     if before is None or after is None:
         return None
     placed = {dict(labels).get("path"): value for labels, value in counter_deltas(before, after, PATHS).items()}
     total = sum(placed.values())
-    return placed.get("local", 0.0) / total if total else None
+    return placed.get(path, 0.0) / total if total else None
 
 
 def combined_deltas(before: list[Samples], after: list[Samples]) -> dict:

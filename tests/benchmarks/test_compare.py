@@ -41,6 +41,8 @@ def test_the_table_shows_medians_and_dashes_for_missing_figures() -> None:
     assert "| TTFT turns >= 2 (ms) |" in lines[0]
     assert lines[2:] == ["| colocated | 100.0 | 50.0 | - | 80.0 | 9.5 | 50.0% | 25.0% | - | - | 0 |",
                          "| pd | 100.0 | 50.0 | 20.0 | 80.0 | 9.5 | 50.0% | 25.0% | - | - | 0 |"]
+    rows[1]["medians"]["reuse"] = 0.5  # a proxy's row: the share P read from D
+    assert compare.format_table(rows).splitlines()[3].endswith("| - | 50.0% | 0 |")
 
 
 def test_the_share_prefilled_on_d_is_read_from_the_proxys_paths() -> None:
@@ -48,8 +50,10 @@ def test_the_share_prefilled_on_d_is_read_from_the_proxys_paths() -> None:
     paths = ('pd_proxy_requests_by_path_total{{path="local"}} {}\n'
              'pd_proxy_requests_by_path_total{{path="disaggregated"}} {}\n')
     before, after = parse(paths.format(5, 10)), parse(paths.format(8, 19))
-    assert deployments.local_share(before, after) == 0.25  # 3 of the 12 placed meanwhile
-    assert deployments.local_share(before, before) is None and deployments.local_share(None, None) is None
+    assert deployments.path_share(before, after, "local") == 0.25  # 3 of the 12 placed meanwhile
+    assert deployments.path_share(before, before, "local") is None and deployments.path_share(None, None, "x") is None
+    reused = parse(paths.format(8, 19) + 'pd_proxy_requests_by_path_total{path="disaggregated+reuse"} 4\n')
+    assert deployments.path_share(before, reused, "disaggregated+reuse") == 0.25  # 4 of 16
 
 
 def metrics_text(queries: float, hits: float, transferred: float | None = None) -> str:
