@@ -57,7 +57,7 @@ async def _learn(instance: Instance, client: httpx.AsyncClient, headers: dict[st
         publisher, replay = str(endpoints["publisher"]), str(endpoints["replay"])
     except (KeyError, StopIteration, TypeError, ValueError):
         logger.warning("%s publishes no KV events (start it with --kv-events-port), or says it wrongly: "
-                       "kv_aware sees nothing in its cache", instance.url)
+                       "routing sees nothing in its cache", instance.url)
         return None
     instance.block_size, instance.kv_index = block_size, KVIndex(group=group)
     return publisher, replay

@@ -85,9 +85,11 @@ class ProxyConfig:
         return "kv_aware" in (self.prefill_policy, self.decode_policy) or self.disagg_policy == "conditional"
 
     def follows_events(self, role: str) -> bool:
-        """Whether the proxy follows the KV events of the servers of `role`."""
+        """Whether the proxy follows the KV events of the servers of `role`: under
+        conditional disaggregation every server's (what D holds decides where a prompt
+        is computed, what P holds too whether P reads a prefix from D)."""
         policy = self.prefill_policy if role == "prefill" else self.decode_policy
-        return policy == "kv_aware" or (role == "decode" and self.disagg_policy == "conditional")
+        return policy == "kv_aware" or self.disagg_policy == "conditional"
 
     @property
     def server_authorization(self) -> str | None:

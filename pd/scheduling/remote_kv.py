@@ -11,8 +11,8 @@ logprobs), or, if the load failed, computes it here or fails it, as the load fai
 policy says. On P, a request reading a prefix from a decode server (`Request.kv_source`)
 is parked the same way, then computes the rest of its prompt; a prefix it could not read
 it computes, whatever the policy. A request aborted while its blocks load is kept in
-`aborted_while_loading` until the load ends. Once its remote KV has landed a request is local: a preemption
-recomputes it here and never reads P again.
+`aborted_while_loading` until the load ends. Once its remote KV has landed a request is
+local: a preemption recomputes it here and never reads P again.
 """
 
 from __future__ import annotations

@@ -163,26 +163,28 @@ def test_a_decode_server_lacking_what_the_decision_counted_on_computes_it(tiny_m
     """The proxy let D prefill the next turn on blocks D no longer holds (evicted between
     the decision and the prefill; here D caches nothing, so the blocks the proxy expects
     on it after the last turn are never there): D computes the whole prompt, the answer is
-    colocated's, nothing fails and no block is left."""
+    colocated's, nothing fails and no block is left. Then a long turn, whose prefix the
+    proxy has D export for P: D computes the prefix it lacks, P reads it, same answer."""
     with contextlib.ExitStack() as stack:
         start = Starter(tiny_models["qwen3"], tmp_path, stack)
         p, d = start.all(("p", "--role", "prefill"),
                          ("d", "--role", "decode", "--no-enable-prefix-caching", *published_events()))
         front = stack.enter_context(running_proxy(
             tmp_path / "proxy.log", "--prefill", p.url, "--decode", d.url, "--disagg-policy", "conditional",
-            "--local-prefill-max-tokens", str(local_max(16)), "--probe-interval", "0.5"))
+            "--local-prefill-max-tokens", str(local_max(16)), "--reuse-min-tokens", "16", "--probe-interval", "0.5"))
         rng = random.Random(5)
         prompt = [rng.randrange(10, 200) for _ in range(5 * 16 + 3)]
-        for k, expected in enumerate(["disaggregated", "local"]):  # the second within the expectation's 10 s
+        turns = [("disaggregated", NEW), ("local", 3 * 16), ("disaggregated+reuse", 0)]
+        for k, (expected, new) in enumerate(turns):  # each next one within the expectation's 10 s
             body = {"prompt": prompt, "max_tokens": ANSWER, "temperature": 0, "ignore_eos": True,
                     "return_token_ids": True}
             response = http_client().post(f"{front.url}/v1/completions", json=body, timeout=60)
             assert response.status_code == 200 and response.headers["X-PD-Path"] == expected, (k, response.text)
             tokens = response.json()["choices"][0]["token_ids"]
             assert tokens == complete(colocated["qwen3"], body).token_ids, k
-            if k:
+            if k == 1:
                 assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # all computed on D
-            prompt = prompt + tokens + [rng.randrange(10, 200) for _ in range(NEW)]
+            prompt = prompt + tokens + [rng.randrange(10, 200) for _ in range(new)]
         assert decode_blocks(front) == 0  # D published nothing: the proxy only expected
         for server in (p, d):
             assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0

@@ -21,6 +21,7 @@ from launch import http_client
 from pd.config import EngineConfig
 from pd.kv_transfer.params import RemotePrefillParams
 from pd.kv_transfer.signing import secret_from_env, sign
+from proxy.body import export_body, prefill_body
 from tests.support.pd_client import complete, p_then_d, prefill
 from pd.worker.rank_setup import whole_kv_cache_config
 from tests.support.server_harness import running_server, started_together
@@ -89,6 +90,29 @@ def test_p_then_d_of_other_tp_sizes_gives_the_colocated_tokens(servers, arch, pa
     for server in (p, d):
         assert counter(server, "pd_kv_transfer_failures_total") == 0
         assert server.wait_for_metric("pd_kv_requests_held", lambda v: v == 0) == 0
+        assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=["p1-d2", "p2-d1", "p2-d2"])
+def test_p_reads_a_prefix_from_d_of_another_tp_size(servers, arch, pair) -> None:
+    """Issue 34's D -> P read across TP sizes: D answers a first turn itself and exports
+    the next turn's prefix it holds; P's ranks read their heads of it from D's, compute
+    the rest, and D reads back what it lacks: the colocated tokens."""
+    p, d = servers[pair[0]], servers[pair[1]]
+    block = 144 if arch == "bamba" else 16
+    rng = random.Random(f"tp-reuse-{arch}-{pair}")
+    first = [rng.randrange(300, 3800) for _ in range(block + 5)]
+    answer = complete(d, {"prompt": first, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}).token_ids
+    prompt = first + answer + [rng.randrange(300, 3800) for _ in range(block)]
+    held = (len(first) + MAX_TOKENS - 1) // block * block
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    prefix = complete(d, export_body(body, prompt[:held])).body["kv_transfer_params"]
+    read_before = counter(p, 'pd_prompt_tokens_by_source_total{source="remote"}')
+    params = complete(p, prefill_body(body, prefix)).body["kv_transfer_params"]
+    assert counter(p, 'pd_prompt_tokens_by_source_total{source="remote"}') - read_before == held
+    assert complete(d, body | {"kv_transfer_params": params}).token_ids == complete(servers["c"], body).token_ids
+    for server in (p, d):
+        assert counter(server, "pd_kv_transfer_failures_total") == 0
         assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
 
 

@@ -3,8 +3,8 @@
 computes a conversation's turn itself, exports the prefix of the next turn it holds
 (`export_body`), P reads that prefix from D and computes only the rest (`prefill_body`
 with `prefix`), D reads from P only what it lacks and decodes: colocated's tokens. A
-prefix P cannot read (released by its holder, a holder that never answers) is computed
-on P: the same tokens, and every block back. Every family takes the path through the
+prefix P cannot read (released by its holder, a holder that never answers or is gone)
+is computed on P: the same tokens, and every block back. Every family takes the path through the
 proxy in tests/proxy/test_conditional_live.py."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pd.kv_transfer.signing import sign
 from proxy.body import export_body, prefill_body
 from tests.support.listeners import ConnectionRecorder
 from tests.support.pd_client import complete, stream
-from tests.support.server_harness import Starter
+from tests.support.server_harness import Starter, free_port
 
 pytestmark = pytest.mark.slow
 ANSWER = 12
@@ -83,23 +83,25 @@ def failed_reads(server) -> float:
 
 
 def test_a_prefix_p_cannot_read_is_computed_on_p(pair, colocated) -> None:
-    """The prefix's blocks released by D before P reads (the lease word changed), and a
-    prefix naming a holder that accepts and never answers (the handshake times out): P
-    computes the prefix, whatever the load failure policy, and D answers colocated's tokens."""
+    """The prefix's blocks released by D before P reads (the lease word changed), a prefix
+    naming a holder that accepts and never answers (the handshake times out), and one
+    naming a holder that is gone (nothing listens): P computes the prefix, whatever the
+    load failure policy, and D answers colocated's tokens."""
     arch, block, p, d = pair
     rng = random.Random(4)
     recorder = ConnectionRecorder()
     try:
-        for case in ("released", "silent holder"):
+        for case in ("released", "silent holder", "holder gone"):
             prompt, held = next_turn(d, rng, block)
             body = {"prompt": prompt, "max_tokens": ANSWER, "temperature": 0, "ignore_eos": True}
             prefix = export(d, body, prompt, held)
             if case == "released":
                 release(d, prefix)
-            else:  # another engine at the recorder's port (D's own blocks are released: nobody reads them)
+            else:  # another engine, at the recorder's port or where nothing listens (D's own blocks released)
                 release(d, prefix)
+                port = recorder.port if case == "silent holder" else free_port()
                 forged = msgspec.structs.replace(msgspec.convert(prefix, RemotePrefillParams), signature=None,
-                                                 remote_engine_id="silent-holder", remote_port=recorder.port)
+                                                 remote_engine_id=case.replace(" ", "-"), remote_port=port)
                 prefix = sign(forged, os.environ[SECRET_ENV]).to_json()
             before = failed_reads(p)
             params = complete(p, prefill_body(body, prefix)).body["kv_transfer_params"]
