@@ -51,10 +51,14 @@ def choose_path(route: Route, decode: Instance, prefill: InstancePool, policy: s
 def reuse_tokens(route: Route, decode: Instance, prefill: InstancePool, min_tokens: int) -> int:
     """The prompt tokens D exports for P to read (0: none): the full blocks of the prompt
     D holds, short of its last token (P computes at least that one), when they are at
-    least `min_tokens` (> 0) more than the healthy P holding most is known to hold."""
+    least `min_tokens` (> 0) more than the healthy P holding most is known to hit. What a
+    P's events say it holds is its hit only where every KV cache group is full attention:
+    with sliding-window or Mamba groups the hit may stop far short of it (their blocks go
+    first), so such a P counts as hitting nothing (it reads only what it lacks anyway)."""
     if min_tokens <= 0 or route.tokens is None or not decode.block_size:
         return 0
     last_block = (len(route.tokens) - 1) // decode.block_size * decode.block_size
     held = min(decode.overlap_tokens(route), last_block)
-    on_prefill = max((i.overlap_tokens(route) for i in prefill.instances if i.healthy), default=0)
+    on_prefill = max((i.overlap_tokens(route) for i in prefill.instances if i.healthy and i.hit_is_overlap),
+                     default=0)
     return held if held - on_prefill >= min_tokens else 0

@@ -81,6 +81,7 @@ class Instance:
     last_error: str | None = None
     kv_index: KVIndex | None = None  # what its KV events say it holds (kv_aware)
     block_size: int = 0  # tokens per block of the indexed KV cache group
+    hit_is_overlap: bool = True  # False: sliding-window or Mamba groups may make its hits shorter than that group's
     engine_pid: int | None = None  # as its /health last said: another one means it restarted
     cache_epoch: int = 0  # counts the times what it held was forgotten (its events are followed anew)
 

@@ -5,12 +5,17 @@ routes by what it learned (the X-PD-Prefill header names the overlap expected)."
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
 import pytest
 import zmq
 
 from launch import free_port, http_client
 from kv_events.hashing import HASH_NAME, extend_block_hashes
 from kv_events.messages import BlockStored, EventBatch, ReplayReply, encode, replay_request_decoder
+from proxy.instances import Instance
+from proxy.kv_subscriber import _learn
 from tests.support.proxy_fakes import fake, fake_tokens, proxy_health, proxy_in_front, proxy_metric, wait_until
 
 BLOCK = 4
@@ -67,3 +72,24 @@ def test_a_servers_events_are_followed_through_replays_gaps_and_garbage(publishe
             assert response.status_code == 200
             assert response.headers["x-pd-prefill"] == f"0; overlap={6 * BLOCK}"
             assert response.headers["x-pd-decode"] == "0; overlap=0"  # it publishes nothing
+
+
+@pytest.mark.parametrize(("kinds", "hit_is_overlap"), [(["full_attention"], True),
+                                                       (["sliding_window", "full_attention"], False),
+                                                       (["mamba", "full_attention"], False)])
+def test_a_server_with_partial_groups_is_known_to_hit_less_than_its_events_say(kinds, hit_is_overlap) -> None:
+    """Its events name the routing group's blocks; with sliding-window or Mamba groups
+    beside it, its prefix-cache hit may stop short of them (issue 34: whether P reads a
+    prefix from D must not count on them)."""
+    groups = [{"id": i, "kind": kind, "block_size": BLOCK} for i, kind in enumerate(kinds)]
+    endpoints = {"publisher": "tcp://127.0.0.1:1", "replay": "tcp://127.0.0.1:1"}
+    with fake("prefill") as p:
+        p.kv_config = {"engine_id": "e1", "hash": HASH_NAME, "groups": groups, "routing_group": len(kinds) - 1,
+                       "events": endpoints}
+        instance = Instance(p.url, "prefill")
+
+        async def learn():
+            async with httpx.AsyncClient() as client:
+                return await _learn(instance, client, {}, 0.1)
+        assert asyncio.run(learn()) == (endpoints["publisher"], endpoints["replay"])
+    assert instance.hit_is_overlap is hit_is_overlap and instance.block_size == BLOCK
