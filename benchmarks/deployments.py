@@ -10,8 +10,8 @@ KV-transfer figures read from all their servers' /metrics around a run.
   `pd-no-skip-partial`: with `--no-skip-partial-groups-on-remote-prefill` on the decode server;
   `pd-decode-tp2`: with the decode server's model sharded over two tensor-parallel ranks
   (a narrow P, a wide D: each D rank reads its heads from P's one rank);
-  `pd-conditional`: `pd` behind `pd proxy --disagg-policy conditional`, the servers
-  publishing KV events (it prefills itself the requests it lacks little of, and
+  `pd-conditional`: `pd` behind `pd proxy --disagg-policy conditional`, the decode
+  server publishing KV events (it prefills itself the requests it lacks little of, and
   the prefill server reads from it what it holds of the others);
   `pd-conditional-no-reuse`: the same with `--reuse-min-tokens 0` (P never reads from D);
 - `2p2d-round_robin`, `2p2d-prefix_aware`, `2p2d-kv_aware`: two prefill and two decode
@@ -89,9 +89,10 @@ def deploy(config: str, args: argparse.Namespace, workdir: Path) -> Iterator[Dep
         pairs = ROUTED_PREFILL_SERVERS if config in ROUTED else 1
         threads = ["--num-threads", str(max(1, (os.cpu_count() or 2) // (2 * pairs)))]
         prefill, decode = _server_flags(config, args)
-        followed = ROUTED.get(config) == "kv_aware" or config in CONDITIONAL  # the proxy follows their events
-        ps = [start(f"prefill{i}", "--role", "prefill", *threads, *prefill, *_events(followed)) for i in range(pairs)]
-        ds = [start(f"decode{i}", "--role", "decode", *threads, *decode, *_events(followed)) for i in range(pairs)]
+        routed = ROUTED.get(config) == "kv_aware"  # the proxy follows P's events, and D's under conditional
+        ps = [start(f"prefill{i}", "--role", "prefill", *threads, *prefill, *_events(routed)) for i in range(pairs)]
+        ds = [start(f"decode{i}", "--role", "decode", *threads, *decode, *_events(routed or config in CONDITIONAL))
+              for i in range(pairs)]
         disagg = ["--disagg-policy", "conditional"] if config in CONDITIONAL else []
         if config.endswith(NO_REUSE):
             disagg += ["--reuse-min-tokens", "0"]

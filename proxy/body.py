@@ -7,6 +7,10 @@ as deep as the interpreter's stack. Such a body cannot be encoded again for the 
 here with a 400 naming what and where, and what it returns always re-encodes. Integers
 of any size pass (the servers validate ranges), up to the interpreter's limit on the
 digits of an integer (4300), which is a 400 too.
+
+Then what the proxy makes of it for the servers: P's body (`prefill_body`), a decode
+server's export of a prefix for P to read (`export_body`), and a completion's prompt
+when it is given as token ids (`token_id_prompt`).
 """
 
 from __future__ import annotations
@@ -147,3 +151,13 @@ def export_body(body: dict[str, Any], prefix_ids: list[int]) -> dict[str, Any]:
     export = {key: body[key] for key in ("model", "cache_salt") if key in body}
     return export | {"prompt": prefix_ids, "max_tokens": 1, "temperature": 0, "stream": False,
                      "kv_transfer_params": {"do_remote_decode": True}}
+
+
+def token_id_prompt(body: dict[str, Any]) -> list[int] | None:
+    """A completion's prompt given as token ids (a list of ints, or a batch of one), else None."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt
+    return None

@@ -37,7 +37,7 @@ from fastapi.responses import Response
 from proxy.answers import (ENGINE_DEAD, KV_HELD_LIMIT, OVERLOADED_RETRY_AFTER_S, backoff_s, cached_tokens, error_code,
                            is_server_failure, kv_held_response, overloaded_response, passed_back, retry_after_s)
 from proxy.admission import Admission
-from proxy.body import BodyError, parse_body, prefill_body
+from proxy.body import BodyError, parse_body, prefill_body, token_id_prompt
 from proxy.errors import error_response
 from proxy.instances import Instance, InstancePool, NoInstanceError, OverloadedError, Route
 from proxy.metrics import ProxyMetrics
@@ -153,16 +153,6 @@ class TryAnother:
     dead (a failure counted against its breaker)."""
 
     retry_after_s: float | None = None
-
-
-def token_id_prompt(body: dict[str, Any]) -> list[int] | None:
-    """A completion's prompt given as token ids (a list of ints, or a batch of one), else None."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
-        prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        return prompt
-    return None
 
 
 class Upstream:

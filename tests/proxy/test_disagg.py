@@ -83,8 +83,8 @@ def test_the_flags_reach_the_config() -> None:
                                              "--disagg-policy", "conditional", "--local-prefill-max-tokens", "64",
                                              "--reuse-min-tokens", "32"]))
     assert (config.disagg_policy, config.local_prefill_max_tokens, config.reuse_min_tokens) == ("conditional", 64, 32)
-    assert config.needs_tokens and config.follows_events("decode") and config.follows_events("prefill")
-    assert not ProxyConfig(("a",), ("b",), decode_policy="kv_aware").follows_events("prefill")
+    assert config.needs_tokens and config.follows_events("decode") and not config.follows_events("prefill")
+    assert ProxyConfig(("a",), ("b",), disagg_policy="conditional", policy="kv_aware").follows_events("prefill")
     assert not ProxyConfig(("a",), ("b",)).needs_tokens
 
 
