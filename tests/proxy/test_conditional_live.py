@@ -64,24 +64,35 @@ def paths(front) -> dict[str, float]:
             for path in ("local", "disaggregated", "disaggregated+reuse")}
 
 
-def test_the_next_turns_are_prefilled_on_d_from_its_cache_and_answer_as_colocated(deployment, colocated) -> None:
+def conversation(deployment, reference, seed: int, first: int, turns: list[tuple[str, int]], streamed: int):
+    """Send a conversation's turns through the proxy: `first` tokens, then for turn k of
+    `turns` = (path it must take, new message tokens), the last turn's prompt, its answer
+    and the new message (turn 0's message is ignored); turn `streamed` streamed. Each
+    answer must be `reference`'s. Yields (k, answer, full blocks of the last turn D holds)."""
     arch, block, p, d, front = deployment
-    rng = random.Random(7)
+    rng = random.Random(seed)
     words = lambda n: [rng.randrange(10, 200) for _ in range(n)]  # noqa: E731
-    prompt, answer = words(4 * block + 4), []  # more than D computes itself
-    for k, expected in enumerate(["disaggregated", "local", "local"]):
+    prompt, answer, held = words(first), [], 0
+    for k, (expected, new) in enumerate(turns):
         if k:
             held = (len(prompt) + len(answer) - 1) // block  # full blocks of the last turn D computed or read
-            prompt = prompt + answer + words(NEW)
+            prompt = prompt + answer + words(new)
             assert wait_until(lambda: decode_blocks(front) >= held, 30), (decode_blocks(front), held)
         before = paths(front)
         body = {"prompt": prompt, "max_tokens": ANSWER, "temperature": 0, "ignore_eos": True}
-        got = stream(front, body) if k == 2 else complete(front, body)
-        assert got.token_ids == complete(colocated[arch], body).token_ids, (arch, k)
+        got = stream(front, body) if k == streamed else complete(front, body)
+        assert got.token_ids == complete(reference, body).token_ids, (arch, k)
         assert paths(front)[expected] == before[expected] + 1, (k, paths(front), before)
+        yield k, got, held
+        answer = got.token_ids
+
+
+def test_the_next_turns_are_prefilled_on_d_from_its_cache_and_answer_as_colocated(deployment, colocated) -> None:
+    arch, block, p, d, front = deployment
+    turns = [("disaggregated", 0), ("local", NEW), ("local", NEW)]
+    for k, got, held in conversation(deployment, colocated[arch], 7, 4 * block + 4, turns, streamed=2):
         if k == 1 and arch == "qwen3":  # a hybrid's D holds no Mamba state where the turn could resume
             assert got.body["usage"]["prompt_tokens_details"]["cached_tokens"] >= (held - 1) * block
-        answer = got.token_ids
     assert http_client().get(f"{front.url}/health", timeout=5).json()["prefill"][0]["requests"] == 1  # turn 1
     for server in (p, d):
         assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
@@ -93,25 +104,12 @@ def test_a_long_next_turn_is_prefilled_on_p_reading_what_d_holds_first(deploymen
     (which P never saw) and computes only the new message; D reads from P what it lacks.
     Then a short turn on D again. Tokens are colocated's at every turn."""
     arch, block, p, d, front = deployment
-    rng = random.Random(9)
-    words = lambda n: [rng.randrange(10, 200) for _ in range(n)]  # noqa: E731
-    prompt, answer = words(local_max(block) - 8), []
     read_by_p = proxy_metric(p.url, 'pd_prompt_tokens_by_source_total{source="remote"}')
-    for k, (expected, new) in enumerate([("local", 0), ("disaggregated+reuse", local_max(block) + 2 * block),
-                                         ("local", NEW)]):
-        if k:
-            held = (len(prompt) + len(answer) - 1) // block
-            prompt = prompt + answer + words(new)
-            assert wait_until(lambda: decode_blocks(front) >= held, 30), (decode_blocks(front), held)
-        before = paths(front)
-        body = {"prompt": prompt, "max_tokens": ANSWER, "temperature": 0, "ignore_eos": True}
-        got = stream(front, body) if k == 1 else complete(front, body)
-        assert got.token_ids == complete(colocated[arch], body).token_ids, (arch, k)
-        assert paths(front)[expected] == before[expected] + 1, (k, paths(front), before)
+    turns = [("local", 0), ("disaggregated+reuse", local_max(block) + 2 * block), ("local", NEW)]
+    for k, _, held in conversation(deployment, colocated[arch], 9, local_max(block) - 8, turns, streamed=1):
         if k == 1:  # P read the first turn's full blocks from D
             read = proxy_metric(p.url, 'pd_prompt_tokens_by_source_total{source="remote"}') - read_by_p
             assert read == held * block, (read, held)
-        answer = got.token_ids
     for server in (p, d):
         assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
 
