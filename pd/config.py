@@ -68,6 +68,8 @@ class EngineConfig:
     kv_events_port: int | None = None  # publish KV events (kv_events/) on tcp://kv_events_host:port; None: off
     kv_events_replay_port: int | None = None  # their replay socket; None: kv_events_port + 1
     kv_events_host: str = "127.0.0.1"
+    kv_offload_disk_path: Path | None = None  # a directory for the disk tier (pd/kv_offload); None: no tier
+    kv_offload_disk_bytes: int | None = None  # its size; None: a tenth of the free space there, at most 64 GiB
     dtype_reason: str = field(default="as asked", init=False, compare=False)  # how `dtype` was chosen
 
     def __post_init__(self) -> None:
@@ -101,6 +103,21 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         self._check_kv_events()
+        self._check_offload()
+
+    def _check_offload(self) -> None:
+        if self.kv_offload_disk_path is None:
+            if self.kv_offload_disk_bytes is not None:
+                raise ValueError("kv_offload_disk_bytes sizes the disk tier: give kv_offload_disk_path too")
+            return
+        object.__setattr__(self, "kv_offload_disk_path", Path(self.kv_offload_disk_path))
+        if self.kv_offload_disk_bytes is not None and self.kv_offload_disk_bytes <= 0:
+            raise ValueError(f"kv_offload_disk_bytes must be positive, got {self.kv_offload_disk_bytes}")
+        if not self.enable_prefix_caching:
+            raise ValueError("the KV disk tier keeps prefix-cache blocks: it needs prefix caching on")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("the KV disk tier serves tensor-parallel size 1 for now (each rank would need its own "
+                             "tier and the loads joined across ranks)")
 
     def _check_kv_transfer(self) -> None:
         """The PD settings: leases, timeouts, transports, peers, the held share."""
@@ -249,6 +266,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp-local-ranks", type=int, default=ENGINE_DEFAULTS["tp_local_ranks"], metavar="K", help="ranks this server starts on its own node, rank 0 included (ranks 0..K-1); ranks K..N-1 run on other nodes, each started there with `pd tp-rank --join HOST:PORT --rank R` and the same model path and secret, and join at --tp-host:--tp-port (default: all N here)")
     parser.add_argument("--tp-host", default=ENGINE_DEFAULTS["tp_host"], help="with --tp-local-ranks: the address ranks on other nodes join at, and where torch.distributed's store listens for them (torch's store listens on every interface: keep its port inside the cluster) (default %(default)s)")
     parser.add_argument("--tp-port", type=int, default=ENGINE_DEFAULTS["tp_port"], help="with --tp-local-ranks: the TCP port ranks on other nodes join at; a joining rank and this server prove to each other that they hold the deployment's secret (" + SECRET_ENV + ") before anything else is read (default: none)")
+    parser.add_argument("--kv-offload-disk-path", type=Path, default=ENGINE_DEFAULTS["kv_offload_disk_path"], metavar="DIR", help="keep blocks of the prefix cache on local disk too, in a file under DIR written through NIXL's POSIX backend as blocks are cached (LRU); a prompt whose prefix left the KV cache but is on disk loads it back instead of computing it, checked block by block (CRC-32: a block that fails is a miss). A server restarted on the same DIR with the same model, layout, block size and dtype reuses it. Disk full, a read-only DIR or the file deleted: the tier turns itself off with a warning and serving goes on (default: no disk tier)")
+    parser.add_argument("--kv-offload-disk-bytes", type=int, default=ENGINE_DEFAULTS["kv_offload_disk_bytes"], metavar="BYTES", help="size of the disk tier's file (taken as blocks are written) (default: a tenth of the free space under --kv-offload-disk-path, at most 64 GiB)")
     parser.add_argument("--seed", type=int, default=ENGINE_DEFAULTS["seed"], help="seed for requests that sample without their own seed (default %(default)s)")
 
 

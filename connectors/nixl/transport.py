@@ -90,7 +90,7 @@ class NixlTransport:
         if block_sizes and len(block_sizes) != len(self._refs):
             raise ValueError(f"{len(block_sizes)} block sizes for {len(self._refs)} KV cache groups")
         self._block_sizes = list(block_sizes)
-        api, self._errors = _load_nixl()
+        api, self._errors = load_nixl()
         config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         self._agent = api.nixl_agent(engine_id, config)
         regions = [(t.base_address, t.num_blocks * t.row_bytes, t.device_id, "") for t in self._tensors]
@@ -372,7 +372,7 @@ def _device_kind(tensors: Sequence[KVCacheBlockTensor], requested: DeviceKind | 
     return derived
 
 
-def _load_nixl() -> tuple[Any, tuple[type[Exception], ...]]:
+def load_nixl() -> tuple[Any, tuple[type[Exception], ...]]:
     """The NIXL Python API module and its exception types, imported on first use."""
     for package in ("nixl", "nixl_cu12", "nixl_cu13"):
         try:

@@ -19,6 +19,8 @@ from pd.engine.kv_event_publisher import KVEventPublisher, NoKVEvents
 from pd.engine.malloc import keep_freed_memory
 from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_cache.spec import KVCacheConfig, MambaSpec
+from pd.kv_offload.connector import (inner_worker, offload_description, offload_figures, offload_load_seconds,
+                                     tiered_scheduler, with_tier)
 from pd.kv_transfer.connectors import KV_CONNECTORS
 from pd.scheduling.request import Request, RequestOutput
 from pd.scheduling.scheduler import Scheduler
@@ -74,15 +76,17 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(self.kv_cache_config, config.enable_prefix_caching,
                                                self.max_model_len, record_events=config.kv_events_port is not None)
         self.kv_events = self._kv_events()
-        connector = KV_CONNECTORS.get(config.kv_connector)
-        worker_connector = connector.build_worker(self.connector_context)
+        connector, context = KV_CONNECTORS.get(config.kv_connector), self.connector_context
+        worker_connector = with_tier(connector.build_worker(context), config.kv_offload_disk_path,
+                                     config.kv_offload_disk_bytes, context.compat_hash, self.engine_id)
         self.runner = build_runner(config, self.model_config, self.model, rank_device(device, 0), worker_connector,
                                    keep_logits)
         if self.tp_ranks is not None:
             worker_connector.add_ranks(self.tp_ranks.rank_infos)
         grammars = GrammarMatchers(lambda: Tokenizer(config.model).json(), self.model_config.eos_token_ids)
-        self.scheduler = Scheduler(self._scheduler_config(), self.kv_cache_manager,
-                                   connector.build_scheduler(self.connector_context, worker_connector), grammars)
+        scheduler_connector = tiered_scheduler(connector.build_scheduler(context, inner_worker(worker_connector)),
+                                               self.kv_cache_manager, worker_connector)
+        self.scheduler = Scheduler(self._scheduler_config(), self.kv_cache_manager, scheduler_connector, grammars)
 
     @property
     def kv_events_endpoints(self) -> dict[str, str] | None:
@@ -180,7 +184,8 @@ class EngineCore:
                           max_model_len=self.max_model_len, vocab_size=model.vocab_size,
                           eos_token_ids=sorted(model.eos_token_ids), group_names=group_names(kv),
                           num_blocks=kv.num_blocks, block_sizes=kv.block_sizes, architectures=model.architectures,
-                          kv_events=self.kv_events_endpoints, compat_hash=self.compat_hash(), stats=self.stats())
+                          kv_events=self.kv_events_endpoints, compat_hash=self.compat_hash(),
+                          kv_offload=offload_description(self.runner.connector), stats=self.stats())
 
     def stats(self) -> EngineStats:
         prefix = self.kv_cache_manager.stats
@@ -195,6 +200,8 @@ class EngineCore:
             kv_load_failures=dict(self.scheduler.remote_kv.load_failures),
             kv_cache_bytes=[self.runner.kv_allocation.nbytes, *(self.tp_ranks.kv_bytes if self.tp_ranks else [])],
             prompt_tokens_by_source=dict(self.scheduler.prompt_sources.counts),
+            kv_offload=offload_figures(self.scheduler.connector, self.runner.connector),
+            kv_offload_load_seconds=offload_load_seconds(self.runner.connector),
             malformed_messages=self._malformed_messages(), kv_events_replies_dropped=self.kv_events.dropped_replies,
             num_steps=self.num_steps, step_seconds=dict(self.step_seconds))
 

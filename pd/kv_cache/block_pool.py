@@ -109,6 +109,8 @@ class BlockPool:
         self.null_block.is_null = True
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[BlockHashWithGroupId, KVCacheBlock] = {}
+        # when a list: every block entered in the map, with its key (an offload tier copies them)
+        self.cache_log: list[tuple[KVCacheBlock, BlockHashWithGroupId]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -155,6 +157,8 @@ class BlockPool:
                 block.block_hash = key
                 self.cached[key] = block
                 stored.append(i)
+                if self.cache_log is not None:
+                    self.cache_log.append((block, key))
         if self.record_events and stored:
             self._record_stored(block_hashes, stored, group_id)
 

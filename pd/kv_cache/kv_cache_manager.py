@@ -87,6 +87,19 @@ class KVCacheManager:
         self.partial_prefix_groups = frozenset(
             i for i, g in enumerate(config.groups) if isinstance(g.spec, (MambaSpec, SlidingWindowSpec)))
         self.stats = PrefixCacheStats(num_groups=len(config.groups))
+        self.pinned: Counter[int] = Counter()  # block id -> references held by `pin`
+
+    def pin(self, block: KVCacheBlock) -> None:
+        """Hold one reference on a block outside any request (an offload tier copying it):
+        it is not evicted until `unpin`."""
+        self.pool.touch([block])
+        self.pinned[block.block_id] += 1
+
+    def unpin(self, block: KVCacheBlock) -> None:
+        self.pool.free_blocks([block])
+        self.pinned[block.block_id] -= 1
+        if not self.pinned[block.block_id]:
+            del self.pinned[block.block_id]
 
     @property
     def num_groups(self) -> int:
@@ -227,14 +240,14 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         """Assert the pool's invariants, with ref counts equal to the holders counted
-        over every group's request block lists."""
+        over every group's request block lists, and the pins."""
         held = Counter(
             block.block_id
             for manager in self.coordinator.managers
             for blocks in manager.req_to_blocks.values()
             for block in blocks
             if not block.is_null
-        )
+        ) + self.pinned
         self.pool.check_integrity(held)
 
 

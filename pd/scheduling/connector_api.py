@@ -70,6 +70,18 @@ class KVConnectorMetadata:
 
 
 @dataclass
+class OffloadReport:
+    """What an offload tier's worker half reports after a step (pd/kv_offload): blocks,
+    as (block hash, group), whose store ended stored or unstored, held blocks that failed
+    their checksum (dropped), and why the tier is off (None: it is on)."""
+
+    stored: list[tuple[bytes, int]] = field(default_factory=list)
+    store_failed: list[tuple[bytes, int]] = field(default_factory=list)
+    corrupt: list[tuple[bytes, int]] = field(default_factory=list)
+    off: str | None = None
+
+
+@dataclass
 class KVConnectorOutput:
     """What the worker half reports back after a step: requests whose blocks finished
     sending (their delayed free may happen) or receiving (they may be scheduled), and
@@ -85,6 +97,7 @@ class KVConnectorOutput:
     failed_recving: dict[str, str] = field(default_factory=dict)
     unverified: set[str] = field(default_factory=set)
     load_sizes: dict[str, tuple[int, int]] = field(default_factory=dict)  # a rank > 0: (bytes, transfers) it loaded
+    offload: OffloadReport | None = None  # an offload tier's report (pd/kv_offload)
 
 
 class KVConnectorScheduler(ABC):
@@ -119,6 +132,12 @@ class KVConnectorScheduler(ABC):
     def requests_waiting(self, requests: Iterable[Request]) -> None:
         """Called once per step with the requests waiting for admission (in order); a
         connector may act for those whose KV it is to load (keep a remote copy alive)."""
+
+    @property
+    def has_work(self) -> bool:
+        """Work of the connector's own that needs steps although no request runs (blocks
+        pinned for a copy under way)."""
+        return False
 
     def release(self, request_id: str) -> None:
         """A finished request whose blocks are kept (`delay_free`) will not be read: have

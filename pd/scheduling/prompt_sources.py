@@ -22,7 +22,8 @@ class PromptSources:
         prompt = request.num_prompt_tokens
         num_external = min(num_external, prompt - num_hit)
         self.counts["local_cache"] += num_hit
-        self.counts["remote"] += num_external
+        source = request.kv_loaded_from or "remote"  # another server's KV, or an offload tier's
+        self.counts[source] = self.counts.get(source, 0) + num_external
         self.counts["computed"] += prompt - num_hit - num_external
 
     def forget(self, request_id: str) -> None:

@@ -28,6 +28,8 @@ from pd.scheduling.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
+REMOTE = "remote"  # `Request.kv_loaded_from` of KV read from another server
+
 
 class RemoteKV:
     def __init__(self, kv: KVCacheManager, connector: KVConnectorScheduler, load_failure_policy: str,
@@ -78,6 +80,7 @@ class RemoteKV:
         if blocks is None:
             return False
         self.connector.update_state_after_alloc(request, self.kv.get_blocks(request.request_id), num_external)
+        request.kv_loaded_from = request.kv_loaded_from or REMOTE  # an offload tier names itself
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         request.num_computed_tokens = num_hit + num_external
         request.num_cached_tokens = num_hit
@@ -114,8 +117,10 @@ class RemoteKV:
     def load_fails(self, request: Request) -> str | None:
         """Count a request whose remote KV could not be loaded (`kv_load_error`): the
         error to end it with when the policy is "fail", None when it is "recompute" (it
-        is computed here), as a prefix P could not read from D always is."""
-        policy = "recompute" if request.reads_prefix else self.load_failure_policy  # P computes a prefix it lacks
+        is computed here), as a prefix P could not read from D, or blocks an offload
+        tier could not give back, always are."""
+        from_tier = request.kv_loaded_from not in (None, REMOTE)  # a lower tier's copy: a miss, never an error
+        policy = "recompute" if request.reads_prefix or from_tier else self.load_failure_policy
         self.load_failures[policy] += 1
         if policy == "recompute":
             return None

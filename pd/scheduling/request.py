@@ -57,6 +57,7 @@ class Request:
     fork_token_ids: list[int] = field(default_factory=list)  # first tokens of sequences 1.. when it forked
     fork_logprobs: Logprobs | None = None  # and their logprobs, if asked for
     writes_prefix_cache: bool = True  # False: its blocks hold KV not verified as its prompt's (unsigned remote KV)
+    kv_loaded_from: str | None = None  # where KV it waited for came from: "remote" (a server), or a tier ("disk")
     _block_hashes: dict[int, list[BlockHash]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -97,7 +97,7 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         """Requests to step, or blocks still kept for the connector."""
-        return self.has_unfinished_requests or self.remote_kv.has_blocks_kept
+        return self.has_unfinished_requests or self.remote_kv.has_blocks_kept or self.connector.has_work
 
     def schedule(self) -> SchedulerOutput:
         self._queue_compiled()

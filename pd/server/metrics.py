@@ -72,14 +72,18 @@ class EngineStatsCollector(Collector):
                 family.add_metric([], 0)
         yield from (running, waiting, usage, preemptions, queries, hits)
         yield kv_cache_bytes_metric(stats.kv_cache_bytes if stats is not None else [])
-        yield prompt_source_metric(stats.prompt_tokens_by_source if stats is not None else {})
+        yield prompt_source_metric(stats.prompt_tokens_by_source if stats is not None else {},
+                                   ("disk",) if stats is not None and stats.kv_offload else ())
         yield from listener_metrics(stats)
         yield from step_metrics(stats)
         if stats is not None and stats.kv_transfer:  # a connector is configured
             yield from kv_transfer_metrics(stats.kv_transfer)
             yield from kv_transfer_histograms(stats.kv_transfer_histograms)
             yield from kv_transfer_rank_metrics(stats.kv_transfer_by_rank)
+        if stats is not None and (stats.kv_transfer or stats.kv_offload):  # KV may be loaded from elsewhere
             yield from kv_load_failure_metrics(stats.kv_load_failures)
+        if stats is not None and stats.kv_offload:  # a disk tier is configured
+            yield from kv_offload_metrics(stats.kv_offload, stats.kv_offload_load_seconds)
 
 
 # metric name (without pd_kv_transfer_ and _total) -> (connector stats field, help)
@@ -174,14 +178,54 @@ def step_metrics(stats: Any) -> Iterator[Metric]:
     yield seconds
 
 
-def prompt_source_metric(values: dict[str, int]) -> Metric:
+def prompt_source_metric(values: dict[str, int], tiers: tuple[str, ...] = ()) -> Metric:
     """pd_prompt_tokens_by_source_total{source}: prompt tokens of requests that ran, by
     where their KV came from (computed here, the local prefix cache, a remote prefill)."""
     family = CounterMetricFamily("pd_prompt_tokens_by_source", "Prompt tokens of requests that ran, by where "
-                                 "their KV came from: computed, local_cache or remote.", labels=["source"])
-    for source in ("computed", "local_cache", "remote"):
+                                 "their KV came from: computed, local_cache, remote, or an offload tier (disk).",
+                                 labels=["source"])
+    base = ("computed", "local_cache", "remote", *tiers)
+    for source in (*base, *sorted(set(values) - set(base))):
         family.add_metric([source], values.get(source, 0))
     return family
+
+
+# pd_kv_offload_<name>_total{tier} -> help; the figures of pd/kv_offload/connector.py
+KV_OFFLOAD_COUNTERS = {
+    "stored_blocks": "Blocks written to the tier.",
+    "stored_bytes": "Bytes written to the tier.",
+    "loaded_blocks": "Blocks loaded back from the tier into the KV cache.",
+    "loaded_bytes": "Bytes loaded back from the tier.",
+    "store_failures": "Blocks whose write failed.",
+    "load_failures": "Loads that failed (the request computed those tokens instead).",
+    "corrupt_blocks": "Blocks that failed their checksum when loaded (dropped).",
+}
+KV_OFFLOAD_GAUGES = {
+    "blocks": "Blocks the tier holds.",
+    "usage": "Fraction of the tier's slots holding or being written (0..1).",
+    "capacity_bytes": "Bytes the tier may hold.",
+    "on": "1 while the tier serves, 0 once it turned itself off (see the server's log).",
+}
+
+
+def kv_offload_metrics(values: dict[str, float], load_seconds: Any) -> Iterator[Metric]:
+    """pd_kv_offload_*{tier="disk"}: what the disk tier stored, loaded and holds, and how
+    long its loads took (its hits are pd_prompt_tokens_by_source_total{source="disk"})."""
+    for name, help_text in KV_OFFLOAD_COUNTERS.items():
+        family = CounterMetricFamily(f"pd_kv_offload_{name}", help_text, labels=["tier"])
+        family.add_metric(["disk"], values.get(name, 0.0))
+        yield family
+    for name, help_text in KV_OFFLOAD_GAUGES.items():
+        family = GaugeMetricFamily(f"pd_kv_offload_{name}", help_text, labels=["tier"])
+        family.add_metric(["disk"], values.get(name, 0.0))
+        yield family
+    family = HistogramMetricFamily("pd_kv_offload_load_seconds", "Seconds a load from the tier took, from post "
+                                   "to its checksums verified.", labels=["tier"])
+    if load_seconds is not None:
+        cumulative = list(itertools.accumulate(load_seconds.counts))
+        buckets = [(repr(float(le)), float(c)) for le, c in zip(load_seconds.buckets, cumulative)]
+        family.add_metric(["disk"], buckets + [("+Inf", float(cumulative[-1]))], sum_value=load_seconds.total)
+    yield family
 
 
 # where the engine receives messages from outside its server: its IPC input, the KV events
@@ -206,10 +250,11 @@ def listener_metrics(stats: Any) -> Iterator[Metric]:
 
 
 def kv_load_failure_metrics(values: dict[str, int]) -> Iterator[Metric]:
-    """pd_kv_load_failures_total{policy}: decode requests whose KV could not be loaded
-    from the prefill server, by what the load failure policy did (recompute / fail)."""
-    family = CounterMetricFamily("pd_kv_load_failures", "Decode requests whose KV could not be loaded from "
-                                 "the prefill server, by the policy applied: recompute or fail.", labels=["policy"])
+    """pd_kv_load_failures_total{policy}: requests whose KV could not be loaded (from a
+    prefill server, or an offload tier), by what was done (recompute / fail)."""
+    family = CounterMetricFamily("pd_kv_load_failures", "Requests whose KV could not be loaded from another "
+                                 "server or an offload tier, by what was done: recompute or fail (a tier's "
+                                 "failed loads are always recomputed).", labels=["policy"])
     for policy in ("recompute", "fail"):
         family.add_metric([policy], values.get(policy, 0))
     yield family

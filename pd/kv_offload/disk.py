@@ -1,0 +1,365 @@
+"""The disk tier's bytes: one file of fixed-size slots, moved to and from the KV cache by
+NIXL's POSIX backend (asynchronous; progressed when polled, once per engine step).
+
+A slot holds one block of one KV cache group: the group's byte ranges of that block
+(`CanonicalKVCaches.block_ranges`) back to back. Each written slot has a CRC-32 of its
+bytes; a load whose bytes do not match is a failed load (the block is dropped), never
+KV. In the tier's directory: `pd-kv.blocks` (the slots), `pd-kv.lock` (held by the one
+server using the directory; a second one runs without a tier), and `pd-kv.index`, a
+snapshot of which block each slot holds (and its CRC), written atomically (a temporary file renamed) every `SNAPSHOT_SECONDS` while
+something changed and at shutdown: a server restarted on the same path with the same
+compatibility hash starts with those blocks; another hash, another slot size or an
+unreadable snapshot starts empty, with a log line.
+
+Any error of the file or of a transfer (disk full, a read-only file system, the file
+deleted underneath) turns the tier off with a warning: its loads fail (the requests
+compute instead), its stores end unstored, and it holds nothing from then on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import logging
+import os
+import shutil
+import time
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from pd.kv_cache.canonical import CanonicalKVCaches
+from pd.kv_offload.index import Key
+
+logger = logging.getLogger(__name__)
+
+SNAPSHOT_SECONDS = 5.0
+MAX_DEFAULT_BYTES = 64 << 30
+SNAPSHOT_VERSION = 1
+
+
+class SlotEntry(msgspec.Struct, array_like=True, frozen=True):
+    slot: int
+    block_hash: bytes
+    group: int
+    crc: int
+
+
+class Snapshot(msgspec.Struct, frozen=True):
+    version: int
+    compat_hash: str
+    slot_bytes: int
+    num_slots: int
+    entries: list[SlotEntry]  # least recently used first
+
+
+@dataclass(frozen=True)
+class TierBlock:
+    """One block to move: device block `block_id` of `group` <-> tier slot `slot`."""
+
+    slot: int
+    group: int
+    block_id: int
+    block_hash: bytes
+
+
+@dataclass
+class _Transfer:
+    handle: object
+    blocks: list[TierBlock]
+    crcs: list[int] = field(default_factory=list)  # stores: of the bytes written
+    request_id: str | None = None  # loads: whose blocks these are
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Finished:
+    """What `DiskTier.poll` found ended since the last call."""
+
+    stored: list[Key] = field(default_factory=list)
+    store_failed: list[Key] = field(default_factory=list)
+    loaded: list[str] = field(default_factory=list)
+    load_failed: dict[str, str] = field(default_factory=dict)
+    corrupt: list[Key] = field(default_factory=list)  # held blocks whose bytes failed their checksum
+    load_seconds: list[float] = field(default_factory=list)
+
+
+def default_disk_bytes(directory: Path) -> int:
+    """A tenth of the free space where the tier's file goes, at most `MAX_DEFAULT_BYTES`."""
+    existing = Path(directory).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return min(MAX_DEFAULT_BYTES, shutil.disk_usage(existing).free // 10)
+
+
+def slot_bytes(caches: CanonicalKVCaches) -> int:
+    """Bytes of the largest group's block: the size of every slot."""
+    return max(sum(ref.page_size_bytes for ref in refs) for refs in caches.group_data_refs)
+
+
+class DiskTier:
+    def __init__(self, directory: Path, nbytes: int, caches: CanonicalKVCaches, compat_hash: str,
+                 agent_name: str) -> None:
+        self.caches = caches
+        self.slot_bytes = slot_bytes(caches)
+        self.num_slots = nbytes // self.slot_bytes
+        if self.num_slots < 1:
+            raise ValueError(f"--kv-offload-disk-bytes {nbytes} is less than one block ({self.slot_bytes} bytes)")
+        self.compat_hash = compat_hash
+        self.directory = Path(directory)
+        self.data_path, self.index_path = self.directory / "pd-kv.blocks", self.directory / "pd-kv.index"
+        self.off_reason: str | None = None
+        self.entries: OrderedDict[int, SlotEntry] = OrderedDict()  # slot -> what it holds
+        self.transfers: list[_Transfer] = []
+        self.dirty, self.last_snapshot = False, time.monotonic()
+        self.counters = dict.fromkeys(("stored_blocks", "stored_bytes", "loaded_blocks", "loaded_bytes",
+                                       "store_failures", "load_failures", "corrupt_blocks"), 0)
+        self._ended = Finished()  # since the last poll
+        self.fd: int | None = None
+        self.lock_fd: int | None = None
+        self.agent = None
+        try:
+            self._open(Path(directory))
+            self._start_nixl(agent_name)
+        except Exception as exc:  # serving goes on without the tier
+            self.turn_off(f"cannot use {directory}: {type(exc).__name__}: {exc}")
+            return
+        self.restored_count = len(self.entries)
+
+    def description(self) -> str:
+        if self.off_reason is not None:
+            return f"KV disk tier off: {self.off_reason}"
+        return (f"KV disk tier {self.data_path}: {self.num_slots} blocks of {self.slot_bytes} bytes "
+                f"({self.num_slots * self.slot_bytes / 2**30:.2f} GiB), {self.restored_count} restored from before")
+
+    def _open(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.lock_fd = os.open(directory / "pd-kv.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError("another server's disk tier uses this directory") from None
+        restored = self._read_snapshot()
+        flags = os.O_RDWR | os.O_CREAT | (0 if restored else os.O_TRUNC)
+        self.fd = os.open(self.data_path, flags, 0o600)
+        os.ftruncate(self.fd, self.num_slots * self.slot_bytes)  # sparse: space is taken as slots are written
+        self.entries = OrderedDict((e.slot, e) for e in restored)
+        self._write_snapshot()  # the path must be writable now, not at the first snapshot
+
+    def _read_snapshot(self) -> list[SlotEntry]:
+        """The entries a previous server left, if it wrote them under this compatibility hash."""
+        if not self.index_path.exists():
+            return []
+        try:
+            snap = msgspec.msgpack.decode(self.index_path.read_bytes(), type=Snapshot)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            logger.warning("KV disk tier: %s is unreadable (%s); starting empty", self.index_path, exc)
+            return []
+        if (snap.version, snap.compat_hash, snap.slot_bytes) != (SNAPSHOT_VERSION, self.compat_hash, self.slot_bytes):
+            logger.warning("KV disk tier: %s was written under another compatibility hash or layout (%s, %d-byte "
+                           "slots); starting empty", self.index_path, snap.compat_hash[:16], snap.slot_bytes)
+            return []
+        if not self.data_path.exists():
+            logger.warning("KV disk tier: %s is missing; starting empty", self.data_path)
+            return []
+        kept = [e for e in snap.entries if 0 <= e.slot < self.num_slots]
+        return kept
+
+    def _start_nixl(self, agent_name: str) -> None:
+        from connectors.nixl.transport import load_nixl
+
+        api, _ = load_nixl()
+        self.agent = api.nixl_agent(agent_name, api.nixl_agent_config(enable_prog_thread=False, backends=["POSIX"]))
+        self.agent_name = agent_name
+        self.memory = [self.agent.register_memory(t.tensor) for t in self.caches.tensors]
+        self.file = self.agent.register_memory([(0, self.num_slots * self.slot_bytes, self.fd, "")], "FILE")
+
+    @property
+    def restored(self) -> list[tuple[Key, int]]:
+        """(key, slot) of the blocks the tier holds at start, least recently used first."""
+        return [((e.block_hash, e.group), e.slot) for e in self.entries.values()]
+
+    # --- transfers ---
+    def store(self, blocks: list[TierBlock]) -> None:
+        """Write these blocks (their bytes must not change until `poll` reports them)."""
+        if not blocks:
+            return
+        if self.off_reason is not None:
+            self._ended.store_failed += [(b.block_hash, b.group) for b in blocks]
+            return
+        self._post("WRITE", blocks, crcs=[self._crc(b) for b in blocks])
+
+    def load(self, request_id: str, blocks: list[TierBlock]) -> None:
+        """Read these slots into the request's blocks; `poll` reports the request loaded or failed."""
+        if self.off_reason is not None:
+            self._ended.load_failed[request_id] = f"the KV disk tier is off: {self.off_reason}"
+            return
+        self._post("READ", blocks, request_id=request_id)
+
+    def _post(self, op: str, blocks: list[TierBlock], crcs: list[int] | None = None,
+              request_id: str | None = None) -> None:
+        memory, file = [], []
+        for block in blocks:
+            offset = block.slot * self.slot_bytes
+            for addr, length in self.caches.block_ranges(block.group, [block.block_id]):
+                memory.append((addr, length, 0))
+                file.append((offset, length, self.fd))
+                offset += length
+        transfer = _Transfer(None, blocks, crcs or [], request_id)
+        try:
+            transfer.handle = self.agent.initialize_xfer(op, self.agent.get_xfer_descs(memory, "DRAM"),
+                                                         self.agent.get_xfer_descs(file, "FILE"), self.agent_name)
+            self.transfers.append(transfer)
+            self.agent.transfer(transfer.handle)
+        except Exception as exc:
+            if transfer not in self.transfers:
+                self._end(transfer, ok=False)
+            self.turn_off(f"a {op.lower()} could not be posted: {type(exc).__name__}: {exc}")
+
+    def _crc(self, block: TierBlock) -> int:
+        crc = 0
+        for addr, length in self.caches.block_ranges(block.group, [block.block_id]):
+            crc = zlib.crc32((ctypes.c_char * length).from_address(addr), crc)
+        return crc
+
+    def poll(self) -> Finished:
+        """Progress the transfers; what ended since the last call."""
+        pending, self.transfers = self.transfers, []
+        for i, transfer in enumerate(pending):
+            state = self._state(transfer)
+            if state == "PROC":
+                self.transfers.append(transfer)
+                continue
+            self._release(transfer)
+            self._end(transfer, ok=state == "DONE")
+            if state != "DONE":
+                self.transfers += pending[i + 1:]
+                self.turn_off(f"a transfer ended {state}")
+                break
+        self._check_file()
+        ended, self._ended = self._ended, Finished()
+        return ended
+
+    def _state(self, transfer: _Transfer) -> str:
+        try:
+            return self.agent.check_xfer_state(transfer.handle)
+        except Exception as exc:  # NIXL raises for a failed transfer
+            return f"ERR ({type(exc).__name__}: {exc})"
+
+    def _end(self, transfer: _Transfer, ok: bool) -> None:
+        if transfer.request_id is None:
+            self._end_store(transfer, ok)
+        elif not ok:
+            self._ended.load_failed[transfer.request_id] = "reading the KV disk tier failed"
+            self.counters["load_failures"] += 1
+        else:
+            self._end_load(transfer)
+
+    def _end_store(self, transfer: _Transfer, ok: bool) -> None:
+        done = self._ended
+        for block, crc in zip(transfer.blocks, transfer.crcs):
+            key = (block.block_hash, block.group)
+            if not ok:
+                done.store_failed.append(key)
+                self.counters["store_failures"] += 1
+                continue
+            self.entries[block.slot] = SlotEntry(block.slot, block.block_hash, block.group, crc)
+            self.entries.move_to_end(block.slot)
+            done.stored.append(key)
+            self.counters["stored_blocks"] += 1
+            self.counters["stored_bytes"] += self.slot_bytes
+        self.dirty = True
+
+    def _end_load(self, transfer: _Transfer) -> None:
+        done = self._ended
+        bad = [b for b in transfer.blocks if not self._matches(b)]
+        if bad:
+            for block in bad:
+                self.entries.pop(block.slot, None)
+                done.corrupt.append((block.block_hash, block.group))
+            self.counters["corrupt_blocks"] += len(bad)
+            self.counters["load_failures"] += 1
+            self.dirty = True
+            done.load_failed[transfer.request_id] = f"{len(bad)} block(s) of the KV disk tier failed their checksum"
+            logger.warning("KV disk tier: %d block(s) failed their checksum and were dropped", len(bad))
+            return
+        for block in transfer.blocks:
+            self.entries.move_to_end(block.slot)
+        done.loaded.append(transfer.request_id)
+        done.load_seconds.append(time.perf_counter() - transfer.started)
+        self.counters["loaded_blocks"] += len(transfer.blocks)
+        self.counters["loaded_bytes"] += len(transfer.blocks) * self.slot_bytes
+
+    def _matches(self, block: TierBlock) -> bool:
+        entry = self.entries.get(block.slot)
+        return (entry is not None and (entry.block_hash, entry.group) == (block.block_hash, block.group)
+                and entry.crc == self._crc(block))
+
+    def _release(self, transfer: _Transfer) -> None:
+        try:
+            self.agent.release_xfer_handle(transfer.handle)
+        except Exception:  # a handle NIXL already dropped; nothing to free
+            logger.debug("releasing a disk tier transfer handle failed", exc_info=True)
+
+    # --- the file ---
+    def _check_file(self) -> None:
+        """The file still linked, and the snapshot written when due."""
+        if self.off_reason is not None or time.monotonic() - self.last_snapshot < SNAPSHOT_SECONDS:
+            return
+        self.last_snapshot = time.monotonic()
+        try:
+            if os.fstat(self.fd).st_nlink == 0:
+                raise FileNotFoundError(f"{self.data_path} was deleted")
+            if self.dirty:
+                self._write_snapshot()
+        except OSError as exc:
+            self.turn_off(f"{type(exc).__name__}: {exc}")
+
+    def _write_snapshot(self) -> None:
+        snap = Snapshot(SNAPSHOT_VERSION, self.compat_hash, self.slot_bytes, self.num_slots,
+                        list(self.entries.values()))
+        tmp = self.index_path.with_suffix(".index.tmp")
+        tmp.write_bytes(msgspec.msgpack.encode(snap))
+        os.replace(tmp, self.index_path)
+        self.dirty = False
+
+    def turn_off(self, reason: str) -> None:
+        """Stop using the disk: transfers under way end failed (reported by the next
+        `poll`), and nothing is stored or loaded from now on."""
+        if self.off_reason is not None:
+            return
+        self.off_reason = reason
+        logger.warning("KV disk tier turned off, serving goes on without it: %s", reason)
+        for transfer in self.transfers:
+            self._release(transfer)
+            self._end(transfer, ok=False)
+        self.transfers = []
+        self.entries.clear()
+        self._close()
+
+    def _close(self) -> None:
+        for name in ("fd", "lock_fd"):
+            fd = getattr(self, name, None)
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    logger.debug("closing the KV disk tier's %s failed", name, exc_info=True)
+                setattr(self, name, None)
+
+    def shutdown(self) -> None:
+        """Let stores under way land, write the snapshot (a restart reuses the blocks),
+        close the file."""
+        if self.off_reason is None and self.fd is not None:
+            deadline = time.monotonic() + 10.0
+            while self.transfers and time.monotonic() < deadline:
+                self.poll()
+                time.sleep(0.001)
+            try:
+                self._write_snapshot()
+            except OSError as exc:
+                logger.warning("KV disk tier: the snapshot could not be written at shutdown: %s", exc)
+        self._close()

@@ -1,0 +1,113 @@
+"""The disk tier inside a real engine (pd.LLM, tiny checkpoints of every family): a KV
+cache far too small for the prompts, so their blocks leave it and come back from disk.
+Tokens equal a cold computation; what the tier holds survives a restart under the same
+compatibility hash and not under another; a corrupt block is a miss, never KV."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from pd.llm import LLM
+from pd.scheduling.sampling_params import SamplingParams
+from tests.support.server_harness import ARCHS
+
+# bytes of KV cache holding one 512-token request and little more, per family
+SMALL_CACHE = {"qwen3": 2_400_000, "gemma3": 2_400_000, "bamba": 3_600_000, "granitehybrid": 3_600_000}
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0)
+
+
+def prompts(seed: int = 0, count: int = 8, length: int = 200) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 200) for _ in range(length)] for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_models) -> dict[str, list[list[int]]]:
+    """Each family's tokens for `prompts()`, computed with a cache that holds them all and no tier."""
+    out = {}
+    for arch in ARCHS:
+        with LLM(str(tiny_models[arch]), max_model_len=512, num_threads=1) as llm:
+            out[arch] = [o.token_ids for o in llm.generate(prompts(), PARAMS)]
+    return out
+
+
+def tiered(model: Path, arch: str, directory: Path, **overrides) -> LLM:
+    args = dict(max_model_len=512, num_threads=1, kv_cache_memory=SMALL_CACHE[arch],
+                kv_offload_disk_path=directory, kv_offload_disk_bytes=64 << 20) | overrides
+    return LLM(str(model), **args)
+
+
+def one_by_one(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
+    """Each prompt alone, so the ones before it have pushed its blocks out of the KV cache."""
+    tokens = []
+    for prompt in batch:
+        tokens += [o.token_ids for o in llm.generate([prompt], PARAMS)]
+        llm.engine.kv_cache_manager.check_integrity()
+    return tokens
+
+
+def from_disk(llm: LLM) -> int:
+    return llm.engine.scheduler.prompt_sources.counts.get("disk", 0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prompts_whose_blocks_left_the_cache_load_them_from_disk_and_answer_as_computed(
+        arch, tiny_models, cold, tmp_path):
+    with tiered(tiny_models[arch], arch, tmp_path) as llm:
+        assert llm.engine.kv_cache_config.num_blocks * 16 < 8 * 200  # the cache cannot hold the prompts
+        assert one_by_one(llm, prompts()) == cold[arch]
+        assert from_disk(llm) == 0
+        assert one_by_one(llm, prompts()) == cold[arch]
+        # every prompt but its last, unfull block (and the token always computed) came from disk
+        block = max(llm.engine.kv_cache_config.block_sizes)
+        assert from_disk(llm) == 8 * (199 // block * block)
+        tier = llm.engine.runner.connector.tier
+        assert tier.counters["loaded_blocks"] > 0 and tier.counters["corrupt_blocks"] == 0
+        assert llm.engine.kv_cache_manager.pinned == {} and llm.engine.kv_cache_manager.usage == 0.0
+
+
+def test_a_restarted_engine_loads_what_the_last_one_left_on_disk(tiny_models, cold, tmp_path):
+    with tiered(tiny_models["qwen3"], "qwen3", tmp_path) as llm:
+        one_by_one(llm, prompts())
+    with tiered(tiny_models["qwen3"], "qwen3", tmp_path) as llm:
+        assert one_by_one(llm, prompts()) == cold["qwen3"]
+        assert from_disk(llm) == 8 * 192
+
+
+def test_a_tier_written_under_another_compatibility_hash_starts_empty(tiny_models, tmp_path, caplog):
+    with tiered(tiny_models["qwen3"], "qwen3", tmp_path, block_size=32) as llm:
+        one_by_one(llm, prompts())
+        assert llm.engine.runner.connector.tier.entries
+    with tiered(tiny_models["qwen3"], "qwen3", tmp_path) as llm:
+        assert "another compatibility hash" in caplog.text
+        assert not llm.engine.runner.connector.tier.entries
+        one_by_one(llm, prompts())
+        assert from_disk(llm) == 0
+
+
+def test_a_corrupt_block_on_disk_is_a_miss_and_the_tier_goes_on(tiny_models, cold, tmp_path):
+    with tiered(tiny_models["gemma3"], "gemma3", tmp_path) as llm:
+        one_by_one(llm, prompts())
+        tier = llm.engine.runner.connector.tier
+        with open(tier.data_path, "r+b") as f:  # one byte of every slot that holds a block
+            for slot in list(tier.entries):
+                f.seek(slot * tier.slot_bytes + 7)
+                byte = f.read(1)
+                f.seek(slot * tier.slot_bytes + 7)
+                f.write(bytes([byte[0] ^ 0xFF]))
+        assert one_by_one(llm, prompts()) == cold["gemma3"]
+        assert tier.counters["corrupt_blocks"] > 0 and tier.off_reason is None
+        assert llm.engine.scheduler.remote_kv.load_failures["recompute"] > 0
+        assert one_by_one(llm, prompts()) == cold["gemma3"]  # stored again, loaded again
+        assert from_disk(llm) > 0 and llm.engine.kv_cache_manager.usage == 0.0
+
+
+def test_a_second_engine_on_the_same_directory_serves_without_a_tier(tiny_models, cold, tmp_path, caplog):
+    with tiered(tiny_models["qwen3"], "qwen3", tmp_path), \
+            tiered(tiny_models["qwen3"], "qwen3", tmp_path) as second:
+        assert "another server's disk tier uses this directory" in caplog.text
+        assert second.engine.runner.connector.tier.off_reason is not None
+        assert one_by_one(second, prompts()) == cold["qwen3"]
