@@ -44,12 +44,13 @@ FIGURES = {  # column -> (title, how to read it from one run's result)
     "mean_tpot_ms": ("mean TPOT (ms)", lambda r: r["metrics"]["mean_tpot_ms"]),
     "p_hit_rate": ("P hit rate", lambda r: r["servers"]["prefill"]["hit_rate"]),
     "prefix_hit_rate": ("prefix hit rate", lambda r: r["servers"]["decode"]["hit_rate"]),
+    "tier_hit_rate": ("of it from disk", lambda r: r["servers"]["decode"].get("tier_hit_rate")),
     "kv_mib": ("KV read (MiB)", lambda r: _mib(r["servers"]["decode"]["kv_transfer_bytes"])),
     "on_d": ("prefilled on D", lambda r: r["servers"]["local_share"]),
     "reuse": ("P read from D", lambda r: r["servers"].get("reuse_share")),
 }
-RATES = ("p_hit_rate", "prefix_hit_rate", "on_d", "reuse")
-ONLY_WHERE_MEASURED = ("mean_ttft_later_ms", "reuse")  # columns left out when no row has them (not multi-turn,
+RATES = ("p_hit_rate", "prefix_hit_rate", "tier_hit_rate", "on_d", "reuse")
+ONLY_WHERE_MEASURED = ("mean_ttft_later_ms", "reuse", "tier_hit_rate")  # columns left out when no row has them (not multi-turn,
 # no proxy)
 
 

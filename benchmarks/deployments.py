@@ -18,6 +18,9 @@ KV-transfer figures read from all their servers' /metrics around a run.
   servers behind `pd proxy --policy ...` (kv_aware: the servers publish KV events);
   `2p2d-conditional`: `2p2d-kv_aware` with `--disagg-policy conditional`;
   `2p2d-conditional-no-reuse`: with `--reuse-min-tokens 0` as well;
+- `colocated-disk-tier`: `colocated` with a disk tier (`--kv-offload-disk-path`, a new
+  directory each run, so that every run starts cold); `colocated-unbounded-cache`:
+  `colocated` with a KV cache of 4 GiB (the hit rate a tier can at best reach);
 - `1p1d-all-cache`: `pd` whose one prefill server has the KV cache of the 2P2D
   deployments' two (`--prefill-kv-cache-memory` x 2): the prefix-cache hit rate the
   2P2D routing policies can at best reach.
@@ -42,7 +45,10 @@ from benchmarks.serve_metrics import Samples, counter_deltas, parse_prometheus, 
 import launch
 from launch import free_port, pd_command, stop_process
 
+UNBOUNDED_CACHE = str(4 << 30)  # KV cache bytes: every prefix of the workloads compared (~230k Gemma 3 tokens)
 COLOCATED = {"colocated": [], "no-prefix-cache": ["--no-enable-prefix-caching"],
+             "colocated-disk-tier": [],  # and a directory of its own (`deploy`)
+             "colocated-unbounded-cache": ["--kv-cache-memory", UNBOUNDED_CACHE],
              "colocated-tp2": ["--tensor-parallel-size", "2",
                                "--num-threads", str(max(1, (os.cpu_count() or 2) // 2))]}
 ROUTED = {"2p2d-round_robin": "round_robin", "2p2d-prefix_aware": "prefix_aware", "2p2d-kv_aware": "kv_aware",
@@ -50,7 +56,8 @@ ROUTED = {"2p2d-round_robin": "round_robin", "2p2d-prefix_aware": "prefix_aware"
 CONDITIONAL = ("pd-conditional", "2p2d-conditional", "pd-conditional-no-reuse", "2p2d-conditional-no-reuse")
 NO_REUSE = "-no-reuse"  # a conditional configuration whose prefill servers never read from decode servers
 CONFIGS = ("colocated", "pd", "pd-per-layer", "pd-no-skip-partial", "no-prefix-cache", *ROUTED, "1p1d-all-cache",
-           "colocated-tp2", "pd-decode-tp2", "pd-conditional", "pd-conditional-no-reuse")
+           "colocated-tp2", "pd-decode-tp2", "pd-conditional", "pd-conditional-no-reuse", "colocated-disk-tier",
+           "colocated-unbounded-cache")
 ROUTED_PREFILL_SERVERS = 2
 PATHS = "pd_proxy_requests_by_path_total"  # the proxy's requests by where their prompt was computed
 
@@ -83,7 +90,9 @@ def deploy(config: str, args: argparse.Namespace, workdir: Path) -> Iterator[Dep
             return url
 
         if config in COLOCATED:
-            url = start("server", *COLOCATED[config])
+            tier = ["--kv-offload-disk-path", str(_fresh_dir(workdir / f"{config}-tier"))] \
+                if config == "colocated-disk-tier" else []
+            url = start("server", *COLOCATED[config], *tier)
             yield Deployment(url, f"{url}/metrics", [url], [url])
             return
         pairs = ROUTED_PREFILL_SERVERS if config in ROUTED else 1
@@ -100,6 +109,14 @@ def deploy(config: str, args: argparse.Namespace, workdir: Path) -> Iterator[Dep
                       *disagg, "--log-level", "warning", *shlex.split(args.proxy_args), command="proxy",
                       shared=["--host", "127.0.0.1"])
         yield Deployment(proxy, f"{ds[0]}/metrics", ps, ds, proxy)
+
+
+def _fresh_dir(stem: Path) -> Path:
+    """A directory no earlier run wrote (each run of a disk tier starts cold)."""
+    n = 0
+    while stem.with_name(f"{stem.name}-{n}").exists():
+        n += 1
+    return stem.with_name(f"{stem.name}-{n}")
 
 
 def _events(published: bool) -> list[str]:
@@ -137,10 +154,11 @@ def path_share(before: Samples | None, after: Samples | None, path: str) -> floa
 
 
 def combined_deltas(before: list[Samples], after: list[Samples]) -> dict:
-    """Over several servers: prefix-cache queries, hits and hit rate (tokens, summed),
-    and KV bytes transferred (None where no server reports them)."""
+    """Over several servers: prefix-cache queries, hits and hit rate (tokens, summed; a
+    prompt token loaded back from an offload tier is a hit too, and `tier_hit_rate` their
+    share), and KV bytes transferred (None where no server reports them)."""
     queries = hits = 0.0
-    transferred = None
+    transferred = tiers = None
     for old, new in zip(before, after):
         deltas = server_metric_deltas(old, new)
         if deltas["prefix_cache"]:
@@ -148,5 +166,9 @@ def combined_deltas(before: list[Samples], after: list[Samples]) -> dict:
             hits += deltas["prefix_cache"]["hits"]
         if deltas["kv_transfer_bytes"]:
             transferred = (transferred or 0.0) + deltas["kv_transfer_bytes"]["total"]
-    return {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else None,
+        if deltas["tier_hits"] is not None:
+            tiers = (tiers or 0.0) + deltas["tier_hits"]
+    return {"queries": queries, "hits": hits + (tiers or 0.0),
+            "hit_rate": (hits + (tiers or 0.0)) / queries if queries else None,
+            "tier_hit_rate": tiers / queries if queries and tiers is not None else None,
             "kv_transfer_bytes": transferred}

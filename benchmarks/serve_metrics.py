@@ -15,6 +15,8 @@ SLO_NAMES = ("ttft", "tpot", "e2el")
 PREFIX_QUERIES = "pd_prefix_cache_queries_total"
 PREFIX_HITS = "pd_prefix_cache_hits_total"
 KV_TRANSFER_BYTES = "pd_kv_transfer_bytes_total"
+PROMPT_SOURCES = "pd_prompt_tokens_by_source_total"
+TIER_SOURCES = ("disk",)  # prompt tokens loaded back from an offload tier: hits too
 
 
 @dataclass
@@ -151,12 +153,17 @@ def _hit_rate(queries: float, hits: float) -> dict:
 
 
 def server_metric_deltas(before: Samples, after: Samples) -> dict:
-    """Prefix-cache hit rates (overall and per `group` label) and KV transfer bytes. The
+    """Prefix-cache hit rates (overall and per `group` label), prompt tokens loaded from an
+    offload tier (None without one) and KV transfer bytes. The
     overall rate is the unlabelled series when the server exports one (pd serve does:
     tokens hit after the reduction across groups), else the sum over groups."""
     queries = counter_deltas(before, after, PREFIX_QUERIES)
     hits = counter_deltas(before, after, PREFIX_HITS)
-    result: dict = {"prefix_cache": None, "kv_transfer_bytes": None}
+    result: dict = {"prefix_cache": None, "kv_transfer_bytes": None, "tier_hits": None}
+    sources = {dict(labels).get("source"): value for labels, value in counter_deltas(before, after,
+                                                                                      PROMPT_SOURCES).items()}
+    if any(source in sources for source in TIER_SOURCES):  # the server has an offload tier
+        result["tier_hits"] = sum(sources.get(source, 0.0) for source in TIER_SOURCES)
     if queries:
         groups: dict[str, list[float]] = {}
         overall = [0.0, 0.0]  # series without a group label: the overall counts, when the server has them

@@ -18,4 +18,6 @@ server has a new id and starts again from 1). A ZMQ ROUTER at tcp://host:P+1 (or
 `--kv-events-replay-port`) answers a `ReplayRequest(start_seq)` with the batches from
 that number on, or, when they are no longer kept, with one snapshot batch holding every
 block cached now. A subscriber that sees a gap in the numbers asks for a replay.
+Stored and removed blocks name their `medium`: "device" (the KV cache itself) or an
+offload tier ("disk"; "host" is reserved); a block may be held in several at once.
 """

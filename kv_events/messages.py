@@ -3,7 +3,7 @@ structs, decoded into these types and checked once where they are received."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -11,28 +11,31 @@ BlockHash = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]  # a sh
 MAX_BLOCKS = 1 << 22  # blocks one event may name
 Hashes = Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_BLOCKS)]
 Group = Annotated[int, msgspec.Meta(ge=0, lt=1024)]
+Medium = Literal["device", "host", "disk"]  # where a block is held: the KV cache itself, or an offload tier
 
 
 class BlockStored(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
     """Consecutive full blocks of KV cache group `group` entered the prefix cache:
     `block_hashes` in order, the first one's parent `parent_hash` (None: it is block 0),
-    covering `token_count` tokens."""
+    covering `token_count` tokens, in `medium` (the KV cache, or an offload tier)."""
 
     block_hashes: Hashes
     parent_hash: BlockHash | None
     token_count: Annotated[int, msgspec.Meta(ge=0, lt=2**40)]
     group: Group
+    medium: Medium = "device"
 
 
 class BlockRemoved(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
-    """These blocks of group `group` left the prefix cache (evicted for new ones)."""
+    """These blocks of group `group` left `medium` (evicted for new ones)."""
 
     block_hashes: Hashes
     group: Group
+    medium: Medium = "device"
 
 
 class AllBlocksCleared(msgspec.Struct, tag=True, frozen=True, forbid_unknown_fields=True):
-    """Every cached block is gone."""
+    """Every block cached in the KV cache itself is gone (offload tiers keep theirs)."""
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared

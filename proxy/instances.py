@@ -36,7 +36,7 @@ import httpx
 
 from kv_events.hashing import extend_block_hashes
 from proxy.breaker import Breaker
-from proxy.kv_index import KVIndex
+from proxy.kv_index import DEFAULT_TIER_WEIGHTS, KVIndex
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
 VIRTUAL_NODES = 64  # points per instance on the hash ring
@@ -80,6 +80,7 @@ class Instance:
     failures: int = 0
     last_error: str | None = None
     kv_index: KVIndex | None = None  # what its KV events say it holds (kv_aware)
+    tier_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))  # per medium
     block_size: int = 0  # tokens per block of the indexed KV cache group
     hit_is_overlap: bool = True  # False: sliding-window or Mamba groups may make its hits shorter than that group's
     engine_pid: int | None = None  # as its /health last said: another one means it restarted
@@ -118,7 +119,7 @@ class Instance:
         events say (0 without them)."""
         if self.kv_index is None or route.tokens is None or not self.block_size:
             return 0
-        return self.kv_index.overlap(route.block_hashes(self.block_size)) * self.block_size
+        return int(self.kv_index.overlap(route.block_hashes(self.block_size), self.tier_weights) * self.block_size)
 
     def lacking_tokens(self, route: Route) -> int | None:
         """Prompt tokens of the request the instance does not hold (None when the prompt
@@ -132,8 +133,9 @@ class Instance:
             self.kv_index.expect(route.block_hashes(self.block_size))
 
     def state(self) -> dict:
-        indexed = None if self.kv_index is None else {"blocks": len(self.kv_index.blocks),
-                                                      "events_seq": self.kv_index.last_seq}
+        index = self.kv_index
+        indexed = None if index is None else {"blocks": len(index.blocks), "events_seq": index.last_seq,
+                                              "tiers": {m: len(held) for m, held in index.lower.items()}}
         return {"url": self.url, "role": self.role, "healthy": self.healthy, "breaker": self.breaker.state,
                 "outstanding": self.outstanding, "bound": self.bound,
                 "requests": self.requests, "failures": self.failures, "last_error": self.last_error,
@@ -171,9 +173,12 @@ class InstancePool:
 
     @classmethod
     def of(cls, urls: Sequence[str], role: str, policy: str, breaker: tuple[int, float] = (1, 5.0),
-           **settings: float) -> InstancePool:
-        """`breaker`: (failures in a row that open an instance's breaker, its cool-down s)."""
-        return cls([Instance(url.rstrip("/"), role, Breaker(*breaker)) for url in urls], policy, **settings)
+           tier_weights: dict[str, float] | None = None, **settings: float) -> InstancePool:
+        """`breaker`: (failures in a row that open an instance's breaker, its cool-down s);
+        `tier_weights`: what a block held in each medium is worth (kv_index.py)."""
+        weights = tier_weights or DEFAULT_TIER_WEIGHTS
+        return cls([Instance(url.rstrip("/"), role, Breaker(*breaker), tier_weights=dict(weights)) for url in urls],
+                   policy, **settings)
 
     def pick(self, route: Route, exclude: set[str] = frozenset()) -> Instance:
         """An instance for a request; NoInstanceError if every one is shut out by its

@@ -1,5 +1,8 @@
 """What the proxy knows of one server's prefix cache: the blocks its KV events say it
-holds (kv_events/), in the one KV cache group routing looks at.
+holds (kv_events/), in the one KV cache group routing looks at, in its KV cache itself
+(`blocks`) and in its offload tiers (`lower`, by medium). A block held only in a tier
+counts for its tier's weight in `overlap` (`--kv-tier-weights`: a disk hit still has to
+be read back, a device hit does not).
 
 An index follows one engine (`engine_id`) from batch to batch: batch `last_seq + 1` is
 applied; an older one is a duplicate and ignored; a newer one leaves a gap, which
@@ -22,6 +25,7 @@ from enum import Enum
 
 from kv_events.messages import AllBlocksCleared, BlockStored, EventBatch
 
+DEFAULT_TIER_WEIGHTS = {"device": 1.0, "host": 0.8, "disk": 0.5}  # what a block held in each medium is worth
 MAX_BLOCKS = 2_000_000  # per server: more than any cache this proxy fronts holds in its routing group
 EXPECTED_TTL_S = 10.0  # a request sent is prefilled, and its blocks published, within this (or they are not)
 
@@ -38,7 +42,8 @@ class KVIndex:
     max_blocks: int = MAX_BLOCKS
     engine_id: str | None = None
     last_seq: int = 0
-    blocks: set[bytes] = field(default_factory=set)
+    blocks: set[bytes] = field(default_factory=set)  # in the server's KV cache ("device")
+    lower: dict[str, set[bytes]] = field(default_factory=dict)  # medium -> blocks in that offload tier
     dropped: int = 0  # stored blocks not recorded for the bound
     expected: dict[bytes, float] = field(default_factory=dict)  # block hash -> when the expectation ends
     ttl_s: float = EXPECTED_TTL_S
@@ -48,6 +53,7 @@ class KVIndex:
         """Forget everything (the server is gone or restarted)."""
         self.engine_id, self.last_seq = None, 0
         self.blocks.clear()
+        self.lower.clear()
         self.expected.clear()
 
     def expect(self, block_hashes: list[bytes]) -> None:
@@ -71,6 +77,7 @@ class KVIndex:
             if batch.seq < self.last_seq:
                 return Applied.DUPLICATE
             self.blocks.clear()
+            self.lower.clear()
         elif batch.seq <= self.last_seq:
             return Applied.DUPLICATE
         elif batch.seq > self.last_seq + 1:
@@ -87,24 +94,35 @@ class KVIndex:
             return
         if event.group != self.group:
             return
-        for block_hash in event.block_hashes:  # what was expected is known now
-            self.expected.pop(block_hash, None)
+        held = self.blocks if event.medium == "device" else self.lower.setdefault(event.medium, set())
+        if event.medium == "device":
+            for block_hash in event.block_hashes:  # what was expected is known now
+                self.expected.pop(block_hash, None)
         if isinstance(event, BlockStored):
-            room = max(0, self.max_blocks - len(self.blocks))
-            self.blocks.update(event.block_hashes[:room])
+            room = max(0, self.max_blocks - len(self.blocks) - sum(map(len, self.lower.values())))
+            held.update(event.block_hashes[:room])
             self.dropped += max(0, len(event.block_hashes) - room)
         else:
-            self.blocks.difference_update(event.block_hashes)
+            held.difference_update(event.block_hashes)
 
-    def overlap(self, block_hashes: list[bytes]) -> int:
+    def overlap(self, block_hashes: list[bytes], tier_weights: dict[str, float] = DEFAULT_TIER_WEIGHTS) -> float:
         """How many of a prompt's leading blocks the server holds, or is expected to (a
-        prefix-cache hit reaches as far as the first block it lacks)."""
-        now = None
-        for i, block_hash in enumerate(block_hashes):
+        prefix-cache hit reaches as far as the first block it lacks), each counted for
+        the weight of the best medium holding it."""
+        now, total = None, 0.0
+        device = tier_weights.get("device", 1.0)
+        for block_hash in block_hashes:
             if block_hash in self.blocks:
+                total += device
                 continue
             end = self.expected.get(block_hash)
             now = self.clock() if now is None else now
-            if end is None or end <= now:
-                return i
-        return len(block_hashes)
+            if end is not None and end > now:
+                total += device
+                continue
+            weight = max((tier_weights.get(m, 0.0) for m, held in self.lower.items() if block_hash in held),
+                         default=0.0)
+            if weight <= 0:
+                break
+            total += weight
+        return total

@@ -7,7 +7,7 @@ import logging
 
 from proxy.disagg import DISAGG_POLICIES
 from proxy.instances import POLICIES
-from proxy.proxy_config import PROXY_DEFAULTS, ProxyConfig
+from proxy.proxy_config import PROXY_DEFAULTS, ProxyConfig, tier_weights
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -40,6 +40,10 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-overlap-weight", type=float, default=PROXY_DEFAULTS["kv_overlap_weight"],
                         help="kv_aware: what one prompt token a server holds is worth against one token of its "
                              "load (prompt tokens of requests in flight it still works through) (default %(default)s)")
+    parser.add_argument("--kv-tier-weights", default="device=1,host=0.8,disk=0.5", metavar="MEDIUM=W,...",
+                        help="kv_aware: what a prompt block a server holds is worth by where it holds it, its KV "
+                             "cache (device) or an offload tier (host, disk: read back before use); a block in "
+                             "several counts for the best (default %(default)s)")
     parser.add_argument("--decode-load-tokens", type=int, default=PROXY_DEFAULTS["decode_load_tokens"],
                         help="kv_aware: the load, in tokens, one request a decode server is decoding counts for "
                              "(default %(default)s)")
@@ -123,7 +127,7 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
                            max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
                            max_request_bytes=args.max_request_bytes, disagg_policy=args.disagg_policy,
                            local_prefill_max_tokens=args.local_prefill_max_tokens,
-                           reuse_min_tokens=args.reuse_min_tokens)
+                           reuse_min_tokens=args.reuse_min_tokens, kv_tier_weights=tier_weights(args.kv_tier_weights))
     except ValueError as exc:
         raise SystemExit(f"pd proxy: {exc}") from None
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 from proxy.body import MAX_DEPTH, MAX_REQUEST_BYTES
 from proxy.disagg import DISAGG_POLICIES, LOCAL_PREFILL_MAX_TOKENS, REUSE_MIN_TOKENS
 from proxy.instances import LOAD_SLACK, POLICIES
+from proxy.kv_index import DEFAULT_TIER_WEIGHTS
+
+MEDIA = tuple(DEFAULT_TIER_WEIGHTS)  # device, host, disk (kv_events/messages.py Medium)
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class ProxyConfig:
     disagg_policy: str = "always"  # or "conditional": D prefills itself what it lacks little of (disagg.py)
     local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS  # conditional: D computes at most this many itself
     reuse_min_tokens: int = REUSE_MIN_TOKENS  # conditional: P reads a prefix from D holding this many more (0: never)
+    kv_tier_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))  # kv_aware
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:
@@ -72,6 +76,10 @@ class ProxyConfig:
             raise ValueError(f"the nesting limit must be within 1 and 256, got {self.max_depth}")
         if self.disagg_policy not in DISAGG_POLICIES:
             raise ValueError(f"disagg_policy must be one of {', '.join(DISAGG_POLICIES)}, got {self.disagg_policy!r}")
+        unknown = set(self.kv_tier_weights) - set(MEDIA)
+        if unknown or any(not 0 <= w <= 1e6 for w in self.kv_tier_weights.values()):
+            raise ValueError(f"kv_tier_weights: media are {', '.join(MEDIA)} with weights >= 0, "
+                             f"got {self.kv_tier_weights}")
         if self.local_prefill_max_tokens < 0 or self.reuse_min_tokens < 0:
             raise ValueError("local_prefill_max_tokens and reuse_min_tokens must not be negative, got "
                              f"{self.local_prefill_max_tokens} and {self.reuse_min_tokens}")
@@ -103,3 +111,15 @@ class ProxyConfig:
 
 # What a `pd proxy` flag defaults to is the field's default: one place for both.
 PROXY_DEFAULTS = {f.name: f.default for f in fields(ProxyConfig) if f.default is not MISSING}
+
+
+def tier_weights(text: str) -> dict[str, float]:
+    """`device=1,host=0.8,disk=0.5` as a dict (media not named keep their defaults)."""
+    weights = dict(DEFAULT_TIER_WEIGHTS)
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        medium, _, value = part.partition("=")
+        try:
+            weights[medium.strip()] = float(value)  # no "=": float("") fails too
+        except ValueError:
+            raise ValueError(f"--kv-tier-weights: {part!r} is not MEDIUM=WEIGHT") from None
+    return weights

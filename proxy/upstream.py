@@ -162,9 +162,11 @@ class Upstream:
         self.config = config
         breaker = (config.breaker_failures, config.breaker_cooldown_s)
         self.prefill = InstancePool.of(config.prefill_urls, "prefill", config.prefill_policy, breaker,
+                                       tier_weights=config.kv_tier_weights,
                                        overlap_weight=config.kv_overlap_weight, max_outstanding=config.max_outstanding,
                                        load_slack=config.load_slack)
         self.decode = InstancePool.of(config.decode_urls, "decode", config.decode_policy, breaker,
+                                      tier_weights=config.kv_tier_weights,
                                       overlap_weight=config.kv_overlap_weight,
                                       decode_load_tokens=config.decode_load_tokens, load_slack=config.load_slack,
                                       max_outstanding=config.max_outstanding)

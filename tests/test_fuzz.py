@@ -291,12 +291,12 @@ NOTIFIER = r"""
 import struct, sys, time
 from connectors.nixl.handshake import fetch_remote_layout
 from connectors.nixl.peer_messages import HandshakeRequest
-from connectors.nixl.transport import _load_nixl
+from pd.kv_transfer.nixl_api import load_nixl
 from connectors.nixl.ucx import configure_ucx
 
 configure_ucx("127.0.0.1")
 port, compat = int(sys.argv[1]), sys.argv[2]
-api, _ = _load_nixl()
+api, _ = load_nixl()
 agent = api.nixl_agent("pd-fuzzer", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 response = fetch_remote_layout("127.0.0.1", port, HandshakeRequest("pd-fuzzer", compat), 10.0)
 peer = agent.add_remote_agent(response.agent_metadata)

@@ -19,7 +19,6 @@ Not thread-safe: one thread (the engine's) uses a transport.
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ import torch
 from connectors.nixl.descriptors import piece_runs, read_descriptors
 from connectors.nixl.peer_messages import DataRefInfo, DeviceKind, HandshakeResponse, KVLayoutInfo, PieceInfo, TensorInfo
 from pd.kv_cache.canonical import CanonicalKVCaches, KVCacheBlockTensor
+from pd.kv_transfer.nixl_api import load_nixl
 
 logger = logging.getLogger(__name__)
 
@@ -370,16 +370,3 @@ def _device_kind(tensors: Sequence[KVCacheBlockTensor], requested: DeviceKind | 
     if requested is not None and requested != derived:
         raise ValueError(f"device_kind {requested!r} does not match the KV tensors' memory ({derived})")
     return derived
-
-
-def load_nixl() -> tuple[Any, tuple[type[Exception], ...]]:
-    """The NIXL Python API module and its exception types, imported on first use."""
-    for package in ("nixl", "nixl_cu12", "nixl_cu13"):
-        try:
-            api = importlib.import_module(f"{package}._api")
-        except ImportError:
-            continue
-        errors = tuple(v for k, v in vars(api.nixlBind).items()
-                       if k.startswith("nixl") and k.endswith("Error") and isinstance(v, type))
-        return api, errors
-    raise ImportError("NIXL is not installed (pip install nixl-cu12)")

@@ -17,6 +17,7 @@ from pd.distributed.shard import TPShard
 from pd.engine.ipc_messages import EngineInfo, EngineStats, HistogramSnapshot
 from pd.engine.kv_event_publisher import KVEventPublisher, NoKVEvents
 from pd.engine.malloc import keep_freed_memory
+from pd.histogram import Histogram
 from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_cache.spec import KVCacheConfig, MambaSpec
 from pd.kv_offload.connector import (inner_worker, offload_description, offload_figures, offload_load_seconds,
@@ -101,7 +102,8 @@ class EngineCore:
         if self.config.kv_events_port is None:
             return NoKVEvents()
         return KVEventPublisher(self.engine_id, self.config.kv_events_host, self.config.kv_events_port,
-                                self.config.kv_events_replay_port, self.kv_cache_manager.pool.cached_events)
+                                self.config.kv_events_replay_port,
+                                lambda: self.kv_cache_manager.pool.cached_events() + self.scheduler.connector.held_events())
 
     def compat_hash(self) -> str:
         """Equal for two engines whose KV blocks mean the same thing byte for byte, whatever
@@ -155,7 +157,7 @@ class EngineCore:
         self._keep_logits(runner_output.logits)
         executed = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self.kv_events.publish(self.kv_cache_manager.pool.take_events())
+        self.kv_events.publish(self.kv_cache_manager.pool.take_events() + self.scheduler.connector.take_events())
         seconds = self.step_seconds
         seconds["schedule"] += scheduled - start
         seconds["execute"] += executed - scheduled
@@ -201,7 +203,7 @@ class EngineCore:
             kv_cache_bytes=[self.runner.kv_allocation.nbytes, *(self.tp_ranks.kv_bytes if self.tp_ranks else [])],
             prompt_tokens_by_source=dict(self.scheduler.prompt_sources.counts),
             kv_offload=offload_figures(self.scheduler.connector, self.runner.connector),
-            kv_offload_load_seconds=offload_load_seconds(self.runner.connector),
+            kv_offload_load_seconds=_snapshot(offload_load_seconds(self.runner.connector)),
             malformed_messages=self._malformed_messages(), kv_events_replies_dropped=self.kv_events.dropped_replies,
             num_steps=self.num_steps, step_seconds=dict(self.step_seconds))
 
@@ -217,8 +219,7 @@ class EngineCore:
         stats = getattr(connector, "stats", None)
         if stats is None:
             return {}, {}, {}
-        histograms = {name: HistogramSnapshot(list(h.buckets), list(h.counts), h.total)
-                      for name, h in stats.histograms().items()}
+        histograms = {name: _snapshot(h) for name, h in stats.histograms().items()}
         counters = stats.counters() | {"requests_held": float(connector.num_requests_held)}
         return counters, histograms, stats.by_rank()
 
@@ -232,3 +233,9 @@ class EngineCore:
         self.runner.shutdown()
         if self.tp_ranks is not None:
             self.tp_ranks.shutdown()
+
+
+def _snapshot(histogram: Histogram | None) -> HistogramSnapshot | None:
+    if histogram is None:
+        return None
+    return HistogramSnapshot(list(histogram.buckets), list(histogram.counts), histogram.total)

@@ -23,8 +23,8 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from connectors.nixl.stats import SECONDS_BUCKETS, Histogram
-from pd.engine.ipc_messages import HistogramSnapshot
+from kv_events.messages import BlockRemoved, BlockStored, KVEvent
+from pd.histogram import SECONDS_BUCKETS, Histogram
 from pd.kv_cache.block_pool import KVCacheBlock
 from pd.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from pd.kv_offload.disk import DiskTier, TierBlock, default_disk_bytes
@@ -114,10 +114,11 @@ class TieredScheduler(KVConnectorScheduler):
         self.loading: dict[str, list[int]] = {}  # request -> the slots it reads
         self.planned: dict[str, int] = {}  # request -> its device hit, between lookup and allocation
         self.refused: dict[str, str] = {}  # requests whose load cannot start, to report failed
-        self.hit_tokens = 0  # prompt tokens loaded from the tier
+        self.events: list[KVEvent] = []  # of an index dropped when the tier turned off
 
     # --- loads ---
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        self.planned.pop(request.request_id, None)  # an earlier try whose allocation failed
         num, load_async = self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
         if num or load_async or request.kv_source is not None or self.index is None \
                 or not (self.kv.enable_caching and request.reads_prefix_cache):
@@ -143,7 +144,6 @@ class TieredScheduler(KVConnectorScheduler):
         self.index.touch([(b.block_hash, b.group) for b in loads])
         self.loading[request.request_id] = slots
         self.to_load[request.request_id] = loads
-        self.hit_tokens += num_external_tokens
 
     def _loads(self, request: Request, blocks: KVCacheBlocks) -> list[TierBlock] | None:
         """The tier's slot for each block the allocation left unfilled; None if one is missing."""
@@ -193,6 +193,7 @@ class TieredScheduler(KVConnectorScheduler):
     def _turn_off(self) -> None:
         """The worker turned the tier off: forget it, and let every pinned block go."""
         self.index.clear()
+        self.events = self.take_events()
         self.index = None
         self.kv.pool.cache_log = None
         for block in self.storing.values():
@@ -215,6 +216,24 @@ class TieredScheduler(KVConnectorScheduler):
             self.storing[(key.block_hash, key.group_id)] = block
             self.to_store.append(TierBlock(slot, key.group_id, block.block_id, key.block_hash))
 
+    def take_events(self) -> list[KVEvent]:
+        events, self.events = self.events + self.inner.take_events(), []
+        if self.index is not None:
+            events += self._stored(self.index.take_added()) + self._removed(self.index.take_removed())
+        return events if self.kv.pool.record_events else []
+
+    def held_events(self) -> list[KVEvent]:
+        return self.inner.held_events() + (self._stored(list(self.index.held)) if self.index is not None else [])
+
+    def _stored(self, keys: list[Key]) -> list[KVEvent]:
+        sizes = self.kv.config.block_sizes
+        return [BlockStored(hashes, None, len(hashes) * sizes[group], group, medium=TIER)
+                for group, hashes in _by_group(keys).items()]
+
+    @staticmethod
+    def _removed(keys: list[Key]) -> list[KVEvent]:
+        return [BlockRemoved(hashes, group, medium=TIER) for group, hashes in _by_group(keys).items()]
+
     @property
     def has_work(self) -> bool:
         return bool(self.storing or self.to_store or self.loading or self.refused) or self.inner.has_work
@@ -233,8 +252,15 @@ class TieredScheduler(KVConnectorScheduler):
     def figures(self) -> dict[str, float]:
         """The tier's scheduler-side figures (for metrics)."""
         index = self.index
-        return {"hit_tokens": float(self.hit_tokens), "usage": index.usage if index else 0.0,
+        return {"usage": index.usage if index else 0.0,
                 "blocks": float(len(index.held)) if index else 0.0, "on": float(index is not None)}
+
+
+def _by_group(keys: list[Key]) -> dict[int, list[bytes]]:
+    by_group: dict[int, list[bytes]] = {}
+    for block_hash, group in keys:
+        by_group.setdefault(group, []).append(block_hash)
+    return by_group
 
 
 def with_tier(worker: KVConnectorWorker, directory: Path | None, nbytes: int | None, compat_hash: str,
@@ -265,11 +291,9 @@ def offload_figures(scheduler: KVConnectorScheduler, worker: KVConnectorWorker) 
         "capacity_bytes": float(worker.tier.num_slots * worker.tier.slot_bytes)}
 
 
-def offload_load_seconds(worker: KVConnectorWorker) -> HistogramSnapshot | None:
-    if not isinstance(worker, TieredWorker):
-        return None
-    h = worker.load_seconds
-    return HistogramSnapshot(list(h.buckets), list(h.counts), h.total)
+def offload_load_seconds(worker: KVConnectorWorker) -> Histogram | None:
+    """How long the disk tier's loads took; None without a tier."""
+    return worker.load_seconds if isinstance(worker, TieredWorker) else None
 
 
 def offload_description(worker: KVConnectorWorker) -> str | None:

@@ -169,7 +169,7 @@ class DiskTier:
         return kept
 
     def _start_nixl(self, agent_name: str) -> None:
-        from connectors.nixl.transport import load_nixl
+        from pd.kv_transfer.nixl_api import load_nixl
 
         api, _ = load_nixl()
         self.agent = api.nixl_agent(agent_name, api.nixl_agent_config(enable_prog_thread=False, backends=["POSIX"]))

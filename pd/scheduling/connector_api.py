@@ -133,6 +133,16 @@ class KVConnectorScheduler(ABC):
         """Called once per step with the requests waiting for admission (in order); a
         connector may act for those whose KV it is to load (keep a remote copy alive)."""
 
+    def take_events(self) -> list:
+        """KV events (kv_events/messages.py) of blocks the connector's own media stored or
+        removed since the last call (an offload tier's)."""
+        return []
+
+    def held_events(self) -> list:
+        """Every block the connector's own media hold now, as events storing them (for a
+        replay snapshot)."""
+        return []
+
     @property
     def has_work(self) -> bool:
         """Work of the connector's own that needs steps although no request runs (blocks

@@ -68,9 +68,24 @@ def test_figures_over_several_servers_are_summed_before_the_rate() -> None:
     before = [parse(metrics_text(100, 10, 0)), parse(metrics_text(0, 0))]
     after = [parse(metrics_text(300, 10, 4096)), parse(metrics_text(100, 90))]
     assert deployments.combined_deltas(before, after) == {"queries": 300, "hits": 90, "hit_rate": 0.3,
-                                                          "kv_transfer_bytes": 4096}
+                                                          "tier_hit_rate": None, "kv_transfer_bytes": 4096}
     idle = deployments.combined_deltas(before[1:], before[1:])
     assert idle["hit_rate"] is None and idle["kv_transfer_bytes"] is None
+
+
+def test_prompt_tokens_loaded_from_a_disk_tier_are_hits_and_shown_apart() -> None:
+    parse = serve_metrics.parse_prometheus
+    tier = 'pd_prompt_tokens_by_source_total{source="disk"} %d\n'
+    before = [parse(metrics_text(0, 0) + tier % 0)]
+    after = [parse(metrics_text(400, 100) + tier % 200)]
+    assert deployments.combined_deltas(before, after) == {"queries": 400, "hits": 300, "hit_rate": 0.75,
+                                                          "tier_hit_rate": 0.5, "kv_transfer_bytes": None}
+
+
+def test_each_disk_tier_run_starts_in_a_directory_of_its_own(tmp_path) -> None:
+    first = deployments._fresh_dir(tmp_path / "colocated-disk-tier-tier")
+    first.mkdir()
+    assert deployments._fresh_dir(tmp_path / "colocated-disk-tier-tier") != first
 
 
 def test_the_all_cache_deployment_has_both_prefill_caches_in_one() -> None:

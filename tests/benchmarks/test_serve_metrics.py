@@ -269,7 +269,7 @@ def test_server_metric_deltas_hit_rates_overall_and_per_group() -> None:
     assert prefix["by_group"]["0"] == {"queries": 200.0, "hits": 150.0, "hit_rate": 0.75}
     assert prefix["by_group"]["1"]["hit_rate"] == pytest.approx(0.25)
     assert deltas["kv_transfer_bytes"]["total"] == 4096
-    assert server_metric_deltas({}, {}) == {"prefix_cache": None, "kv_transfer_bytes": None}
+    assert server_metric_deltas({}, {}) == {"prefix_cache": None, "kv_transfer_bytes": None, "tier_hits": None}
 
 
 def test_server_metric_deltas_take_pd_serves_overall_series_as_the_overall_rate() -> None:

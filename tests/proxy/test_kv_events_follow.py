@@ -61,9 +61,10 @@ def test_a_servers_events_are_followed_through_replays_gaps_and_garbage(publishe
             assert wait_until(lambda: blocks(proxy, p.url) == 4)
             pub.send(b"\x92not an event batch")
             pub.send(bytes.fromhex("81a1ff01"))  # a key that is not UTF-8: UnicodeDecodeError, not DecodeError
+            pub.send(encode(EventBatch("e1", 4, [BlockStored(hashes[4:6], hashes[3], 8, 0, medium="tape")])))
             pub.send(encode(EventBatch("e1", 4, [BlockStored(hashes[4:6], hashes[3], 8, 0)])))
             assert wait_until(lambda: blocks(proxy, p.url) == 6)
-            assert proxy_metric(proxy, f'pd_proxy_kv_events_malformed_total{{url="{p.url}"}}') == 2
+            assert proxy_metric(proxy, f'pd_proxy_kv_events_malformed_total{{url="{p.url}"}}') == 3  # no such medium
             pub.send(encode(EventBatch("e1", 6, [BlockStored(hashes[6:8], hashes[5], 8, 0)])))  # 5 is missing
             envelope, start = replay_asked(router)
             assert start == 5

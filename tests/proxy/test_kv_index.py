@@ -158,3 +158,36 @@ def test_a_sent_prompt_attracts_the_next_one_before_the_servers_events_say() -> 
     first.expect(Route("k", tokens=prompt))  # what the proxy does on sending it
     first.outstanding_tokens = 8  # still prefilling it
     assert all(pool.pick(Route("k", tokens=prompt + [7, 7, 7, 7])) is first for _ in range(3))
+
+
+def test_blocks_in_an_offload_tier_count_for_their_tiers_weight_and_apart_from_the_device() -> None:
+    index = KVIndex(group=0)
+    index.apply(batch(1, BlockStored(H[:2], None, 32, 0), BlockStored(H[:4], None, 64, 0, medium="disk")))
+    assert index.blocks == set(H[:2]) and index.lower == {"disk": set(H[:4])}
+    assert index.overlap(H[:5]) == 2 + 2 * 0.5  # two on the device, two more only on disk
+    assert index.overlap(H[:5], {"device": 1.0, "disk": 0.0}) == 2  # a tier weighted 0 is not a hit
+    index.apply(batch(2, BlockRemoved(H[:2], 0)))  # evicted from the device, still on disk
+    assert index.overlap(H[:5]) == 4 * 0.5
+    index.apply(batch(3, AllBlocksCleared()))  # the device's cache reset: the tier keeps its blocks
+    assert index.overlap(H[:5]) == 2.0
+    index.apply(batch(4, BlockRemoved(H[1:2], 0, medium="disk")))
+    assert index.overlap(H[:5]) == 0.5
+    index.apply(batch(5, BlockStored(H[5:6], None, 16, 0, medium="disk"), snapshot=True))
+    assert index.lower == {"disk": {H[5]}} and index.overlap(H[:5]) == 0
+
+
+def test_kv_aware_prefers_a_device_hit_over_a_disk_hit_of_the_same_prompt_at_equal_load() -> None:
+    pool = pool_of()
+    a, b, c = pool.instances
+    prompt = list(range(100, 140))
+    hashes = extend_block_hashes([], prompt, 4)
+    a.kv_index.apply(batch(1, BlockStored(hashes, None, 40, 0, medium="disk")))
+    hold(b, prompt)
+    route = Route("k", tokens=prompt)
+    assert a.overlap_tokens(route) == 20 and b.overlap_tokens(route) == 40
+    assert pool.pick(route) is b
+    assert pool.pick(route, exclude={b.url}) is a  # a disk hit still beats holding nothing
+    for instance in pool.instances:
+        instance.tier_weights = {"device": 1.0, "disk": 1.0}
+    b.outstanding, c.outstanding = 1, 1  # weighted alike, the less loaded of the two holders
+    assert pool.pick(route) is a

@@ -20,10 +20,10 @@ from tests.support.server_harness import running_server, started_together
 
 
 def nixl_installed() -> bool:
-    from connectors.nixl.transport import _load_nixl
+    from pd.kv_transfer.nixl_api import load_nixl
 
     try:
-        _load_nixl()
+        load_nixl()
     except ImportError:
         return False
     return True

@@ -242,6 +242,8 @@ class ToyRemoteConnector:
     """A connector whose 'remote' KV arrives after a given number of steps (the scheduler
     contract only; real transfers are tested with NIXL)."""
 
+    has_work = False  # nothing of its own to step for
+
     def __init__(self, num_external: int, delay_steps: int, fail: bool = False, verified: bool = True) -> None:
         from pd.scheduling.connector_api import KVConnectorMetadata, KVConnectorOutput
 
