@@ -22,6 +22,22 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # the server's --max-request-bytes
 
 
 @dataclass(frozen=True)
+class TierSettings:
+    """The KV offload tiers an engine is started with (pd/kv_offload; None: that tier is
+    not configured), and what the engine decides of them."""
+
+    host_bytes: int | None = None
+    disk_path: Path | None = None
+    disk_bytes: int | None = None  # None: sized to the free space there
+    compat_hash: str = ""
+    engine_id: str = ""
+
+    @property
+    def any(self) -> bool:
+        return self.host_bytes is not None or self.disk_path is not None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """One engine's settings. `max_model_len=None` takes the model's own limit;
     `device=None` picks CUDA when present, else the CPU. `kv_connector` names an entry of
@@ -68,7 +84,8 @@ class EngineConfig:
     kv_events_port: int | None = None  # publish KV events (kv_events/) on tcp://kv_events_host:port; None: off
     kv_events_replay_port: int | None = None  # their replay socket; None: kv_events_port + 1
     kv_events_host: str = "127.0.0.1"
-    kv_offload_disk_path: Path | None = None  # a directory for the disk tier (pd/kv_offload); None: no tier
+    kv_offload_host_bytes: int | None = None  # host memory for the host tier (pd/kv_offload); None: no such tier
+    kv_offload_disk_path: Path | None = None  # a directory for the disk tier (pd/kv_offload); None: no such tier
     kv_offload_disk_bytes: int | None = None  # its size; None: a tenth of the free space there, at most 64 GiB
     dtype_reason: str = field(default="as asked", init=False, compare=False)  # how `dtype` was chosen
 
@@ -106,18 +123,25 @@ class EngineConfig:
         self._check_offload()
 
     def _check_offload(self) -> None:
-        if self.kv_offload_disk_path is None:
-            if self.kv_offload_disk_bytes is not None:
-                raise ValueError("kv_offload_disk_bytes sizes the disk tier: give kv_offload_disk_path too")
+        if self.kv_offload_disk_path is None and self.kv_offload_disk_bytes is not None:
+            raise ValueError("kv_offload_disk_bytes sizes the disk tier: give kv_offload_disk_path too")
+        if self.kv_offload_disk_path is not None:
+            object.__setattr__(self, "kv_offload_disk_path", Path(self.kv_offload_disk_path))
+        for name in ("kv_offload_host_bytes", "kv_offload_disk_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_offload_host_bytes is None and self.kv_offload_disk_path is None:
             return
-        object.__setattr__(self, "kv_offload_disk_path", Path(self.kv_offload_disk_path))
-        if self.kv_offload_disk_bytes is not None and self.kv_offload_disk_bytes <= 0:
-            raise ValueError(f"kv_offload_disk_bytes must be positive, got {self.kv_offload_disk_bytes}")
         if not self.enable_prefix_caching:
-            raise ValueError("the KV disk tier keeps prefix-cache blocks: it needs prefix caching on")
+            raise ValueError("the KV offload tiers keep prefix-cache blocks: they need prefix caching on")
         if self.tensor_parallel_size > 1:
-            raise ValueError("the KV disk tier serves tensor-parallel size 1 for now (each rank would need its own "
-                             "tier and the loads joined across ranks)")
+            raise ValueError("the KV offload tiers serve tensor-parallel size 1 for now (each rank would need its "
+                             "own tiers and the loads joined across ranks)")
+
+    def tier_settings(self, compat_hash: str, engine_id: str) -> TierSettings:
+        """The offload tiers' settings (pd/kv_offload), with what the engine decides."""
+        return TierSettings(self.kv_offload_host_bytes, self.kv_offload_disk_path, self.kv_offload_disk_bytes,
+                            compat_hash, engine_id)
 
     def _check_kv_transfer(self) -> None:
         """The PD settings: leases, timeouts, transports, peers, the held share."""
@@ -266,6 +290,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp-local-ranks", type=int, default=ENGINE_DEFAULTS["tp_local_ranks"], metavar="K", help="ranks this server starts on its own node, rank 0 included (ranks 0..K-1); ranks K..N-1 run on other nodes, each started there with `pd tp-rank --join HOST:PORT --rank R` and the same model path and secret, and join at --tp-host:--tp-port (default: all N here)")
     parser.add_argument("--tp-host", default=ENGINE_DEFAULTS["tp_host"], help="with --tp-local-ranks: the address ranks on other nodes join at, and where torch.distributed's store listens for them (torch's store listens on every interface: keep its port inside the cluster) (default %(default)s)")
     parser.add_argument("--tp-port", type=int, default=ENGINE_DEFAULTS["tp_port"], help="with --tp-local-ranks: the TCP port ranks on other nodes join at; a joining rank and this server prove to each other that they hold the deployment's secret (" + SECRET_ENV + ") before anything else is read (default: none)")
+    parser.add_argument("--kv-offload-host-bytes", type=int, default=ENGINE_DEFAULTS["kv_offload_host_bytes"], metavar="BYTES", help="keep blocks of the prefix cache in this much host memory too (pinned for a GPU engine), written by a thread as blocks are cached (LRU); a prompt whose prefix left the KV cache loads it back from there, before the disk tier (default: no host tier)")
     parser.add_argument("--kv-offload-disk-path", type=Path, default=ENGINE_DEFAULTS["kv_offload_disk_path"], metavar="DIR", help="keep blocks of the prefix cache on local disk too, in a file under DIR written through NIXL's POSIX backend as blocks are cached (LRU); a prompt whose prefix left the KV cache but is on disk loads it back instead of computing it, checked block by block (CRC-32: a block that fails is a miss). A server restarted on the same DIR with the same model, layout, block size and dtype reuses it. Disk full, a read-only DIR or the file deleted: the tier turns itself off with a warning and serving goes on (default: no disk tier)")
     parser.add_argument("--kv-offload-disk-bytes", type=int, default=ENGINE_DEFAULTS["kv_offload_disk_bytes"], metavar="BYTES", help="size of the disk tier's file (taken as blocks are written) (default: a tenth of the free space under --kv-offload-disk-path, at most 64 GiB)")
     parser.add_argument("--seed", type=int, default=ENGINE_DEFAULTS["seed"], help="seed for requests that sample without their own seed (default %(default)s)")

@@ -21,7 +21,7 @@ from pd.histogram import Histogram
 from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_cache.spec import KVCacheConfig, MambaSpec
 from pd.kv_offload.connector import (inner_worker, offload_description, offload_figures, offload_load_seconds,
-                                     tiered_scheduler, with_tier)
+                                     tiered_scheduler, with_tiers)
 from pd.kv_transfer.connectors import KV_CONNECTORS
 from pd.scheduling.request import Request, RequestOutput
 from pd.scheduling.scheduler import Scheduler
@@ -78,8 +78,8 @@ class EngineCore:
                                                self.max_model_len, record_events=config.kv_events_port is not None)
         self.kv_events = self._kv_events()
         connector, context = KV_CONNECTORS.get(config.kv_connector), self.connector_context
-        worker_connector = with_tier(connector.build_worker(context), config.kv_offload_disk_path,
-                                     config.kv_offload_disk_bytes, context.compat_hash, self.engine_id)
+        worker_connector = with_tiers(connector.build_worker(context), config.tier_settings(context.compat_hash,
+                                                                                            self.engine_id))
         self.runner = build_runner(config, self.model_config, self.model, rank_device(device, 0), worker_connector,
                                    keep_logits)
         if self.tp_ranks is not None:
@@ -203,7 +203,7 @@ class EngineCore:
             kv_cache_bytes=[self.runner.kv_allocation.nbytes, *(self.tp_ranks.kv_bytes if self.tp_ranks else [])],
             prompt_tokens_by_source=dict(self.scheduler.prompt_sources.counts),
             kv_offload=offload_figures(self.scheduler.connector, self.runner.connector),
-            kv_offload_load_seconds=_snapshot(offload_load_seconds(self.runner.connector)),
+            kv_offload_load_seconds={tier: _snapshot(h) for tier, h in offload_load_seconds(self.runner.connector).items()},
             malformed_messages=self._malformed_messages(), kv_events_replies_dropped=self.kv_events.dropped_replies,
             num_steps=self.num_steps, step_seconds=dict(self.step_seconds))
 
@@ -235,7 +235,5 @@ class EngineCore:
             self.tp_ranks.shutdown()
 
 
-def _snapshot(histogram: Histogram | None) -> HistogramSnapshot | None:
-    if histogram is None:
-        return None
+def _snapshot(histogram: Histogram) -> HistogramSnapshot:
     return HistogramSnapshot(list(histogram.buckets), list(histogram.counts), histogram.total)

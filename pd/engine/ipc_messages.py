@@ -105,7 +105,7 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     stats: EngineStats  # at start-up: what /metrics shows before the first step
     kv_events: dict[str, str] | None = None  # {"publisher": tcp://..., "replay": tcp://...} when published
     compat_hash: str = ""  # equal on engines whose KV blocks mean the same (pd/kv_transfer/compat.py)
-    kv_offload: str | None = None  # the disk tier, described for the start-up line (None: none configured)
+    kv_offload: list[str] = []  # the offload tiers, a line each for the server's start-up output
 
 
 class HistogramSnapshot(msgspec.Struct):
@@ -137,8 +137,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_cache_bytes: list[int] = []  # KV cache memory of each tensor-parallel rank
     kv_load_failures: dict[str, int] = {}  # by policy action: recompute / fail
     prompt_tokens_by_source: dict[str, int] = {}  # computed / local_cache / remote / disk
-    kv_offload: dict[str, float] = {}  # the disk tier's counters and gauges (pd/kv_offload), if it is configured
-    kv_offload_load_seconds: HistogramSnapshot | None = None  # how long its loads took
+    kv_offload: dict[str, dict[str, float]] = {}  # per offload tier (pd/kv_offload): its counters and gauges
+    kv_offload_load_seconds: dict[str, HistogramSnapshot] = {}  # per offload tier: how long its loads took
     malformed_messages: dict[str, int] = {}  # dropped as malformed, by listener (pd.server.metrics.LISTENERS)
     kv_events_replies_dropped: int = 0  # replay replies to clients that did not read them
     num_steps: int = 0

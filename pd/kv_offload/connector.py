@@ -1,130 +1,68 @@
-"""The disk tier as both halves of a KV connector wrapped around the engine's own (null
+"""The offload tiers as both halves of a KV connector wrapped around the engine's own (null
 or NIXL), so that a tier load is parked, landed, failed and aborted exactly like a load
-from a prefill server (pd/scheduling/remote_kv.py), and PD goes on unchanged.
+from a prefill server (pd/scheduling/remote_kv.py), and PD goes on unchanged. The worker
+half is worker.py; this is the scheduler half and the engine's doors to both.
 
-Scheduler half (`TieredScheduler`):
-- **Stores**: every block the prefix cache takes (`BlockPool.cache_log`) gets a tier slot
-  (the tier's LRU evicts), and is pinned (one reference, `KVCacheManager.pin`) until
-  its write ends: a block is never evicted from the device while its copy is under way.
+- **Stores**: every block the prefix cache takes (`BlockPool.cache_log`) gets a slot in
+  every tier (each tier's LRU evicts), and is pinned (one reference per tier,
+  `KVCacheManager.pin`) until that write ends: a block is never evicted from the device
+  while a copy of it is under way.
 - **Loads**: a request that loads nothing from elsewhere and whose prompt goes on in the
-  tier past its device hit (`lookup.tier_hit`) gets blocks for that part and waits
-  (WAITING_FOR_REMOTE_KVS) while the worker reads them; the slots read are kept from
-  eviction until the read ends. A load that fails (a checksum, the tier off) makes the
-  request compute those tokens, whatever the load failure policy.
-- The worker's report (`KVConnectorOutput.offload`) ends stores, drops corrupt blocks,
-  and turns the tier off for good when the worker did.
-
-Worker half (`TieredWorker`): the inner connector's half plus a `DiskTier`.
+  tiers past its device hit (`lookup.tier_hit`, a block counting when any tier holds it)
+  gets blocks for that part and waits (WAITING_FOR_REMOTE_KVS) while each block is read
+  from the fastest tier holding it; the slots read are kept from eviction until the read
+  ends. A load that fails (a checksum, a tier off) makes the request compute those
+  tokens, whatever the load failure policy.
+- The worker's reports (`KVConnectorOutput.offload`, per tier) end stores, drop corrupt
+  blocks, and turn a tier off for good when the worker did.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from kv_events.messages import BlockRemoved, BlockStored, KVEvent
-from pd.histogram import SECONDS_BUCKETS, Histogram
+from pd.histogram import Histogram
 from pd.kv_cache.block_pool import KVCacheBlock
 from pd.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from pd.kv_offload.disk import DiskTier, TierBlock, default_disk_bytes
 from pd.kv_offload.index import Key, TierIndex
 from pd.kv_offload.lookup import tier_hit
-from pd.scheduling.connector_api import (
-    KVConnectorMetadata,
-    KVConnectorOutput,
-    KVConnectorScheduler,
-    KVConnectorWorker,
-    OffloadReport,
-)
+from pd.kv_offload.tier import TierBlock
+from pd.config import TierSettings
+from pd.kv_offload.worker import TieredMetadata, TieredWorker
+from pd.scheduling.connector_api import KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker, OffloadReport
 from pd.scheduling.request import Request
 
 logger = logging.getLogger(__name__)
-
-TIER = "disk"
-
-
-@dataclass
-class TieredMetadata(KVConnectorMetadata):
-    inner: KVConnectorMetadata
-    stores: list[TierBlock] = field(default_factory=list)
-    loads: dict[str, list[TierBlock]] = field(default_factory=dict)
-
-
-class TieredWorker(KVConnectorWorker):
-    def __init__(self, inner: KVConnectorWorker, directory: Path, nbytes: int, compat_hash: str,
-                 agent_name: str) -> None:
-        self.inner = inner
-        self.directory, self.nbytes, self.compat_hash, self.agent_name = directory, nbytes, compat_hash, agent_name
-        self.tier: DiskTier | None = None
-        self.load_seconds = Histogram(SECONDS_BUCKETS)
-
-    def register_kv_caches(self, kv_caches) -> None:
-        self.inner.register_kv_caches(kv_caches)
-        self.tier = DiskTier(self.directory, self.nbytes, kv_caches, self.compat_hash, self.agent_name)
-
-    def start_load_kv(self, metadata: TieredMetadata) -> None:
-        self.inner.start_load_kv(metadata.inner)
-        self.tier.store(metadata.stores)
-        for request_id, blocks in metadata.loads.items():
-            self.tier.load(request_id, blocks)
-
-    def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
-        output = self.inner.get_finished(finished_req_ids)
-        ended = self.tier.poll()
-        output.finished_recving.update(ended.loaded)
-        output.failed_recving.update(ended.load_failed)
-        output.offload = OffloadReport(ended.stored, ended.store_failed, ended.corrupt, self.tier.off_reason)
-        for seconds in ended.load_seconds:
-            self.load_seconds.observe(seconds)
-        return output
-
-    @property
-    def wants_polling(self) -> bool:
-        return self.inner.wants_polling or bool(self.tier and self.tier.transfers)
-
-    @property
-    def stats(self):
-        return getattr(self.inner, "stats", None)
-
-    @property
-    def num_requests_held(self) -> int:
-        return getattr(self.inner, "num_requests_held", 0)
-
-    def malformed_messages(self) -> dict[str, int]:
-        return self.inner.malformed_messages()
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
-        if self.tier is not None:
-            self.tier.shutdown()
 
 
 class TieredScheduler(KVConnectorScheduler):
     def __init__(self, inner: KVConnectorScheduler, kv: KVCacheManager, worker: TieredWorker) -> None:
         self.inner, self.kv = inner, kv
-        tier = worker.tier
-        self.index: TierIndex | None = None
-        if tier.off_reason is None:
-            self.index = TierIndex(TIER, tier.num_slots, tier.restored)
-            kv.pool.cache_log = []
-        self.storing: dict[Key, KVCacheBlock] = {}  # pinned until their write ends
-        self.to_store: list[TierBlock] = []
-        self.to_load: dict[str, list[TierBlock]] = {}
-        self.loading: dict[str, list[int]] = {}  # request -> the slots it reads
+        self.indexes: dict[str, TierIndex] = {  # fastest first; a tier that failed at start has none
+            name: TierIndex(name, tier.num_slots, tier.restored)
+            for name, tier in worker.tiers.items() if tier.off_reason is None}
+        kv.pool.cache_log = [] if self.indexes else None
+        self.storing: dict[tuple[str, Key], KVCacheBlock] = {}  # (tier, key): pinned until that write ends
+        self.to_store: dict[str, list[TierBlock]] = {}
+        self.to_load: dict[str, dict[str, list[TierBlock]]] = {}
+        self.loading: dict[str, dict[str, list[int]]] = {}  # request -> tier -> the slots it reads
         self.planned: dict[str, int] = {}  # request -> its device hit, between lookup and allocation
         self.refused: dict[str, str] = {}  # requests whose load cannot start, to report failed
-        self.events: list[KVEvent] = []  # of an index dropped when the tier turned off
+        self.events: list[KVEvent] = []  # of tiers that turned off
+
+    def _holds(self, key: Key) -> bool:
+        return any(key in index for index in self.indexes.values())
 
     # --- loads ---
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         self.planned.pop(request.request_id, None)  # an earlier try whose allocation failed
         num, load_async = self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
-        if num or load_async or request.kv_source is not None or self.index is None \
+        if num or load_async or request.kv_source is not None or not self.indexes \
                 or not (self.kv.enable_caching and request.reads_prefix_cache):
             return num, load_async
-        length = tier_hit(self.kv.coordinator.managers, self.index.__contains__, request.block_hashes,
-                          num_computed_tokens, request.num_tokens - 1)
+        length = tier_hit(self.kv.coordinator.managers, self._holds, request.block_hashes, num_computed_tokens,
+                          request.num_tokens - 1)
         if length <= num_computed_tokens:
             return 0, False
         self.planned[request.request_id] = num_computed_tokens
@@ -134,105 +72,115 @@ class TieredScheduler(KVConnectorScheduler):
         if self.planned.pop(request.request_id, None) is None:
             self.inner.update_state_after_alloc(request, blocks, num_external_tokens)
             return
-        loads = self._loads(request, blocks)
-        request.kv_loaded_from = TIER
-        if loads is None or self.index is None:
-            self.refused[request.request_id] = "its blocks left the KV disk tier before the load"
+        parts = self._parts(request, blocks)
+        # its tokens count as from the slowest tier it reads (a tier name in any case: a failed load is recomputed)
+        request.kv_loaded_from = list(parts or self.indexes or ["disk"])[-1]
+        if parts is None:
+            self.refused[request.request_id] = "its blocks left the KV offload tiers before the load"
             return
-        slots = [b.slot for b in loads]
-        self.index.begin_read(slots)
-        self.index.touch([(b.block_hash, b.group) for b in loads])
-        self.loading[request.request_id] = slots
-        self.to_load[request.request_id] = loads
+        self.loading[request.request_id] = {}
+        for name, loads in parts.items():
+            slots = [b.slot for b in loads]
+            self.indexes[name].begin_read(slots)
+            self.indexes[name].touch([(b.block_hash, b.group) for b in loads])
+            self.loading[request.request_id][name] = slots
+        self.to_load[request.request_id] = parts
 
-    def _loads(self, request: Request, blocks: KVCacheBlocks) -> list[TierBlock] | None:
-        """The tier's slot for each block the allocation left unfilled; None if one is missing."""
-        loads = []
+    def _parts(self, request: Request, blocks: KVCacheBlocks) -> dict[str, list[TierBlock]] | None:
+        """Per tier (fastest first), the blocks the allocation left unfilled that it gives;
+        None if one is in no tier."""
+        parts: dict[str, list[TierBlock]] = {}
         for group, ids in enumerate(blocks.get_unfilled_block_ids()):
             hashes = request.block_hashes(self.kv.coordinator.managers[group].block_size)
             for position, block_id in enumerate(ids):
                 if not block_id:
                     continue
-                slot = self.index.slot((hashes[position], group)) if self.index is not None else None
-                if slot is None:
+                key = (hashes[position], group)
+                name = next((n for n, index in self.indexes.items() if key in index), None)
+                if name is None:
                     return None
-                loads.append(TierBlock(slot, group, block_id, hashes[position]))
-        return loads
+                parts.setdefault(name, []).append(TierBlock(self.indexes[name].slot(key), group, block_id, key[0]))
+        return {name: parts[name] for name in self.indexes if name in parts}
 
     # --- each step ---
     def build_connector_meta(self) -> TieredMetadata:
         meta = TieredMetadata(self.inner.build_connector_meta(), self.to_store, self.to_load)
-        self.to_store, self.to_load = [], {}
+        self.to_store, self.to_load = {}, {}
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         output.failed_recving.update(self.refused)
         self.refused = {}
         for request_id in [*output.finished_recving, *output.failed_recving]:
-            slots = self.loading.pop(request_id, None)
-            if slots is not None and self.index is not None:
-                self.index.end_read(slots)
-        if output.offload is not None:
-            self._end_stores(output.offload)
+            for name, slots in self.loading.pop(request_id, {}).items():
+                if name in self.indexes:
+                    self.indexes[name].end_read(slots)
+        for name, report in (output.offload or {}).items():
+            self._end_stores(name, report)
         self.inner.update_connector_output(output)
         self._take_cached()
 
-    def _end_stores(self, report: OffloadReport) -> None:
+    def _end_stores(self, name: str, report: OffloadReport) -> None:
+        index = self.indexes.get(name)
         for key, ok in [*((k, True) for k in report.stored), *((k, False) for k in report.store_failed)]:
-            if self.index is not None:
-                self.index.stored(key, ok)
-            block = self.storing.pop(key, None)
+            if index is not None:
+                index.stored(key, ok)
+            block = self.storing.pop((name, key), None)
             if block is not None:
                 self.kv.unpin(block)
-        if self.index is not None:
+        if index is not None:
             for key in report.corrupt:
-                self.index.drop(key)
-        if report.off is not None and self.index is not None:
-            self._turn_off()
+                index.drop(key)
+            if report.off is not None:
+                self._turn_off(name)
 
-    def _turn_off(self) -> None:
-        """The worker turned the tier off: forget it, and let every pinned block go."""
-        self.index.clear()
-        self.events = self.take_events()
-        self.index = None
-        self.kv.pool.cache_log = None
-        for block in self.storing.values():
-            self.kv.unpin(block)
-        self.storing.clear()
-        self.to_store = []
+    def _turn_off(self, name: str) -> None:
+        """The worker turned a tier off: forget it, and let the blocks pinned for it go."""
+        index = self.indexes.pop(name)
+        index.clear()
+        self.events += self._events(name, index)
+        for tier, key in [k for k in self.storing if k[0] == name]:
+            self.kv.unpin(self.storing.pop((tier, key)))
+        self.to_store.pop(name, None)
+        if not self.indexes:
+            self.kv.pool.cache_log = None
 
     def _take_cached(self) -> None:
-        """Give each block the prefix cache took since the last step a tier slot, and pin it."""
-        if self.index is None:
+        """Give each block the prefix cache took since the last step a slot in every tier, and pin it."""
+        if not self.indexes:
             return
         cached, self.kv.pool.cache_log = self.kv.pool.cache_log, []
         for block, key in cached:
             if block.block_hash is not key:
                 continue  # evicted (and maybe reused) since
-            slot = self.index.reserve((key.block_hash, key.group_id))
-            if slot is None:
-                continue
-            self.kv.pin(block)
-            self.storing[(key.block_hash, key.group_id)] = block
-            self.to_store.append(TierBlock(slot, key.group_id, block.block_id, key.block_hash))
+            for name, index in self.indexes.items():
+                slot = index.reserve((key.block_hash, key.group_id))
+                if slot is None:
+                    continue
+                self.kv.pin(block)
+                self.storing[(name, (key.block_hash, key.group_id))] = block
+                self.to_store.setdefault(name, []).append(TierBlock(slot, key.group_id, block.block_id,
+                                                                    key.block_hash))
 
+    # --- events ---
     def take_events(self) -> list[KVEvent]:
         events, self.events = self.events + self.inner.take_events(), []
-        if self.index is not None:
-            events += self._stored(self.index.take_added()) + self._removed(self.index.take_removed())
+        for name, index in self.indexes.items():
+            events += self._events(name, index)
         return events if self.kv.pool.record_events else []
 
+    def _events(self, name: str, index: TierIndex) -> list[KVEvent]:
+        return self._stored(name, index.take_added()) + [
+            BlockRemoved(hashes, group, medium=name) for group, hashes in _by_group(index.take_removed()).items()]
+
     def held_events(self) -> list[KVEvent]:
-        return self.inner.held_events() + (self._stored(list(self.index.held)) if self.index is not None else [])
+        return self.inner.held_events() + [e for name, index in self.indexes.items()
+                                           for e in self._stored(name, list(index.held))]
 
-    def _stored(self, keys: list[Key]) -> list[KVEvent]:
+    def _stored(self, name: str, keys: list[Key]) -> list[KVEvent]:
         sizes = self.kv.config.block_sizes
-        return [BlockStored(hashes, None, len(hashes) * sizes[group], group, medium=TIER)
+        return [BlockStored(hashes, None, len(hashes) * sizes[group], group, medium=name)
                 for group, hashes in _by_group(keys).items()]
-
-    @staticmethod
-    def _removed(keys: list[Key]) -> list[KVEvent]:
-        return [BlockRemoved(hashes, group, medium=TIER) for group, hashes in _by_group(keys).items()]
 
     @property
     def has_work(self) -> bool:
@@ -249,11 +197,11 @@ class TieredScheduler(KVConnectorScheduler):
     def release(self, request_id: str) -> None:
         self.inner.release(request_id)
 
-    def figures(self) -> dict[str, float]:
-        """The tier's scheduler-side figures (for metrics)."""
-        index = self.index
-        return {"usage": index.usage if index else 0.0,
-                "blocks": float(len(index.held)) if index else 0.0, "on": float(index is not None)}
+    def figures(self, name: str) -> dict[str, float]:
+        """A tier's scheduler-side figures (for metrics)."""
+        index = self.indexes.get(name)
+        return {"usage": index.usage if index else 0.0, "blocks": float(len(index.held)) if index else 0.0,
+                "on": float(index is not None)}
 
 
 def _by_group(keys: list[Key]) -> dict[int, list[bytes]]:
@@ -263,13 +211,9 @@ def _by_group(keys: list[Key]) -> dict[int, list[bytes]]:
     return by_group
 
 
-def with_tier(worker: KVConnectorWorker, directory: Path | None, nbytes: int | None, compat_hash: str,
-              engine_id: str) -> KVConnectorWorker:
-    """The engine's worker half, wrapped with a disk tier when a directory is given."""
-    if directory is None:
-        return worker
-    nbytes = nbytes if nbytes is not None else default_disk_bytes(directory)
-    return TieredWorker(worker, directory, nbytes, compat_hash, f"{engine_id}-disk")
+def with_tiers(worker: KVConnectorWorker, settings: TierSettings) -> KVConnectorWorker:
+    """The engine's worker half, wrapped with the tiers when any is configured."""
+    return TieredWorker(worker, settings) if settings.any else worker
 
 
 def inner_worker(worker: KVConnectorWorker) -> KVConnectorWorker:
@@ -279,25 +223,23 @@ def inner_worker(worker: KVConnectorWorker) -> KVConnectorWorker:
 
 def tiered_scheduler(scheduler: KVConnectorScheduler, kv: KVCacheManager,
                      worker: KVConnectorWorker) -> KVConnectorScheduler:
-    """The connector's scheduler half, wrapped when its worker half has a tier."""
+    """The connector's scheduler half, wrapped when its worker half has tiers."""
     return TieredScheduler(scheduler, kv, worker) if isinstance(worker, TieredWorker) else scheduler
 
 
-def offload_figures(scheduler: KVConnectorScheduler, worker: KVConnectorWorker) -> dict[str, float]:
-    """The disk tier's counters (the worker's) and gauges (the scheduler's); empty without a tier."""
-    if not isinstance(scheduler, TieredScheduler) or worker.tier is None:
+def offload_figures(scheduler: KVConnectorScheduler, worker: KVConnectorWorker) -> dict[str, dict[str, float]]:
+    """Per tier, its counters (the worker's) and gauges (the scheduler's); empty without tiers."""
+    if not isinstance(scheduler, TieredScheduler):
         return {}
-    return {name: float(value) for name, value in worker.tier.counters.items()} | scheduler.figures() | {
-        "capacity_bytes": float(worker.tier.num_slots * worker.tier.slot_bytes)}
+    return {name: {k: float(v) for k, v in tier.counters.items()} | scheduler.figures(name)
+            | {"capacity_bytes": float(tier.num_slots * tier.slot_bytes)} for name, tier in worker.tiers.items()}
 
 
-def offload_load_seconds(worker: KVConnectorWorker) -> Histogram | None:
-    """How long the disk tier's loads took; None without a tier."""
-    return worker.load_seconds if isinstance(worker, TieredWorker) else None
+def offload_load_seconds(worker: KVConnectorWorker) -> dict[str, Histogram]:
+    """Per tier, how long its loads took."""
+    return worker.load_seconds if isinstance(worker, TieredWorker) else {}
 
 
-def offload_description(worker: KVConnectorWorker) -> str | None:
-    """One line on the disk tier for the server's start-up output; None without one."""
-    if not isinstance(worker, TieredWorker):
-        return None
-    return worker.tier.description()
+def offload_description(worker: KVConnectorWorker) -> list[str]:
+    """A line per tier for the server's start-up output."""
+    return [tier.description() for tier in worker.tiers.values()] if isinstance(worker, TieredWorker) else []

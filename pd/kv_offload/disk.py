@@ -33,6 +33,7 @@ import msgspec
 
 from pd.kv_cache.canonical import CanonicalKVCaches
 from pd.kv_offload.index import Key
+from pd.kv_offload.tier import COUNTERS, Finished, TierBlock, slot_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -56,16 +57,6 @@ class Snapshot(msgspec.Struct, frozen=True):
     entries: list[SlotEntry]  # least recently used first
 
 
-@dataclass(frozen=True)
-class TierBlock:
-    """One block to move: device block `block_id` of `group` <-> tier slot `slot`."""
-
-    slot: int
-    group: int
-    block_id: int
-    block_hash: bytes
-
-
 @dataclass
 class _Transfer:
     handle: object
@@ -73,18 +64,6 @@ class _Transfer:
     crcs: list[int] = field(default_factory=list)  # stores: of the bytes written
     request_id: str | None = None  # loads: whose blocks these are
     started: float = field(default_factory=time.perf_counter)
-
-
-@dataclass
-class Finished:
-    """What `DiskTier.poll` found ended since the last call."""
-
-    stored: list[Key] = field(default_factory=list)
-    store_failed: list[Key] = field(default_factory=list)
-    loaded: list[str] = field(default_factory=list)
-    load_failed: dict[str, str] = field(default_factory=dict)
-    corrupt: list[Key] = field(default_factory=list)  # held blocks whose bytes failed their checksum
-    load_seconds: list[float] = field(default_factory=list)
 
 
 def default_disk_bytes(directory: Path) -> int:
@@ -95,12 +74,9 @@ def default_disk_bytes(directory: Path) -> int:
     return min(MAX_DEFAULT_BYTES, shutil.disk_usage(existing).free // 10)
 
 
-def slot_bytes(caches: CanonicalKVCaches) -> int:
-    """Bytes of the largest group's block: the size of every slot."""
-    return max(sum(ref.page_size_bytes for ref in refs) for refs in caches.group_data_refs)
-
-
 class DiskTier:
+    name = "disk"
+
     def __init__(self, directory: Path, nbytes: int, caches: CanonicalKVCaches, compat_hash: str,
                  agent_name: str) -> None:
         self.caches = caches
@@ -115,8 +91,7 @@ class DiskTier:
         self.entries: OrderedDict[int, SlotEntry] = OrderedDict()  # slot -> what it holds
         self.transfers: list[_Transfer] = []
         self.dirty, self.last_snapshot = False, time.monotonic()
-        self.counters = dict.fromkeys(("stored_blocks", "stored_bytes", "loaded_blocks", "loaded_bytes",
-                                       "store_failures", "load_failures", "corrupt_blocks"), 0)
+        self.counters = dict.fromkeys(COUNTERS, 0)
         self._ended = Finished()  # since the last poll
         self.fd: int | None = None
         self.lock_fd: int | None = None
@@ -176,6 +151,10 @@ class DiskTier:
         self.agent_name = agent_name
         self.memory = [self.agent.register_memory(t.tensor) for t in self.caches.tensors]
         self.file = self.agent.register_memory([(0, self.num_slots * self.slot_bytes, self.fd, "")], "FILE")
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.transfers)
 
     @property
     def restored(self) -> list[tuple[Key, int]]:

@@ -97,7 +97,7 @@ class KVConnectorOutput:
     failed_recving: dict[str, str] = field(default_factory=dict)
     unverified: set[str] = field(default_factory=set)
     load_sizes: dict[str, tuple[int, int]] = field(default_factory=dict)  # a rank > 0: (bytes, transfers) it loaded
-    offload: OffloadReport | None = None  # an offload tier's report (pd/kv_offload)
+    offload: dict[str, OffloadReport] | None = None  # the offload tiers' reports, by tier (pd/kv_offload)
 
 
 class KVConnectorScheduler(ABC):

@@ -91,8 +91,8 @@ def run_serve(args: argparse.Namespace) -> int:
     client = None
     try:
         client = EngineClient.start(config)
-        if client.info.kv_offload is not None:
-            print(f"pd serve: {client.info.kv_offload}", flush=True)
+        for line in client.info.kv_offload:
+            print(f"pd serve: {line}", flush=True)
         if not asyncio.run(_serve(client, tokenizer, name, config, args, listener, limits)):
             return 1
     except EngineStartupError as e:

@@ -73,7 +73,7 @@ class EngineStatsCollector(Collector):
         yield from (running, waiting, usage, preemptions, queries, hits)
         yield kv_cache_bytes_metric(stats.kv_cache_bytes if stats is not None else [])
         yield prompt_source_metric(stats.prompt_tokens_by_source if stats is not None else {},
-                                   ("disk",) if stats is not None and stats.kv_offload else ())
+                                   tuple(stats.kv_offload) if stats is not None else ())
         yield from listener_metrics(stats)
         yield from step_metrics(stats)
         if stats is not None and stats.kv_transfer:  # a connector is configured
@@ -82,7 +82,7 @@ class EngineStatsCollector(Collector):
             yield from kv_transfer_rank_metrics(stats.kv_transfer_by_rank)
         if stats is not None and (stats.kv_transfer or stats.kv_offload):  # KV may be loaded from elsewhere
             yield from kv_load_failure_metrics(stats.kv_load_failures)
-        if stats is not None and stats.kv_offload:  # a disk tier is configured
+        if stats is not None and stats.kv_offload:  # offload tiers are configured
             yield from kv_offload_metrics(stats.kv_offload, stats.kv_offload_load_seconds)
 
 
@@ -182,7 +182,7 @@ def prompt_source_metric(values: dict[str, int], tiers: tuple[str, ...] = ()) ->
     """pd_prompt_tokens_by_source_total{source}: prompt tokens of requests that ran, by
     where their KV came from (computed here, the local prefix cache, a remote prefill)."""
     family = CounterMetricFamily("pd_prompt_tokens_by_source", "Prompt tokens of requests that ran, by where "
-                                 "their KV came from: computed, local_cache, remote, or an offload tier (disk).",
+                                 "their KV came from: computed, local_cache, remote, or an offload tier (host, disk).",
                                  labels=["source"])
     base = ("computed", "local_cache", "remote", *tiers)
     for source in (*base, *sorted(set(values) - set(base))):
@@ -208,23 +208,25 @@ KV_OFFLOAD_GAUGES = {
 }
 
 
-def kv_offload_metrics(values: dict[str, float], load_seconds: Any) -> Iterator[Metric]:
-    """pd_kv_offload_*{tier="disk"}: what the disk tier stored, loaded and holds, and how
-    long its loads took (its hits are pd_prompt_tokens_by_source_total{source="disk"})."""
+def kv_offload_metrics(tiers: dict[str, dict[str, float]], load_seconds: dict[str, Any]) -> Iterator[Metric]:
+    """pd_kv_offload_*{tier}: what each offload tier stored, loaded and holds, and how long
+    its loads took (its hits are pd_prompt_tokens_by_source_total{source=<tier>})."""
     for name, help_text in KV_OFFLOAD_COUNTERS.items():
         family = CounterMetricFamily(f"pd_kv_offload_{name}", help_text, labels=["tier"])
-        family.add_metric(["disk"], values.get(name, 0.0))
+        for tier, values in tiers.items():
+            family.add_metric([tier], values.get(name, 0.0))
         yield family
     for name, help_text in KV_OFFLOAD_GAUGES.items():
         family = GaugeMetricFamily(f"pd_kv_offload_{name}", help_text, labels=["tier"])
-        family.add_metric(["disk"], values.get(name, 0.0))
+        for tier, values in tiers.items():
+            family.add_metric([tier], values.get(name, 0.0))
         yield family
     family = HistogramMetricFamily("pd_kv_offload_load_seconds", "Seconds a load from the tier took, from post "
-                                   "to its checksums verified.", labels=["tier"])
-    if load_seconds is not None:
-        cumulative = list(itertools.accumulate(load_seconds.counts))
-        buckets = [(repr(float(le)), float(c)) for le, c in zip(load_seconds.buckets, cumulative)]
-        family.add_metric(["disk"], buckets + [("+Inf", float(cumulative[-1]))], sum_value=load_seconds.total)
+                                   "to its end (its checksums verified).", labels=["tier"])
+    for tier, h in load_seconds.items():
+        cumulative = list(itertools.accumulate(h.counts))
+        buckets = [(repr(float(le)), float(c)) for le, c in zip(h.buckets, cumulative)]
+        family.add_metric([tier], buckets + [("+Inf", float(cumulative[-1]))], sum_value=h.total)
     yield family
 
 

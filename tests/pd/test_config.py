@@ -26,6 +26,11 @@ def test_the_role_picks_the_default_connector(role: str, connector: str) -> None
     ({"kv_ucx_transports": "sm, tcp"}, "kv_ucx_transports must be auto or a UCX_TLS list"),
     ({"kv_ucx_transports": ""}, "kv_ucx_transports must be auto or a UCX_TLS list"),
     ({"logprobs_mode": "processed_logits"}, "logprobs_mode must be one of processed, raw"),
+    ({"kv_offload_disk_bytes": 1 << 30}, "give kv_offload_disk_path too"),
+    ({"kv_offload_host_bytes": 0}, "kv_offload_host_bytes must be positive"),
+    ({"kv_offload_disk_path": "/tmp/t", "kv_offload_disk_bytes": -1}, "kv_offload_disk_bytes must be positive"),
+    ({"kv_offload_host_bytes": 1 << 20, "enable_prefix_caching": False}, "need prefix caching on"),
+    ({"kv_offload_disk_path": "/tmp/t", "tensor_parallel_size": 2}, "tensor-parallel size 1 for now"),
 ])
 def test_bad_settings_are_refused_with_the_reason(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -64,7 +64,7 @@ def test_prompts_whose_blocks_left_the_cache_load_them_from_disk_and_answer_as_c
         # every prompt but its last, unfull block (and the token always computed) came from disk
         block = max(llm.engine.kv_cache_config.block_sizes)
         assert from_disk(llm) == 8 * (199 // block * block)
-        tier = llm.engine.runner.connector.tier
+        tier = llm.engine.runner.connector.tiers["disk"]
         assert tier.counters["loaded_blocks"] > 0 and tier.counters["corrupt_blocks"] == 0
         assert llm.engine.kv_cache_manager.pinned == {} and llm.engine.kv_cache_manager.usage == 0.0
 
@@ -80,10 +80,10 @@ def test_a_restarted_engine_loads_what_the_last_one_left_on_disk(tiny_models, co
 def test_a_tier_written_under_another_compatibility_hash_starts_empty(tiny_models, tmp_path, caplog):
     with tiered(tiny_models["qwen3"], "qwen3", tmp_path, block_size=32) as llm:
         one_by_one(llm, prompts())
-        assert llm.engine.runner.connector.tier.entries
+        assert llm.engine.runner.connector.tiers["disk"].entries
     with tiered(tiny_models["qwen3"], "qwen3", tmp_path) as llm:
         assert "another compatibility hash" in caplog.text
-        assert not llm.engine.runner.connector.tier.entries
+        assert not llm.engine.runner.connector.tiers["disk"].entries
         one_by_one(llm, prompts())
         assert from_disk(llm) == 0
 
@@ -91,7 +91,7 @@ def test_a_tier_written_under_another_compatibility_hash_starts_empty(tiny_model
 def test_a_corrupt_block_on_disk_is_a_miss_and_the_tier_goes_on(tiny_models, cold, tmp_path):
     with tiered(tiny_models["gemma3"], "gemma3", tmp_path) as llm:
         one_by_one(llm, prompts())
-        tier = llm.engine.runner.connector.tier
+        tier = llm.engine.runner.connector.tiers["disk"]
         with open(tier.data_path, "r+b") as f:  # one byte of every slot that holds a block
             for slot in list(tier.entries):
                 f.seek(slot * tier.slot_bytes + 7)
@@ -109,5 +109,52 @@ def test_a_second_engine_on_the_same_directory_serves_without_a_tier(tiny_models
     with tiered(tiny_models["qwen3"], "qwen3", tmp_path), \
             tiered(tiny_models["qwen3"], "qwen3", tmp_path) as second:
         assert "another server's disk tier uses this directory" in caplog.text
-        assert second.engine.runner.connector.tier.off_reason is not None
+        assert second.engine.runner.connector.tiers["disk"].off_reason is not None
         assert one_by_one(second, prompts()) == cold["qwen3"]
+
+
+def hosted(model: Path, arch: str, **overrides) -> LLM:
+    args = dict(max_model_len=512, num_threads=1, kv_cache_memory=SMALL_CACHE[arch],
+                kv_offload_host_bytes=64 << 20) | overrides
+    return LLM(str(model), **args)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prompts_whose_blocks_left_the_cache_load_them_from_host_memory(arch, tiny_models, cold):
+    with hosted(tiny_models[arch], arch) as llm:
+        assert one_by_one(llm, prompts()) == cold[arch]
+        assert one_by_one(llm, prompts()) == cold[arch]
+        block = max(llm.engine.kv_cache_config.block_sizes)
+        assert llm.engine.scheduler.prompt_sources.counts.get("host", 0) == 8 * (199 // block * block)
+        assert llm.engine.kv_cache_manager.pinned == {} and llm.engine.kv_cache_manager.usage == 0.0
+
+
+def test_a_prompt_split_between_host_and_disk_reads_each_block_from_the_fastest_holding_it(tiny_models, cold,
+                                                                                          tmp_path):
+    batch = prompts()
+    with tiered(tiny_models["qwen3"], "qwen3", tmp_path, kv_offload_host_bytes=6 * 65536) as llm:
+        one_by_one(llm, batch)  # the host tier holds the last 6 blocks stored: the second half of the last prompt
+        assert llm.engine.kv_cache_manager.reset_prefix_cache()  # the device forgets: the tiers keep theirs
+        tiers = llm.engine.runner.connector.tiers
+        assert one_by_one(llm, batch[-1:]) == cold["qwen3"][-1:]
+        assert tiers["host"].counters["loaded_blocks"] == 6 and tiers["disk"].counters["loaded_blocks"] == 6
+        assert from_disk(llm) == 192  # counted as from the slowest tier it read
+        assert one_by_one(llm, batch) == cold["qwen3"]
+        assert llm.engine.kv_cache_manager.pinned == {} and llm.engine.kv_cache_manager.usage == 0.0
+
+
+def test_a_host_tier_whose_copy_fails_turns_itself_off_and_fails_its_loads(tiny_models):
+    from pd.kv_offload.host import HostTier
+    from pd.kv_offload.tier import TierBlock
+
+    with LLM(str(tiny_models["qwen3"]), max_model_len=512, num_threads=1, kv_cache_memory=SMALL_CACHE["qwen3"]) as llm:
+        tier = HostTier(1 << 20, llm.engine.runner.kv_allocation.describe(None))
+        try:
+            tier.load("r", [TierBlock(0, 0, 10**6, b"h" * 32)])  # no such block: the copy raises
+            while tier.busy and not (ended := tier.poll()).load_failed:
+                pass
+            assert "r" in ended.load_failed and tier.off_reason is not None
+            tier.store([TierBlock(1, 0, 1, b"g" * 32)])
+            assert tier.poll().store_failed == [(b"g" * 32, 0)]  # off: nothing more is stored
+        finally:
+            tier.shutdown()
