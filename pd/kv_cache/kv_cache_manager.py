@@ -87,6 +87,7 @@ class KVCacheManager:
         self.partial_prefix_groups = frozenset(
             i for i, g in enumerate(config.groups) if isinstance(g.spec, (MambaSpec, SlidingWindowSpec)))
         self.stats = PrefixCacheStats(num_groups=len(config.groups))
+        self._lookups: dict[str, tuple[int, int, tuple[int | None, ...]]] = {}  # the last, until its hit is taken
         self.pinned: Counter[int] = Counter()  # block id -> references held by `pin`
 
     def pin(self, block: KVCacheBlock) -> None:
@@ -122,8 +123,8 @@ class KVCacheManager:
     def empty_blocks(self) -> KVCacheBlocks:
         return KVCacheBlocks(tuple([] for _ in range(self.num_groups)))
 
-    def get_computed_blocks(self, request: CachedRequest, skip_groups: frozenset[int] = frozenset(),
-                            record: bool = True) -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(self, request: CachedRequest,
+                            skip_groups: frozenset[int] = frozenset()) -> tuple[KVCacheBlocks, int]:
         """The request's prefix-cache hit: blocks per group and its length in tokens.
 
         At least one token is always left to compute; a request that scores its prompt
@@ -131,13 +132,13 @@ class KVCacheManager:
         reduction and get no hit blocks: the scheduler passes `partial_prefix_groups` for
         a request whose KV arrives from a prefill server, which brings what those groups
         need, so their misses do not collapse the full-attention hit to 0.
-        `record=False` repeats a search without counting it again in the stats.
+        The stats count a lookup once, when `allocate_slots` takes its hit: a request that
+        waits for room and looks up again every step is one query, not one per step.
         """
         if not (self.enable_caching and request.reads_prefix_cache):
             return self.empty_blocks(), 0
         hit = self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1, skip_groups)
-        if record:
-            self._record(request.num_tokens, hit.num_tokens, hit.group_hit_tokens)
+        self._lookups[request.request_id] = (request.num_tokens, hit.num_tokens, hit.group_hit_tokens)
         return KVCacheBlocks(hit.blocks), hit.num_tokens
 
     def _record(self, num_tokens: int, hit_tokens: int, group_hits: tuple[int | None, ...]) -> None:
@@ -200,6 +201,8 @@ class KVCacheManager:
         if needed > self.pool.num_free_blocks:
             return None
         coordinator.save_new_computed_blocks(request_id, hit)
+        if new_computed_blocks is not None and (lookup := self._lookups.pop(request_id, None)) is not None:
+            self._record(*lookup)
         new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens, num_computed)
         return KVCacheBlocks(new_blocks)
 
@@ -226,6 +229,7 @@ class KVCacheManager:
 
     def free(self, request: CachedRequest) -> None:
         """Release every block the request holds (tail blocks become evictable first)."""
+        self._lookups.pop(request.request_id, None)
         self.coordinator.free(request.request_id)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:

@@ -202,7 +202,7 @@ class Scheduler:
                 if self._fails_on_load_error(request):
                     return 0
                 # the hit above skipped Mamba / sliding-window groups for a remote prefill
-                hit_blocks, num_hit = self.kv.get_computed_blocks(request, record=False)
+                hit_blocks, num_hit = self.kv.get_computed_blocks(request)
                 num_external, load_async = 0, False
         else:  # its remote KV has landed; its blocks are already allocated
             hit_blocks, num_hit, num_external, load_async = None, 0, 0, False
