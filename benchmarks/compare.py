@@ -50,8 +50,8 @@ FIGURES = {  # column -> (title, how to read it from one run's result)
     "reuse": ("P read from D", lambda r: r["servers"].get("reuse_share")),
 }
 RATES = ("p_hit_rate", "prefix_hit_rate", "tier_hit_rate", "on_d", "reuse")
-ONLY_WHERE_MEASURED = ("mean_ttft_later_ms", "reuse", "tier_hit_rate")  # columns left out when no row has them (not multi-turn,
-# no proxy)
+# columns left out when no row has them (not multi-turn, no proxy, no offload tier)
+ONLY_WHERE_MEASURED = ("mean_ttft_later_ms", "reuse", "tier_hit_rate")
 
 
 def _mib(num_bytes: float | None) -> float | None:

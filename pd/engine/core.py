@@ -101,9 +101,11 @@ class EngineCore:
     def _kv_events(self) -> NoKVEvents:
         if self.config.kv_events_port is None:
             return NoKVEvents()
+        def held() -> list:  # every block held, in the KV cache and in the offload tiers
+            return self.kv_cache_manager.pool.cached_events() + self.scheduler.connector.held_events()
+
         return KVEventPublisher(self.engine_id, self.config.kv_events_host, self.config.kv_events_port,
-                                self.config.kv_events_replay_port,
-                                lambda: self.kv_cache_manager.pool.cached_events() + self.scheduler.connector.held_events())
+                                self.config.kv_events_replay_port, held)
 
     def compat_hash(self) -> str:
         """Equal for two engines whose KV blocks mean the same thing byte for byte, whatever
@@ -203,7 +205,8 @@ class EngineCore:
             kv_cache_bytes=[self.runner.kv_allocation.nbytes, *(self.tp_ranks.kv_bytes if self.tp_ranks else [])],
             prompt_tokens_by_source=dict(self.scheduler.prompt_sources.counts),
             kv_offload=offload_figures(self.scheduler.connector, self.runner.connector),
-            kv_offload_load_seconds={tier: _snapshot(h) for tier, h in offload_load_seconds(self.runner.connector).items()},
+            kv_offload_load_seconds={tier: _snapshot(h)
+                                     for tier, h in offload_load_seconds(self.runner.connector).items()},
             malformed_messages=self._malformed_messages(), kv_events_replies_dropped=self.kv_events.dropped_replies,
             num_steps=self.num_steps, step_seconds=dict(self.step_seconds))
 

@@ -6,10 +6,13 @@ A slot holds one block of one KV cache group: the group's byte ranges of that bl
 bytes; a load whose bytes do not match is a failed load (the block is dropped), never
 KV. In the tier's directory: `pd-kv.blocks` (the slots), `pd-kv.lock` (held by the one
 server using the directory; a second one runs without a tier), and `pd-kv.index`, a
-snapshot of which block each slot holds (and its CRC), written atomically (a temporary file renamed) every `SNAPSHOT_SECONDS` while
-something changed and at shutdown: a server restarted on the same path with the same
-compatibility hash starts with those blocks; another hash, another slot size or an
-unreadable snapshot starts empty, with a log line.
+snapshot of which block each slot holds (and its CRC), written atomically (a temporary
+file renamed) every `SNAPSHOT_SECONDS` (or, for a tier whose snapshot takes long, less
+often: at most 2 % of the engine's time) while something changed and at shutdown: a server
+restarted on the same path with the same compatibility hash starts with those blocks;
+another hash, another slot size or an unreadable snapshot starts empty, with a log line.
+The file is sparse: its space is taken as slots are first written. It moves host memory:
+a GPU engine's disk tier is off (the host tier works there).
 
 Any error of the file or of a transfer (disk full, a read-only file system, the file
 deleted underneath) turns the tier off with a warning: its loads fail (the requests
@@ -38,6 +41,7 @@ from pd.kv_offload.tier import COUNTERS, Finished, TierBlock, slot_bytes
 logger = logging.getLogger(__name__)
 
 SNAPSHOT_SECONDS = 5.0
+SNAPSHOT_SHARE = 50  # a snapshot taking t seconds is written at most every 50 t
 MAX_DEFAULT_BYTES = 64 << 30
 SNAPSHOT_VERSION = 1
 
@@ -90,13 +94,16 @@ class DiskTier:
         self.off_reason: str | None = None
         self.entries: OrderedDict[int, SlotEntry] = OrderedDict()  # slot -> what it holds
         self.transfers: list[_Transfer] = []
-        self.dirty, self.last_snapshot = False, time.monotonic()
+        self.dirty, self.next_check = False, time.monotonic() + SNAPSHOT_SECONDS
         self.counters = dict.fromkeys(COUNTERS, 0)
         self._ended = Finished()  # since the last poll
         self.fd: int | None = None
         self.lock_fd: int | None = None
         self.agent = None
         try:
+            if caches.tensors[0].device.type != "cpu":
+                raise ValueError("NIXL's POSIX backend moves host memory and this engine's KV cache is on "
+                                 f"{caches.tensors[0].device} (the host tier, --kv-offload-host-bytes, works there)")
             self._open(Path(directory))
             self._start_nixl(agent_name)
         except Exception as exc:  # serving goes on without the tier
@@ -285,10 +292,12 @@ class DiskTier:
 
     # --- the file ---
     def _check_file(self) -> None:
-        """The file still linked, and the snapshot written when due."""
-        if self.off_reason is not None or time.monotonic() - self.last_snapshot < SNAPSHOT_SECONDS:
+        """The file still linked, and the snapshot written when due: every
+        `SNAPSHOT_SECONDS`, or less often for a tier so large that writing its snapshot
+        would take more than 1/`SNAPSHOT_SHARE` of the engine's time (it runs in the step)."""
+        now = time.monotonic()
+        if self.off_reason is not None or now < self.next_check:
             return
-        self.last_snapshot = time.monotonic()
         try:
             if os.fstat(self.fd).st_nlink == 0:
                 raise FileNotFoundError(f"{self.data_path} was deleted")
@@ -296,6 +305,7 @@ class DiskTier:
                 self._write_snapshot()
         except OSError as exc:
             self.turn_off(f"{type(exc).__name__}: {exc}")
+        self.next_check = now + max(SNAPSHOT_SECONDS, SNAPSHOT_SHARE * (time.monotonic() - now))
 
     def _write_snapshot(self) -> None:
         snap = Snapshot(SNAPSHOT_VERSION, self.compat_hash, self.slot_bytes, self.num_slots,

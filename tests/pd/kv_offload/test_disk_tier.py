@@ -88,6 +88,17 @@ def test_a_tier_written_under_another_compatibility_hash_starts_empty(tiny_model
         assert from_disk(llm) == 0
 
 
+def test_a_torn_index_starts_the_tier_empty_with_a_log_line(tiny_models, cold, tmp_path, caplog):
+    with tiered(tiny_models["qwen3"], "qwen3", tmp_path) as llm:
+        one_by_one(llm, prompts())
+    index = tmp_path / "pd-kv.index"
+    index.write_bytes(index.read_bytes()[: index.stat().st_size // 2])  # a write cut short
+    with tiered(tiny_models["qwen3"], "qwen3", tmp_path) as llm:
+        assert "is unreadable" in caplog.text and not llm.engine.runner.connector.tiers["disk"].entries
+        assert one_by_one(llm, prompts()) == cold["qwen3"]
+        assert from_disk(llm) == 0
+
+
 def test_a_corrupt_block_on_disk_is_a_miss_and_the_tier_goes_on(tiny_models, cold, tmp_path):
     with tiered(tiny_models["gemma3"], "gemma3", tmp_path) as llm:
         one_by_one(llm, prompts())

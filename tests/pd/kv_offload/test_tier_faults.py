@@ -27,8 +27,17 @@ ON = 'pd_kv_offload_on{tier="disk"}'
 FROM_DISK = 'pd_prompt_tokens_by_source_total{source="disk"}'
 CACHE = ("--max-model-len", "512", "--kv-cache-memory", "2400000")  # qwen3 tiny: 36 blocks of 16 tokens
 
-needs_namespaces = pytest.mark.skipif(shutil.which("unshare") is None or shutil.which("nsenter") is None,
-                                      reason="util-linux's unshare and nsenter are needed for a private tmpfs")
+def namespaces_work() -> bool:
+    """Whether this machine lets a process mount a tmpfs of its own (util-linux's unshare and
+    nsenter, user namespaces allowed)."""
+    if shutil.which("unshare") is None or shutil.which("nsenter") is None:
+        return False
+    probe = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", "mount -t tmpfs -o size=64k none /mnt"]
+    return subprocess.run(probe, capture_output=True).returncode == 0
+
+
+needs_namespaces = pytest.mark.skipif(not namespaces_work(), reason="no user and mount namespaces here "
+                                      "(util-linux's unshare and nsenter, user namespaces allowed) for a private tmpfs")
 
 
 def prompts(seed: int, count: int = 6) -> list[list[int]]:

@@ -1,7 +1,8 @@
 """The disk tier under prefill/decode disaggregation: a prefill server whose prompts left
 its KV cache loads them from its disk and hands them to the decode server as usual, and
 the decode server's received blocks age into its own tier, from which it serves them
-later (a full-attention model's: a hybrid's D receives no Mamba boundary state to hit). Tokens equal the colocated server's; both servers end with their KV at 0."""
+later (a full-attention model's: a hybrid's D receives no Mamba boundary state to hit).
+Tokens equal the colocated server's; both servers end with their KV at 0."""
 
 from __future__ import annotations
 
