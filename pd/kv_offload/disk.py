@@ -11,8 +11,8 @@ file renamed) every `SNAPSHOT_SECONDS` (or, for a tier whose snapshot takes long
 often: at most 2 % of the engine's time) while something changed and at shutdown: a server
 restarted on the same path with the same compatibility hash starts with those blocks;
 another hash, another slot size or an unreadable snapshot starts empty, with a log line.
-The file is sparse: its space is taken as slots are first written. It moves host memory:
-a GPU engine's disk tier is off (the host tier works there).
+The file is sparse: its space is taken as slots are first written. NIXL's POSIX backend
+moves host memory: a GPU engine's blocks go through host rows (staging.py).
 
 Any error of the file or of a transfer (disk full, a read-only file system, the file
 deleted underneath) turns the tier off with a warning: its loads fail (the requests
@@ -36,6 +36,7 @@ import msgspec
 
 from pd.kv_cache.canonical import CanonicalKVCaches
 from pd.kv_offload.index import Key
+from pd.kv_offload.staging import Staging
 from pd.kv_offload.tier import COUNTERS, Finished, TierBlock, slot_bytes
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class Snapshot(msgspec.Struct, frozen=True):
 class _Transfer:
     handle: object
     blocks: list[TierBlock]
+    rows: list[int | None]  # each block's staging row (None: moved from the KV cache itself)
     crcs: list[int] = field(default_factory=list)  # stores: of the bytes written
     request_id: str | None = None  # loads: whose blocks these are
     started: float = field(default_factory=time.perf_counter)
@@ -82,7 +84,9 @@ class DiskTier:
     name = "disk"
 
     def __init__(self, directory: Path, nbytes: int, caches: CanonicalKVCaches, compat_hash: str,
-                 agent_name: str) -> None:
+                 agent_name: str, staged: bool | None = None) -> None:
+        """`staged`: move blocks through host rows (`Staging`); None: where the KV cache is
+        not in host memory (a GPU engine's)."""
         self.caches = caches
         self.slot_bytes = slot_bytes(caches)
         self.num_slots = nbytes // self.slot_bytes
@@ -100,10 +104,10 @@ class DiskTier:
         self.fd: int | None = None
         self.lock_fd: int | None = None
         self.agent = None
+        self.staging = None
         try:
-            if caches.tensors[0].device.type != "cpu":
-                raise ValueError("NIXL's POSIX backend moves host memory and this engine's KV cache is on "
-                                 f"{caches.tensors[0].device} (the host tier, --kv-offload-host-bytes, works there)")
+            if staged or (staged is None and caches.tensors[0].device.type != "cpu"):
+                self.staging = Staging(caches, self.slot_bytes)
             self._open(Path(directory))
             self._start_nixl(agent_name)
         except Exception as exc:  # serving goes on without the tier
@@ -156,7 +160,8 @@ class DiskTier:
         api, _ = load_nixl()
         self.agent = api.nixl_agent(agent_name, api.nixl_agent_config(enable_prog_thread=False, backends=["POSIX"]))
         self.agent_name = agent_name
-        self.memory = [self.agent.register_memory(t.tensor) for t in self.caches.tensors]
+        host = [self.staging.buffer] if self.staging is not None else [t.tensor for t in self.caches.tensors]
+        self.memory = [self.agent.register_memory(t) for t in host]
         self.file = self.agent.register_memory([(0, self.num_slots * self.slot_bytes, self.fd, "")], "FILE")
 
     @property
@@ -173,28 +178,45 @@ class DiskTier:
         """Write these blocks (their bytes must not change until `poll` reports them)."""
         if not blocks:
             return
-        if self.off_reason is not None:
+        rows = self._rows(blocks)
+        if self.off_reason is not None or rows is None:  # off, or no room to stage them: not stored
             self._ended.store_failed += [(b.block_hash, b.group) for b in blocks]
+            self.counters["store_failures"] += len(blocks)
             return
-        self._post("WRITE", blocks, crcs=[self._crc(b) for b in blocks])
+        if self.staging is not None:
+            self.staging.to_host(blocks, rows)
+        self._post("WRITE", blocks, rows, crcs=[self._crc(b, r) for b, r in zip(blocks, rows)])
 
     def load(self, request_id: str, blocks: list[TierBlock]) -> None:
         """Read these slots into the request's blocks; `poll` reports the request loaded or failed."""
-        if self.off_reason is not None:
-            self._ended.load_failed[request_id] = f"the KV disk tier is off: {self.off_reason}"
+        rows = self._rows(blocks)
+        if self.off_reason is not None or rows is None:
+            why = f"is off: {self.off_reason}" if self.off_reason is not None else "has no room to stage them"
+            self._ended.load_failed[request_id] = f"the KV disk tier {why}"
+            self.counters["load_failures"] += 1
             return
-        self._post("READ", blocks, request_id=request_id)
+        self._post("READ", blocks, rows, request_id=request_id)
 
-    def _post(self, op: str, blocks: list[TierBlock], crcs: list[int] | None = None,
+    def _rows(self, blocks: list[TierBlock]) -> list[int | None] | None:
+        """Each block's staging row (None for all without staging); None when too few are free."""
+        return [None] * len(blocks) if self.staging is None else self.staging.take(len(blocks))
+
+    def _host_ranges(self, block: TierBlock, row: int | None) -> list[tuple[int, int]]:
+        """Where the block's bytes are in host memory: its KV cache ranges, or its staging row."""
+        if row is None:
+            return self.caches.block_ranges(block.group, [block.block_id])
+        return self.staging.ranges(block, row)
+
+    def _post(self, op: str, blocks: list[TierBlock], rows: list[int | None], crcs: list[int] | None = None,
               request_id: str | None = None) -> None:
         memory, file = [], []
-        for block in blocks:
+        for block, row in zip(blocks, rows):
             offset = block.slot * self.slot_bytes
-            for addr, length in self.caches.block_ranges(block.group, [block.block_id]):
+            for addr, length in self._host_ranges(block, row):
                 memory.append((addr, length, 0))
                 file.append((offset, length, self.fd))
                 offset += length
-        transfer = _Transfer(None, blocks, crcs or [], request_id)
+        transfer = _Transfer(None, blocks, rows, crcs or [], request_id)
         try:
             transfer.handle = self.agent.initialize_xfer(op, self.agent.get_xfer_descs(memory, "DRAM"),
                                                          self.agent.get_xfer_descs(file, "FILE"), self.agent_name)
@@ -205,9 +227,9 @@ class DiskTier:
                 self._end(transfer, ok=False)
             self.turn_off(f"a {op.lower()} could not be posted: {type(exc).__name__}: {exc}")
 
-    def _crc(self, block: TierBlock) -> int:
+    def _crc(self, block: TierBlock, row: int | None) -> int:
         crc = 0
-        for addr, length in self.caches.block_ranges(block.group, [block.block_id]):
+        for addr, length in self._host_ranges(block, row):
             crc = zlib.crc32((ctypes.c_char * length).from_address(addr), crc)
         return crc
 
@@ -236,6 +258,13 @@ class DiskTier:
             return f"ERR ({type(exc).__name__}: {exc})"
 
     def _end(self, transfer: _Transfer, ok: bool) -> None:
+        try:
+            self._end_transfer(transfer, ok)
+        finally:
+            if self.staging is not None:
+                self.staging.give(transfer.rows)
+
+    def _end_transfer(self, transfer: _Transfer, ok: bool) -> None:
         if transfer.request_id is None:
             self._end_store(transfer, ok)
         elif not ok:
@@ -261,7 +290,7 @@ class DiskTier:
 
     def _end_load(self, transfer: _Transfer) -> None:
         done = self._ended
-        bad = [b for b in transfer.blocks if not self._matches(b)]
+        bad = [b for b, row in zip(transfer.blocks, transfer.rows) if not self._matches(b, row)]
         if bad:
             for block in bad:
                 self.entries.pop(block.slot, None)
@@ -272,6 +301,8 @@ class DiskTier:
             done.load_failed[transfer.request_id] = f"{len(bad)} block(s) of the KV disk tier failed their checksum"
             logger.warning("KV disk tier: %d block(s) failed their checksum and were dropped", len(bad))
             return
+        if self.staging is not None:
+            self.staging.to_device(transfer.blocks, transfer.rows)
         for block in transfer.blocks:
             self.entries.move_to_end(block.slot)
         done.loaded.append(transfer.request_id)
@@ -279,10 +310,10 @@ class DiskTier:
         self.counters["loaded_blocks"] += len(transfer.blocks)
         self.counters["loaded_bytes"] += len(transfer.blocks) * self.slot_bytes
 
-    def _matches(self, block: TierBlock) -> bool:
+    def _matches(self, block: TierBlock, row: int | None) -> bool:
         entry = self.entries.get(block.slot)
         return (entry is not None and (entry.block_hash, entry.group) == (block.block_hash, block.group)
-                and entry.crc == self._crc(block))
+                and entry.crc == self._crc(block, row))
 
     def _release(self, transfer: _Transfer) -> None:
         try:

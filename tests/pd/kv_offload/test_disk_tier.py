@@ -169,3 +169,43 @@ def test_a_host_tier_whose_copy_fails_turns_itself_off_and_fails_its_loads(tiny_
             assert tier.poll().store_failed == [(b"g" * 32, 0)]  # off: nothing more is stored
         finally:
             tier.shutdown()
+
+
+def test_a_staged_disk_tier_moves_blocks_through_host_rows_as_a_gpu_engines_does(tiny_models, tmp_path):
+    """A GPU engine's disk tier copies each block to a host row before its write and back
+    after its read (NIXL's POSIX backend moves host memory); forced here on the CPU, the
+    same code: a block written, wiped in the KV cache, read back equal, every row free."""
+    import torch
+
+    from pd.kv_offload.disk import DiskTier
+    from pd.kv_offload.tier import TierBlock
+
+    with LLM(str(tiny_models["gemma3"]), max_model_len=512, num_threads=1,
+             kv_cache_memory=SMALL_CACHE["gemma3"]) as llm:
+        caches = llm.engine.runner.kv_allocation.describe(None)
+        tier = DiskTier(tmp_path, 1 << 24, caches, "hash", "pd-test-staged", staged=True)
+        try:
+            assert tier.off_reason is None and tier.staging is not None
+            kv = caches.tensors[0].tensor
+            blocks = [TierBlock(slot, group, 3 + group, bytes([group]) * 32) for slot, group in ((7, 0), (2, 1))]
+            kv[3:5] = torch.randint(-128, 128, kv[3:5].shape, dtype=torch.int8)
+            written = kv[3:5].clone()
+            tier.store(blocks)
+            assert wait_for(tier, lambda ended: ended.stored) == [(b.block_hash, b.group) for b in blocks]
+            kv[3:5] = 0
+            tier.load("r", blocks)
+            assert wait_for(tier, lambda ended: ended.loaded) == ["r"]
+            for block in blocks:
+                for ref in caches.group_data_refs[block.group]:
+                    span = slice(ref.offset_bytes, ref.offset_bytes + ref.page_size_bytes)
+                    assert torch.equal(kv[block.block_id, span], written[block.block_id - 3, span])
+            assert len(tier.staging.free) == tier.staging.buffer.shape[0]
+        finally:
+            tier.shutdown()
+
+
+def wait_for(tier, what, polls: int = 10_000):
+    for _ in range(polls):
+        if found := what(tier.poll()):
+            return found
+    raise AssertionError("the tier never reported it")
