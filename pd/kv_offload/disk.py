@@ -178,8 +178,8 @@ class DiskTier:
         """Write these blocks (their bytes must not change until `poll` reports them)."""
         if not blocks:
             return
-        rows = self._rows(blocks)
-        if self.off_reason is not None or rows is None:  # off, or no room to stage them: not stored
+        rows = self._rows(blocks) if self.off_reason is None else None
+        if rows is None:  # off, or no room to stage them: not stored
             self._ended.store_failed += [(b.block_hash, b.group) for b in blocks]
             self.counters["store_failures"] += len(blocks)
             return
@@ -189,8 +189,8 @@ class DiskTier:
 
     def load(self, request_id: str, blocks: list[TierBlock]) -> None:
         """Read these slots into the request's blocks; `poll` reports the request loaded or failed."""
-        rows = self._rows(blocks)
-        if self.off_reason is not None or rows is None:
+        rows = self._rows(blocks) if self.off_reason is None else None
+        if rows is None:
             why = f"is off: {self.off_reason}" if self.off_reason is not None else "has no room to stage them"
             self._ended.load_failed[request_id] = f"the KV disk tier {why}"
             self.counters["load_failures"] += 1
