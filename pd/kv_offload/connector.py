@@ -40,7 +40,7 @@ class TieredScheduler(KVConnectorScheduler):
     def __init__(self, inner: KVConnectorScheduler, kv: KVCacheManager, worker: TieredWorker) -> None:
         self.inner, self.kv = inner, kv
         self.indexes: dict[str, TierIndex] = {  # fastest first; a tier that failed at start has none
-            name: TierIndex(name, tier.num_slots, tier.restored)
+            name: TierIndex(name, tier.num_slots, tier.restored, record=kv.pool.record_events)
             for name, tier in worker.tiers.items() if tier.off_reason is None}
         kv.pool.cache_log = [] if self.indexes else None
         self.storing: dict[tuple[str, Key], KVCacheBlock] = {}  # (tier, key): pinned until that write ends
@@ -167,7 +167,7 @@ class TieredScheduler(KVConnectorScheduler):
         events, self.events = self.events + self.inner.take_events(), []
         for name, index in self.indexes.items():
             events += self._events(name, index)
-        return events if self.kv.pool.record_events else []
+        return events
 
     def _events(self, name: str, index: TierIndex) -> list[KVEvent]:
         return self._stored(name, index.take_added()) + [

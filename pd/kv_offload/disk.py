@@ -151,8 +151,7 @@ class DiskTier:
         if not self.data_path.exists():
             logger.warning("KV disk tier: %s is missing; starting empty", self.data_path)
             return []
-        kept = [e for e in snap.entries if 0 <= e.slot < self.num_slots]
-        return kept
+        return [e for e in snap.entries if 0 <= e.slot < self.num_slots]
 
     def _start_nixl(self, agent_name: str) -> None:
         from pd.kv_transfer.nixl_api import load_nixl

@@ -3,8 +3,9 @@
 A slot is free, being written (`storing`: not readable yet), or holding a block
 (`held`, in LRU order, oldest first). A new store takes a free slot, else the oldest held
 one that no load is reading; a held block that is hit or stored again moves to the back.
-Blocks evicted from the tier are collected in `removed` until `take_removed` (for KV
-events); blocks whose store finished in `added`.
+With `record`, blocks evicted from the tier are collected in `removed` until
+`take_removed` (for KV events), blocks whose store finished in `added`; without, nothing
+is collected.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ Key = tuple[bytes, int]  # (block hash, KV cache group)
 
 
 class TierIndex:
-    def __init__(self, name: str, num_slots: int, entries: Iterable[tuple[Key, int]] = ()) -> None:
+    def __init__(self, name: str, num_slots: int, entries: Iterable[tuple[Key, int]] = (),
+                 record: bool = True) -> None:
         """`entries`: (key, slot) the tier already holds (a warm restart), oldest first."""
         if num_slots < 1:
             raise ValueError(f"a {name} tier needs at least one slot, got {num_slots}")
@@ -30,6 +32,7 @@ class TierIndex:
         if len(used) != len(self.held) or any(not 0 <= s < num_slots for s in used):
             raise ValueError(f"{name} tier entries name slots twice or outside [0, {num_slots})")
         self.free = [s for s in range(num_slots - 1, -1, -1) if s not in used]  # popped from the end: low first
+        self.record = record
         self.removed: list[Key] = []
         self.added: list[Key] = []
 
@@ -66,7 +69,7 @@ class TierIndex:
         for key, slot in self.held.items():
             if not self.readers[slot]:
                 del self.held[key]
-                self.removed.append(key)
+                self._removed([key])
                 return slot
         return None
 
@@ -77,7 +80,8 @@ class TierIndex:
             return  # the tier was cleared meanwhile
         if ok:
             self.held[key] = slot
-            self.added.append(key)
+            if self.record:
+                self.added.append(key)
         else:
             self.free.append(slot)
 
@@ -86,7 +90,7 @@ class TierIndex:
         load reads it."""
         slot = self.held.pop(key, None)
         if slot is not None:
-            self.removed.append(key)
+            self._removed([key])
             if self.readers[slot]:
                 self.dropped.add(slot)
             else:
@@ -106,12 +110,16 @@ class TierIndex:
 
     def clear(self) -> None:
         """The tier is gone: it holds nothing (its blocks count as removed)."""
-        self.removed += list(self.held)
+        self._removed(list(self.held))
         self.held.clear()
         self.storing.clear()
         self.readers.clear()
         self.dropped.clear()
         self.free = []
+
+    def _removed(self, keys: list[Key]) -> None:
+        if self.record:
+            self.removed += keys
 
     def take_removed(self) -> list[Key]:
         removed, self.removed = self.removed, []

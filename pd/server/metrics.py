@@ -156,10 +156,14 @@ def kv_transfer_histograms(histograms: dict[str, Any]) -> Iterator[Metric]:
         family = HistogramMetricFamily(name, help_text)
         h = histograms.get(key)
         if h is not None:
-            cumulative = list(itertools.accumulate(h.counts))
-            buckets = [(repr(float(le)), float(c)) for le, c in zip(h.buckets, cumulative)]
-            family.add_metric([], buckets + [("+Inf", float(cumulative[-1]))], sum_value=h.total)
+            family.add_metric([], _buckets(h), sum_value=h.total)
         yield family
+
+
+def _buckets(h: Any) -> list[tuple[str, float]]:
+    """A histogram snapshot's cumulative buckets, as Prometheus writes them (+Inf last)."""
+    cumulative = list(itertools.accumulate(h.counts))
+    return [(repr(float(le)), float(c)) for le, c in zip(h.buckets, cumulative)] + [("+Inf", float(cumulative[-1]))]
 
 
 def step_metrics(stats: Any) -> Iterator[Metric]:
@@ -224,9 +228,7 @@ def kv_offload_metrics(tiers: dict[str, dict[str, float]], load_seconds: dict[st
     family = HistogramMetricFamily("pd_kv_offload_load_seconds", "Seconds a load from the tier took, from post "
                                    "to its end (its checksums verified).", labels=["tier"])
     for tier, h in load_seconds.items():
-        cumulative = list(itertools.accumulate(h.counts))
-        buckets = [(repr(float(le)), float(c)) for le, c in zip(h.buckets, cumulative)]
-        family.add_metric([tier], buckets + [("+Inf", float(cumulative[-1]))], sum_value=h.total)
+        family.add_metric([tier], _buckets(h), sum_value=h.total)
     yield family
 
 
