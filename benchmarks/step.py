@@ -126,7 +126,7 @@ def _time_steps(args: argparse.Namespace, engine: EngineCore) -> dict:
     keys = ["step", "attention", "mlp", "lm_head", "sampling", "scheduler", "other", "collectives"]
     medians = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in keys}
     medians["faults"] = statistics.median(s["faults"] for s in steps)
-    return {"model": args.model, "dtype": engine.config.dtype, "quantization": args.quantization, "batch": args.batch,
+    return {"model": args.model, "dtype": engine.config.dtype, "quantization": engine.config.quantization, "batch": args.batch,
             "context": args.context,
             "steps": args.steps, "threads": torch.get_num_threads(), "tensor_parallel_size": args.tensor_parallel_size,
             "medians": medians, "per_step": steps}
@@ -152,7 +152,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="model directory or .gguf file")
     parser.add_argument("--dtype", default="auto", help="weights and KV dtype (auto, bfloat16, float32, ...)")
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help="none, or int8 linear layers (as pd serve --quantization)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="auto", help="as pd serve --quantization: auto (default), none, int8 or gguf")
     parser.add_argument("--batch", type=int, default=8, help="requests decoding together")
     parser.add_argument("--context", type=int, default=640, help="prompt tokens of each request")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed")

@@ -10,12 +10,12 @@ from pathlib import Path
 from pd.kv_transfer.connector_config import ConnectorConfig
 from pd.kv_transfer.connectors import AUTO_CONNECTOR, KV_CONNECTORS, NULL_CONNECTOR
 from pd.kv_transfer.signing import DEFAULT_ALLOWED_PEERS, SECRET_ENV, secret_from_env
-from pd.models.model_config import AUTO_DTYPE, SUPPORTED_DTYPES, resolve_dtype
+from pd.models.model_config import AUTO_DTYPE, SUPPORTED_DTYPES, resolve_dtype, resolve_quantization
 
 KV_LAYOUTS = ("canonical", "per-layer")
 ROLES = ("both", "prefill", "decode")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
-QUANTIZATIONS = ("none", "int8")  # int8: pd.models.quantized
+QUANTIZATIONS = ("auto", "none", "int8", "gguf")  # int8: pd.models.quantized; gguf: pd.models.gguf_linear
 LOGPROBS_MODES = ("processed", "raw")  # pd/logprobs.py
 DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # the server's --max-request-bytes
@@ -49,7 +49,7 @@ class EngineConfig:
 
     model: Path
     dtype: str = AUTO_DTYPE  # resolved at construction: the checkpoint's own (see resolve_dtype)
-    quantization: str = "none"  # int8: linear layers with int8 weights (pd.models.quantized)
+    quantization: str = "auto"  # resolved at construction (resolve_quantization); int8, gguf: see QUANTIZATIONS
     logprobs_mode: str = "processed"  # sampled tokens' logprobs: after bias and penalties, or raw
     device: str | None = None
     max_model_len: int | None = None
@@ -88,6 +88,7 @@ class EngineConfig:
     kv_offload_disk_path: Path | None = None  # a directory for the disk tier (pd/kv_offload); None: no such tier
     kv_offload_disk_bytes: int | None = None  # its size; None: a tenth of the free space there, at most 64 GiB
     dtype_reason: str = field(default="as asked", init=False, compare=False)  # how `dtype` was chosen
+    quantization_reason: str = field(default="as asked", init=False, compare=False)  # how `quantization` was
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", Path(self.model))
@@ -102,8 +103,7 @@ class EngineConfig:
             dtype, why = resolve_dtype(self.model, AUTO_DTYPE, lambda: self.torch_device)
             object.__setattr__(self, "dtype", dtype)
             object.__setattr__(self, "dtype_reason", why)
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        self._check_quantization()
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.kv_connector not in KV_CONNECTORS:
@@ -121,6 +121,23 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         self._check_kv_events()
         self._check_offload()
+
+    def _check_quantization(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization == "auto":
+            quantization, why = resolve_quantization(self.model, self.dtype, lambda: self.torch_device,
+                                                     self.tensor_parallel_size)
+            object.__setattr__(self, "quantization", quantization)
+            object.__setattr__(self, "quantization_reason", why)
+        elif self.quantization == "gguf":
+            from pd.models.gguf import is_gguf
+
+            if not is_gguf(self.model):
+                raise ValueError(f"quantization gguf computes from a .gguf file's blocks; {self.model} is not one")
+            if self.tensor_parallel_size != 1:
+                raise ValueError("quantization gguf serves one rank: use --tensor-parallel-size 1, or --quantization "
+                                 "none or int8 with tensor parallelism")
 
     def _check_offload(self) -> None:
         if self.kv_offload_disk_path is None and self.kv_offload_disk_bytes is not None:
@@ -257,7 +274,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """The flags that fill an EngineConfig (shared by `pd generate` and `pd serve`)."""
     parser.add_argument("--model", required=True, type=Path, help="HF-format model directory (config.json, safetensors, tokenizer.json) or a .gguf file (config, tokenizer and weights read from it, dequantized at load)")
     parser.add_argument("--dtype", choices=(AUTO_DTYPE, *SUPPORTED_DTYPES), default=AUTO_DTYPE, help="weights and KV cache dtype; auto: the checkpoint's own (torch_dtype in config.json), and for a quantized .gguf bfloat16 where the device computes in it natively, else float32 (default auto)")
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=ENGINE_DEFAULTS["quantization"], help="int8: every linear layer, the lm_head included, with int8 weights (per output channel) and its input rows quantized to int8 at run time; half the weight bytes of bfloat16 and, on CPUs with AVX-512 VNNI, twice the multiplies per instruction (Gemma 3 270M on 2 cores: 1.4x the output tok/s of bfloat16, top-1 agreement with transformers' bfloat16 97.5%%, against 98.9%% unquantized; README); none: weights in --dtype (default %(default)s)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=ENGINE_DEFAULTS["quantization"], help="gguf: linear layers (the tied lm_head included) computed from a quantized .gguf file's own Q8_0, Q5_0, Q4_K and Q6_K blocks, with activations quantized per 32 inputs as llama.cpp does (one byte per weight: Gemma 3 270M reads 285 MB a decode step against 536 MB in bfloat16); int8: every linear layer with int8 weights (per output channel) and its input rows quantized to int8 at run time (a second rounding of a GGUF's weights: 97.5%% top-1 agreement with transformers' bfloat16 on Gemma 3 270M); none: weights in --dtype; auto: gguf for a quantized .gguf served in bfloat16 by one CPU rank with AVX-512 VNNI and a C compiler, none otherwise, the choice printed at start (default %(default)s)")
     parser.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=ENGINE_DEFAULTS["logprobs_mode"], help="the logits a sampled token's logprobs come from: processed, those it was chosen from (after a grammar's mask, logit_bias, the penalties and the min_tokens hold-back; before temperature, top-k/p and min-p); raw, the model's after a grammar's mask only (vLLM's default, raw_logprobs). The two agree for requests without bias or penalties; prefill and decode servers must share it (default %(default)s)")
     parser.add_argument("--device", default=ENGINE_DEFAULTS["device"], help="torch device, e.g. cpu or cuda:0 (default: cuda if present, else cpu)")
     parser.add_argument("--max-model-len", type=int, default=ENGINE_DEFAULTS["max_model_len"], help="longest sequence (prompt + output) served; default: the model's max_position_embeddings")

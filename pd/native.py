@@ -42,10 +42,21 @@ def _cpu_identity() -> str:
     return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
 
 
-def load(source: Path, signatures: dict[str, list]) -> ctypes.CDLL | None:
+def can_build() -> bool:
+    """Whether kernels may be built here: on, on Linux, with a C compiler."""
+    return enabled() and platform.system() == "Linux" and shutil.which(os.environ.get("CC", "cc")) is not None
+
+
+def cpu_has(flag: str) -> bool:
+    """Whether this CPU lists `flag` (as /proc/cpuinfo spells it, e.g. avx512_vnni)."""
+    return flag in _cpu_identity().split()
+
+
+def load(source: Path, signatures: dict[str, list], defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """Build `source` (or find it built) and declare `signatures` (symbol -> argtypes;
     every kernel returns an int status). None when native kernels are off or cannot be
-    built here; the reason is logged."""
+    built here; the reason is logged. `defines` are preprocessor macros (the tests build
+    a kernel's plain C path with them)."""
     if not enabled() or platform.system() != "Linux":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
@@ -55,7 +66,8 @@ def load(source: Path, signatures: dict[str, list]) -> ctypes.CDLL | None:
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
         headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]
-        key = hashlib.sha256("\0".join([source.read_text(), *headers, *FLAGS, version, _cpu_identity()]).encode())
+        flags = (*FLAGS, *(f"-D{d}" for d in defines))
+        key = hashlib.sha256("\0".join([source.read_text(), *headers, *flags, version, _cpu_identity()]).encode())
         key = key.hexdigest()
         cache = Path(os.environ.get("PD_KERNEL_CACHE", Path.home() / ".cache" / "pd-kernels"))
         built = cache / f"{source.stem}-{key[:16]}.so"
@@ -63,7 +75,7 @@ def load(source: Path, signatures: dict[str, list]) -> ctypes.CDLL | None:
             cache.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, renamed in: racing builds are safe
                 out = Path(tmp) / built.name
-                subprocess.run([compiler, *FLAGS, f"-I{source.parent}", str(source), "-o", str(out), "-lm"], check=True,
+                subprocess.run([compiler, *flags, f"-I{source.parent}", str(source), "-o", str(out), "-lm"], check=True,
                                capture_output=True, text=True, timeout=300)
                 os.replace(out, built)
         library = ctypes.CDLL(str(built))

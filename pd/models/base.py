@@ -39,6 +39,9 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        # parameter name -> (output rows, block type, raw blocks) per part loaded whole from
+        # a quantized GGUF tensor: what `--quantization gguf` computes from (pd.models.gguf_linear)
+        self.gguf_sources: dict[str, list[tuple[slice, str, object]]] = {}
 
     def kv_cache_layers(self) -> dict[str, nn.Module]:
         """Layer name -> the module owning that layer's KV cache, in layer order."""
@@ -105,12 +108,20 @@ class CausalLM(nn.Module):
                     assert isinstance(module, MergedLinear)
                     part = narrow_published(module, leaf, shard, tensor)
                     _copy(params[fused_name].data[module.shard_slice(shard)], part, published)
+                    self._note_source(fused_name, module.shard_slice(shard), tensor)
                     return fused_name, shard
         if name not in params:
             raise ValueError(f"checkpoint weight {name!r} matches no parameter of {type(self).__name__}")
         module_name, leaf = name.rsplit(".", 1)
         _copy(params[name].data, narrow_published(self.get_submodule(module_name), leaf, None, tensor), name)
+        self._note_source(name, slice(0, params[name].shape[0]), tensor)
         return name, None
+
+    def _note_source(self, name: str, rows: slice, tensor: Published) -> None:
+        raw = getattr(tensor, "raw_blocks", None)
+        found = raw() if raw is not None and self.config.tp.size == 1 else None
+        if found is not None:
+            self.gguf_sources.setdefault(name, []).append((rows, *found))
 
 
 def _copy(dst: torch.Tensor, src: Published, name: str) -> None:

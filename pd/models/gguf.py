@@ -149,6 +149,10 @@ class GGUFModel:
         for name, weight in self.lazy_weights():
             yield name, weight[...]
 
+    def quantized_types(self) -> set[str]:
+        """The block types of the file's quantized tensors (Q8_0, Q4_K, ...)."""
+        return {t.tensor_type.name for t in self.reader.tensors} - {"F32", "F16", "BF16"}
+
     def lazy_weights(self) -> Iterator[tuple[str, GGUFWeight]]:
         """(HF name, weight read when indexed) per weight: a tensor-parallel rank reads
         and dequantizes only its rows or columns (`GGUFWeight`)."""

@@ -43,6 +43,17 @@ class GGUFWeight:
                              for i in range(0, len(data), self.ROW_CHUNK)])
         return self.transform(out) if self.transform else out
 
+    def raw_blocks(self) -> tuple[str, np.ndarray] | None:
+        """(block type name, rows of raw blocks (N, bytes per row)) where the weight is used
+        as the file holds it (no transform) and quantized; None otherwise."""
+        from gguf import GGMLQuantizationType
+
+        kind = self.tensor.tensor_type
+        if self.transform is not None or kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                                                  GGMLQuantizationType.BF16) or self.tensor.data.ndim != 2:
+            return None
+        return kind.name, self.tensor.data
+
     def _dequantize(self, data: np.ndarray) -> torch.Tensor:
         import torch
 

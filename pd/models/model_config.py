@@ -13,6 +13,9 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 AUTO_DTYPE = "auto"
 
 
+GGUF_KERNEL_TYPES = ("Q8_0", "Q5_0", "Q4_K", "Q6_K")  # block types pd.models.gguf_linear computes from
+
+
 def resolve_dtype(model: str | Path, requested: str, device: str | Callable[[], str]) -> tuple[str, str]:
     """(dtype, why) for serving `model` on `device`. A named dtype is itself; `auto` is the
     checkpoint's own dtype (`torch_dtype` / `dtype` in config.json) for an HF folder, and
@@ -36,6 +39,34 @@ def resolve_dtype(model: str | Path, requested: str, device: str | Callable[[], 
         if declared in SUPPORTED_DTYPES:
             return declared, "auto: the checkpoint's dtype"
     return "float32", "auto: the checkpoint names no dtype"
+
+
+def resolve_quantization(model: str | Path, dtype: str, device: Callable[[], str], tp: int) -> tuple[str, str]:
+    """(quantization, why) for `--quantization auto`: gguf where the model is a quantized
+    GGUF served in bfloat16 by one CPU rank that has the kernels (AVX-512 VNNI and a C
+    compiler: pd.models.gguf_linear), none otherwise. float32 is left unquantized: who asks
+    for it asks for exact arithmetic."""
+    from pd.models.gguf import is_gguf, open_gguf
+
+    if not is_gguf(model):
+        return "none", "auto: not a GGUF file"
+    try:
+        types = open_gguf(model).quantized_types()
+    except (OSError, ValueError):  # loading the model says what is wrong with it
+        return "none", "auto: the GGUF could not be read"
+    if not types & set(GGUF_KERNEL_TYPES):
+        return "none", f"auto: the GGUF holds none of {', '.join(GGUF_KERNEL_TYPES)}"
+    if dtype != "bfloat16":
+        return "none", f"auto: dtype {dtype} (gguf computes in bfloat16)"
+    if tp != 1:
+        return "none", "auto: tensor parallelism (gguf kernels serve one rank)"
+    if not device().startswith("cpu"):
+        return "none", "auto: not a CPU (gguf kernels are CPU kernels)"
+    from pd import native
+
+    if not native.can_build() or not native.cpu_has("avx512_vnni"):
+        return "none", "auto: this CPU has no AVX-512 VNNI or no C compiler (gguf would be slower than bfloat16)"
+    return "gguf", "auto: a quantized GGUF on a CPU with the kernels"
 
 
 def _bfloat16_native(device: str) -> bool:

@@ -61,7 +61,7 @@ def pack_linears(model: nn.Module) -> int:
     """Pack every `nn.Linear` of a CPU bfloat16 or float32 model in place (bfloat16 ones
     widened to float32 where only that packs); the number packed (0 where packing does
     not apply or oneDNN refuses it)."""
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and not hasattr(m, "gguf_segments")]
     if not linears:
         return 0
     dtype, device = linears[0].weight.dtype, linears[0].weight.device

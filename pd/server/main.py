@@ -81,7 +81,7 @@ def run_serve(args: argparse.Namespace) -> int:
         tokenizer = Tokenizer(config.model)
     except (ValueError, OSError) as e:
         raise SystemExit(f"pd serve: {e}") from None
-    print(f"pd serve: dtype {config.dtype} ({config.dtype_reason}), quantization {config.quantization}", flush=True)
+    print(f"pd serve: dtype {config.dtype} ({config.dtype_reason}), quantization {config.quantization} ({config.quantization_reason})", flush=True)
     name = args.served_model_name or config.model.resolve().name
     from pd.engine.client import EngineClient, EngineStartupError
 

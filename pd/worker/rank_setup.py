@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 
 import torch
 
@@ -17,20 +18,28 @@ from pd.models.base import CausalLM
 from pd.models.loader import load_model, model_skeleton
 from pd.models.model_config import ModelConfig
 from pd.models.packed import pack_linears
+from pd.models.gguf_linear import quantize_gguf_linears
 from pd.models.quantized import quantize_linears
 from pd.kv_transfer.compat import compat_hash
 from pd.scheduling.connector_api import ConnectorContext, KVConnectorWorker, NullConnectorWorker
 from pd.worker.model_runner import ModelRunner
 
+logger = logging.getLogger(__name__)
+
 
 def build_model(config: EngineConfig, shard: TPShard, device: str) -> tuple[ModelConfig, CausalLM]:
-    """The rank's shard of the model, loaded, quantized (int8) or packed."""
+    """The rank's shard of the model, loaded, quantized (int8, or computed from the GGUF's
+    blocks: the linears left by gguf are packed) or packed."""
     model_config = ModelConfig.from_dir(config.model, config.dtype, config.max_model_len, tp=shard)
     model = load_model(model_config, device)
     if config.quantization == "int8":
         quantize_linears(model)
     else:
+        if config.quantization == "gguf":
+            used = quantize_gguf_linears(model)
+            logger.info("gguf: linear layers computed from %s blocks", ", ".join(f"{k} ({n})" for k, n in used.items()))
         pack_linears(model)
+    model.gguf_sources.clear()  # the file's blocks are packed or dequantized by now
     return model_config, model
 
 

@@ -116,7 +116,7 @@ def reference_logits(gemma_gguf, english_tokens) -> tuple[torch.Tensor, torch.Te
 def bfloat16_llm(gemma_gguf) -> LLM:
     """One bfloat16 engine for the tests below (a load is ~3 s); `fresh` empties its
     prefix cache, so that each test computes what it says it does."""
-    return LLM(str(gemma_gguf), dtype="bfloat16", max_model_len=1024, keep_logits=True)
+    return LLM(str(gemma_gguf), dtype="bfloat16", max_model_len=1024, keep_logits=True, quantization="none")
 
 
 def fresh(llm: LLM) -> LLM:
@@ -234,3 +234,22 @@ def test_int8_teacher_forced_top1_agreement_with_transformers(gemma_gguf, englis
           f"bfloat16; mean |logprob - float32| {error:.5f} (transformers bfloat16: {reference_error:.5f})")
     assert agree >= 0.96
     assert error <= 4 * reference_error
+
+
+def test_gguf_blocks_agree_with_bfloat16_on_the_dequantized_weights(gemma_gguf, bfloat16_llm, english_tokens) -> None:
+    """`--quantization gguf` (the default for this file on a CPU with the kernels) against
+    our bfloat16 engine on the same, dequantized, weights: teacher-forced top-1 agreement
+    and perplexity over the text. Activations rounded to 8 bits per 32 inputs: measured
+    96.3 % agreement and perplexity +1.0 % here (97.2 % and +0.16 % over 2,048 tokens)."""
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    scored = {}
+    for name, llm in (("bfloat16", fresh(bfloat16_llm)),
+                      ("gguf", LLM(str(gemma_gguf), dtype="bfloat16", max_model_len=1024, quantization="gguf"))):
+        logprobs = llm.generate([english_tokens], params)[0].prompt_logprobs
+        scored[name] = torch.tensor(logprobs.token_ids), torch.tensor(logprobs.logprobs)
+    agree = (scored["gguf"][0][:, 1] == scored["bfloat16"][0][:, 1]).float().mean().item()
+    perplexity = {name: (-logprobs[:, 0].mean()).exp().item() for name, (_, logprobs) in scored.items()}
+    print(f"gguf teacher-forced over {len(english_tokens)} tokens: top-1 agreement {agree:.4f} with bfloat16; "
+          f"perplexity {perplexity['gguf']:.4f} against {perplexity['bfloat16']:.4f}")
+    assert agree >= 0.95
+    assert abs(perplexity["gguf"] / perplexity["bfloat16"] - 1) <= 0.02

@@ -1,0 +1,233 @@
+/* Linear layers computed from a GGUF file's quantized blocks (`--quantization gguf`, CPU).
+ *
+ * Every block type served here is, per block of BS inputs of one output channel,
+ *     w[i] = a * u[i] + c          (u an unsigned byte, a and c float32),
+ * exactly as gguf's dequantizer computes it (pd/models/gguf_linear.py unpacks each type):
+ *   Q8_0: BS 32, u = q + 128, a = d, c = -128 d (q int8, d the block's float16 scale);
+ *   Q5_0: BS 32, u = q + 112, a = d, c = -128 d (q the 5-bit value 0..31, w = d (q - 16));
+ *   Q6_K: BS 16, u = q + 96,  a = d sc, c = -128 a (q 0..63, w = d sc (q - 32));
+ *   Q4_K: BS 32, u = q,       a = d sc, c = -dmin m (q 0..15).
+ * The first three are "symmetric" (c = -128 a: only a is stored), Q4_K is not (c stored).
+ *
+ * Activations are quantized per row and per 32 inputs, as llama.cpp's Q8_0 does:
+ * xq = round(x / dx), dx = max |x| / 127 over the 32. Then per weight block
+ *     sum_i w[i] x[i] ~= dx (a S + c sx),  S = sum_i u[i] xq[i],  sx = sum_i xq[i],
+ * S summed exactly in int32 (vpdpbusd multiplies unsigned bytes by signed ones: why u is
+ * unsigned), and the blocks' terms summed in float32. Against a float32 matmul of the
+ * dequantized weight with the dequantized activations the only difference is float32
+ * summation order (tests/pd/models/test_gguf_linear.py).
+ *
+ * Packed layout (`pack` in gguf_linear.py): output channels in tiles of 32; a tile is one
+ * stream of its K / BS blocks, each block BS / 4 groups of 128 bytes (byte [g][c][j] =
+ * u[32 t + c][BS b + 4 g + j]), then the 32 channels' a (float32), then for Q4_K their c.
+ * Channels past N are zero (u, a and c), and their outputs are not written.
+ *
+ * With AVX-512 VNNI a register tile of up to ROWS rows x 32 channels keeps, per row, two
+ * int32 accumulators for the block and two float32 ones for the whole row; without it a
+ * plain C loop computes the same int32 sums (PD_PLAIN forces it, for the tests).
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#include "common.h"
+
+#if defined(__AVX512VNNI__) && !defined(PD_PLAIN)
+#include <immintrin.h>
+#define VNNI 1
+#endif
+
+#define TILE 32     /* output channels per packed tile */
+#define XBLOCK 32   /* inputs per activation scale */
+#define ROWS 4      /* rows of one register tile */
+#define PARALLEL_MIN_ROWS 16  /* rows below which one thread quantizes them */
+
+/* Activation rows quantized: xq (rows x k int8), dx (rows x k / 32), sx (rows x k / 16, sums
+ * of xq over 16 inputs; a 32-input block takes two). */
+typedef struct {
+    int8_t *xq;
+    float *dx;
+    int32_t *sx;
+    int64_t k;
+} Quantized;
+
+static inline int32_t block_sum(const Quantized *q, int64_t row, int64_t first, int64_t bs) {
+    const int32_t *s = q->sx + row * (q->k / 16) + first / 16;
+    return bs == 16 ? s[0] : s[0] + s[1];
+}
+
+#ifdef VNNI
+/* out[r][c] for r < rows, c < 32 (float32): one tile's stream of nb blocks against rows
+ * m0.. of q. */
+static inline __attribute__((always_inline)) void tile_rows(const Quantized *q, int64_t m0, int rows,
+                                                            const uint8_t *w, int64_t nb, int64_t bs, int asym,
+                                                            float *out) {
+    __m512 f0[ROWS], f1[ROWS];
+    for (int r = 0; r < rows; r++) f0[r] = f1[r] = _mm512_setzero_ps();
+    const int64_t groups = bs / 4, block_bytes = bs * TILE + (asym ? 256 : 128);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = w + b * block_bytes;
+        __m512i s0[ROWS], s1[ROWS];
+        for (int r = 0; r < rows; r++) s0[r] = s1[r] = _mm512_setzero_si512();
+        const int32_t *x4[ROWS];
+        for (int r = 0; r < rows; r++) x4[r] = (const int32_t *)(q->xq + (m0 + r) * q->k + b * bs);
+        for (int64_t g = 0; g < groups; g++) {
+            const __m512i w0 = _mm512_loadu_si512(wb + g * 128), w1 = _mm512_loadu_si512(wb + g * 128 + 64);
+            for (int r = 0; r < rows; r++) {
+                const __m512i xb = _mm512_set1_epi32(x4[r][g]);
+                s0[r] = _mm512_dpbusd_epi32(s0[r], w0, xb);
+                s1[r] = _mm512_dpbusd_epi32(s1[r], w1, xb);
+            }
+        }
+        const float *scale = (const float *)(wb + bs * TILE);
+        const __m512 a0 = _mm512_loadu_ps(scale), a1 = _mm512_loadu_ps(scale + 16);
+        for (int r = 0; r < rows; r++) {
+            const int64_t m = m0 + r;
+            const float dx = q->dx[m * (q->k / XBLOCK) + b * bs / XBLOCK];
+            const int32_t sx = block_sum(q, m, b * bs, bs);
+            const __m512 d = _mm512_set1_ps(dx);
+            if (!asym) { /* dx a (S - 128 sx) */
+                const __m512i off = _mm512_set1_epi32(128 * sx);
+                f0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s0[r], off)), _mm512_mul_ps(a0, d), f0[r]);
+                f1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s1[r], off)), _mm512_mul_ps(a1, d), f1[r]);
+            } else { /* dx a S + dx sx c */
+                const __m512 c0 = _mm512_loadu_ps(scale + 32), c1 = _mm512_loadu_ps(scale + 48);
+                const __m512 dsx = _mm512_set1_ps(dx * (float)sx);
+                f0[r] = _mm512_fmadd_ps(c0, dsx, f0[r]);
+                f1[r] = _mm512_fmadd_ps(c1, dsx, f1[r]);
+                f0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[r]), _mm512_mul_ps(a0, d), f0[r]);
+                f1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[r]), _mm512_mul_ps(a1, d), f1[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        _mm512_storeu_ps(out + r * TILE, f0[r]);
+        _mm512_storeu_ps(out + r * TILE + 16, f1[r]);
+    }
+}
+
+#define ROWS_CASE(R) \
+    case R:          \
+        tile_rows(q, m0, R, w, nb, bs, asym, out); break;
+
+static void tile(const Quantized *q, int64_t m0, int rows, const uint8_t *w, int64_t nb, int64_t bs, int asym,
+                 float *out) {
+    switch (rows) { ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) default: break; }
+}
+#else
+static void tile(const Quantized *q, int64_t m0, int rows, const uint8_t *w, int64_t nb, int64_t bs, int asym,
+                 float *out) {
+    const int64_t block_bytes = bs * TILE + (asym ? 256 : 128);
+    for (int r = 0; r < rows; r++) {
+        const int64_t m = m0 + r;
+        float acc[TILE] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *wb = w + b * block_bytes;
+            const int8_t *x = q->xq + m * q->k + b * bs;
+            const float *scale = (const float *)(wb + bs * TILE);
+            const float dx = q->dx[m * (q->k / XBLOCK) + b * bs / XBLOCK];
+            const int32_t sx = block_sum(q, m, b * bs, bs);
+            for (int c = 0; c < TILE; c++) {
+                int32_t s = 0;
+                for (int64_t g = 0; g < bs / 4; g++)
+                    for (int j = 0; j < 4; j++) s += (int32_t)wb[g * 128 + c * 4 + j] * x[g * 4 + j];
+                acc[c] += asym ? (float)s * (scale[c] * dx) + scale[TILE + c] * (dx * (float)sx)
+                               : (float)(s - 128 * sx) * (scale[c] * dx);
+            }
+        }
+        for (int c = 0; c < TILE; c++) out[r * TILE + c] = acc[c];
+    }
+}
+#endif
+
+/* xq = round(x / dx) per 32 inputs of each row, dx = max |x| / 127 (1 for zeros); sx the
+ * sums over 16. */
+#define DEFINE_QUANTIZE(NAME, T, LOAD)                                                              \
+    static void quantize_##NAME(const T *x, int64_t x_stride, int64_t rows, Quantized *q, int64_t threads) { \
+        _Pragma("omp parallel for num_threads(threads) if (rows >= PARALLEL_MIN_ROWS)")             \
+        for (int64_t m = 0; m < rows; m++)                                                          \
+            for (int64_t b = 0; b < q->k / XBLOCK; b++) {                                           \
+                float v[XBLOCK], amax = 0.0f;                                                       \
+                for (int i = 0; i < XBLOCK; i++) {                                                  \
+                    v[i] = LOAD(x + m * x_stride, b * XBLOCK + i);                                  \
+                    amax = fmaxf(amax, fabsf(v[i]));                                                \
+                }                                                                                   \
+                const float d = amax > 0.0f ? amax / 127.0f : 1.0f, inv = 1.0f / d;                 \
+                int8_t *out = q->xq + m * q->k + b * XBLOCK;                                        \
+                int32_t sums[2] = {0, 0};                                                           \
+                for (int i = 0; i < XBLOCK; i++) {                                                  \
+                    const float r = nearbyintf(v[i] * inv);                                         \
+                    const int32_t c = (int32_t)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r)); \
+                    out[i] = (int8_t)c;                                                             \
+                    sums[i / 16] += c;                                                              \
+                }                                                                                   \
+                q->dx[m * (q->k / XBLOCK) + b] = d;                                                 \
+                q->sx[m * (q->k / 16) + 2 * b] = sums[0];                                           \
+                q->sx[m * (q->k / 16) + 2 * b + 1] = sums[1];                                       \
+            }                                                                                       \
+    }
+DEFINE_QUANTIZE(bf16, uint16_t, load_bf16)
+DEFINE_QUANTIZE(f32, float, load_f32)
+
+/* The activation quantization alone, for the reference path's tests: xq, dx as above. */
+int gguf_quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *xq, float *dx) {
+    if (rows < 0 || k <= 0 || k % XBLOCK) return 1;
+    int32_t *sx = malloc((size_t)(rows * (k / 16) + 1) * sizeof(int32_t));
+    if (!sx) return 2;
+    Quantized q = {xq, dx, sx, k};
+    quantize_f32(x, k, rows, &q, 1);
+    free(sx);
+    return 0;
+}
+
+/* y[0..width) = acc, width <= 32, as float32 or rounded to bfloat16. */
+static inline void store_row_f32(float *y, const float *acc, int64_t width) { memcpy(y, acc, (size_t)width * 4); }
+
+#if defined(VNNI) && defined(__AVX512BF16__)
+static inline void store_row_bf16(uint16_t *y, const float *acc, int64_t width) {
+    for (int64_t c0 = 0; c0 < width; c0 += 16) {
+        const __mmask16 mask = width - c0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (width - c0)) - 1);
+        _mm256_mask_storeu_epi16(y + c0, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + c0)));
+    }
+}
+#else
+static inline void store_row_bf16(uint16_t *y, const float *acc, int64_t width) {
+    for (int64_t c = 0; c < width; c++) store_bf16(y, c, acc[c]);
+}
+#endif
+
+/* out[m][n] (row stride out_stride) for m < rows, n < n_out: x (rows x k, row stride
+ * x_stride) times the packed weight (blocks of bs inputs, asym: Q4_K's layout). */
+#define DEFINE_GGUF_LINEAR(NAME, T, STORE)                                                               \
+    int gguf_linear_##NAME(const T *x, int64_t x_stride, int64_t rows, int64_t k, const uint8_t *w,      \
+                           int64_t n_out, int64_t bs, int64_t asym, T *out, int64_t out_stride,          \
+                           int64_t threads) {                                                            \
+        if (rows < 0 || k <= 0 || n_out <= 0 || k % XBLOCK || (bs != 16 && bs != 32)) return 1;          \
+        if (rows == 0) return 0;                                                                         \
+        Quantized q = {aligned_alloc(64, (size_t)((rows * k + 63) / 64 * 64)),                          \
+                       malloc((size_t)(rows * (k / XBLOCK)) * sizeof(float)),                            \
+                       malloc((size_t)(rows * (k / 16)) * sizeof(int32_t)), k};                         \
+        if (!q.xq || !q.dx || !q.sx) {                                                                   \
+            free(q.xq); free(q.dx); free(q.sx);                                                          \
+            return 2;                                                                                    \
+        }                                                                                                \
+        quantize_##NAME(x, x_stride, rows, &q, threads);                                               \
+        const int64_t nb = k / bs, tiles = (n_out + TILE - 1) / TILE;                                    \
+        const int64_t tile_bytes = nb * (bs * TILE + (asym ? 256 : 128));                                \
+        const int64_t chunks = (rows + ROWS - 1) / ROWS;                                                 \
+        const int parallel = tiles * chunks > 1;                               \
+        _Pragma("omp parallel for collapse(2) schedule(static) num_threads(threads) if (parallel)")     \
+        for (int64_t t = 0; t < tiles; t++)                                                              \
+            for (int64_t ch = 0; ch < chunks; ch++) {                                                    \
+                float acc[ROWS * TILE] __attribute__((aligned(64)));                                     \
+                const int64_t m0 = ch * ROWS, n0 = t * TILE;                                             \
+                const int r = (int)(rows - m0 < ROWS ? rows - m0 : ROWS);                               \
+                const int64_t width = n_out - n0 < TILE ? n_out - n0 : TILE;                             \
+                tile(&q, m0, r, w + t * tile_bytes, nb, bs, (int)asym, acc);                             \
+                for (int i = 0; i < r; i++) STORE(out + (m0 + i) * out_stride + n0, acc + i * TILE, width);  \
+            }                                                                                            \
+        free(q.xq); free(q.dx); free(q.sx);                                                              \
+        return 0;                                                                                        \
+    }
+DEFINE_GGUF_LINEAR(bf16, uint16_t, store_row_bf16)
+DEFINE_GGUF_LINEAR(f32, float, store_row_f32)

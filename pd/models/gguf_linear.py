@@ -1,0 +1,231 @@
+"""`--quantization gguf`: linear layers computed from the GGUF file's own quantized blocks.
+
+A quantized GGUF is otherwise dequantized at load, and a bfloat16 decode step reads 2.2x
+the weight bytes the file needs (Gemma 3 270M: 536 MB a step against 247 MB). Here each
+linear weight whose tensor is Q8_0, Q5_0, Q4_K or Q6_K keeps its quantized values, unpacked
+once at load into one byte per weight with its blocks' scales (`Blocks`: w = a u + c per
+block, bitwise gguf's dequantized values), and `pd/csrc/gguf_linear.c` multiplies from them
+with activations quantized per 32 inputs (llama.cpp's Q8_0): int8 products summed exactly,
+scaled per block. The tied embedding's table serves the lm_head so (Q8_0 on Gemma).
+
+Which weights: a linear whose every part (a fused q/k/v or gate/up has three or two) came
+whole from one GGUF tensor of those types with no transform (`CausalLM.gguf_sources`);
+the others (float tensors, other block types, a tensor-parallel shard) stay bfloat16,
+packed for oneDNN (`pd.models.packed`). One byte per weight where Q5_0, Q4_K and Q6_K need
+5.5, 4.5 and 6.6 bits: simpler kernels for 15 % more bytes than the file on Gemma (285 MB
+a step against bfloat16's 536).
+
+On CPU with the native kernel built the kernel computes it; elsewhere (`PD_NATIVE_KERNELS=0`,
+another device) `reference` does the same arithmetic in torch: the activations quantized
+alike, a float32 matmul with the dequantized weight. The two agree to float32 summation
+order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import types
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from pd import native
+from pd.models.model_config import GGUF_KERNEL_TYPES
+
+logger = logging.getLogger(__name__)
+
+SOURCE = native.SOURCES / "gguf_linear.c"
+TILE = 32  # output channels per packed tile (gguf_linear.c)
+XBLOCK = 32  # inputs per activation scale
+TYPES = GGUF_KERNEL_TYPES  # the block types computed from
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_I64, _PTR = native.I64, native.PTR
+_LINEAR_ARGS = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64]
+
+
+@functools.cache
+def _library(plain: bool = False) -> ctypes.CDLL | None:
+    """The kernels; `plain` builds the plain C path (no VNNI) for the tests."""
+    signatures = {f"gguf_linear_{suffix}": _LINEAR_ARGS for suffix in _SUFFIX.values()}
+    signatures["gguf_quantize_rows"] = [_PTR, _I64, _I64, _PTR, _PTR]
+    return native.load(SOURCE, signatures, defines=("PD_PLAIN",) if plain else ())
+
+
+def kernels_available() -> bool:
+    """Whether this machine computes GGUF blocks natively and fast: the kernel builds and
+    the CPU has AVX-512 VNNI (the plain C path is for correctness, not speed)."""
+    return native.cpu_has("avx512_vnni") and _library() is not None
+
+
+@dataclass
+class Blocks:
+    """One weight's blocks unpacked: w[n][bs b + i] = a[n][b] u[n][bs b + i] + c[n][b], with
+    c = -128 a where `c` is None (symmetric types)."""
+
+    u: torch.Tensor  # (N, K) uint8
+    a: torch.Tensor  # (N, K / bs) float32
+    c: torch.Tensor | None  # (N, K / bs) float32, Q4_K's minimums
+    bs: int  # inputs per block: 32, or 16 for Q6_K
+
+    def dequantize(self) -> torch.Tensor:
+        """(N, K) float32, bitwise the values gguf's dequantizer gives."""
+        a = self.a.repeat_interleave(self.bs, dim=1)
+        if self.c is None:
+            return a * (self.u.to(torch.int32) - 128).float()
+        return a * self.u.float() + self.c.repeat_interleave(self.bs, dim=1)
+
+
+def unpack(kind: str, raw: np.ndarray) -> Blocks:
+    """A GGUF tensor's rows of raw blocks ((N, bytes per row) uint8) as `Blocks`."""
+    n = raw.shape[0]
+    if kind == "Q8_0":  # per 32: float16 d, 32 int8 (in torch: the lm_head's 168M values, on every thread)
+        with warnings.catch_warnings():  # the file's read-only map: only read here
+            warnings.simplefilter("ignore", UserWarning)
+            blocks = torch.from_numpy(raw).view(n, -1, 34)
+        d = blocks[..., :2].contiguous().view(torch.float16).float()[..., 0]
+        u = blocks[..., 2:].bitwise_xor(0x80)  # int8 q -> q + 128
+        return Blocks(u.reshape(n, -1), d.contiguous(), None, 32)
+    if kind == "Q5_0":  # per 32: float16 d, 32 high bits, 16 bytes of low nibbles
+        blocks = raw.reshape(n, -1, 22)
+        d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")  # bit j: element j
+        low = np.concatenate([blocks[..., 6:] & np.uint8(0x0F), blocks[..., 6:] >> np.uint8(4)], axis=-1)
+        u = (low | (high << np.uint8(4))) + np.uint8(112)  # q - 16 + 128
+        return Blocks(_tensor(u.reshape(n, -1)), _tensor(d), None, 32)
+    if kind == "Q4_K":  # per 256: float16 d, dmin, 12 bytes of 6-bit scales and minimums, 128 of nibbles
+        from gguf.quants import Q4_K
+
+        blocks = raw.reshape(-1, 144)
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+        nibbles = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        u = (nibbles & np.uint8(0x0F)).reshape(n, -1)
+        a, c = d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+        return Blocks(_tensor(u), _tensor(a.reshape(n, -1)), _tensor(c.reshape(n, -1)), 32)
+    if kind == "Q6_K":  # per 256: 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, float16 d
+        blocks = raw.reshape(-1, 210)
+        low = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        high = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        q = (low & np.uint8(0x0F)).reshape(-1, 8, 32) | ((high & np.uint8(0x03)).reshape(-1, 8, 32) << np.uint8(4))
+        d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+        a = d * blocks[:, 192:208].view(np.int8).astype(np.float32)
+        return Blocks(_tensor((q + np.uint8(96)).reshape(n, -1)), _tensor(a.reshape(n, -1)), None, 16)
+    raise ValueError(f"no GGUF kernel for block type {kind}")
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def pack(blocks: Blocks) -> torch.Tensor:
+    """The kernel's layout (gguf_linear.c): per tile of 32 channels, per block, the bytes
+    [group][channel][4] then the channels' a (then c) as float32 bytes."""
+    n, k = blocks.u.shape
+    tiles, nb, bs = -(-n // TILE), k // blocks.bs, blocks.bs
+    pad = tiles * TILE - n
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
+
+    u = padded(blocks.u).view(tiles, TILE, nb, bs // 4, 4).permute(0, 2, 3, 1, 4).reshape(tiles, nb, bs * TILE)
+    parts = [u, padded(blocks.a).view(tiles, TILE, nb).transpose(1, 2).contiguous().view(torch.uint8)]
+    if blocks.c is not None:
+        parts.append(padded(blocks.c).view(tiles, TILE, nb).transpose(1, 2).contiguous().view(torch.uint8))
+    return torch.cat(parts, dim=2).reshape(-1)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x (..., K) as the kernel sees it, in float32: per 32 inputs round(x / d) d with
+    d = max|x| / 127 (1 for zeros), the int8 values clamped to +-127."""
+    v = x.float().reshape(*x.shape[:-1], -1, XBLOCK)
+    amax = v.abs().amax(dim=-1, keepdim=True)
+    d = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(v * (1.0 / d)).clamp_(-127, 127)
+    return (q * d).reshape(x.shape)
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic in torch: quantized activations times the dequantized
+    float32 weight (N, K), in x's dtype."""
+    return torch.nn.functional.linear(quantize_activations(x), weight).to(x.dtype)
+
+
+@dataclass
+class Segment:
+    """Output channels [first, first + n) of a linear, from one GGUF tensor."""
+
+    kind: str
+    first: int
+    n: int
+    bs: int
+    asym: bool
+    packed: torch.Tensor | None  # the kernel's layout, or None on the reference path
+    weight: torch.Tensor | None  # (n, K) float32, the reference path's
+
+
+def quantize_gguf_linears(model: nn.Module, native_kernels: bool | None = None) -> Counter:
+    """Compute every linear of `model` whose weight came whole from quantized GGUF tensors
+    (`model.gguf_sources`) from their blocks, in place; the others are left alone. Returns
+    the block types used (type -> linears)."""
+    sources = getattr(model, "gguf_sources", {})
+    by_param = {id(p): sources[name] for name, p in model.named_parameters(remove_duplicate=False) if name in sources}
+    used: Counter = Counter()
+    for linear in [m for m in model.modules() if isinstance(m, nn.Linear)]:
+        parts = by_param.get(id(linear.weight))
+        if not parts or not all(kind in TYPES for _, kind, _ in parts):
+            continue
+        if linear.in_features % XBLOCK:
+            continue
+        native_here = native_kernels if native_kernels is not None else (
+            linear.weight.device.type == "cpu" and linear.weight.dtype in _SUFFIX and _library() is not None)
+        segments = []
+        for rows, kind, raw in parts:
+            blocks = unpack(kind, raw)
+            if blocks.u.shape != (rows.stop - rows.start, linear.in_features):
+                break
+            segments.append(Segment(kind, rows.start, rows.stop - rows.start, blocks.bs, blocks.c is not None,
+                                    pack(blocks) if native_here else None,
+                                    None if native_here else blocks.dequantize().to(linear.weight.device)))
+        else:
+            if sum(s.n for s in segments) != linear.out_features:
+                continue
+            linear.gguf_segments = sorted(segments, key=lambda s: s.first)
+            linear.bias_f32 = None if linear.bias is None else linear.bias.detach().float()
+            linear.forward = types.MethodType(_native_forward if native_here else _reference_forward, linear)
+            linear.weight = nn.Parameter(torch.empty(0, dtype=linear.weight.dtype, device=linear.weight.device),
+                                         requires_grad=False)
+            used.update({s.kind for s in segments})
+    return used
+
+
+def _reference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    out = torch.cat([reference(x, s.weight) for s in self.gguf_segments], dim=-1)
+    return out if self.bias_f32 is None else (out.float() + self.bias_f32).to(x.dtype)
+
+
+def _native_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if x.device.type != "cpu" or x.dtype not in _SUFFIX or x.shape[-1] != self.in_features:
+        raise ValueError(f"a GGUF linear takes CPU bfloat16/float32 rows of {self.in_features}, got "
+                         f"{x.dtype} {tuple(x.shape)} on {x.device}")
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
+    kernel = getattr(_library(), f"gguf_linear_{_SUFFIX[x.dtype]}")
+    threads = torch.get_num_threads()
+    for s in self.gguf_segments:
+        status = kernel(rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1], s.packed.data_ptr(), s.n,
+                        s.bs, int(s.asym), out.data_ptr() + s.first * out.element_size(), out.stride(0), threads)
+        if status:
+            raise MemoryError("GGUF linear: no memory for the quantized input") if status == 2 else \
+                ValueError("native GGUF linear refused its arguments")
+    if self.bias_f32 is not None:
+        out = (out.float() + self.bias_f32).to(x.dtype)
+    return out.view(*x.shape[:-1], self.out_features)
