@@ -16,6 +16,12 @@ decode server prefill itself (`--disagg-policy conditional`), "P read from D" th
 whose prefill server read a prefix from the decode server first.
 
     pd bench compare --model DIR --dataset prefix-repetition --num-prompts 64
+
+`--peer NAME=URL` adds a server this command does not start (vLLM, llama.cpp's
+llama-server, any OpenAI-compatible one serving the same model): it is measured by the same
+client, its repetitions interleaved with ours, so that the two are compared in one run on
+one machine (only ratios measured so carry over between machines). Its server-side columns
+(hit rates, KV read) stay empty: they are read from our servers' /metrics.
 """
 
 from __future__ import annotations
@@ -94,7 +100,9 @@ def run_configs(configs: list[str], args: argparse.Namespace, workdir: Path) -> 
             deployments = {}
             for config in group:
                 print(f"== {config}", flush=True)
-                deployments[config] = stack.enter_context(deploy(config, args, workdir))
+                peer = args.peers.get(config)
+                deployments[config] = Deployment(peer, f"{peer}/metrics") if peer else \
+                    stack.enter_context(deploy(config, args, workdir))
                 if args.warmup_prompts:
                     asyncio.run(serve.benchmark(serve_args(args, deployments[config], args.seed + WARMUP_SEED_OFFSET,
                                                            args.warmup_prompts, f"{config}-warmup")))
@@ -175,7 +183,9 @@ def build_parser(prog: str = "pd bench compare") -> argparse.ArgumentParser:
     add("--model", required=True, type=Path, help="model directory or .gguf file every configuration serves")
     add("--configs", default=",".join(CONFIGS[:2]),
         help=f"comma-separated configurations among {', '.join(CONFIGS)} (default: colocated,pd)")
-    add("--dtype", choices=("float32", "bfloat16"), default="float32", help="model dtype (default float32)")
+    add("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+        help="the servers' --dtype; auto, pd serve's default, is the checkpoint's own (a quantized .gguf: bfloat16 "
+             "where the CPU computes it, and then its blocks with --quantization auto) (default auto)")
     add("--endpoint", choices=serve.ENDPOINTS, default="/v1/completions", help="API route (default /v1/completions)")
     add("--num-prompts", type=int, default=64, help="requests per repetition (default 64)")
     add("--warmup-prompts", type=int, default=8, help="requests sent first and not counted (default 8)")
@@ -196,6 +206,9 @@ def build_parser(prog: str = "pd bench compare") -> argparse.ArgumentParser:
         "(e.g. \"--max-num-batched-tokens 1024\")")
     add("--proxy-args", default="", help="more `pd proxy` flags for the PD configurations, one quoted string "
         "(e.g. \"--kv-overlap-weight 2\")")
+    add("--peer", action="append", default=[], metavar="NAME=URL",
+        help="also measure a running OpenAI-compatible server (e.g. vllm=http://127.0.0.1:8000), not started or "
+             "stopped here, as a row named peer:NAME, interleaved with the configurations; repeatable")
     add("--output-dir", type=Path, default=None,
         help="where compare.md, compare.json and compare.png go (default results/compare-DATE)")
     add_dataset_args(parser)
@@ -209,6 +222,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "pd bench compare") -> l
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown or not configs:
         parser.error(f"unknown configuration(s) {', '.join(unknown) or '(none given)'}; choose among {', '.join(CONFIGS)}")
+    args.peers = {}
+    for peer in args.peer:
+        name, sep, url = peer.partition("=")
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            parser.error(f"--peer takes NAME=URL with an http(s) URL, got {peer!r}")
+        args.peers[f"peer:{name}"] = url.rstrip("/")
+    configs += list(args.peers)
     if args.repetitions < 1 or args.num_prompts < 1 or args.warmup_prompts < 0:
         parser.error("--repetitions and --num-prompts must be at least 1, --warmup-prompts at least 0")
     if not ((args.model / "config.json").is_file() or args.model.suffix == ".gguf" and args.model.is_file()):

@@ -17,7 +17,6 @@ ROLES = ("both", "prefill", "decode")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 QUANTIZATIONS = ("auto", "none", "int8", "gguf")  # int8: pd.models.quantized; gguf: pd.models.gguf_linear
 LOGPROBS_MODES = ("processed", "raw")  # pd/logprobs.py
-DEFAULT_KV_CACHE_MEMORY = 256 * 1024 * 1024
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # the server's --max-request-bytes
 
 
@@ -54,7 +53,8 @@ class EngineConfig:
     device: str | None = None
     max_model_len: int | None = None
     block_size: int = 16
-    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
+    kv_cache_memory: int | str = "auto"  # bytes per rank; auto: resolved at construction (pd/kv_cache/sizing.py)
+    kv_cache_max_tokens: int | None = None  # set by auto: the blocks a rank keeps at most (sizing.MAX_TOKENS)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     reserve_growth_tokens: int = 128  # see SchedulerConfig and --reserve-growth-tokens
@@ -89,6 +89,7 @@ class EngineConfig:
     kv_offload_disk_bytes: int | None = None  # its size; None: a tenth of the free space there, at most 64 GiB
     dtype_reason: str = field(default="as asked", init=False, compare=False)  # how `dtype` was chosen
     quantization_reason: str = field(default="as asked", init=False, compare=False)  # how `quantization` was
+    kv_cache_memory_reason: str = field(default="as asked", init=False, compare=False)  # how its size was
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", Path(self.model))
@@ -104,6 +105,7 @@ class EngineConfig:
             object.__setattr__(self, "dtype", dtype)
             object.__setattr__(self, "dtype_reason", why)
         self._check_quantization()
+        self._resolve_kv_cache_memory()
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.kv_connector not in KV_CONNECTORS:
@@ -121,6 +123,18 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         self._check_kv_events()
         self._check_offload()
+
+    def _resolve_kv_cache_memory(self) -> None:
+        if self.kv_cache_memory == "auto":
+            from pd.kv_cache.sizing import MAX_TOKENS, auto_kv_cache_memory
+
+            size, why = auto_kv_cache_memory(self.model, lambda: self.torch_device, self.tensor_parallel_size)
+            object.__setattr__(self, "kv_cache_memory", size)
+            object.__setattr__(self, "kv_cache_memory_reason", why)
+            if self.kv_cache_max_tokens is None:
+                object.__setattr__(self, "kv_cache_max_tokens", MAX_TOKENS)
+        elif not isinstance(self.kv_cache_memory, int) or isinstance(self.kv_cache_memory, bool):
+            raise ValueError(f"kv_cache_memory must be a number of bytes or auto, got {self.kv_cache_memory!r}")
 
     def _check_quantization(self) -> None:
         if self.quantization not in QUANTIZATIONS:
@@ -270,6 +284,15 @@ class EngineConfig:
 ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.init and f.default is not MISSING}
 
 
+def _kv_cache_memory(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes or auto, got {value!r}") from None
+
+
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """The flags that fill an EngineConfig (shared by `pd generate` and `pd serve`)."""
     parser.add_argument("--model", required=True, type=Path, help="HF-format model directory (config.json, safetensors, tokenizer.json) or a .gguf file (config, tokenizer and weights read from it, dequantized at load)")
@@ -279,7 +302,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=ENGINE_DEFAULTS["device"], help="torch device, e.g. cpu or cuda:0 (default: cuda if present, else cpu)")
     parser.add_argument("--max-model-len", type=int, default=ENGINE_DEFAULTS["max_model_len"], help="longest sequence (prompt + output) served; default: the model's max_position_embeddings")
     parser.add_argument("--block-size", type=int, default=ENGINE_DEFAULTS["block_size"], help="tokens per KV cache block (raised for Mamba hybrids so a block holds a Mamba state; default 16)")
-    parser.add_argument("--kv-cache-memory", type=int, default=ENGINE_DEFAULTS["kv_cache_memory"], help="bytes of KV cache memory (default %(default)s)")
+    parser.add_argument("--kv-cache-memory", type=_kv_cache_memory, default=ENGINE_DEFAULTS["kv_cache_memory"], help="bytes of KV cache memory per rank, or auto: on a CPU a quarter of the memory available at start less the weights, on a GPU 90%% of its memory less what is in use and the weights, divided among tensor-parallel ranks, within 256 MiB..64 GiB and at most 4M tokens; $PD_KV_CACHE_MEMORY, where set, replaces auto; the size and its tokens are printed at start (default %(default)s)")
     parser.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS["max_num_seqs"], help="most requests in one batch (default %(default)s)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS["max_num_batched_tokens"], help="most tokens computed in one step; longer prompts are prefilled in chunks. Smaller: requests arriving together see their first token sooner and decodes wait less behind prefills; larger: fewer steps per prefill (default %(default)s)")
     parser.add_argument("--reserve-growth-tokens", type=int, default=ENGINE_DEFAULTS["reserve_growth_tokens"], metavar="N", help="admit a request only while the KV cache still holds the next N tokens of every request holding blocks and of its own: with a tight cache, a request admitted only to be preempted as the others grow is recomputed for nothing; 0 admits whenever its prompt fits (default %(default)s)")

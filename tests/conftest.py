@@ -6,6 +6,10 @@ import os
 import shutil
 import tempfile
 
+# Servers and engines the tests start (hundreds, three at a time) take 256 MiB of KV each
+# unless a test sizes it: `--kv-cache-memory auto` would give each a quarter of the host.
+os.environ.setdefault("PD_KV_CACHE_MEMORY", str(256 * 1024 * 1024))
+
 # The tiny models and the pool of colocated servers are session fixtures, registered here
 # once, so a worker has one set of each (imported into two conftests they were two of each).
 from launch import deployment_secret

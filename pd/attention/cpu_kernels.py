@@ -21,6 +21,11 @@ def _library() -> ctypes.CDLL | None:
     return native.load(SOURCE, {symbol: _ARGTYPES for symbol in _SYMBOLS.values()})
 
 
+def build() -> bool:
+    """Build the kernels now (or find them built); whether they are available."""
+    return _library() is not None
+
+
 def supports(cache: torch.Tensor) -> bool:
     """Whether `paged_attention` can read this layer's cache view: on CPU, bfloat16 or
     float32, head dim contiguous, and the kernel built."""

@@ -68,9 +68,11 @@ static inline __attribute__((always_inline)) void tile_rows(const Quantized *q, 
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = w + b * block_bytes;
         __m512i s0[ROWS], s1[ROWS];
-        for (int r = 0; r < rows; r++) s0[r] = s1[r] = _mm512_setzero_si512();
         const int32_t *x4[ROWS];
-        for (int r = 0; r < rows; r++) x4[r] = (const int32_t *)(q->xq + (m0 + r) * q->k + b * bs);
+        for (int r = 0; r < rows; r++) { /* symmetric: the sums start at -128 sx, so they end at sum (u - 128) xq */
+            s0[r] = s1[r] = asym ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * block_sum(q, m0 + r, b * bs, bs));
+            x4[r] = (const int32_t *)(q->xq + (m0 + r) * q->k + b * bs);
+        }
         for (int64_t g = 0; g < groups; g++) {
             const __m512i w0 = _mm512_loadu_si512(wb + g * 128), w1 = _mm512_loadu_si512(wb + g * 128 + 64);
             for (int r = 0; r < rows; r++) {
@@ -84,20 +86,14 @@ static inline __attribute__((always_inline)) void tile_rows(const Quantized *q, 
         for (int r = 0; r < rows; r++) {
             const int64_t m = m0 + r;
             const float dx = q->dx[m * (q->k / XBLOCK) + b * bs / XBLOCK];
-            const int32_t sx = block_sum(q, m, b * bs, bs);
             const __m512 d = _mm512_set1_ps(dx);
-            if (!asym) { /* dx a (S - 128 sx) */
-                const __m512i off = _mm512_set1_epi32(128 * sx);
-                f0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s0[r], off)), _mm512_mul_ps(a0, d), f0[r]);
-                f1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s1[r], off)), _mm512_mul_ps(a1, d), f1[r]);
-            } else { /* dx a S + dx sx c */
-                const __m512 c0 = _mm512_loadu_ps(scale + 32), c1 = _mm512_loadu_ps(scale + 48);
-                const __m512 dsx = _mm512_set1_ps(dx * (float)sx);
-                f0[r] = _mm512_fmadd_ps(c0, dsx, f0[r]);
-                f1[r] = _mm512_fmadd_ps(c1, dsx, f1[r]);
-                f0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[r]), _mm512_mul_ps(a0, d), f0[r]);
-                f1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[r]), _mm512_mul_ps(a1, d), f1[r]);
+            if (asym) { /* dx sx c, then dx a S below */
+                const __m512 dsx = _mm512_set1_ps(dx * (float)block_sum(q, m, b * bs, bs));
+                f0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(scale + 32), dsx, f0[r]);
+                f1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(scale + 48), dsx, f1[r]);
             }
+            f0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[r]), _mm512_mul_ps(a0, d), f0[r]);
+            f1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[r]), _mm512_mul_ps(a1, d), f1[r]);
         }
     }
     for (int r = 0; r < rows; r++) {

@@ -12,6 +12,8 @@ keep the block dimension leading, so block b of a layer is always inside row b.
 
 from __future__ import annotations
 
+import mmap
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -128,6 +130,16 @@ class KVCacheAllocation:
         return CanonicalKVCaches(tensors=tensors, group_data_refs=refs, group_pieces=group_pieces)
 
 
+def _zeros(shape: tuple[int, int], device: torch.device | str) -> torch.Tensor:
+    """Zeroed int8 memory. On a CPU, pages of an anonymous map: the kernel hands them out
+    zeroed as they are first touched, so a large cache costs neither a fill at start
+    (2 GiB: ~1 s) nor memory it has not used yet."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=torch.int8, device=device)
+    pages = mmap.mmap(-1, max(shape[0] * shape[1], 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=torch.int8, count=shape[0] * shape[1]).view(shape)  # holds `pages`
+
+
 def allocate_kv_caches(
     config: KVCacheConfig,
     device: torch.device | str = "cpu",
@@ -137,10 +149,10 @@ def allocate_kv_caches(
     page = config.page_size_bytes
     if layout == "canonical":
         shape = (config.num_blocks, config.cross_layer_page_bytes)
-        buffers = [torch.zeros(shape, dtype=torch.int8, device=device)]
+        buffers = [_zeros(shape, device)]
     elif layout == "per-layer":
         shape = (config.num_blocks, page)
-        buffers = [torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(config.group_size)]
+        buffers = [_zeros(shape, device) for _ in range(config.group_size)]
     else:
         raise ValueError(f"unknown KV cache layout {layout!r}; expected 'canonical' or 'per-layer'")
     layer_caches: dict[str, LayerCache] = {}

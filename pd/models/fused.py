@@ -34,6 +34,11 @@ def _library() -> ctypes.CDLL | None:
                                 for suffix in _SUFFIX.values()})
 
 
+def build() -> bool:
+    """Build the kernels now (or find them built); whether they are available."""
+    return _library() is not None
+
+
 def supports(x: torch.Tensor) -> bool:
     """Whether the fused ops take `x`: on CPU, bfloat16 or float32, rows of contiguous
     elements, no autograd, and the kernels built."""

@@ -91,6 +91,9 @@ def run_serve(args: argparse.Namespace) -> int:
     client = None
     try:
         client = EngineClient.start(config)
+        info = client.info
+        print(f"pd serve: KV cache {config.kv_cache_memory / 1024 ** 3:.2f} GiB per rank ({config.kv_cache_memory_reason}): "
+              f"{info.num_blocks} blocks, {info.num_blocks * max(info.block_sizes)} tokens", flush=True)
         for line in client.info.kv_offload:
             print(f"pd serve: {line}", flush=True)
         if not asyncio.run(_serve(client, tokenizer, name, config, args, listener, limits)):

@@ -40,7 +40,20 @@ def build_model(config: EngineConfig, shard: TPShard, device: str) -> tuple[Mode
             logger.info("gguf: linear layers computed from %s blocks", ", ".join(f"{k} ({n})" for k, n in used.items()))
         pack_linears(model)
     model.gguf_sources.clear()  # the file's blocks are packed or dequantized by now
+    if torch.device(device).type == "cpu":
+        build_kernels()
     return model_config, model
+
+
+def build_kernels() -> None:
+    """Build (or find built) the attention and fused kernels now, at start, rather than in
+    the first request's step: on an empty kernel cache (a fresh install) that is ~2 s of
+    compiling the first users would wait for. The linear kernels are built at load."""
+    from pd.attention import cpu_kernels
+    from pd.models import fused
+
+    cpu_kernels.build()
+    fused.build()
 
 
 @functools.lru_cache(maxsize=8)  # the engine's context, its KV cache and its runner each ask
@@ -74,16 +87,28 @@ def kv_cache_config(config: EngineConfig, model_config: ModelConfig, model: Caus
     of different TP sizes exchange blocks of the same tokens."""
     if model_config.tp.size == 1:
         specs = model.kv_cache_specs(config.block_size, hybrid=config.hybrid_kv_cache)
-        return make_kv_cache_config(specs, config.kv_cache_memory, model_config.context_len)
+        return _capped(config, specs, model_config.context_len)
     block_sizes = whole_kv_cache_config(config).block_sizes
     specs = model.kv_cache_specs(max(block_sizes), hybrid=config.hybrid_kv_cache)
-    rank = make_kv_cache_config(specs, config.kv_cache_memory, model_config.context_len)
+    rank = _capped(config, specs, model_config.context_len)
     if rank.block_sizes != block_sizes:
         raise KVCacheLayoutError(
             f"tensor-parallel size {model_config.tp.size} shards this model's KV into blocks of {rank.block_sizes} "
             f"tokens where the whole model's are {block_sizes}: servers of other TP sizes could not read them; "
             f"raise --block-size to {max(rank.block_sizes)} on every server of the deployment")
     return rank
+
+
+def _capped(config: EngineConfig, specs, context_len: int) -> KVCacheConfig:
+    """`kv_cache_memory` bytes of blocks, fewer where they would hold more than
+    `kv_cache_max_tokens` (an automatic size on a small model: blocks no workload reaches
+    cost start-up time and memory)."""
+    kv = make_kv_cache_config(specs, config.kv_cache_memory, context_len)
+    cap = config.kv_cache_max_tokens
+    if cap is not None and kv.num_blocks * max(kv.block_sizes) > cap:
+        kv = make_kv_cache_config(specs, config.kv_cache_memory * cap // (kv.num_blocks * max(kv.block_sizes)),
+                                  context_len)
+    return kv
 
 
 def first_heads(whole: KVCacheConfig, shard: TPShard) -> list[tuple[int, int]]:

@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks import compare, deployments, serve, serve_metrics
 from launch import free_port, pd_command, running
+from launch.process import exited
 from pd.models.make_model import make_model
 
 SMALL = ["--dataset", "prefix-repetition", "--prefix-repetition-prefix-len", "160",
@@ -162,3 +163,34 @@ def test_compare_writes_the_table_json_and_plot(bamba, tmp_path, capsys) -> None
     assert "| prefilled on D |" in table and "| 100.0% |" in table
     assert len(json.loads((out / "compare.json").read_text())["rows"]) == 4
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_a_peer_is_measured_by_the_same_client_interleaved(bamba, tmp_path, capsys) -> None:
+    """`--peer NAME=URL`: a server compare did not start (here one of ours, standing in for
+    vLLM or llama.cpp) gets a row of its own, its runs alternating with ours; its
+    server-side columns are empty, and it is still serving afterwards (not stopped)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with running(pd_command("serve", "--model", str(bamba), "--port", str(port), "--num-threads", "1"), url,
+                 tmp_path / "peer.log") as peer:
+        rows = compare.main(["--model", str(bamba), "--configs", "colocated", "--peer", f"mine={url}",
+                             "--num-prompts", "3", "--warmup-prompts", "1", "--repetitions", "2", *SMALL,
+                             "--output-dir", str(tmp_path / "out")])
+        assert not exited(peer.process)
+    ran = [line.split()[0] for line in capsys.readouterr().out.splitlines() if " repetition " in line]
+    assert ran == ["colocated", "peer:mine", "peer:mine", "colocated"]
+    assert [r["config"] for r in rows] == ["colocated", "peer:mine"]
+    for row in rows:
+        for run in row["runs"]:
+            check_metrics(run["metrics"], 3)
+    assert rows[0]["medians"]["prefix_hit_rate"] is not None and rows[1]["medians"]["prefix_hit_rate"] is None
+    assert "| peer:mine |" in (tmp_path / "out" / "compare.md").read_text()
+
+
+def test_a_peer_must_be_named_with_an_http_url(tmp_path, capsys) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    for bad in ("http://127.0.0.1:1", "x=ftp://127.0.0.1:1", "=http://127.0.0.1:1"):
+        with pytest.raises(SystemExit):
+            compare.main(["--model", str(tmp_path), "--configs", "colocated", "--peer", bad])
+        assert "NAME=URL" in capsys.readouterr().err
