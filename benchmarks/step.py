@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from pd.config import QUANTIZATIONS, EngineConfig
+from pd.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from pd.engine.core import EngineCore
 from pd.scheduling.request import Request
 from pd.scheduling.sampling_params import SamplingParams
@@ -90,6 +90,7 @@ def minor_faults() -> int:
 
 def run(args: argparse.Namespace) -> dict:
     config = EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                          kv_cache_dtype=args.kv_cache_dtype,
                           max_num_seqs=max(args.batch, 1),
                           max_model_len=args.context + args.steps + args.warmup + 8,
                           max_num_batched_tokens=max(2048, args.context), num_threads=args.num_threads,
@@ -126,7 +127,8 @@ def _time_steps(args: argparse.Namespace, engine: EngineCore) -> dict:
     keys = ["step", "attention", "mlp", "lm_head", "sampling", "scheduler", "other", "collectives"]
     medians = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in keys}
     medians["faults"] = statistics.median(s["faults"] for s in steps)
-    return {"model": args.model, "dtype": engine.config.dtype, "quantization": engine.config.quantization, "batch": args.batch,
+    return {"model": args.model, "dtype": engine.config.dtype, "quantization": engine.config.quantization,
+            "kv_cache_dtype": args.kv_cache_dtype, "batch": args.batch,
             "context": args.context,
             "steps": args.steps, "threads": torch.get_num_threads(), "tensor_parallel_size": args.tensor_parallel_size,
             "medians": medians, "per_step": steps}
@@ -135,7 +137,7 @@ def _time_steps(args: argparse.Namespace, engine: EngineCore) -> dict:
 def print_table(result: dict) -> None:
     m = result["medians"]
     print(f"decode step, batch {result['batch']}, context {result['context']}, {result['dtype']}, "
-          f"quantization {result['quantization']}, "
+          f"quantization {result['quantization']}, KV {result.get('kv_cache_dtype', 'auto')}, "
           f"{result['threads']} threads, tensor-parallel size {result.get('tensor_parallel_size', 1)} "
           f"(median of {result['steps']} steps)")
     print("| part | ms | share |")
@@ -152,6 +154,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="model directory or .gguf file")
     parser.add_argument("--dtype", default="auto", help="weights and KV dtype (auto, bfloat16, float32, ...)")
+    parser.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
+                        help="as pd serve --kv-cache-dtype (default auto)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="auto", help="as pd serve --quantization: auto (default), none, int8 or gguf")
     parser.add_argument("--batch", type=int, default=8, help="requests decoding together")
     parser.add_argument("--context", type=int, default=640, help="prompt tokens of each request")

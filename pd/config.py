@@ -17,6 +17,7 @@ ROLES = ("both", "prefill", "decode")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 QUANTIZATIONS = ("auto", "none", "int8", "gguf")  # int8: pd.models.quantized; gguf: pd.models.gguf_linear
 LOGPROBS_MODES = ("processed", "raw")  # pd/logprobs.py
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": "float8_e4m3fn"}  # --kv-cache-dtype -> attention KV dtype name
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # the server's --max-request-bytes
 
 
@@ -53,6 +54,7 @@ class EngineConfig:
     device: str | None = None
     max_model_len: int | None = None
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # attention layers' KV: auto (the model's dtype) or fp8_e4m3 (KV_CACHE_DTYPES)
     kv_cache_memory: int | str = "auto"  # bytes per rank; auto: resolved at construction (pd/kv_cache/sizing.py)
     kv_cache_max_tokens: int | None = None  # set by auto: the blocks a rank keeps at most (sizing.MAX_TOKENS)
     max_num_seqs: int = 64
@@ -106,6 +108,8 @@ class EngineConfig:
             object.__setattr__(self, "dtype_reason", why)
         self._check_quantization()
         self._resolve_kv_cache_memory()
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.kv_connector not in KV_CONNECTORS:
@@ -266,6 +270,11 @@ class EngineConfig:
                                reserve_growth_tokens=self.reserve_growth_tokens)
 
     @property
+    def attention_kv_dtype(self) -> str | None:
+        """The attention KV dtype name where --kv-cache-dtype sets one (None: the model's)."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+    @property
     def torch_device(self) -> str:
         if self.device is not None:
             return self.device
@@ -302,6 +311,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=ENGINE_DEFAULTS["device"], help="torch device, e.g. cpu or cuda:0 (default: cuda if present, else cpu)")
     parser.add_argument("--max-model-len", type=int, default=ENGINE_DEFAULTS["max_model_len"], help="longest sequence (prompt + output) served; default: the model's max_position_embeddings")
     parser.add_argument("--block-size", type=int, default=ENGINE_DEFAULTS["block_size"], help="tokens per KV cache block (raised for Mamba hybrids so a block holds a Mamba state; default 16)")
+    parser.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default=ENGINE_DEFAULTS["kv_cache_dtype"], help="attention layers' KV cache: auto, the model's dtype; fp8_e4m3, 8-bit floats (one scale for the whole cache: 1, as vLLM's fp8 without calibration; K and V saturate at +-448): half the bytes of bfloat16 per token, so twice the tokens in --kv-cache-memory, half the bytes read by attention and moved from P to D. Mamba states stay in the model's dtype. Prefill and decode servers must agree: the handshake refuses another KV dtype (default %(default)s)")
     parser.add_argument("--kv-cache-memory", type=_kv_cache_memory, default=ENGINE_DEFAULTS["kv_cache_memory"], help="bytes of KV cache memory per rank, or auto: on a CPU a quarter of the memory available at start less the weights, on a GPU 90%% of its memory less what is in use and the weights, divided among tensor-parallel ranks, within 256 MiB..64 GiB and at most 4M tokens; $PD_KV_CACHE_MEMORY, where set, replaces auto; the size and its tokens are printed at start (default %(default)s)")
     parser.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS["max_num_seqs"], help="most requests in one batch (default %(default)s)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS["max_num_batched_tokens"], help="most tokens computed in one step; longer prompts are prefilled in chunks. Smaller: requests arriving together see their first token sooner and decodes wait less behind prefills; larger: fewer steps per prefill (default %(default)s)")

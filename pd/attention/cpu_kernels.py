@@ -10,7 +10,12 @@ import torch
 from pd import native
 
 SOURCE = native.SOURCES / "paged_attention.c"
-_SYMBOLS = {torch.bfloat16: "paged_attention_bf16", torch.float32: "paged_attention_f32"}
+# (query dtype, cache dtype) -> kernel
+_SYMBOLS = {(torch.bfloat16, torch.bfloat16): "paged_attention_bf16",
+            (torch.float32, torch.float32): "paged_attention_f32",
+            (torch.bfloat16, torch.float8_e4m3fn): "paged_attention_bf16_fp8",
+            (torch.float32, torch.float8_e4m3fn): "paged_attention_f32_fp8"}
+CACHE_DTYPES = {cache for _, cache in _SYMBOLS}
 _I64, _PTR, _F32 = native.I64, native.PTR, native.F32
 _ARGTYPES = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64,
              _I64, _I64, _I64, _F32, _PTR, _I64, _I64]
@@ -27,9 +32,10 @@ def build() -> bool:
 
 
 def supports(cache: torch.Tensor) -> bool:
-    """Whether `paged_attention` can read this layer's cache view: on CPU, bfloat16 or
-    float32, head dim contiguous, and the kernel built."""
-    return cache.device.type == "cpu" and cache.dtype in _SYMBOLS and cache.stride(-1) == 1 and _library() is not None
+    """Whether `paged_attention` can read this layer's cache view: on CPU, bfloat16,
+    float32 or float8_e4m3fn, head dim contiguous, and the kernel built."""
+    return cache.device.type == "cpu" and cache.dtype in CACHE_DTYPES and cache.stride(-1) == 1 \
+        and _library() is not None
 
 
 def scratch_size(vectors: int, head_size: int, max_span: int) -> int:
@@ -46,8 +52,9 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, table: torch.Tenso
     """Attention of every tile's query tokens over their visible cached keys (see the C
     source for the tile layout).
 
-    query, out (n, H, D) contiguous, in the cache's dtype; cache one layer's (blocks, 2, block_size,
-    KVH, D) view; table int32 (requests, columns) contiguous; tiles int64 (tiles, 4)
+    query, out (n, H, D) contiguous, bfloat16 or float32 (the cache's dtype, or any of the
+    two over a float8_e4m3fn cache); cache one layer's (blocks, 2, block_size, KVH, D) view;
+    table int32 (requests, columns) contiguous; tiles int64 (tiles, 4)
     contiguous, each at most `max_tile` tokens and `max_span` keys; scratch float32 of
     `scratch_size(group * max_tile, ...)` elements. A tile outside these bounds is a
     ValueError, raised before anything is read."""
@@ -56,10 +63,10 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, table: torch.Tenso
     threads = torch.get_num_threads()
     assert scratch.numel() >= scratch_size((num_heads // num_kv_heads) * max_tile, head_size, max_span)
     assert query.is_contiguous() and out.is_contiguous() and out.shape == query.shape
-    assert query.dtype == out.dtype == cache.dtype
+    assert query.dtype == out.dtype and (query.dtype, cache.dtype) in _SYMBOLS
     assert table.is_contiguous() and table.dtype == torch.int32
     assert tiles.is_contiguous() and tiles.dtype == torch.int64 and tiles.shape[1:] == (4,)
-    status = getattr(_library(), _SYMBOLS[cache.dtype])(
+    status = getattr(_library(), _SYMBOLS[query.dtype, cache.dtype])(
         query.data_ptr(), out.data_ptr(), cache.data_ptr(), *cache.stride()[:4], table.data_ptr(), table.shape[1],
         table.shape[0], tiles.data_ptr(), tiles.shape[0], max_tile, n, num_heads, num_kv_heads, head_size, block_size,
         window or 0, scale, scratch.data_ptr(), max_span, threads)

@@ -111,6 +111,8 @@ class NativeTiles:
 
 
 TILE_TOKENS = 8
+FP8 = (torch.float8_e4m3fn,)  # 8-bit caches (--kv-cache-dtype fp8_e4m3): written saturated, read widened
+FP8_MAX = 448.0
 
 
 @dataclass(frozen=True)
@@ -261,6 +263,8 @@ class TorchAttentionImpl(AttentionImpl):
                metadata: TorchAttentionMetadata) -> None:
         """Scatter by (block, offset): the cache may be a strided view, never flattened."""
         blocks, offsets = metadata.slot_blocks, metadata.slot_offsets
+        if kv_cache.dtype in FP8:  # saturated at the format's largest finite value, never NaN for a finite input
+            key, value = key.clamp(-FP8_MAX, FP8_MAX), value.clamp(-FP8_MAX, FP8_MAX)
         kv_cache[blocks, 0, offsets] = key.to(kv_cache.dtype)
         kv_cache[blocks, 1, offsets] = value.to(kv_cache.dtype)
 
@@ -280,13 +284,14 @@ class TorchAttentionImpl(AttentionImpl):
         """Every query of the step in one call of the native kernel (each visible key and
         value read in place, once per tile)."""
         n, tiles = metadata.num_actual_tokens, metadata.tiles
-        out = torch.empty(query.shape, dtype=kv_cache.dtype)
+        dtype = query.dtype if kv_cache.dtype in FP8 else kv_cache.dtype  # the kernel's queries and outputs
+        out = torch.empty(query.shape, dtype=dtype)
         out[n:] = 0
         if n and tiles.tiles.numel():
             group = self.num_heads // self.num_kv_heads
             size = cpu_kernels.scratch_size(group * tiles.max_tile, self.head_size, tiles.max_span)
             scratch = metadata.workspace.take("scratch", (size,), torch.float32, query.device)
-            cpu_kernels.paged_attention(query[:n].to(kv_cache.dtype).contiguous(), kv_cache, tiles.table, tiles.tiles,
+            cpu_kernels.paged_attention(query[:n].to(dtype).contiguous(), kv_cache, tiles.table, tiles.tiles,
                                         tiles.max_tile, self.sliding_window, self.scale, out[:n], scratch,
                                         tiles.max_span)
         return out.to(query.dtype)
@@ -311,6 +316,8 @@ class TorchAttentionImpl(AttentionImpl):
         k32 = k.view(kvh, n, keys, size)
         if k32.dtype != torch.float32:
             k32 = ws.take("k32", k32.shape, torch.float32, device).copy_(k32)
+        if v.dtype in FP8:  # values weighed in the model's dtype
+            v = ws.take("v16", v.shape, query.dtype, device).copy_(v)
         v = v.view(kvh, n * keys, size).index_fill_(1, d.hidden_slots, 0).view(kvh, n, keys, size)
         q = query[d.token_indices].view(n, kvh, group, size).transpose(0, 1).float()
         scores = torch.matmul(q, k32.transpose(2, 3), out=ws.take("scores", (kvh, n, group, keys), torch.float32, device))

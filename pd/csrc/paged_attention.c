@@ -11,7 +11,9 @@
  * 1 / (tile size) times per query token, not once per token.
  *
  * Layouts (element strides, the last dim contiguous):
- *   q, out    (num_tokens, num_heads, head_size) in the cache's dtype; query heads h*group ..
+ *   q, out    (num_tokens, num_heads, head_size) in the model's dtype (bfloat16 or float32;
+ *             a cache in 8-bit floats, --kv-cache-dtype fp8_e4m3, is read by the _fp8
+ *             variants); query heads h*group ..
  *             h*group+group-1 share KV head h; tile i covers tokens tiles[4i] ..
  *             tiles[4i] + tiles[4i+1] - 1, reads block-table row tiles[4i+2], and its
  *             first token is at position tiles[4i+3];
@@ -137,8 +139,21 @@ static void softmax_visible(float *scores, int64_t V, int64_t group, int64_t nk,
     }
 }
 
-#define DEFINE_PAGED_ATTENTION(NAME, T, WIDEN, STORE, ROUND)                                      \
-    static inline const T *NAME##_row(const T *cache, const int32_t *blocks, int64_t p,           \
+/* An 8-bit float (e4m3fn: 4 exponent bits biased by 7, 3 mantissa bits, no infinities) as
+ * float32: its 7 magnitude bits put under float32's exponent field are the value times
+ * 2^-120 (subnormals included: they become float32 subnormals), so one multiply rebiases.
+ * The cache never holds NaN (writes saturate at +-448). */
+static inline float load_fp8(const uint8_t *x, int64_t i) {
+    const uint32_t bits = ((uint32_t)(x[i] & 0x80u) << 24) | ((uint32_t)(x[i] & 0x7fu) << 20);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f * 0x1p120f;
+}
+
+/* T: the queries' and outputs' type (the model's), C: the cache's; WIDEN and CWIDEN read
+ * them as float32. */
+#define DEFINE_PAGED_ATTENTION(NAME, T, WIDEN, STORE, ROUND, C, CWIDEN)                          \
+    static inline const C *NAME##_row(const C *cache, const int32_t *blocks, int64_t p,           \
                                       int64_t bs, int64_t s_block, int64_t s_slot) {              \
         return cache + blocks[p / bs] * s_block + (p % bs) * s_slot;                              \
     }                                                                                             \
@@ -147,23 +162,23 @@ static void softmax_visible(float *scores, int64_t V, int64_t group, int64_t nk,
      * floats, zero past D and in the rows past `count` (so the vector loops need no tails);  \
      * and ask for the 4 rows PREFETCH_AHEAD positions later: rows sit in scattered blocks,   \
      * so the hardware prefetcher loses the stream at each block boundary. */                 \
-    static inline void NAME##_widen(const T *base, const int32_t *blocks, int64_t first,         \
+    static inline void NAME##_widen(const C *base, const int32_t *blocks, int64_t first,         \
                                     int64_t j, int64_t count, int64_t nk, int64_t D, int64_t P,  \
                                     int64_t bs, int64_t s_block, int64_t s_slot, float *rows) {  \
         for (int64_t i = 0; j + PREFETCH_AHEAD + 4 <= nk && i < 4; i++) {                         \
             const char *ahead = (const char *)NAME##_row(base, blocks, first + j + PREFETCH_AHEAD + i, \
                                                          bs, s_block, s_slot);                   \
-            for (int64_t b = 0; b < D * (int64_t)sizeof(T); b += 64) __builtin_prefetch(ahead + b); \
+            for (int64_t b = 0; b < D * (int64_t)sizeof(C); b += 64) __builtin_prefetch(ahead + b); \
         }                                                                                         \
         for (int64_t i = 0; i < count; i++) {                                                     \
-            const T *row = NAME##_row(base, blocks, first + j + i, bs, s_block, s_slot);          \
-            for (int64_t d = 0; d < D; d++) rows[i * P + d] = WIDEN(row, d);                      \
+            const C *row = NAME##_row(base, blocks, first + j + i, bs, s_block, s_slot);          \
+            for (int64_t d = 0; d < D; d++) rows[i * P + d] = CWIDEN(row, d);                     \
             for (int64_t d = D; d < P; d++) rows[i * P + d] = 0.0f;                               \
         }                                                                                         \
         if (count < 4) memset(rows + count * P, 0, (4 - count) * P * sizeof(float));              \
     }                                                                                             \
                                                                                                   \
-    int NAME(const T *q, T *out, const T *cache, int64_t s_block, int64_t s_kv,                   \
+    int NAME(const T *q, T *out, const C *cache, int64_t s_block, int64_t s_kv,                   \
              int64_t s_slot, int64_t s_head, const int32_t *table, int64_t s_row, int64_t table_rows, \
              const int64_t *tiles, int64_t n_tiles, int64_t max_tile, int64_t num_tokens,          \
              int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size,      \
@@ -190,7 +205,7 @@ static void softmax_visible(float *scores, int64_t V, int64_t group, int64_t nk,
                 const int64_t first = first_seen(pos, window), nk = pos + m - first;              \
                 const int32_t *blocks = table + tile[2] * s_row;                                  \
                 const int64_t head = (tile[0] * num_heads + h * group) * D, stride = num_heads * D; \
-                const T *keys = cache + h * s_head, *values = cache + s_kv + h * s_head;          \
+                const C *keys = cache + h * s_head, *values = cache + s_kv + h * s_head;          \
                 for (int64_t v = 0; v < V; v++) {                                                 \
                     const T *x = q + head + (v / group) * stride + (v % group) * D;               \
                     for (int64_t d = 0; d < P; d++) q32[v * P + d] = d < D ? WIDEN(x, d) : 0.0f;  \
@@ -216,5 +231,7 @@ static void softmax_visible(float *scores, int64_t V, int64_t group, int64_t nk,
         return 0;                                                                                 \
     }
 
-DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, load_bf16, store_bf16, round_bf16)
-DEFINE_PAGED_ATTENTION(paged_attention_f32, float, load_f32, store_f32, round_f32)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, load_bf16, store_bf16, round_bf16, uint16_t, load_bf16)
+DEFINE_PAGED_ATTENTION(paged_attention_f32, float, load_f32, store_f32, round_f32, float, load_f32)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16_fp8, uint16_t, load_bf16, store_bf16, round_bf16, uint8_t, load_fp8)
+DEFINE_PAGED_ATTENTION(paged_attention_f32_fp8, float, load_f32, store_f32, round_f32, uint8_t, load_fp8)

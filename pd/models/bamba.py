@@ -174,8 +174,10 @@ class HybridForCausalLM(CausalLM):
         return {f"layers.{i}": layer.state_layer for i, layer in enumerate(self.model.layers)}
 
     def kv_cache_specs(self, block_size: int, hybrid: bool = True) -> dict[str, KVCacheSpec]:
-        """Attention layers' specs and Mamba layers' state specs, both in the model dtype.
-        The non-hybrid mode is refused: it exists for attention-only models."""
+        """Attention layers' specs (in the KV dtype) and Mamba layers' state specs (always
+        in the model dtype: a state is carried forward, and rounding it to 8 bits would
+        compound over every token). The non-hybrid mode is refused: it exists for
+        attention-only models."""
         if not hybrid and MAMBA in self.arch.layer_kinds:
             raise ValueError(f"the non-hybrid KV cache mode (--no-hybrid-kv-cache) is for attention-only "
                              f"models; {type(self).__name__} has Mamba layers")
@@ -183,7 +185,7 @@ class HybridForCausalLM(CausalLM):
         specs: dict[str, KVCacheSpec] = {}
         for name, layer in self.kv_cache_layers().items():
             if isinstance(layer, Attention):
-                specs[name] = layer.kv_cache_spec(block_size, dtype, hybrid=hybrid)
+                specs[name] = layer.kv_cache_spec(block_size, self.config.attention_kv_dtype, hybrid=hybrid)
             else:
                 specs[name] = layer.kv_cache_spec(block_size, conv_dtype=dtype, ssm_dtype=dtype)
         return specs

@@ -50,7 +50,7 @@ class CausalLM(nn.Module):
     def kv_cache_specs(self, block_size: int, hybrid: bool = True) -> dict[str, KVCacheSpec]:
         """Every stateful layer's spec, in layer order. `hybrid=False` puts every attention
         layer in full attention; a model with Mamba layers refuses it (see overrides)."""
-        dtype = self.config.dtype
+        dtype = self.config.attention_kv_dtype
         return {name: layer.kv_cache_spec(block_size, dtype, hybrid=hybrid)
                 for name, layer in self.kv_cache_layers().items()}
 

@@ -95,6 +95,11 @@ class ModelConfig:
     max_model_len: int | None = None
     generation_config: dict[str, Any] = field(default_factory=dict)
     tp: TPShard = TPShard()
+    kv_cache_dtype: str | None = None  # attention layers' KV dtype name where not `dtype` (--kv-cache-dtype)
+
+    @property
+    def attention_kv_dtype(self) -> str:
+        return self.kv_cache_dtype or self.dtype
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -105,14 +110,15 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, dtype: str = "float32",
-                 max_model_len: int | None = None, tp: TPShard = TPShard()) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path, dtype: str = "float32", max_model_len: int | None = None,
+                 tp: TPShard = TPShard(), kv_cache_dtype: str | None = None) -> "ModelConfig":
         model_dir = Path(model_dir)
         from pd.models.gguf import is_gguf, open_gguf
 
         if is_gguf(model_dir):  # a GGUF file: its metadata makes the config.json
             gguf = open_gguf(model_dir)
-            return cls(model_dir, dict(gguf.hf_config), dtype, max_model_len, dict(gguf.generation_config), tp)
+            return cls(model_dir, dict(gguf.hf_config), dtype, max_model_len, dict(gguf.generation_config), tp,
+                       kv_cache_dtype)
         config_path = model_dir / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{model_dir} is not a model directory: no config.json")
@@ -120,7 +126,7 @@ class ModelConfig:
         hf_config = hf_config.get("text_config", hf_config) | {"architectures": hf_config.get("architectures")}
         gen_path = model_dir / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        return cls(model_dir, hf_config, dtype, max_model_len, gen, tp)
+        return cls(model_dir, hf_config, dtype, max_model_len, gen, tp, kv_cache_dtype)
 
     @property
     def architectures(self) -> list[str]:

@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 def build_model(config: EngineConfig, shard: TPShard, device: str) -> tuple[ModelConfig, CausalLM]:
     """The rank's shard of the model, loaded, quantized (int8, or computed from the GGUF's
     blocks: the linears left by gguf are packed) or packed."""
-    model_config = ModelConfig.from_dir(config.model, config.dtype, config.max_model_len, tp=shard)
+    model_config = ModelConfig.from_dir(config.model, config.dtype, config.max_model_len, tp=shard,
+                                        kv_cache_dtype=config.attention_kv_dtype)
     model = load_model(model_config, device)
     if config.quantization == "int8":
         quantize_linears(model)
@@ -61,7 +62,8 @@ def whole_kv_cache_config(config: EngineConfig) -> KVCacheConfig:
     """The KV cache groups of the whole (unsharded) model, from its skeleton on the meta
     device: what a block means whatever the tensor-parallel size (the compatibility hash
     is taken of it), and the block sizes every rank of every TP size uses."""
-    model_config = ModelConfig.from_dir(config.model, config.dtype, config.max_model_len)
+    model_config = ModelConfig.from_dir(config.model, config.dtype, config.max_model_len,
+                                        kv_cache_dtype=config.attention_kv_dtype)
     specs = model_skeleton(model_config).kv_cache_specs(config.block_size, hybrid=config.hybrid_kv_cache)
     return make_kv_cache_config(specs, 1 << 62)  # the groups and block sizes; no memory is taken
 

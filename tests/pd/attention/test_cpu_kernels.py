@@ -27,3 +27,29 @@ def test_native_kernel_refuses_tiles_out_of_bounds(bad) -> None:
     with pytest.raises(ValueError, match="refused"):
         cpu_kernels.paged_attention(q, cache, table, torch.tensor([good, tile], dtype=torch.int64), max_tile, None,
                                     0.5, out, scratch, span)
+
+
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [None, 5])
+def test_an_fp8_cache_is_read_as_the_values_it_holds(query_dtype, window) -> None:
+    """`--kv-cache-dtype fp8_e4m3`: the kernel over an 8-bit cache gives, bitwise, what it
+    gives over a cache of the query's dtype holding the same values (every e4m3 value is
+    exact in bfloat16), subnormals and the largest magnitudes included."""
+    assert cpu_kernels._library() is not None, "the native attention kernel did not build"
+    bs, kvh, size, heads = 4, 2, 24, 4
+    gen = torch.Generator().manual_seed(7)
+    values = torch.randn(9, 2, bs, kvh, size, generator=gen) * torch.logspace(-3, 2.4, size)  # 0.001 .. ~250
+    values[0, 0, 0, 0, :4] = torch.tensor([448.0, -448.0, 2.0 ** -9, -(2.0 ** -7)])  # extremes, subnormals
+    fp8 = values.clamp(-448, 448).to(torch.float8_e4m3fn)
+    wide = fp8.to(query_dtype)
+    table = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]], dtype=torch.int32)
+    q = torch.randn(5, heads, size, generator=gen).to(query_dtype)
+    tiles = torch.tensor([[0, 3, 0, 9], [3, 1, 1, 13], [4, 1, 0, 2]], dtype=torch.int64)  # a chunk, two decodes
+    scratch = torch.empty(cpu_kernels.scratch_size((heads // kvh) * 3, size, 16))
+    outs = []
+    for cache in (wide, fp8):
+        out = torch.empty_like(q)
+        cpu_kernels.paged_attention(q, cache, table, tiles, 3, window, 0.3, out, scratch, 16)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert outs[1].isfinite().all()
