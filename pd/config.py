@@ -17,7 +17,7 @@ ROLES = ("both", "prefill", "decode")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 QUANTIZATIONS = ("auto", "none", "int8", "gguf")  # int8: pd.models.quantized; gguf: pd.models.gguf_linear
 LOGPROBS_MODES = ("processed", "raw")  # pd/logprobs.py
-KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": "float8_e4m3fn"}  # --kv-cache-dtype -> attention KV dtype name
+KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": "float8_e4m3fn", "int8": "int8"}  # --kv-cache-dtype -> KV dtype name
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # the server's --max-request-bytes
 
 
@@ -54,7 +54,7 @@ class EngineConfig:
     device: str | None = None
     max_model_len: int | None = None
     block_size: int = 16
-    kv_cache_dtype: str = "auto"  # attention layers' KV: auto (the model's dtype) or fp8_e4m3 (KV_CACHE_DTYPES)
+    kv_cache_dtype: str = "auto"  # attention layers' KV: auto (the model's dtype), int8 or fp8_e4m3 (KV_CACHE_DTYPES)
     kv_cache_memory: int | str = "auto"  # bytes per rank; auto: resolved at construction (pd/kv_cache/sizing.py)
     kv_cache_max_tokens: int | None = None  # set by auto: the blocks a rank keeps at most (sizing.MAX_TOKENS)
     max_num_seqs: int = 64
@@ -311,7 +311,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=ENGINE_DEFAULTS["device"], help="torch device, e.g. cpu or cuda:0 (default: cuda if present, else cpu)")
     parser.add_argument("--max-model-len", type=int, default=ENGINE_DEFAULTS["max_model_len"], help="longest sequence (prompt + output) served; default: the model's max_position_embeddings")
     parser.add_argument("--block-size", type=int, default=ENGINE_DEFAULTS["block_size"], help="tokens per KV cache block (raised for Mamba hybrids so a block holds a Mamba state; default 16)")
-    parser.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default=ENGINE_DEFAULTS["kv_cache_dtype"], help="attention layers' KV cache: auto, the model's dtype; fp8_e4m3, 8-bit floats (one scale for the whole cache: 1, as vLLM's fp8 without calibration; K and V saturate at +-448): half the bytes of bfloat16 per token, so twice the tokens in --kv-cache-memory, half the bytes read by attention and moved from P to D. Mamba states stay in the model's dtype. Prefill and decode servers must agree: the handshake refuses another KV dtype (default %(default)s)")
+    parser.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default=ENGINE_DEFAULTS["kv_cache_dtype"], help="attention layers' KV cache: auto, the model's dtype; int8, each row (token and KV head) as int8 values and its own float32 scale (Gemma 3 270M: perplexity +0.1%%); fp8_e4m3, 8-bit floats with one scale, 1, as vLLM's fp8 without calibration (values saturate at +-448; perplexity +2.1%%). Either takes about half of bfloat16's bytes: nearly twice the tokens in --kv-cache-memory, half the bytes read by attention and moved from P to D. Mamba states stay in the model's dtype. Prefill and decode servers must agree: the handshake refuses another KV dtype (default %(default)s)")
     parser.add_argument("--kv-cache-memory", type=_kv_cache_memory, default=ENGINE_DEFAULTS["kv_cache_memory"], help="bytes of KV cache memory per rank, or auto: on a CPU a quarter of the memory available at start less the weights, on a GPU 90%% of its memory less what is in use and the weights, divided among tensor-parallel ranks, within 256 MiB..64 GiB and at most 4M tokens; $PD_KV_CACHE_MEMORY, where set, replaces auto; the size and its tokens are printed at start (default %(default)s)")
     parser.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS["max_num_seqs"], help="most requests in one batch (default %(default)s)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS["max_num_batched_tokens"], help="most tokens computed in one step; longer prompts are prefilled in chunks. Smaller: requests arriving together see their first token sooner and decodes wait less behind prefills; larger: fewer steps per prefill (default %(default)s)")

@@ -14,8 +14,11 @@ SOURCE = native.SOURCES / "paged_attention.c"
 _SYMBOLS = {(torch.bfloat16, torch.bfloat16): "paged_attention_bf16",
             (torch.float32, torch.float32): "paged_attention_f32",
             (torch.bfloat16, torch.float8_e4m3fn): "paged_attention_bf16_fp8",
-            (torch.float32, torch.float8_e4m3fn): "paged_attention_f32_fp8"}
+            (torch.float32, torch.float8_e4m3fn): "paged_attention_f32_fp8",
+            (torch.bfloat16, torch.int8): "paged_attention_bf16_i8",
+            (torch.float32, torch.int8): "paged_attention_f32_i8"}
 CACHE_DTYPES = {cache for _, cache in _SYMBOLS}
+_WRITERS = {torch.bfloat16: "write_kv_i8_bf16", torch.float32: "write_kv_i8_f32"}  # int8 rows, from the model dtype
 _I64, _PTR, _F32 = native.I64, native.PTR, native.F32
 _ARGTYPES = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64,
              _I64, _I64, _I64, _F32, _PTR, _I64, _I64]
@@ -23,7 +26,10 @@ _ARGTYPES = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    return native.load(SOURCE, {symbol: _ARGTYPES for symbol in _SYMBOLS.values()})
+    signatures = {symbol: _ARGTYPES for symbol in _SYMBOLS.values()}
+    signatures |= {symbol: [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64]
+                   for symbol in _WRITERS.values()}
+    return native.load(SOURCE, signatures)
 
 
 def build() -> bool:
@@ -33,7 +39,8 @@ def build() -> bool:
 
 def supports(cache: torch.Tensor) -> bool:
     """Whether `paged_attention` can read this layer's cache view: on CPU, bfloat16,
-    float32 or float8_e4m3fn, head dim contiguous, and the kernel built."""
+    float32, float8_e4m3fn or int8 (rows ending in their scale), head dim contiguous, and
+    the kernel built."""
     return cache.device.type == "cpu" and cache.dtype in CACHE_DTYPES and cache.stride(-1) == 1 \
         and _library() is not None
 
@@ -53,7 +60,8 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, table: torch.Tenso
     source for the tile layout).
 
     query, out (n, H, D) contiguous, bfloat16 or float32 (the cache's dtype, or any of the
-    two over a float8_e4m3fn cache); cache one layer's (blocks, 2, block_size, KVH, D) view;
+    two over a float8_e4m3fn or int8 cache); cache one layer's (blocks, 2, block_size, KVH,
+    D) view (D + 4 for int8: each row's float32 scale after it);
     table int32 (requests, columns) contiguous; tiles int64 (tiles, 4)
     contiguous, each at most `max_tile` tokens and `max_span` keys; scratch float32 of
     `scratch_size(group * max_tile, ...)` elements. A tile outside these bounds is a
@@ -74,3 +82,22 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, table: torch.Tenso
         raise ValueError(f"paged_attention refused its arguments ({num_heads} heads over {num_kv_heads}, "
                          f"head size {head_size}, or a tile out of bounds)")
     return out
+
+
+def write_int8(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, blocks: torch.Tensor,
+               offsets: torch.Tensor) -> bool:
+    """Quantize and write new K/V rows (tokens, KVH, D) into an int8 cache view (blocks, 2,
+    block_size, KVH, D + 4) at (blocks[t], offsets[t]) in one call: the bytes
+    `torch_backend.quantize_rows` would write, without its dozen torch ops per layer.
+    False (nothing written) where the kernel cannot take them."""
+    if key.dtype not in _WRITERS or value.dtype != key.dtype or cache.dtype != torch.int8 or _library() is None:
+        return False
+    tokens, kv_heads, size = key.shape
+    if key.stride()[1:] != (size, 1) or value.stride()[1:] != (size, 1) or cache.stride(-1) != 1:
+        return False
+    blocks, offsets = blocks.contiguous(), offsets.contiguous()
+    assert blocks.dtype == offsets.dtype == torch.int64 and blocks.numel() == offsets.numel() == tokens
+    status = getattr(_library(), _WRITERS[key.dtype])(
+        key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), cache.data_ptr(), *cache.stride()[:4],
+        blocks.data_ptr(), offsets.data_ptr(), tokens, kv_heads, size)
+    return status == 0

@@ -113,6 +113,25 @@ class NativeTiles:
 TILE_TOKENS = 8
 FP8 = (torch.float8_e4m3fn,)  # 8-bit caches (--kv-cache-dtype fp8_e4m3): written saturated, read widened
 FP8_MAX = 448.0
+SCALED = torch.int8  # --kv-cache-dtype int8: each row head_size int8 values, then its float32 scale
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (..., D) -> int8 rows (..., D + 4): round(x / s), then s = max|x| / 127 (1 for a
+    zero row) as float32 bytes."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q, scale.view(torch.int8)], dim=-1)
+
+
+def widen_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows (..., D) as `dtype`; int8 rows (..., D + 4) times their scales."""
+    if rows.dtype != SCALED:
+        return rows.to(dtype)
+    scales = rows[..., -4:].contiguous().view(torch.float32)
+    return (rows[..., :-4].float() * scales).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -265,14 +284,18 @@ class TorchAttentionImpl(AttentionImpl):
         blocks, offsets = metadata.slot_blocks, metadata.slot_offsets
         if kv_cache.dtype in FP8:  # saturated at the format's largest finite value, never NaN for a finite input
             key, value = key.clamp(-FP8_MAX, FP8_MAX), value.clamp(-FP8_MAX, FP8_MAX)
+        elif kv_cache.dtype == SCALED:
+            if kv_cache.device.type == "cpu" and cpu_kernels.write_int8(key, value, kv_cache, blocks, offsets):
+                return
+            key, value = quantize_rows(key), quantize_rows(value)
         kv_cache[blocks, 0, offsets] = key.to(kv_cache.dtype)
         kv_cache[blocks, 1, offsets] = value.to(kv_cache.dtype)
 
     def _prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, p: PrefillSlice) -> torch.Tensor:
         """query (q_len, H, D) -> (q_len, H, D) over the request's visible keys."""
         keys = slice(p.key_offset, p.key_offset + p.key_len)
-        k = kv_cache[p.block_ids, 0].flatten(0, 1)[keys].to(query.dtype)
-        v = kv_cache[p.block_ids, 1].flatten(0, 1)[keys].to(query.dtype)
+        k = widen_rows(kv_cache[p.block_ids, 0].flatten(0, 1)[keys], query.dtype)
+        v = widen_rows(kv_cache[p.block_ids, 1].flatten(0, 1)[keys], query.dtype)
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
             attn_mask=p.mask, is_causal=p.mask is None, scale=self.scale,
@@ -284,7 +307,7 @@ class TorchAttentionImpl(AttentionImpl):
         """Every query of the step in one call of the native kernel (each visible key and
         value read in place, once per tile)."""
         n, tiles = metadata.num_actual_tokens, metadata.tiles
-        dtype = query.dtype if kv_cache.dtype in FP8 else kv_cache.dtype  # the kernel's queries and outputs
+        dtype = query.dtype if kv_cache.dtype in (*FP8, SCALED) else kv_cache.dtype  # the kernel's queries, outputs
         out = torch.empty(query.shape, dtype=dtype)
         out[n:] = 0
         if n and tiles.tiles.numel():
@@ -308,16 +331,21 @@ class TorchAttentionImpl(AttentionImpl):
         n, kvh, size = d.token_indices.numel(), self.num_kv_heads, self.head_size
         group, keys = self.num_heads // kvh, d.hidden.shape[1]
         ws, device = d.workspace, query.device
-        k = ws.take("k", (kvh, n * d.blocks_per_req, kv_cache.shape[2], size), kv_cache.dtype, device)
+        row = kv_cache.shape[-1]  # size, or size + 4 for int8 rows and their scales
+        k = ws.take("k", (kvh, n * d.blocks_per_req, kv_cache.shape[2], row), kv_cache.dtype, device)
         v = ws.take("v", k.shape, kv_cache.dtype, device)
         for h in range(kvh):
             torch.index_select(kv_cache[:, 0, :, h], 0, d.blocks, out=k[h])
             torch.index_select(kv_cache[:, 1, :, h], 0, d.blocks, out=v[h])
-        k32 = k.view(kvh, n, keys, size)
-        if k32.dtype != torch.float32:
-            k32 = ws.take("k32", k32.shape, torch.float32, device).copy_(k32)
-        if v.dtype in FP8:  # values weighed in the model's dtype
-            v = ws.take("v16", v.shape, query.dtype, device).copy_(v)
+        if kv_cache.dtype == SCALED:
+            k32 = widen_rows(k, torch.float32).view(kvh, n, keys, size)
+            v = widen_rows(v, query.dtype)
+        else:
+            k32 = k.view(kvh, n, keys, size)
+            if k32.dtype != torch.float32:
+                k32 = ws.take("k32", k32.shape, torch.float32, device).copy_(k32)
+            if v.dtype in FP8:  # values weighed in the model's dtype
+                v = ws.take("v16", v.shape, query.dtype, device).copy_(v)
         v = v.view(kvh, n * keys, size).index_fill_(1, d.hidden_slots, 0).view(kvh, n, keys, size)
         q = query[d.token_indices].view(n, kvh, group, size).transpose(0, 1).float()
         scores = torch.matmul(q, k32.transpose(2, 3), out=ws.take("scores", (kvh, n, group, keys), torch.float32, device))

@@ -13,7 +13,8 @@
  * Layouts (element strides, the last dim contiguous):
  *   q, out    (num_tokens, num_heads, head_size) in the model's dtype (bfloat16 or float32;
  *             a cache in 8-bit floats, --kv-cache-dtype fp8_e4m3, is read by the _fp8
- *             variants); query heads h*group ..
+ *             variants, an int8 one, whose rows end in a float32 scale, by the _i8 ones);
+ *             query heads h*group ..
  *             h*group+group-1 share KV head h; tile i covers tokens tiles[4i] ..
  *             tiles[4i] + tiles[4i+1] - 1, reads block-table row tiles[4i+2], and its
  *             first token is at position tiles[4i+3];
@@ -140,19 +141,36 @@ static void softmax_visible(float *scores, int64_t V, int64_t group, int64_t nk,
 }
 
 /* An 8-bit float (e4m3fn: 4 exponent bits biased by 7, 3 mantissa bits, no infinities) as
- * float32: its 7 magnitude bits put under float32's exponent field are the value times
- * 2^-120 (subnormals included: they become float32 subnormals), so one multiply rebiases.
- * The cache never holds NaN (writes saturate at +-448). */
+ * float32: its 7 magnitude bits under float32's exponent field, the exponent rebiased by
+ * adding 120 to it, are a normal's value. A subnormal (exponent 0: m / 8 * 2^-6) comes out
+ * as (1 + m / 8) 2^-7, so it is doubled less 2^-6. No float32 subnormal is ever formed (as
+ * a multiply by 2^120 of the bits would: 0.54 against 0.33 ms a Gemma layer here). The
+ * cache never holds NaN (writes saturate at +-448). */
 static inline float load_fp8(const uint8_t *x, int64_t i) {
-    const uint32_t bits = ((uint32_t)(x[i] & 0x80u) << 24) | ((uint32_t)(x[i] & 0x7fu) << 20);
+    const uint32_t v = x[i];
+    const uint32_t bits = ((v & 0x7fu) << 20) + (120u << 23);
     float f;
     memcpy(&f, &bits, sizeof f);
-    return f * 0x1p120f;
+    f = (v & 0x78u) ? f : 2.0f * f - 0x1p-6f;
+    return (v & 0x80u) ? -f : f;
+}
+
+static inline float load_i8(const int8_t *x, int64_t i) { return (float)x[i]; }
+
+/* A cache row's scale: 1, or (int8 rows) the float32 after its D values. */
+static inline float unscaled(const void *row, int64_t D) {
+    (void)row, (void)D;
+    return 1.0f;
+}
+static inline float row_scale(const int8_t *row, int64_t D) {
+    float s;
+    memcpy(&s, row + D, sizeof s);
+    return s;
 }
 
 /* T: the queries' and outputs' type (the model's), C: the cache's; WIDEN and CWIDEN read
- * them as float32. */
-#define DEFINE_PAGED_ATTENTION(NAME, T, WIDEN, STORE, ROUND, C, CWIDEN)                          \
+ * them as float32, CSCALE a cache row's scale. */
+#define DEFINE_PAGED_ATTENTION(NAME, T, WIDEN, STORE, ROUND, C, CWIDEN, CSCALE)                  \
     static inline const C *NAME##_row(const C *cache, const int32_t *blocks, int64_t p,           \
                                       int64_t bs, int64_t s_block, int64_t s_slot) {              \
         return cache + blocks[p / bs] * s_block + (p % bs) * s_slot;                              \
@@ -172,7 +190,8 @@ static inline float load_fp8(const uint8_t *x, int64_t i) {
         }                                                                                         \
         for (int64_t i = 0; i < count; i++) {                                                     \
             const C *row = NAME##_row(base, blocks, first + j + i, bs, s_block, s_slot);          \
-            for (int64_t d = 0; d < D; d++) rows[i * P + d] = CWIDEN(row, d);                     \
+            const float scale = CSCALE(row, D);                                                   \
+            for (int64_t d = 0; d < D; d++) rows[i * P + d] = CWIDEN(row, d) * scale;             \
             for (int64_t d = D; d < P; d++) rows[i * P + d] = 0.0f;                               \
         }                                                                                         \
         if (count < 4) memset(rows + count * P, 0, (4 - count) * P * sizeof(float));              \
@@ -231,7 +250,42 @@ static inline float load_fp8(const uint8_t *x, int64_t i) {
         return 0;                                                                                 \
     }
 
-DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, load_bf16, store_bf16, round_bf16, uint16_t, load_bf16)
-DEFINE_PAGED_ATTENTION(paged_attention_f32, float, load_f32, store_f32, round_f32, float, load_f32)
-DEFINE_PAGED_ATTENTION(paged_attention_bf16_fp8, uint16_t, load_bf16, store_bf16, round_bf16, uint8_t, load_fp8)
-DEFINE_PAGED_ATTENTION(paged_attention_f32_fp8, float, load_f32, store_f32, round_f32, uint8_t, load_fp8)
+#define BF16 uint16_t, load_bf16, store_bf16, round_bf16
+#define F32 float, load_f32, store_f32, round_f32
+#define PAGED_ATTENTION(NAME, MODEL, C, CWIDEN, CSCALE) DEFINE_PAGED_ATTENTION(NAME, MODEL, C, CWIDEN, CSCALE)
+PAGED_ATTENTION(paged_attention_bf16, BF16, uint16_t, load_bf16, unscaled)
+PAGED_ATTENTION(paged_attention_f32, F32, float, load_f32, unscaled)
+PAGED_ATTENTION(paged_attention_bf16_fp8, BF16, uint8_t, load_fp8, unscaled)
+PAGED_ATTENTION(paged_attention_f32_fp8, F32, uint8_t, load_fp8, unscaled)
+PAGED_ATTENTION(paged_attention_bf16_i8, BF16, int8_t, load_i8, row_scale)
+PAGED_ATTENTION(paged_attention_f32_i8, F32, int8_t, load_i8, row_scale)
+
+/* --kv-cache-dtype int8: write `tokens` new tokens' K and V rows into the cache, each row
+ * (token, KV head) as round(x / s) in int8 and then s = max |x| / 127 (1 for a zero row) as
+ * float32, where its block and offset say; the arithmetic of torch_backend.quantize_rows
+ * (a division, not a multiply by 1 / s), so both paths write the same bytes. key and value
+ * are (tokens, kv_heads, D), heads contiguous, a token `s_key` (`s_value`) elements from the
+ * next. */
+#define DEFINE_WRITE_I8(NAME, T, WIDEN)                                                           \
+    int NAME(const T *key, const T *value, int64_t s_key, int64_t s_value, int8_t *cache, int64_t s_block, \
+             int64_t s_kv, int64_t s_slot, int64_t s_head, const int64_t *blocks,                 \
+             const int64_t *offsets, int64_t tokens, int64_t kv_heads, int64_t D) {              \
+        if (tokens < 0 || kv_heads <= 0 || D <= 0) return 1;                                      \
+        for (int64_t t = 0; t < tokens; t++)                                                      \
+            for (int64_t kv = 0; kv < 2; kv++)                                                    \
+                for (int64_t h = 0; h < kv_heads; h++) {                                          \
+                    const T *x = kv ? value + t * s_value + h * D : key + t * s_key + h * D;      \
+                    int8_t *row = cache + blocks[t] * s_block + kv * s_kv + offsets[t] * s_slot + h * s_head; \
+                    float amax = 0.0f;                                                            \
+                    for (int64_t d = 0; d < D; d++) amax = fmaxf(amax, fabsf(WIDEN(x, d)));       \
+                    const float s = amax > 0.0f ? amax / 127.0f : 1.0f;                           \
+                    for (int64_t d = 0; d < D; d++) {                                             \
+                        const float r = nearbyintf(WIDEN(x, d) / s);                              \
+                        row[d] = (int8_t)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));     \
+                    }                                                                             \
+                    memcpy(row + D, &s, sizeof s);                                                \
+                }                                                                                 \
+        return 0;                                                                                 \
+    }
+DEFINE_WRITE_I8(write_kv_i8_bf16, uint16_t, load_bf16)
+DEFINE_WRITE_I8(write_kv_i8_f32, float, load_f32)

@@ -197,10 +197,9 @@ def _layer_cache(spec: KVCacheSpec, region: _Region) -> LayerCache:
     layers, i = region.num_layers, region.layer
     head = row_order.head_stride(spec, layers)
     if isinstance(spec, FullAttentionSpec):  # sliding window included
-        bs, d, item = spec.block_size, spec.head_size, dtype_size(spec.dtype)
-        shape = (2, bs, spec.num_kv_heads, d)
-        return AttentionCache(kv=region.view(spec.dtype, i * spec.head_page_bytes, shape,
-                                             (bs * d * item, d * item, head, item)))
+        bs, row, item = spec.block_size, spec.row_bytes, dtype_size(spec.dtype)
+        shape = (2, bs, spec.num_kv_heads, row // item)  # an int8 row's last 4 bytes: its float32 scale
+        return AttentionCache(kv=region.view(spec.dtype, i * spec.head_page_bytes, shape, (bs * row, row, head, item)))
     if isinstance(spec, MambaSpec):
         groups, per_group = spec.n_groups, spec.num_heads // spec.n_groups
         n, w, p = spec.state_size, spec.conv_width, spec.head_dim

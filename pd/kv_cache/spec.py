@@ -22,6 +22,11 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 
+# Attention rows in these dtypes carry a float32 scale after their head_size values (per
+# token and KV head): int8 K/V are round(x / scale), scale = max|x| / 127 of the row.
+ROW_SCALE_BYTES: dict[str, int] = {"int8": 4}
+
+
 def dtype_size(dtype: str) -> int:
     """Bytes per element of a dtype name; raises ValueError for an unknown name."""
     try:
@@ -77,13 +82,19 @@ class FullAttentionSpec(KVCacheSpec):
         super().__post_init__()
 
     @property
+    def row_bytes(self) -> int:
+        """One token's K (or V) of one head: head_size values, and a scale where the dtype
+        has one (ROW_SCALE_BYTES)."""
+        return self.head_size * dtype_size(self.dtype) + ROW_SCALE_BYTES.get(self.dtype, 0)
+
+    @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_size * dtype_size(self.dtype)
+        return 2 * self.num_kv_heads * self.row_bytes
 
     @property
     def head_page_bytes(self) -> int:
-        """One KV head's K and V for one block: `2 * block_size * head_size` elements."""
-        return 2 * self.block_size * self.head_size * dtype_size(self.dtype)
+        """One KV head's K and V for one block: `2 * block_size` rows."""
+        return 2 * self.block_size * self.row_bytes
 
     @property
     def real_page_size_bytes(self) -> int:

@@ -53,3 +53,54 @@ def test_an_fp8_cache_is_read_as_the_values_it_holds(query_dtype, window) -> Non
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
     assert outs[1].isfinite().all()
+
+
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32])
+def test_an_int8_cache_is_read_as_its_values_times_their_row_scales(query_dtype) -> None:
+    """`--kv-cache-dtype int8`: each row is head_size int8 values and a float32 scale; the
+    kernel gives, bitwise, what it gives over a float32 cache of value x scale."""
+    from pd.attention.torch_backend import quantize_rows, widen_rows
+
+    assert cpu_kernels._library() is not None, "the native attention kernel did not build"
+    bs, kvh, size, heads = 4, 2, 24, 4
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randn(9, 2, bs, kvh, size, generator=gen) * torch.logspace(-2, 2, size)
+    values[1, 0, 0, 0] = 0  # an all-zero row: scale 1
+    rows = quantize_rows(values)
+    assert rows.shape[-1] == size + 4 and rows.dtype == torch.int8
+    wide = widen_rows(rows, torch.float32)
+    assert (wide - values).abs().max() <= values.abs().amax() / 254 * 1.001  # half a level of the largest row
+    table = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]], dtype=torch.int32)
+    q = torch.randn(5, heads, size, generator=gen)
+    tiles = torch.tensor([[0, 3, 0, 9], [3, 1, 1, 13], [4, 1, 0, 2]], dtype=torch.int64)
+    scratch = torch.empty(cpu_kernels.scratch_size((heads // kvh) * 3, size, 16))
+    outs = []
+    for cache, query in ((wide, q), (rows, q.to(query_dtype))):
+        out = torch.empty_like(query)
+        cpu_kernels.paged_attention(query, cache, table, tiles, 3, None, 0.3, out, scratch, 16)
+        outs.append(out.float())
+    if query_dtype == torch.float32:
+        assert torch.equal(outs[0], outs[1])
+    else:  # the queries rounded to bfloat16, the output too
+        torch.testing.assert_close(outs[1], outs[0], rtol=2e-2, atol=2e-2 * outs[0].abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_native_int8_writer_writes_the_bytes_the_torch_path_writes(dtype) -> None:
+    """Rows of K (contiguous, as RoPE returns it) and V (a slice of the fused qkv), a zero
+    row among them, written where their blocks and offsets say and nowhere else."""
+    from pd.attention.torch_backend import quantize_rows
+
+    bs, kvh, size, tokens = 4, 2, 24, 5
+    gen = torch.Generator().manual_seed(11)
+    qkv = (torch.randn(tokens, (4 + 2 * kvh) * size, generator=gen) * 5).to(dtype)
+    key = qkv[:, 4 * size: (4 + kvh) * size].view(tokens, kvh, size).clone()  # as RoPE returns it: contiguous
+    value = qkv[:, (4 + kvh) * size:].view(tokens, kvh, size)
+    value[2, 1] = 0
+    blocks, offsets = torch.tensor([3, 3, 7, 1, 5]), torch.tensor([0, 3, 2, 1, 0])
+    native = torch.full((9, 2, bs, kvh, size + 4), 99, dtype=torch.int8)
+    expected = native.clone()
+    assert cpu_kernels.write_int8(key, value, native, blocks, offsets)
+    expected[blocks, 0, offsets] = quantize_rows(key)
+    expected[blocks, 1, offsets] = quantize_rows(value)
+    assert torch.equal(native, expected)
