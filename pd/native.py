@@ -42,9 +42,13 @@ def _cpu_identity() -> str:
     return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
 
 
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
 def can_build() -> bool:
     """Whether kernels may be built here: on, on Linux, with a C compiler."""
-    return enabled() and platform.system() == "Linux" and shutil.which(os.environ.get("CC", "cc")) is not None
+    return enabled() and platform.system() == "Linux" and _compiler() is not None
 
 
 def cpu_has(flag: str) -> bool:
@@ -59,7 +63,7 @@ def load(source: Path, signatures: dict[str, list], defines: tuple[str, ...] = (
     a kernel's plain C path with them)."""
     if not enabled() or platform.system() != "Linux":
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    compiler = _compiler()
     if compiler is None:
         logger.info("no C compiler: %s stays on its torch path", source.stem)
         return None
