@@ -192,13 +192,23 @@ static inline void store_row_bf16(uint16_t *y, const float *acc, int64_t width) 
 }
 #endif
 
-/* out[m][n] (row stride out_stride) for m < rows, n < n_out: x (rows x k, row stride
- * x_stride) times the packed weight (blocks of bs inputs, asym: Q4_K's layout). */
+/* Several weights against the same rows in one call (a fused q/k/v or gate/up: one segment
+ * per GGUF tensor): the rows are quantized once, and every segment's tiles share one
+ * OpenMP loop. Segment s writes out[m][first[s] + n] for n < n_out[s] (row stride
+ * out_stride), from its packed weight w[s] (blocks of bs[s] inputs; asym[s]: Q4_K's
+ * layout). x is rows x k, row stride x_stride. */
+#define MAX_SEGMENTS 8
 #define DEFINE_GGUF_LINEAR(NAME, T, STORE)                                                               \
-    int gguf_linear_##NAME(const T *x, int64_t x_stride, int64_t rows, int64_t k, const uint8_t *w,      \
-                           int64_t n_out, int64_t bs, int64_t asym, T *out, int64_t out_stride,          \
-                           int64_t threads) {                                                            \
-        if (rows < 0 || k <= 0 || n_out <= 0 || k % XBLOCK || (bs != 16 && bs != 32)) return 1;          \
+    int gguf_segments_##NAME(const T *x, int64_t x_stride, int64_t rows, int64_t k, int64_t n_seg,       \
+                             const uint8_t *const *w, const int64_t *n_out, const int64_t *bs,            \
+                             const int64_t *asym, const int64_t *first, T *out, int64_t out_stride,       \
+                             int64_t threads) {                                                          \
+        if (rows < 0 || k <= 0 || k % XBLOCK || n_seg < 1 || n_seg > MAX_SEGMENTS) return 1;             \
+        int64_t tile_start[MAX_SEGMENTS + 1] = {0};                                                      \
+        for (int64_t s = 0; s < n_seg; s++) {                                                            \
+            if (n_out[s] <= 0 || (bs[s] != 16 && bs[s] != 32)) return 1;                                  \
+            tile_start[s + 1] = tile_start[s] + (n_out[s] + TILE - 1) / TILE;                             \
+        }                                                                                                \
         if (rows == 0) return 0;                                                                         \
         Quantized q = {aligned_alloc(64, (size_t)((rows * k + 63) / 64 * 64)),                          \
                        malloc((size_t)(rows * (k / XBLOCK)) * sizeof(float)),                            \
@@ -207,23 +217,34 @@ static inline void store_row_bf16(uint16_t *y, const float *acc, int64_t width) 
             free(q.xq); free(q.dx); free(q.sx);                                                          \
             return 2;                                                                                    \
         }                                                                                                \
-        quantize_##NAME(x, x_stride, rows, &q, threads);                                               \
-        const int64_t nb = k / bs, tiles = (n_out + TILE - 1) / TILE;                                    \
-        const int64_t tile_bytes = nb * (bs * TILE + (asym ? 256 : 128));                                \
-        const int64_t chunks = (rows + ROWS - 1) / ROWS;                                                 \
-        const int parallel = tiles * chunks > 1;                               \
-        _Pragma("omp parallel for collapse(2) schedule(static) num_threads(threads) if (parallel)")     \
+        quantize_##NAME(x, x_stride, rows, &q, threads);                                                 \
+        const int64_t tiles = tile_start[n_seg], chunks = (rows + ROWS - 1) / ROWS;                      \
+        _Pragma("omp parallel for collapse(2) schedule(static) num_threads(threads) if (tiles * chunks > 1)") \
         for (int64_t t = 0; t < tiles; t++)                                                              \
             for (int64_t ch = 0; ch < chunks; ch++) {                                                    \
+                int64_t s = 0;                                                                           \
+                while (t >= tile_start[s + 1]) s++;                                                      \
                 float acc[ROWS * TILE] __attribute__((aligned(64)));                                     \
-                const int64_t m0 = ch * ROWS, n0 = t * TILE;                                             \
+                const int64_t nb = k / bs[s], local = t - tile_start[s];                                  \
+                const int64_t tile_bytes = nb * (bs[s] * TILE + (asym[s] ? 256 : 128));                   \
+                const int64_t m0 = ch * ROWS, n0 = local * TILE;                                         \
                 const int r = (int)(rows - m0 < ROWS ? rows - m0 : ROWS);                               \
-                const int64_t width = n_out - n0 < TILE ? n_out - n0 : TILE;                             \
-                tile(&q, m0, r, w + t * tile_bytes, nb, bs, (int)asym, acc);                             \
-                for (int i = 0; i < r; i++) STORE(out + (m0 + i) * out_stride + n0, acc + i * TILE, width);  \
+                const int64_t width = n_out[s] - n0 < TILE ? n_out[s] - n0 : TILE;                       \
+                tile(&q, m0, r, w[s] + local * tile_bytes, nb, bs[s], (int)asym[s], acc);                 \
+                for (int i = 0; i < r; i++)                                                              \
+                    STORE(out + (m0 + i) * out_stride + first[s] + n0, acc + i * TILE, width);           \
             }                                                                                            \
         free(q.xq); free(q.dx); free(q.sx);                                                              \
         return 0;                                                                                        \
+    }                                                                                                    \
+                                                                                                         \
+    /* One weight: out[m][n] for n < n_out. */                                                           \
+    int gguf_linear_##NAME(const T *x, int64_t x_stride, int64_t rows, int64_t k, const uint8_t *w,      \
+                           int64_t n_out, int64_t bs, int64_t asym, T *out, int64_t out_stride,          \
+                           int64_t threads) {                                                            \
+        const int64_t first = 0;                                                                         \
+        return gguf_segments_##NAME(x, x_stride, rows, k, 1, &w, &n_out, &bs, &asym, &first, out,         \
+                                    out_stride, threads);                                                \
     }
 DEFINE_GGUF_LINEAR(bf16, uint16_t, store_row_bf16)
 DEFINE_GGUF_LINEAR(f32, float, store_row_f32)

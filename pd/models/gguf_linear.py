@@ -47,12 +47,14 @@ TYPES = GGUF_KERNEL_TYPES  # the block types computed from
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _I64, _PTR = native.I64, native.PTR
 _LINEAR_ARGS = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64]
+_SEGMENTS_ARGS = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64]
 
 
 @functools.cache
 def _library(plain: bool = False) -> ctypes.CDLL | None:
     """The kernels; `plain` builds the plain C path (no VNNI) for the tests."""
     signatures = {f"gguf_linear_{suffix}": _LINEAR_ARGS for suffix in _SUFFIX.values()}
+    signatures |= {f"gguf_segments_{suffix}": _SEGMENTS_ARGS for suffix in _SUFFIX.values()}
     signatures["gguf_quantize_rows"] = [_PTR, _I64, _I64, _PTR, _PTR]
     return native.load(SOURCE, signatures, defines=("PD_PLAIN",) if plain else ())
 
@@ -197,12 +199,31 @@ def quantize_gguf_linears(model: nn.Module, native_kernels: bool | None = None) 
             if sum(s.n for s in segments) != linear.out_features:
                 continue
             linear.gguf_segments = sorted(segments, key=lambda s: s.first)
+            if native_here:
+                linear.gguf_call = SegmentsCall(linear.gguf_segments)
             linear.bias_f32 = None if linear.bias is None else linear.bias.detach().float()
             linear.forward = types.MethodType(_native_forward if native_here else _reference_forward, linear)
             linear.weight = nn.Parameter(torch.empty(0, dtype=linear.weight.dtype, device=linear.weight.device),
                                          requires_grad=False)
             used.update({s.kind for s in segments})
     return used
+
+
+class SegmentsCall:
+    """A native linear's segments as the kernel takes them (gguf_segments_*: one call
+    quantizes the rows once for every segment): parallel arrays, built once."""
+
+    def __init__(self, segments: list[Segment]) -> None:
+        self.count = len(segments)
+        self.weights = (ctypes.c_void_p * self.count)(*(s.packed.data_ptr() for s in segments))
+        self.packed = [s.packed for s in segments]  # what the pointers point into
+        self.n_out, self.bs, self.asym, self.first = (
+            torch.tensor(values, dtype=torch.int64) for values in
+            zip(*((s.n, s.bs, int(s.asym), s.first) for s in segments)))
+
+    def args(self) -> tuple:
+        return (self.count, self.weights, self.n_out.data_ptr(), self.bs.data_ptr(), self.asym.data_ptr(),
+                self.first.data_ptr())
 
 
 def _reference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -218,14 +239,12 @@ def _native_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
-    kernel = getattr(_library(), f"gguf_linear_{_SUFFIX[x.dtype]}")
-    threads = torch.get_num_threads()
-    for s in self.gguf_segments:
-        status = kernel(rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1], s.packed.data_ptr(), s.n,
-                        s.bs, int(s.asym), out.data_ptr() + s.first * out.element_size(), out.stride(0), threads)
-        if status:
-            raise MemoryError("GGUF linear: no memory for the quantized input") if status == 2 else \
-                ValueError("native GGUF linear refused its arguments")
+    status = getattr(_library(), f"gguf_segments_{_SUFFIX[x.dtype]}")(
+        rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1], *self.gguf_call.args(), out.data_ptr(),
+        out.stride(0), torch.get_num_threads())
+    if status:
+        raise MemoryError("GGUF linear: no memory for the quantized input") if status == 2 else \
+            ValueError("native GGUF linear refused its arguments")
     if self.bias_f32 is not None:
         out = (out.float() + self.bias_f32).to(x.dtype)
     return out.view(*x.shape[:-1], self.out_features)
