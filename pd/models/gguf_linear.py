@@ -37,6 +37,7 @@ from torch import nn
 
 from pd import native
 from pd.models.model_config import GGUF_KERNEL_TYPES
+from pd.models.quantized import check_status, native_rows, quantize_rows
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +58,6 @@ def _library(plain: bool = False) -> ctypes.CDLL | None:
     signatures |= {f"gguf_segments_{suffix}": _SEGMENTS_ARGS for suffix in _SUFFIX.values()}
     signatures["gguf_quantize_rows"] = [_PTR, _I64, _I64, _PTR, _PTR]
     return native.load(SOURCE, signatures, defines=("PD_PLAIN",) if plain else ())
-
-
-def kernels_available() -> bool:
-    """Whether this machine computes GGUF blocks natively and fast: the kernel builds and
-    the CPU has AVX-512 VNNI (the plain C path is for correctness, not speed)."""
-    return native.cpu_has("avx512_vnni") and _library() is not None
 
 
 @dataclass
@@ -146,11 +141,8 @@ def pack(blocks: Blocks) -> torch.Tensor:
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """x (..., K) as the kernel sees it, in float32: per 32 inputs round(x / d) d with
     d = max|x| / 127 (1 for zeros), the int8 values clamped to +-127."""
-    v = x.float().reshape(*x.shape[:-1], -1, XBLOCK)
-    amax = v.abs().amax(dim=-1, keepdim=True)
-    d = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    q = torch.round(v * (1.0 / d)).clamp_(-127, 127)
-    return (q * d).reshape(x.shape)
+    q, d = quantize_rows(x.float().reshape(*x.shape[:-1], -1, XBLOCK))
+    return (q.float() * d).reshape(x.shape)
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -232,19 +224,11 @@ def _reference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _native_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if x.device.type != "cpu" or x.dtype not in _SUFFIX or x.shape[-1] != self.in_features:
-        raise ValueError(f"a GGUF linear takes CPU bfloat16/float32 rows of {self.in_features}, got "
-                         f"{x.dtype} {tuple(x.shape)} on {x.device}")
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
+    rows, out = native_rows(self, x, "GGUF linear")
     status = getattr(_library(), f"gguf_segments_{_SUFFIX[x.dtype]}")(
         rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1], *self.gguf_call.args(), out.data_ptr(),
         out.stride(0), torch.get_num_threads())
-    if status:
-        raise MemoryError("GGUF linear: no memory for the quantized input") if status == 2 else \
-            ValueError("native GGUF linear refused its arguments")
+    check_status(status, "GGUF linear")
     if self.bias_f32 is not None:
         out = (out.float() + self.bias_f32).to(x.dtype)
     return out.view(*x.shape[:-1], self.out_features)

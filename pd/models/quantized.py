@@ -149,19 +149,30 @@ def _reference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return reference(x, self.weight_q, self.weight_scale, self.bias_f32, self.rotation_block)
 
 
-def _native_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if x.device.type != "cpu" or x.dtype not in _SUFFIX or x.shape[-1] != self.in_features:
-        raise ValueError(f"int8 linear takes CPU bfloat16/float32 rows of {self.in_features}, got "
+def native_rows(linear: nn.Linear, x: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as a native linear kernel takes it: (rows (M, K) with a unit last stride, an empty
+    output (M, N) in x's dtype); ValueError unless CPU bfloat16/float32 rows of K."""
+    if x.device.type != "cpu" or x.dtype not in _SUFFIX or x.shape[-1] != linear.in_features:
+        raise ValueError(f"{what} takes CPU bfloat16/float32 rows of {linear.in_features}, got "
                          f"{x.dtype} {tuple(x.shape)} on {x.device}")
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
+    return rows, torch.empty(rows.shape[0], linear.out_features, dtype=x.dtype)
+
+
+def check_status(status: int, what: str) -> None:
+    """A native linear kernel's status: 0 fine, 2 no memory, else refused arguments."""
+    if status:
+        raise MemoryError(f"{what}: no memory for the quantized input") if status == 2 else \
+            ValueError(f"native {what} refused its arguments")
+
+
+def _native_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows, out = native_rows(self, x, "int8 linear")
     status = getattr(_library(), f"int8_linear_{_SUFFIX[x.dtype]}")(
         rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1], self.weight_packed.data_ptr(),
         self.out_features, self.weight_scale.data_ptr(), None if self.bias_f32 is None else self.bias_f32.data_ptr(),
         self.rotation_block, self.rotation_norm, out.data_ptr(), out.stride(0), torch.get_num_threads())
-    if status:
-        raise MemoryError("int8 linear: no memory for the quantized input") if status == 2 else \
-            ValueError("native int8 linear refused its arguments")
+    check_status(status, "int8 linear")
     return out.view(*x.shape[:-1], self.out_features)
