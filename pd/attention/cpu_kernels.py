@@ -28,7 +28,7 @@ _ARGTYPES = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, _
 def _library() -> ctypes.CDLL | None:
     signatures = {symbol: _ARGTYPES for symbol in _SYMBOLS.values()}
     signatures |= {symbol: [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64]
-                   for symbol in _WRITERS.values()}
+                   for symbol in (*_WRITERS.values(), "write_kv_rows")}
     return native.load(SOURCE, signatures)
 
 
@@ -84,20 +84,31 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, table: torch.Tenso
     return out
 
 
-def write_int8(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, blocks: torch.Tensor,
-               offsets: torch.Tensor) -> bool:
-    """Quantize and write new K/V rows (tokens, KVH, D) into an int8 cache view (blocks, 2,
-    block_size, KVH, D + 4) at (blocks[t], offsets[t]) in one call: the bytes
-    `torch_backend.quantize_rows` would write, without its dozen torch ops per layer.
-    False (nothing written) where the kernel cannot take them."""
-    if key.dtype not in _WRITERS or value.dtype != key.dtype or cache.dtype != torch.int8 or _library() is None:
+def write_kv(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, blocks: torch.Tensor,
+             offsets: torch.Tensor) -> bool:
+    """Write new K/V rows (tokens, KVH, D) into one layer's cache view (blocks, 2,
+    block_size, KVH, D) at (blocks[t], offsets[t]) in one call: copied into a cache of
+    their dtype, quantized into an int8 one (rows of D + 4: the bytes
+    `torch_backend.quantize_rows` would write), without a dozen torch ops per layer.
+    False (nothing written) where the kernel cannot take them (another dtype, a device,
+    strided heads)."""
+    if cache.device.type != "cpu" or value.dtype != key.dtype or _library() is None:
         return False
     tokens, kv_heads, size = key.shape
     if key.stride()[1:] != (size, 1) or value.stride()[1:] != (size, 1) or cache.stride(-1) != 1:
         return False
     blocks, offsets = blocks.contiguous(), offsets.contiguous()
     assert blocks.dtype == offsets.dtype == torch.int64 and blocks.numel() == offsets.numel() == tokens
-    status = getattr(_library(), _WRITERS[key.dtype])(
-        key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), cache.data_ptr(), *cache.stride()[:4],
-        blocks.data_ptr(), offsets.data_ptr(), tokens, kv_heads, size)
+    if cache.dtype == torch.int8 and key.dtype in _WRITERS:
+        status = getattr(_library(), _WRITERS[key.dtype])(
+            key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0), cache.data_ptr(), *cache.stride()[:4],
+            blocks.data_ptr(), offsets.data_ptr(), tokens, kv_heads, size)
+    elif cache.dtype == key.dtype and cache.shape[-1] == size:
+        width = key.element_size()
+        status = _library().write_kv_rows(
+            key.data_ptr(), value.data_ptr(), key.stride(0) * width, value.stride(0) * width, cache.data_ptr(),
+            *(stride * width for stride in cache.stride()[:4]), blocks.data_ptr(), offsets.data_ptr(), tokens,
+            kv_heads, size * width)
+    else:
+        return False
     return status == 0

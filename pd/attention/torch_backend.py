@@ -282,11 +282,11 @@ class TorchAttentionImpl(AttentionImpl):
                metadata: TorchAttentionMetadata) -> None:
         """Scatter by (block, offset): the cache may be a strided view, never flattened."""
         blocks, offsets = metadata.slot_blocks, metadata.slot_offsets
+        if cpu_kernels.write_kv(key, value, kv_cache, blocks, offsets):
+            return
         if kv_cache.dtype in FP8:  # saturated at the format's largest finite value, never NaN for a finite input
             key, value = key.clamp(-FP8_MAX, FP8_MAX), value.clamp(-FP8_MAX, FP8_MAX)
         elif kv_cache.dtype == SCALED:
-            if kv_cache.device.type == "cpu" and cpu_kernels.write_int8(key, value, kv_cache, blocks, offsets):
-                return
             key, value = quantize_rows(key), quantize_rows(value)
         kv_cache[blocks, 0, offsets] = key.to(kv_cache.dtype)
         kv_cache[blocks, 1, offsets] = value.to(kv_cache.dtype)

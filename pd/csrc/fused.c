@@ -78,8 +78,10 @@ static inline float gelu_tanh(float x) {
                             int64_t k_heads, int64_t D, const float *q_weight,                   \
                             const float *k_weight, float eps, const int64_t *positions,          \
                             const float *cos_table, const float *sin_table, int64_t rot,         \
-                            T *q_out, T *k_out, int64_t threads) {                                \
+                            int64_t table_rows, T *q_out, T *k_out, int64_t threads) {            \
         if (D <= 0 || D > MAX_HEAD_SIZE || rot < 0 || rot > D || rot % 2) return 1;               \
+        for (int64_t t = 0; t < tokens; t++)                                                      \
+            if (positions[t] < 0 || positions[t] >= table_rows) return 1;                         \
         int64_t heads = q_heads + k_heads, half = rot / 2;                                        \
         _Pragma("omp parallel for num_threads(threads) if (tokens * heads * D >= PARALLEL_MIN_ELEMENTS)") \
         for (int64_t i = 0; i < tokens * heads; i++) {                                            \

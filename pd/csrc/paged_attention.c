@@ -26,9 +26,12 @@
  * Tiles are checked against these bounds first (status 1 if one is out). (tile, KV head)
  * pairs are handed out one at a time (their costs differ: a decode against a prefill
  * tile) to `threads` OpenMP threads (never more: the scratch has that many
- * shares). Loaded into a process that has torch, the kernel shares torch's OpenMP runtime
- * (same soname), so these are torch's threads. Rows are taken four at a time so that four
- * independent sums are in flight.
+ * shares). With fewer pairs than threads (a lone decode over one KV head) each pair's keys
+ * are split among the threads instead: scores in parallel, one softmax, each thread's
+ * weighted values summed apart and added in thread order (float32 rounding apart, the
+ * unsplit result). Loaded into a process that has torch, the kernel shares torch's OpenMP
+ * runtime (same soname), so these are torch's threads. Rows are taken four at a time so
+ * that four independent sums are in flight.
  */
 #include <math.h>
 #include <omp.h>
@@ -197,12 +200,101 @@ static inline float row_scale(const int8_t *row, int64_t D) {
         if (count < 4) memset(rows + count * P, 0, (4 - count) * P * sizeof(float));              \
     }                                                                                             \
                                                                                                   \
+    /* The tile's query vectors as float32 (P apart, zero past D) into q32. */                 \
+    static inline void NAME##_queries(const T *q, int64_t head, int64_t stride, int64_t V,          \
+                                      int64_t group, int64_t D, int64_t P, float *q32) {            \
+        for (int64_t v = 0; v < V; v++) {                                                         \
+            const T *x = q + head + (v / group) * stride + (v % group) * D;                       \
+            for (int64_t d = 0; d < P; d++) q32[v * P + d] = d < D ? WIDEN(x, d) : 0.0f;          \
+        }                                                                                         \
+    }                                                                                             \
+                                                                                                  \
+    /* Scores of keys [j0, j1) of the tile (j0 a multiple of 4) into scores; after the softmax \
+     * the weighted sum of their values into o32 (NAME##_weigh): a thread's part of an item. */\
+    static inline void NAME##_scores(const C *keys, const int32_t *blocks, int64_t first, int64_t j0, \
+                                     int64_t j1, int64_t nk, int64_t D, int64_t P, int64_t bs,     \
+                                     int64_t s_block, int64_t s_slot, const float *q32, int64_t V, \
+                                     float scale, float *rows, float *scores) {                   \
+        for (int64_t j = j0; j < j1; j += 4) {                                                    \
+            const int64_t count = j1 - j < 4 ? j1 - j : 4;                                        \
+            NAME##_widen(keys, blocks, first, j, count, nk, D, P, bs, s_block, s_slot, rows);     \
+            score_four(q32, V, rows, P, count, scale, scores + j, nk);                            \
+        }                                                                                         \
+    }                                                                                             \
+    static inline void NAME##_weigh(const C *values, const int32_t *blocks, int64_t first, int64_t j0, \
+                                    int64_t j1, int64_t nk, int64_t D, int64_t P, int64_t bs,      \
+                                    int64_t s_block, int64_t s_slot, const float *scores, int64_t V, \
+                                    float *rows, float *o32) {                                    \
+        memset(o32, 0, V * P * sizeof(float));                                                    \
+        for (int64_t j = j0; j < j1; j += 4) {                                                    \
+            const int64_t count = j1 - j < 4 ? j1 - j : 4;                                        \
+            NAME##_widen(values, blocks, first, j, count, nk, D, P, bs, s_block, s_slot, rows);   \
+            weigh_four(scores + j, nk, V, rows, P, count, o32);                                   \
+        }                                                                                         \
+    }                                                                                             \
+                                                                                                  \
+    /* Item (tile i, KV head h). Scratch shares (per_thread floats each): scores (V x nk), 4    \
+     * widened rows, the query and the output vectors. split 1: one thread, in `share`;        \
+     * split > 1 (fewer items than threads: a lone decode): the keys are divided among `split` \
+     * threads, share 0's scores and queries shared, each thread summing its values into its  \
+     * own share's outputs, added in thread order after one softmax (so the weights are the    \
+     * unsplit ones). Never called inside a parallel region with split > 1 (a nested region    \
+     * would start threads of its own). */                                                   \
+    static void NAME##_item(const T *q, T *out, const C *cache, int64_t s_block, int64_t s_kv,    \
+                            int64_t s_slot, int64_t s_head, const int32_t *table, int64_t s_row,  \
+                            const int64_t *tile, int64_t h, int64_t num_heads, int64_t group,     \
+                            int64_t D, int64_t P, int64_t block_size, int64_t window, float scale, \
+                            float *share, int64_t per_thread, int64_t max_span, int64_t split) {  \
+        const int64_t m = tile[1], pos = tile[3], V = m * group;                                  \
+        const int64_t first = first_seen(pos, window), nk = pos + m - first;                      \
+        const int32_t *blocks = table + tile[2] * s_row;                                          \
+        const int64_t head = (tile[0] * num_heads + h * group) * D, stride = num_heads * D;       \
+        const C *keys = cache + h * s_head, *values = cache + s_kv + h * s_head;                  \
+        float *scores = share, *rows = share + V * max_span, *q32 = rows + 4 * P, *o32 = q32 + V * P; \
+        NAME##_queries(q, head, stride, V, group, D, P, q32);                                     \
+        const int64_t quads = (nk + 3) / 4;                                                       \
+        if (split == 1 || quads < 2) {                                                            \
+            NAME##_scores(keys, blocks, first, 0, nk, nk, D, P, block_size, s_block, s_slot, q32, V, \
+                          scale, rows, scores);                                                   \
+            softmax_visible(scores, V, group, nk, pos, first, window, ROUND);                     \
+            NAME##_weigh(values, blocks, first, 0, nk, nk, D, P, block_size, s_block, s_slot, scores, \
+                         V, rows, o32);                                                           \
+        } else {                                                                                  \
+            int64_t used = 1;                                                                     \
+            _Pragma("omp parallel num_threads(split)")                                            \
+            {                                                                                     \
+                const int64_t t = omp_get_thread_num(), n_t = omp_get_num_threads();             \
+                float *own = share + t * per_thread, *own_rows = own + V * max_span;               \
+                const int64_t j0 = quads * t / n_t * 4, j1 = quads * (t + 1) / n_t * 4;            \
+                const int64_t end = j1 < nk ? j1 : nk;                                            \
+                NAME##_scores(keys, blocks, first, j0, end, nk, D, P, block_size, s_block, s_slot, q32, \
+                              V, scale, own_rows, scores);                                        \
+                _Pragma("omp barrier")                                                            \
+                _Pragma("omp single")                                                             \
+                {                                                                                 \
+                    softmax_visible(scores, V, group, nk, pos, first, window, ROUND);             \
+                    used = n_t;                                                                   \
+                }                                                                                 \
+                NAME##_weigh(values, blocks, first, j0, end, nk, D, P, block_size, s_block, s_slot, \
+                             scores, V, own_rows, own_rows + 4 * P + V * P);                      \
+            }                                                                                     \
+            for (int64_t t = 1; t < used; t++) {                                                  \
+                const float *part = share + t * per_thread + V * max_span + 4 * P + V * P;         \
+                for (int64_t e = 0; e < V * P; e++) o32[e] += part[e];                            \
+            }                                                                                     \
+        }                                                                                         \
+        for (int64_t v = 0; v < V; v++) {                                                         \
+            T *o = out + head + (v / group) * stride + (v % group) * D;                           \
+            for (int64_t d = 0; d < D; d++) STORE(o, d, o32[v * P + d]);                          \
+        }                                                                                         \
+    }                                                                                             \
+                                                                                                  \
     int NAME(const T *q, T *out, const C *cache, int64_t s_block, int64_t s_kv,                   \
              int64_t s_slot, int64_t s_head, const int32_t *table, int64_t s_row, int64_t table_rows, \
              const int64_t *tiles, int64_t n_tiles, int64_t max_tile, int64_t num_tokens,          \
              int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size,      \
              int64_t window, float scale, float *scratch, int64_t max_span, int64_t threads) {    \
-        if (num_kv_heads <= 0 || num_heads % num_kv_heads || max_tile < 1) return 1;              \
+        if (num_kv_heads <= 0 || num_heads % num_kv_heads || max_tile < 1 || threads < 1) return 1; \
         for (int64_t i = 0; i < n_tiles; i++) {                                                   \
             const int64_t *tile = tiles + 4 * i;                                                  \
             if (tile[1] < 1 || tile[1] > max_tile || tile[0] < 0 || tile[0] + tile[1] > num_tokens \
@@ -213,40 +305,20 @@ static inline float row_scale(const int8_t *row, int64_t D) {
         }                                                                                         \
         const int64_t group = num_heads / num_kv_heads, D = head_size, P = (D + 15) / 16 * 16;    \
         const int64_t per_thread = max_tile * group * (max_span + 2 * P) + 4 * P;                 \
-        _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)")         \
-        for (int64_t i = 0; i < n_tiles; i++) {                                                   \
-            for (int64_t h = 0; h < num_kv_heads; h++) {                                          \
-                const int64_t *tile = tiles + 4 * i;                                              \
-                const int64_t m = tile[1], pos = tile[3], V = m * group;                          \
-                float *scores = scratch + omp_get_thread_num() * per_thread;                      \
-                float *rows = scores + V * max_span; /* 4 widened key or value rows */            \
-                float *q32 = rows + 4 * P, *o32 = q32 + V * P; /* the tile's query and output vectors */ \
-                const int64_t first = first_seen(pos, window), nk = pos + m - first;              \
-                const int32_t *blocks = table + tile[2] * s_row;                                  \
-                const int64_t head = (tile[0] * num_heads + h * group) * D, stride = num_heads * D; \
-                const C *keys = cache + h * s_head, *values = cache + s_kv + h * s_head;          \
-                for (int64_t v = 0; v < V; v++) {                                                 \
-                    const T *x = q + head + (v / group) * stride + (v % group) * D;               \
-                    for (int64_t d = 0; d < P; d++) q32[v * P + d] = d < D ? WIDEN(x, d) : 0.0f;  \
-                }                                                                                 \
-                for (int64_t j = 0; j < nk; j += 4) {                                             \
-                    const int64_t count = nk - j < 4 ? nk - j : 4;                                \
-                    NAME##_widen(keys, blocks, first, j, count, nk, D, P, block_size, s_block, s_slot, rows); \
-                    score_four(q32, V, rows, P, count, scale, scores + j, nk);                    \
-                }                                                                                 \
-                softmax_visible(scores, V, group, nk, pos, first, window, ROUND);                 \
-                memset(o32, 0, V * P * sizeof(float));                                            \
-                for (int64_t j = 0; j < nk; j += 4) {                                             \
-                    const int64_t count = nk - j < 4 ? nk - j : 4;                                \
-                    NAME##_widen(values, blocks, first, j, count, nk, D, P, block_size, s_block, s_slot, rows); \
-                    weigh_four(scores + j, nk, V, rows, P, count, o32);                           \
-                }                                                                                 \
-                for (int64_t v = 0; v < V; v++) {                                                 \
-                    T *o = out + head + (v / group) * stride + (v % group) * D;                   \
-                    for (int64_t d = 0; d < D; d++) STORE(o, d, o32[v * P + d]);                  \
-                }                                                                                 \
-            }                                                                                     \
+        if (n_tiles * num_kv_heads < threads) {                                                   \
+            for (int64_t i = 0; i < n_tiles; i++)                                                 \
+                for (int64_t h = 0; h < num_kv_heads; h++)                                        \
+                    NAME##_item(q, out, cache, s_block, s_kv, s_slot, s_head, table, s_row, tiles + 4 * i, h, \
+                                num_heads, group, D, P, block_size, window, scale, scratch, per_thread, \
+                                max_span, threads);                                               \
+            return 0;                                                                             \
         }                                                                                         \
+        _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(threads)")         \
+        for (int64_t i = 0; i < n_tiles; i++)                                                     \
+            for (int64_t h = 0; h < num_kv_heads; h++)                                            \
+                NAME##_item(q, out, cache, s_block, s_kv, s_slot, s_head, table, s_row, tiles + 4 * i, h, \
+                            num_heads, group, D, P, block_size, window, scale,                    \
+                            scratch + omp_get_thread_num() * per_thread, per_thread, max_span, 1); \
         return 0;                                                                                 \
     }
 
@@ -289,3 +361,17 @@ PAGED_ATTENTION(paged_attention_f32_i8, F32, int8_t, load_i8, row_scale)
     }
 DEFINE_WRITE_I8(write_kv_i8_bf16, uint16_t, load_bf16)
 DEFINE_WRITE_I8(write_kv_i8_f32, float, load_f32)
+
+/* A cache in the model's dtype: copy `tokens` new tokens' K and V rows (row_bytes each,
+ * heads `row_bytes` apart) where their blocks and offsets say; strides in bytes. */
+int write_kv_rows(const char *key, const char *value, int64_t s_key, int64_t s_value, char *cache, int64_t s_block,
+                  int64_t s_kv, int64_t s_slot, int64_t s_head, const int64_t *blocks, const int64_t *offsets,
+                  int64_t tokens, int64_t kv_heads, int64_t row_bytes) {
+    if (tokens < 0 || kv_heads <= 0 || row_bytes <= 0) return 1;
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t kv = 0; kv < 2; kv++)
+            for (int64_t h = 0; h < kv_heads; h++)
+                memcpy(cache + blocks[t] * s_block + kv * s_kv + offsets[t] * s_slot + h * s_head,
+                       (kv ? value + t * s_value : key + t * s_key) + h * row_bytes, (size_t)row_bytes);
+    return 0;
+}

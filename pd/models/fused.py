@@ -22,7 +22,8 @@ ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 _I64, _PTR, _F32 = native.I64, native.PTR, native.F32
 _SIGNATURES = {
     "rms_norm": [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _F32, _I64],
-    "qk_norm_rope": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _F32, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64],
+    "qk_norm_rope": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _F32, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR,
+                     _I64],
     "act_mul": [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64],
 }
 MAX_HEAD_SIZE = 1024
@@ -82,13 +83,14 @@ def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_size
     assert cos.dtype == signed_sin.dtype == torch.float32 and cos.is_contiguous() and signed_sin.is_contiguous()
     for w in (q_weight, k_weight):
         assert w is None or (w.dtype == torch.float32 and w.is_contiguous() and w.numel() == head_size)
-    positions = positions.to(torch.int64).contiguous()
-    assert positions.numel() == tokens and (tokens == 0 or int(positions.max()) < cos.shape[0])
+    positions = positions.to(torch.int64).contiguous()  # the kernel refuses one outside the tables
+    assert positions.numel() == tokens
     q = torch.empty(tokens, num_heads * head_size, dtype=qkv.dtype)
     k = torch.empty(tokens, num_kv_heads * head_size, dtype=qkv.dtype)
     _call("qk_norm_rope", qkv.dtype, qkv.data_ptr(), qkv.stride(0), tokens, num_heads, num_kv_heads, head_size,
           None if q_weight is None else q_weight.data_ptr(), None if k_weight is None else k_weight.data_ptr(),
-          eps, positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), rot, q.data_ptr(), k.data_ptr())
+          eps, positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), rot, cos.shape[0], q.data_ptr(),
+          k.data_ptr())
     return q, k
 
 

@@ -100,7 +100,61 @@ def test_the_native_int8_writer_writes_the_bytes_the_torch_path_writes(dtype) ->
     blocks, offsets = torch.tensor([3, 3, 7, 1, 5]), torch.tensor([0, 3, 2, 1, 0])
     native = torch.full((9, 2, bs, kvh, size + 4), 99, dtype=torch.int8)
     expected = native.clone()
-    assert cpu_kernels.write_int8(key, value, native, blocks, offsets)
+    assert cpu_kernels.write_kv(key, value, native, blocks, offsets)
     expected[blocks, 0, offsets] = quantize_rows(key)
     expected[blocks, 1, offsets] = quantize_rows(value)
     assert torch.equal(native, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("window", [None, 37])
+def test_a_lone_decode_split_among_threads_gives_the_one_thread_result(dtype, threads, window) -> None:
+    """With fewer (tile, KV head) pairs than threads, a decode's keys are split among the
+    threads: the same output as one thread's, float32 summation order apart, for spans
+    that do and do not divide into the threads' shares (and a two-key one)."""
+    assert cpu_kernels._library() is not None, "the native attention kernel did not build"
+    bs, kvh, size, heads, blocks = 16, 1, 40, 4, 12
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.randn(blocks + 1, 2, bs, kvh, size, generator=gen).to(dtype)
+    table = torch.randperm(blocks, generator=gen).add(1).to(torch.int32).view(1, blocks)
+    q = torch.randn(1, heads, size, generator=gen).to(dtype)
+    scratch = torch.empty(cpu_kernels.scratch_size(heads, size, bs * blocks) * threads)
+    before = torch.get_num_threads()
+    try:
+        for position in (1, 150, 190):
+            tiles = torch.tensor([[0, 1, 0, position]], dtype=torch.int64)
+            outs = []
+            for n in (1, threads):
+                torch.set_num_threads(n)
+                out = torch.full_like(q, float("nan"))
+                cpu_kernels.paged_attention(q, cache, table, tiles, 1, window, 0.3, out, scratch, bs * blocks)
+                outs.append(out.float())
+            torch.testing.assert_close(outs[1], outs[0], rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-5)
+            if dtype == torch.float32 and position == 1:
+                assert torch.equal(outs[1], outs[0])
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_native_writer_copies_rows_into_a_strided_cache_of_their_dtype(dtype) -> None:
+    """A cache in the model's dtype (a view with a block stride wider than its rows, as the
+    cross-layer allocation gives): the rows land where indexing puts them, nothing else
+    changes; another dtype (fp8) is left to the torch path."""
+    bs, kvh, size, tokens = 4, 2, 24, 5
+    gen = torch.Generator().manual_seed(13)
+    qkv = torch.randn(tokens, (4 + 2 * kvh) * size, generator=gen).to(dtype)
+    key = qkv[:, 4 * size: (4 + kvh) * size].view(tokens, kvh, size).clone()
+    value = qkv[:, (4 + kvh) * size:].view(tokens, kvh, size)
+    blocks, offsets = torch.tensor([3, 3, 7, 1, 5]), torch.tensor([0, 3, 2, 1, 0])
+    backing = torch.randn(9, 3, 2, bs, kvh, size, generator=gen).to(dtype)  # 3 layers a block
+    native = backing[:, 1]
+    expected = backing.clone()
+    expected[blocks, 1, 0, offsets] = key
+    expected[blocks, 1, 1, offsets] = value
+    assert cpu_kernels.write_kv(key, value, native, blocks, offsets)
+    assert torch.equal(backing, expected)
+    fp8 = torch.zeros(9, 2, bs, kvh, size, dtype=torch.float8_e4m3fn)
+    assert not cpu_kernels.write_kv(key, value, fp8, blocks, offsets)
+    assert not fp8.view(torch.uint8).any()

@@ -45,13 +45,15 @@ def attention_path(request, monkeypatch) -> str:
     """Every test runs three times: every query through the native CPU kernel (which must
     have been built: a machine with a C compiler that cannot build it is a failure, not a
     skip), in tiles of 8 tokens and of 3 (so tiles end mid-block and mid-window), and
-    through the torch path (every device's: gathered decodes, SDPA prefills)."""
+    through the torch path (every device's: gathered decodes, SDPA prefills, K/V written
+    by indexing)."""
     if request.param.startswith("native"):
         assert cpu_kernels._library() is not None, "the native attention kernel did not build"
         if request.param == "native-tile3":
             monkeypatch.setattr(torch_backend, "TILE_TOKENS", 3)
     else:
         monkeypatch.setattr(cpu_kernels, "supports", lambda *args: False)
+        monkeypatch.setattr(cpu_kernels, "write_kv", lambda *args: False)
     return request.param
 
 

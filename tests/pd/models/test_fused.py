@@ -100,6 +100,9 @@ def test_positions_out_of_range_are_an_error() -> None:
         rope.norm_rotate(torch.tensor([3, 16]), qkv, 1, 1)
     q, k, v = rope.norm_rotate(torch.tensor([3, 15]), qkv, 1, 1)
     assert q.shape == k.shape == v.shape == (2, 8)
+    for bad in (16, -1):  # the kernel's own bound, for a caller that skips the check
+        with pytest.raises(ValueError, match="refused"):
+            fused.qk_norm_rope(qkv, 1, 1, 8, None, None, 1e-6, torch.tensor([3, bad]), rope.cos, rope.signed_sin)
 
 
 def test_fused_ops_are_optional(monkeypatch) -> None:
