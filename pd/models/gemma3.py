@@ -19,6 +19,7 @@ from pd.models.base import CausalLM
 from pd.models.layers import GatedMLP, RMSNorm, attention_projections, get_rope
 from pd.models.parallel import ParallelLMHead, VocabParallelEmbedding, tp_reduce
 from pd.models.model_config import ModelConfig
+from pd.models.native_layers import LayerPlan
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' Gemma3TextConfig defaults, for configs that leave a field out.
@@ -107,14 +108,37 @@ class Gemma3Model(nn.Module):
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, kind)
                                     for i, kind in enumerate(gemma3_layer_types(config)))
         self.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6), offset=1.0)
+        self.native_layers = True
+        self._plans: dict[torch.dtype, list[LayerPlan] | None] = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         # The scale is cast to the weights' dtype first, as transformers does.
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
-        for layer in self.layers:
-            x = layer(positions, x)
+        plans = self._layer_plans(x, positions)
+        if plans is None:
+            for layer in self.layers:
+                x = layer(positions, x)
+        else:
+            positions = positions.to(torch.int64).contiguous()
+            for plan in plans:
+                x = plan(positions, x)
         return self.norm(x)
+
+    def use_native_layers(self, on: bool) -> None:
+        """Run the layers as native plans where they can be built (the default), or as
+        modules (whose hooks then fire)."""
+        self.native_layers = on
+
+    def _layer_plans(self, x: torch.Tensor, positions: torch.Tensor) -> list[LayerPlan] | None:
+        """The layers' plans for these hidden states, or None: the module path."""
+        if (not self.native_layers or x.device.type != "cpu" or x.dim() != 2 or positions.dim() != 1
+                or not x.is_contiguous() or (x.requires_grad and torch.is_grad_enabled())):
+            return None
+        if x.dtype not in self._plans:
+            plans = [LayerPlan.build(layer, x.dtype) for layer in self.layers]
+            self._plans[x.dtype] = plans if all(plans) else None
+        return self._plans[x.dtype]
 
 
 class Gemma3ForCausalLM(CausalLM):

@@ -192,7 +192,7 @@ def quantize_gguf_linears(model: nn.Module, native_kernels: bool | None = None) 
                 continue
             linear.gguf_segments = sorted(segments, key=lambda s: s.first)
             if native_here:
-                linear.gguf_call = SegmentsCall(linear.gguf_segments)
+                linear.gguf_call = SegmentsCall(linear.gguf_segments, linear.in_features, linear.out_features)
             linear.bias_f32 = None if linear.bias is None else linear.bias.detach().float()
             linear.forward = types.MethodType(_native_forward if native_here else _reference_forward, linear)
             linear.weight = nn.Parameter(torch.empty(0, dtype=linear.weight.dtype, device=linear.weight.device),
@@ -203,19 +203,27 @@ def quantize_gguf_linears(model: nn.Module, native_kernels: bool | None = None) 
 
 class SegmentsCall:
     """A native linear's segments as the kernel takes them (gguf_segments_*: one call
-    quantizes the rows once for every segment): parallel arrays, built once."""
+    quantizes the rows once for every segment): parallel arrays and the kernel functions,
+    bound once (a decode step makes ~70 of these calls)."""
 
-    def __init__(self, segments: list[Segment]) -> None:
-        self.count = len(segments)
-        self.weights = (ctypes.c_void_p * self.count)(*(s.packed.data_ptr() for s in segments))
+    def __init__(self, segments: list[Segment], in_features: int, out_features: int) -> None:
+        self.in_features, self.out_features = in_features, out_features
+        self.weights = (ctypes.c_void_p * len(segments))(*(s.packed.data_ptr() for s in segments))
         self.packed = [s.packed for s in segments]  # what the pointers point into
         self.n_out, self.bs, self.asym, self.first = (
             torch.tensor(values, dtype=torch.int64) for values in
             zip(*((s.n, s.bs, int(s.asym), s.first) for s in segments)))
+        self.args = (len(segments), self.weights, self.n_out.data_ptr(), self.bs.data_ptr(), self.asym.data_ptr(),
+                     self.first.data_ptr())
+        self.functions = {dtype: getattr(_library(), f"gguf_segments_{suffix}") for dtype, suffix in _SUFFIX.items()}
 
-    def args(self) -> tuple:
-        return (self.count, self.weights, self.n_out.data_ptr(), self.bs.data_ptr(), self.asym.data_ptr(),
-                self.first.data_ptr())
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows (M, K) CPU bfloat16 or float32, unit last stride -> (M, N) in their dtype."""
+        out = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype)
+        check_status(self.functions[rows.dtype](rows.data_ptr(), rows.stride(0), rows.shape[0], self.in_features,
+                                                *self.args, out.data_ptr(), self.out_features,
+                                                torch.get_num_threads()), "GGUF linear")
+        return out
 
 
 def _reference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -224,11 +232,11 @@ def _reference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _native_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    rows, out = native_rows(self, x, "GGUF linear")
-    status = getattr(_library(), f"gguf_segments_{_SUFFIX[x.dtype]}")(
-        rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1], *self.gguf_call.args(), out.data_ptr(),
-        out.stride(0), torch.get_num_threads())
-    check_status(status, "GGUF linear")
+    if x.dim() == 2 and x.stride(1) == 1 and x.device.type == "cpu" and x.dtype in _SUFFIX \
+            and x.shape[1] == self.in_features:  # a step's hidden states: no reshape to check
+        out = self.gguf_call(x)
+    else:
+        out = self.gguf_call(native_rows(self, x, "GGUF linear"))
     if self.bias_f32 is not None:
         out = (out.float() + self.bias_f32).to(x.dtype)
-    return out.view(*x.shape[:-1], self.out_features)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)

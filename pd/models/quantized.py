@@ -149,16 +149,14 @@ def _reference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return reference(x, self.weight_q, self.weight_scale, self.bias_f32, self.rotation_block)
 
 
-def native_rows(linear: nn.Linear, x: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as a native linear kernel takes it: (rows (M, K) with a unit last stride, an empty
-    output (M, N) in x's dtype); ValueError unless CPU bfloat16/float32 rows of K."""
+def native_rows(linear: nn.Linear, x: torch.Tensor, what: str) -> torch.Tensor:
+    """x as a native linear kernel takes it: rows (M, K) with a unit last stride;
+    ValueError unless CPU bfloat16/float32 rows of K."""
     if x.device.type != "cpu" or x.dtype not in _SUFFIX or x.shape[-1] != linear.in_features:
         raise ValueError(f"{what} takes CPU bfloat16/float32 rows of {linear.in_features}, got "
                          f"{x.dtype} {tuple(x.shape)} on {x.device}")
     rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    return rows, torch.empty(rows.shape[0], linear.out_features, dtype=x.dtype)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def check_status(status: int, what: str) -> None:
@@ -169,7 +167,8 @@ def check_status(status: int, what: str) -> None:
 
 
 def _native_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    rows, out = native_rows(self, x, "int8 linear")
+    rows = native_rows(self, x, "int8 linear")
+    out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
     status = getattr(_library(), f"int8_linear_{_SUFFIX[x.dtype]}")(
         rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1], self.weight_packed.data_ptr(),
         self.out_features, self.weight_scale.data_ptr(), None if self.bias_f32 is None else self.bias_f32.data_ptr(),

@@ -23,8 +23,9 @@ def test_bench_step_breaks_a_decode_step_down(tmp_path, capsys) -> None:
         parts = [record[k] for k in ("attention", "mlp", "lm_head", "sampling", "scheduler")]
         assert all(p > 0 for p in parts) and sum(parts) <= record["step"]  # measured inside the step
         assert record["faults"] >= 0
+    assert result["medians"]["step"] > 0 and result["medians"]["step_modules"] > 0  # native plans, then modules
     table = capsys.readouterr().out
-    assert "| attention |" in table and "minor page faults per step" in table
+    assert "| attention |" in table and "step as served" in table and "minor page faults per step" in table
 
 
 def test_bench_step_help_names_its_flags(capsys) -> None:
