@@ -309,15 +309,17 @@ class TorchAttentionImpl(AttentionImpl):
         n, tiles = metadata.num_actual_tokens, metadata.tiles
         dtype = query.dtype if kv_cache.dtype in (*FP8, SCALED) else kv_cache.dtype  # the kernel's queries, outputs
         out = torch.empty(query.shape, dtype=dtype)
-        out[n:] = 0
+        if n < query.shape[0]:
+            out[n:] = 0
         if n and tiles.tiles.numel():
             group = self.num_heads // self.num_kv_heads
             size = cpu_kernels.scratch_size(group * tiles.max_tile, self.head_size, tiles.max_span)
             scratch = metadata.workspace.take("scratch", (size,), torch.float32, query.device)
-            cpu_kernels.paged_attention(query[:n].to(dtype).contiguous(), kv_cache, tiles.table, tiles.tiles,
-                                        tiles.max_tile, self.sliding_window, self.scale, out[:n], scratch,
-                                        tiles.max_span)
-        return out.to(query.dtype)
+            whole = n == query.shape[0] and query.dtype == dtype and query.is_contiguous()
+            cpu_kernels.paged_attention(query if whole else query[:n].to(dtype).contiguous(), kv_cache, tiles.table,
+                                        tiles.tiles, tiles.max_tile, self.sliding_window, self.scale,
+                                        out if whole else out[:n], scratch, tiles.max_span)
+        return out if out.dtype == query.dtype else out.to(query.dtype)
 
     def _decode_gathered(self, query: torch.Tensor, kv_cache: torch.Tensor, d: DecodeBatch) -> torch.Tensor:
         """All decode queries at once -> (num_decodes, H, D), on any device.

@@ -16,6 +16,7 @@ from torch import nn
 
 from pd.attention.layer import Attention
 from pd.models.base import CausalLM
+from pd.models import fused
 from pd.models.layers import GatedMLP, RMSNorm, attention_projections, get_rope
 from pd.models.parallel import ParallelLMHead, VocabParallelEmbedding, tp_reduce
 from pd.models.model_config import ModelConfig
@@ -131,9 +132,10 @@ class Gemma3Model(nn.Module):
         self.native_layers = on
 
     def _layer_plans(self, x: torch.Tensor, positions: torch.Tensor) -> list[LayerPlan] | None:
-        """The layers' plans for these hidden states, or None: the module path."""
-        if (not self.native_layers or x.device.type != "cpu" or x.dim() != 2 or positions.dim() != 1
-                or not x.is_contiguous() or (x.requires_grad and torch.is_grad_enabled())):
+        """The layers' plans for these hidden states, or None: the module path (also where
+        the modules would not take the fused kernels)."""
+        if (not self.native_layers or x.dim() != 2 or positions.dim() != 1 or not x.is_contiguous()
+                or not fused.supports(x)):
             return None
         if x.dtype not in self._plans:
             plans = [LayerPlan.build(layer, x.dtype) for layer in self.layers]

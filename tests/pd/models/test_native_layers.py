@@ -51,4 +51,4 @@ def test_no_plan_without_the_fused_kernels(gemma3, monkeypatch) -> None:
     with LLM(str(gemma3), dtype="bfloat16", max_model_len=128) as llm:
         out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
         assert len(out[0].token_ids) == 3
-        assert llm.engine.model.model._plans == {torch.bfloat16: None}
+        assert not llm.engine.model.model._plans  # never built: the modules ran
