@@ -18,9 +18,15 @@
  * summation order (tests/pd/models/test_gguf_linear.py).
  *
  * Packed layout (`pack` in gguf_linear.py): output channels in tiles of 32; a tile is one
- * stream of its K / BS blocks, each block BS / 4 groups of 128 bytes (byte [g][c][j] =
- * u[32 t + c][BS b + 4 g + j]), then the 32 channels' a (float32), then for Q4_K their c.
- * Channels past N are zero (u, a and c), and their outputs are not written.
+ * stream of its K / BS blocks. A block's values, as BS / 4 groups of 128 bytes (byte
+ * [g][c][j] = v[32 t + c][BS b + 4 g + j]), are stored in the type's own bits: Q8_0 the
+ * bytes as they are (v = u); the others the value of `bits` bits (v = q: u less 128 - z for
+ * the symmetric ones, z = 2^(bits - 1): 16 for Q5_0, 32 for Q6_K), as nibbles, groups 2p and
+ * 2p + 1 sharing the 128 bytes of pair p (low and high nibble), then for each bit above the
+ * fourth a plane of 256 bits per pair (bit h * 128 + i of pair p: byte i of group 2p + h).
+ * Then the 32 channels' a (float32), then for Q4_K their c. So 0.75 bytes a weight for Q4_K
+ * and Q5_0, 1 for Q6_K, where one byte each cost a third more bytes than the file.
+ * Channels past N are zero (v, a and c), and their outputs are not written.
  *
  * With AVX-512 VNNI a register tile of up to ROWS rows x 32 channels keeps, per row, two
  * int32 accumulators for the block and two float32 ones for the whole row; without it a
@@ -56,32 +62,65 @@ static inline int32_t block_sum(const Quantized *q, int64_t row, int64_t first, 
     return bs == 16 ? s[0] : s[0] + s[1];
 }
 
+/* Bytes of one block's values in the packed layout, and the symmetric types' zero z. */
+static inline int64_t value_bytes(int64_t bs, int64_t bits) {
+    return bits == 8 ? bs * TILE : bs * TILE / 2 + (bits - 4) * bs * TILE / 8;
+}
+static inline int32_t zero_of(int64_t bits) { return 1 << (bits - 1); }
+
 #ifdef VNNI
+/* Groups g and g + 1 of a block (bits < 8: pair p = g / 2) as four registers of bytes:
+ * w[0], w[1] group g's channels 0-15 and 16-31, w[2], w[3] group g + 1's. */
+static inline __attribute__((always_inline)) void load_pair(const uint8_t *wb, int64_t g, int64_t bs, int bits,
+                                                            __m512i w[4]) {
+    if (bits == 8) {
+        for (int i = 0; i < 4; i++) w[i] = _mm512_loadu_si512(wb + g * 128 + i * 64);
+        return;
+    }
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i n0 = _mm512_loadu_si512(wb + g * 64), n1 = _mm512_loadu_si512(wb + g * 64 + 64);
+    w[0] = _mm512_and_si512(n0, low), w[1] = _mm512_and_si512(n1, low);
+    w[2] = _mm512_and_si512(_mm512_srli_epi16(n0, 4), low), w[3] = _mm512_and_si512(_mm512_srli_epi16(n1, 4), low);
+    for (int plane = 0; plane < bits - 4; plane++) {
+        const uint8_t *bitsp = wb + bs * TILE / 2 + plane * bs * TILE / 8 + (g / 2) * 32;
+        const __m512i add = _mm512_set1_epi8((char)(16 << plane));
+        for (int i = 0; i < 4; i++) {
+            __mmask64 m;
+            memcpy(&m, bitsp + i * 8, sizeof m);
+            w[i] = _mm512_mask_add_epi8(w[i], m, w[i], add);
+        }
+    }
+}
+
 /* out[r][c] for r < rows, c < 32 (float32): one tile's stream of nb blocks against rows
  * m0.. of q. */
 static inline __attribute__((always_inline)) void tile_rows(const Quantized *q, int64_t m0, int rows,
                                                             const uint8_t *w, int64_t nb, int64_t bs, int asym,
-                                                            float *out) {
+                                                            int bits, float *out) {
     __m512 f0[ROWS], f1[ROWS];
     for (int r = 0; r < rows; r++) f0[r] = f1[r] = _mm512_setzero_ps();
-    const int64_t groups = bs / 4, block_bytes = bs * TILE + (asym ? 256 : 128);
+    const int64_t groups = bs / 4, values = value_bytes(bs, bits), block_bytes = values + (asym ? 256 : 128);
+    const int32_t zero = zero_of(bits);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = w + b * block_bytes;
         __m512i s0[ROWS], s1[ROWS];
         const int32_t *x4[ROWS];
-        for (int r = 0; r < rows; r++) { /* symmetric: the sums start at -128 sx, so they end at sum (u - 128) xq */
-            s0[r] = s1[r] = asym ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * block_sum(q, m0 + r, b * bs, bs));
+        for (int r = 0; r < rows; r++) { /* symmetric: the sums start at -z sx, so they end at sum (v - z) xq */
+            s0[r] = s1[r] = asym ? _mm512_setzero_si512() : _mm512_set1_epi32(-zero * block_sum(q, m0 + r, b * bs, bs));
             x4[r] = (const int32_t *)(q->xq + (m0 + r) * q->k + b * bs);
         }
-        for (int64_t g = 0; g < groups; g++) {
-            const __m512i w0 = _mm512_loadu_si512(wb + g * 128), w1 = _mm512_loadu_si512(wb + g * 128 + 64);
+        for (int64_t g = 0; g < groups; g += 2) {
+            __m512i wv[4];
+            load_pair(wb, g, bs, bits, wv);
             for (int r = 0; r < rows; r++) {
-                const __m512i xb = _mm512_set1_epi32(x4[r][g]);
-                s0[r] = _mm512_dpbusd_epi32(s0[r], w0, xb);
-                s1[r] = _mm512_dpbusd_epi32(s1[r], w1, xb);
+                const __m512i xa = _mm512_set1_epi32(x4[r][g]), xb = _mm512_set1_epi32(x4[r][g + 1]);
+                s0[r] = _mm512_dpbusd_epi32(s0[r], wv[0], xa);
+                s1[r] = _mm512_dpbusd_epi32(s1[r], wv[1], xa);
+                s0[r] = _mm512_dpbusd_epi32(s0[r], wv[2], xb);
+                s1[r] = _mm512_dpbusd_epi32(s1[r], wv[3], xb);
             }
         }
-        const float *scale = (const float *)(wb + bs * TILE);
+        const float *scale = (const float *)(wb + values);
         const __m512 a0 = _mm512_loadu_ps(scale), a1 = _mm512_loadu_ps(scale + 16);
         for (int r = 0; r < rows; r++) {
             const int64_t m = m0 + r;
@@ -102,33 +141,51 @@ static inline __attribute__((always_inline)) void tile_rows(const Quantized *q, 
     }
 }
 
-#define ROWS_CASE(R) \
-    case R:          \
-        tile_rows(q, m0, R, w, nb, bs, asym, out); break;
+#define ROWS_CASE(R, BITS) \
+    case R:                \
+        tile_rows(q, m0, R, w, nb, bs, asym, BITS, out); break;
+#define BITS_CASE(BITS)                                                                          \
+    case BITS:                                                                                   \
+        switch (rows) { ROWS_CASE(1, BITS) ROWS_CASE(2, BITS) ROWS_CASE(3, BITS) ROWS_CASE(4, BITS) default: break; } \
+        break;
 
 static void tile(const Quantized *q, int64_t m0, int rows, const uint8_t *w, int64_t nb, int64_t bs, int asym,
-                 float *out) {
-    switch (rows) { ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) default: break; }
+                 int bits, float *out) {
+    switch (bits) { BITS_CASE(4) BITS_CASE(5) BITS_CASE(6) BITS_CASE(8) default: break; }
 }
 #else
+/* Value i = 4 g + j (within the block) of channel c, from the packed layout. */
+static inline int32_t packed_value(const uint8_t *wb, int64_t bs, int bits, int64_t c, int64_t i) {
+    const int64_t g = i / 4, j = i % 4, at = c * 4 + j;
+    if (bits == 8) return wb[g * 128 + at];
+    const uint8_t byte = wb[(g / 2) * 128 + at];
+    int32_t v = (g % 2) ? byte >> 4 : byte & 0x0F;
+    for (int plane = 0; plane < bits - 4; plane++) {
+        const int64_t bit = (g % 2) * 128 + at;
+        const uint8_t *bitsp = wb + bs * TILE / 2 + plane * bs * TILE / 8 + (g / 2) * 32;
+        v += ((bitsp[bit / 8] >> (bit % 8)) & 1) << (4 + plane);
+    }
+    return v;
+}
+
 static void tile(const Quantized *q, int64_t m0, int rows, const uint8_t *w, int64_t nb, int64_t bs, int asym,
-                 float *out) {
-    const int64_t block_bytes = bs * TILE + (asym ? 256 : 128);
+                 int bits, float *out) {
+    const int64_t values = value_bytes(bs, bits), block_bytes = values + (asym ? 256 : 128);
+    const int32_t zero = zero_of(bits);
     for (int r = 0; r < rows; r++) {
         const int64_t m = m0 + r;
         float acc[TILE] = {0};
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *wb = w + b * block_bytes;
             const int8_t *x = q->xq + m * q->k + b * bs;
-            const float *scale = (const float *)(wb + bs * TILE);
+            const float *scale = (const float *)(wb + values);
             const float dx = q->dx[m * (q->k / XBLOCK) + b * bs / XBLOCK];
             const int32_t sx = block_sum(q, m, b * bs, bs);
             for (int c = 0; c < TILE; c++) {
                 int32_t s = 0;
-                for (int64_t g = 0; g < bs / 4; g++)
-                    for (int j = 0; j < 4; j++) s += (int32_t)wb[g * 128 + c * 4 + j] * x[g * 4 + j];
+                for (int64_t i = 0; i < bs; i++) s += packed_value(wb, bs, bits, c, i) * x[i];
                 acc[c] += asym ? (float)s * (scale[c] * dx) + scale[TILE + c] * (dx * (float)sx)
-                               : (float)(s - 128 * sx) * (scale[c] * dx);
+                               : (float)(s - zero * sx) * (scale[c] * dx);
             }
         }
         for (int c = 0; c < TILE; c++) out[r * TILE + c] = acc[c];
@@ -201,12 +258,13 @@ static inline void store_row_bf16(uint16_t *y, const float *acc, int64_t width) 
 #define DEFINE_GGUF_LINEAR(NAME, T, STORE)                                                               \
     int gguf_segments_##NAME(const T *x, int64_t x_stride, int64_t rows, int64_t k, int64_t n_seg,       \
                              const uint8_t *const *w, const int64_t *n_out, const int64_t *bs,            \
-                             const int64_t *asym, const int64_t *first, T *out, int64_t out_stride,       \
-                             int64_t threads) {                                                          \
+                             const int64_t *asym, const int64_t *bits, const int64_t *first, T *out,      \
+                             int64_t out_stride, int64_t threads) {                                      \
         if (rows < 0 || k <= 0 || k % XBLOCK || n_seg < 1 || n_seg > MAX_SEGMENTS) return 1;             \
         int64_t tile_start[MAX_SEGMENTS + 1] = {0};                                                      \
         for (int64_t s = 0; s < n_seg; s++) {                                                            \
             if (n_out[s] <= 0 || (bs[s] != 16 && bs[s] != 32)) return 1;                                  \
+            if (bits[s] != 8 && !(bits[s] >= 4 && bits[s] <= 6)) return 1;                              \
             tile_start[s + 1] = tile_start[s] + (n_out[s] + TILE - 1) / TILE;                             \
         }                                                                                                \
         if (rows == 0) return 0;                                                                         \
@@ -226,11 +284,11 @@ static inline void store_row_bf16(uint16_t *y, const float *acc, int64_t width) 
                 while (t >= tile_start[s + 1]) s++;                                                      \
                 float acc[ROWS * TILE] __attribute__((aligned(64)));                                     \
                 const int64_t nb = k / bs[s], local = t - tile_start[s];                                  \
-                const int64_t tile_bytes = nb * (bs[s] * TILE + (asym[s] ? 256 : 128));                   \
+                const int64_t tile_bytes = nb * (value_bytes(bs[s], bits[s]) + (asym[s] ? 256 : 128));     \
                 const int64_t m0 = ch * ROWS, n0 = local * TILE;                                         \
                 const int r = (int)(rows - m0 < ROWS ? rows - m0 : ROWS);                               \
                 const int64_t width = n_out[s] - n0 < TILE ? n_out[s] - n0 : TILE;                       \
-                tile(&q, m0, r, w[s] + local * tile_bytes, nb, bs[s], (int)asym[s], acc);                 \
+                tile(&q, m0, r, w[s] + local * tile_bytes, nb, bs[s], (int)asym[s], (int)bits[s], acc);  \
                 for (int i = 0; i < r; i++)                                                              \
                     STORE(out + (m0 + i) * out_stride + first[s] + n0, acc + i * TILE, width);           \
             }                                                                                            \
@@ -240,10 +298,10 @@ static inline void store_row_bf16(uint16_t *y, const float *acc, int64_t width) 
                                                                                                          \
     /* One weight: out[m][n] for n < n_out. */                                                           \
     int gguf_linear_##NAME(const T *x, int64_t x_stride, int64_t rows, int64_t k, const uint8_t *w,      \
-                           int64_t n_out, int64_t bs, int64_t asym, T *out, int64_t out_stride,          \
-                           int64_t threads) {                                                            \
+                           int64_t n_out, int64_t bs, int64_t asym, int64_t bits, T *out,                \
+                           int64_t out_stride, int64_t threads) {                                        \
         const int64_t first = 0;                                                                         \
-        return gguf_segments_##NAME(x, x_stride, rows, k, 1, &w, &n_out, &bs, &asym, &first, out,         \
+        return gguf_segments_##NAME(x, x_stride, rows, k, 1, &w, &n_out, &bs, &asym, &bits, &first, out,  \
                                     out_stride, threads);                                                \
     }
 DEFINE_GGUF_LINEAR(bf16, uint16_t, store_row_bf16)

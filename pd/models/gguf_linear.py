@@ -3,17 +3,18 @@
 A quantized GGUF is otherwise dequantized at load, and a bfloat16 decode step reads 2.2x
 the weight bytes the file needs (Gemma 3 270M: 536 MB a step against 247 MB). Here each
 linear weight whose tensor is Q8_0, Q5_0, Q4_K or Q6_K keeps its quantized values, unpacked
-once at load into one byte per weight with its blocks' scales (`Blocks`: w = a u + c per
-block, bitwise gguf's dequantized values), and `pd/csrc/gguf_linear.c` multiplies from them
+once at load into values and their blocks' scales (`Blocks`: w = a u + c per block, bitwise
+gguf's dequantized values) and repacked in the type's own bits (`pack`: bytes, or nibbles
+and bit planes), and `pd/csrc/gguf_linear.c` multiplies from them
 with activations quantized per 32 inputs (llama.cpp's Q8_0): int8 products summed exactly,
 scaled per block. The tied embedding's table serves the lm_head so (Q8_0 on Gemma).
 
 Which weights: a linear whose every part (a fused q/k/v or gate/up has three or two) came
 whole from one GGUF tensor of those types with no transform (`CausalLM.gguf_sources`);
 the others (float tensors, other block types, a tensor-parallel shard) stay bfloat16,
-packed for oneDNN (`pd.models.packed`). One byte per weight where Q5_0, Q4_K and Q6_K need
-5.5, 4.5 and 6.6 bits: simpler kernels for 15 % more bytes than the file on Gemma (285 MB
-a step against bfloat16's 536).
+packed for oneDNN (`pd.models.packed`). Q5_0 and Q4_K take 0.75 bytes a weight, Q6_K 1
+and Q8_0 1.125 with their float32 scales: 267 MB a step on Gemma against the file's 247
+and bfloat16's 536.
 
 On CPU with the native kernel built the kernel computes it; elsewhere (`PD_NATIVE_KERNELS=0`,
 another device) `reference` does the same arithmetic in torch: the activations quantized
@@ -47,8 +48,8 @@ XBLOCK = 32  # inputs per activation scale
 TYPES = GGUF_KERNEL_TYPES  # the block types computed from
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _I64, _PTR = native.I64, native.PTR
-_LINEAR_ARGS = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64]
-_SEGMENTS_ARGS = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64]
+_LINEAR_ARGS = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _I64]
+_SEGMENTS_ARGS = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64]
 
 
 @functools.cache
@@ -69,6 +70,15 @@ class Blocks:
     a: torch.Tensor  # (N, K / bs) float32
     c: torch.Tensor | None  # (N, K / bs) float32, Q4_K's minimums
     bs: int  # inputs per block: 32, or 16 for Q6_K
+    bits: int  # the type's bits a value: 8 (Q8_0), 5 (Q5_0), 4 (Q4_K), 6 (Q6_K)
+
+    @property
+    def stored(self) -> torch.Tensor:
+        """The values as packed: u (8 bits, or Q4_K's q), or a symmetric type's q = u - (128 - z),
+        z = 2^(bits - 1), in `bits` bits (gguf_linear.c)."""
+        if self.bits == 8 or self.c is not None:
+            return self.u
+        return self.u - (128 - (1 << (self.bits - 1)))
 
     def dequantize(self) -> torch.Tensor:
         """(N, K) float32, bitwise the values gguf's dequantizer gives."""
@@ -87,14 +97,14 @@ def unpack(kind: str, raw: np.ndarray) -> Blocks:
             blocks = torch.from_numpy(raw).view(n, -1, 34)
         d = blocks[..., :2].contiguous().view(torch.float16).float()[..., 0]
         u = blocks[..., 2:].bitwise_xor(0x80)  # int8 q -> q + 128
-        return Blocks(u.reshape(n, -1), d.contiguous(), None, 32)
+        return Blocks(u.reshape(n, -1), d.contiguous(), None, 32, 8)
     if kind == "Q5_0":  # per 32: float16 d, 32 high bits, 16 bytes of low nibbles
         blocks = raw.reshape(n, -1, 22)
         d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
         high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")  # bit j: element j
         low = np.concatenate([blocks[..., 6:] & np.uint8(0x0F), blocks[..., 6:] >> np.uint8(4)], axis=-1)
         u = (low | (high << np.uint8(4))) + np.uint8(112)  # q - 16 + 128
-        return Blocks(_tensor(u.reshape(n, -1)), _tensor(d), None, 32)
+        return Blocks(_tensor(u.reshape(n, -1)), _tensor(d), None, 32, 5)
     if kind == "Q4_K":  # per 256: float16 d, dmin, 12 bytes of 6-bit scales and minimums, 128 of nibbles
         from gguf.quants import Q4_K
 
@@ -105,7 +115,7 @@ def unpack(kind: str, raw: np.ndarray) -> Blocks:
         nibbles = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         u = (nibbles & np.uint8(0x0F)).reshape(n, -1)
         a, c = d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
-        return Blocks(_tensor(u), _tensor(a.reshape(n, -1)), _tensor(c.reshape(n, -1)), 32)
+        return Blocks(_tensor(u), _tensor(a.reshape(n, -1)), _tensor(c.reshape(n, -1)), 32, 4)
     if kind == "Q6_K":  # per 256: 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, float16 d
         blocks = raw.reshape(-1, 210)
         low = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
@@ -113,7 +123,7 @@ def unpack(kind: str, raw: np.ndarray) -> Blocks:
         q = (low & np.uint8(0x0F)).reshape(-1, 8, 32) | ((high & np.uint8(0x03)).reshape(-1, 8, 32) << np.uint8(4))
         d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
         a = d * blocks[:, 192:208].view(np.int8).astype(np.float32)
-        return Blocks(_tensor((q + np.uint8(96)).reshape(n, -1)), _tensor(a.reshape(n, -1)), None, 16)
+        return Blocks(_tensor((q + np.uint8(96)).reshape(n, -1)), _tensor(a.reshape(n, -1)), None, 16, 6)
     raise ValueError(f"no GGUF kernel for block type {kind}")
 
 
@@ -122,8 +132,9 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
 
 
 def pack(blocks: Blocks) -> torch.Tensor:
-    """The kernel's layout (gguf_linear.c): per tile of 32 channels, per block, the bytes
-    [group][channel][4] then the channels' a (then c) as float32 bytes."""
+    """The kernel's layout (gguf_linear.c): per tile of 32 channels, per block, the values
+    ([group][channel][4] bytes, or below 8 bits nibbles of group pairs and their high bit
+    planes), then the channels' a (then c) as float32 bytes."""
     n, k = blocks.u.shape
     tiles, nb, bs = -(-n // TILE), k // blocks.bs, blocks.bs
     pad = tiles * TILE - n
@@ -131,8 +142,18 @@ def pack(blocks: Blocks) -> torch.Tensor:
     def padded(t: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
 
-    u = padded(blocks.u).view(tiles, TILE, nb, bs // 4, 4).permute(0, 2, 3, 1, 4).reshape(tiles, nb, bs * TILE)
-    parts = [u, padded(blocks.a).view(tiles, TILE, nb).transpose(1, 2).contiguous().view(torch.uint8)]
+    groups = padded(blocks.stored).view(tiles, TILE, nb, bs // 4, 4).permute(0, 2, 3, 1, 4).reshape(
+        tiles, nb, bs // 4, 128)
+    if blocks.bits == 8:
+        parts = [groups.reshape(tiles, nb, bs * TILE)]
+    else:
+        low, high = groups[:, :, 0::2], groups[:, :, 1::2]  # group 2p and 2p + 1 share pair p's bytes
+        parts = [((low & 0x0F) | ((high & 0x0F) << 4)).reshape(tiles, nb, bs * TILE // 2)]
+        pairs = groups.view(tiles, nb, bs // 8, 256).numpy()  # bit h * 128 + i of a pair: group 2p + h, byte i
+        for plane in range(blocks.bits - 4):
+            bits = (pairs >> (4 + plane)) & 1
+            parts.append(_tensor(np.packbits(bits, axis=-1, bitorder="little")).reshape(tiles, nb, bs * TILE // 8))
+    parts.append(padded(blocks.a).view(tiles, TILE, nb).transpose(1, 2).contiguous().view(torch.uint8))
     if blocks.c is not None:
         parts.append(padded(blocks.c).view(tiles, TILE, nb).transpose(1, 2).contiguous().view(torch.uint8))
     return torch.cat(parts, dim=2).reshape(-1)
@@ -160,6 +181,7 @@ class Segment:
     n: int
     bs: int
     asym: bool
+    bits: int
     packed: torch.Tensor | None  # the kernel's layout, or None on the reference path
     weight: torch.Tensor | None  # (n, K) float32, the reference path's
 
@@ -185,7 +207,7 @@ def quantize_gguf_linears(model: nn.Module, native_kernels: bool | None = None) 
             if blocks.u.shape != (rows.stop - rows.start, linear.in_features):
                 break
             segments.append(Segment(kind, rows.start, rows.stop - rows.start, blocks.bs, blocks.c is not None,
-                                    pack(blocks) if native_here else None,
+                                    blocks.bits, pack(blocks) if native_here else None,
                                     None if native_here else blocks.dequantize().to(linear.weight.device)))
         else:
             if sum(s.n for s in segments) != linear.out_features:
@@ -210,11 +232,11 @@ class SegmentsCall:
         self.in_features, self.out_features = in_features, out_features
         self.weights = (ctypes.c_void_p * len(segments))(*(s.packed.data_ptr() for s in segments))
         self.packed = [s.packed for s in segments]  # what the pointers point into
-        self.n_out, self.bs, self.asym, self.first = (
+        self.n_out, self.bs, self.asym, self.bits, self.first = (
             torch.tensor(values, dtype=torch.int64) for values in
-            zip(*((s.n, s.bs, int(s.asym), s.first) for s in segments)))
+            zip(*((s.n, s.bs, int(s.asym), s.bits, s.first) for s in segments)))
         self.args = (len(segments), self.weights, self.n_out.data_ptr(), self.bs.data_ptr(), self.asym.data_ptr(),
-                     self.first.data_ptr())
+                     self.bits.data_ptr(), self.first.data_ptr())
         self.functions = {dtype: getattr(_library(), f"gguf_segments_{suffix}") for dtype, suffix in _SUFFIX.items()}
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
