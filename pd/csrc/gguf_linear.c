@@ -96,11 +96,10 @@ static inline __attribute__((always_inline)) void load_pair(const uint8_t *wb, i
  * m0.. of q. */
 static inline __attribute__((always_inline)) void tile_rows(const Quantized *q, int64_t m0, int rows,
                                                             const uint8_t *w, int64_t nb, int64_t bs, int asym,
-                                                            int bits, float *out) {
+                                                            int bits, int32_t zero, float *out) {
     __m512 f0[ROWS], f1[ROWS];
     for (int r = 0; r < rows; r++) f0[r] = f1[r] = _mm512_setzero_ps();
     const int64_t groups = bs / 4, values = value_bytes(bs, bits), block_bytes = values + (asym ? 256 : 128);
-    const int32_t zero = zero_of(bits);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = w + b * block_bytes;
         __m512i s0[ROWS], s1[ROWS];
@@ -109,7 +108,16 @@ static inline __attribute__((always_inline)) void tile_rows(const Quantized *q, 
             s0[r] = s1[r] = asym ? _mm512_setzero_si512() : _mm512_set1_epi32(-zero * block_sum(q, m0 + r, b * bs, bs));
             x4[r] = (const int32_t *)(q->xq + (m0 + r) * q->k + b * bs);
         }
-        for (int64_t g = 0; g < groups; g += 2) {
+        if (bits == 8) { /* bytes: one group at a time */
+            for (int64_t g = 0; g < groups; g++) {
+                const __m512i w0 = _mm512_loadu_si512(wb + g * 128), w1 = _mm512_loadu_si512(wb + g * 128 + 64);
+                for (int r = 0; r < rows; r++) {
+                    const __m512i xb = _mm512_set1_epi32(x4[r][g]);
+                    s0[r] = _mm512_dpbusd_epi32(s0[r], w0, xb);
+                    s1[r] = _mm512_dpbusd_epi32(s1[r], w1, xb);
+                }
+            }
+        } else for (int64_t g = 0; g < groups; g += 2) {
             __m512i wv[4];
             load_pair(wb, g, bs, bits, wv);
             for (int r = 0; r < rows; r++) {
@@ -143,15 +151,31 @@ static inline __attribute__((always_inline)) void tile_rows(const Quantized *q, 
 
 #define ROWS_CASE(R, BITS) \
     case R:                \
-        tile_rows(q, m0, R, w, nb, bs, asym, BITS, out); break;
+        tile_rows(q, m0, R, w, nb, bs, asym, BITS, zero, out); break;
 #define BITS_CASE(BITS)                                                                          \
     case BITS:                                                                                   \
         switch (rows) { ROWS_CASE(1, BITS) ROWS_CASE(2, BITS) ROWS_CASE(3, BITS) ROWS_CASE(4, BITS) default: break; } \
         break;
 
 static void tile(const Quantized *q, int64_t m0, int rows, const uint8_t *w, int64_t nb, int64_t bs, int asym,
-                 int bits, float *out) {
+                 int bits, int32_t zero, float *out) {
     switch (bits) { BITS_CASE(4) BITS_CASE(5) BITS_CASE(6) BITS_CASE(8) default: break; }
+}
+
+/* A tile's nb blocks of `bits` bits rewritten as bytes (the 8-bit layout, scales copied),
+ * for many rows to read without unpacking each block again per ROWS rows. */
+static void unpack_tile(const uint8_t *w, int64_t nb, int64_t bs, int bits, int asym, uint8_t *dst) {
+    const int64_t values = value_bytes(bs, bits), scales = asym ? 256 : 128;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = w + b * (values + scales);
+        uint8_t *db = dst + b * (bs * TILE + scales);
+        for (int64_t g = 0; g < bs / 4; g += 2) {
+            __m512i wv[4];
+            load_pair(wb, g, bs, bits, wv);
+            for (int i = 0; i < 4; i++) _mm512_storeu_si512(db + g * 128 + i * 64, wv[i]);
+        }
+        memcpy(db + bs * TILE, wb + values, (size_t)scales);
+    }
 }
 #else
 /* Value i = 4 g + j (within the block) of channel c, from the packed layout. */
@@ -168,10 +192,21 @@ static inline int32_t packed_value(const uint8_t *wb, int64_t bs, int bits, int6
     return v;
 }
 
+static void unpack_tile(const uint8_t *w, int64_t nb, int64_t bs, int bits, int asym, uint8_t *dst) {
+    const int64_t values = value_bytes(bs, bits), scales = asym ? 256 : 128;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = w + b * (values + scales);
+        uint8_t *db = dst + b * (bs * TILE + scales);
+        for (int64_t c = 0; c < TILE; c++)
+            for (int64_t i = 0; i < bs; i++)
+                db[(i / 4) * 128 + c * 4 + i % 4] = (uint8_t)packed_value(wb, bs, bits, c, i);
+        memcpy(db + bs * TILE, wb + values, (size_t)scales);
+    }
+}
+
 static void tile(const Quantized *q, int64_t m0, int rows, const uint8_t *w, int64_t nb, int64_t bs, int asym,
-                 int bits, float *out) {
+                 int bits, int32_t zero, float *out) {
     const int64_t values = value_bytes(bs, bits), block_bytes = values + (asym ? 256 : 128);
-    const int32_t zero = zero_of(bits);
     for (int r = 0; r < rows; r++) {
         const int64_t m = m0 + r;
         float acc[TILE] = {0};
@@ -277,21 +312,54 @@ static inline void store_row_bf16(uint16_t *y, const float *acc, int64_t width) 
         }                                                                                                \
         quantize_##NAME(x, x_stride, rows, &q, threads);                                                 \
         const int64_t tiles = tile_start[n_seg], chunks = (rows + ROWS - 1) / ROWS;                      \
-        _Pragma("omp parallel for collapse(2) schedule(static) num_threads(threads) if (tiles * chunks > 1)") \
-        for (int64_t t = 0; t < tiles; t++)                                                              \
-            for (int64_t ch = 0; ch < chunks; ch++) {                                                    \
-                int64_t s = 0;                                                                           \
-                while (t >= tile_start[s + 1]) s++;                                                      \
-                float acc[ROWS * TILE] __attribute__((aligned(64)));                                     \
-                const int64_t nb = k / bs[s], local = t - tile_start[s];                                  \
-                const int64_t tile_bytes = nb * (value_bytes(bs[s], bits[s]) + (asym[s] ? 256 : 128));     \
-                const int64_t m0 = ch * ROWS, n0 = local * TILE;                                         \
-                const int r = (int)(rows - m0 < ROWS ? rows - m0 : ROWS);                               \
-                const int64_t width = n_out[s] - n0 < TILE ? n_out[s] - n0 : TILE;                       \
-                tile(&q, m0, r, w[s] + local * tile_bytes, nb, bs[s], (int)asym[s], (int)bits[s], acc);  \
-                for (int i = 0; i < r; i++)                                                              \
-                    STORE(out + (m0 + i) * out_stride + first[s] + n0, acc + i * TILE, width);           \
+        if (chunks > 8) { /* past 32 rows (measured): each thread unpacks a tile's blocks to bytes, once */ \
+            int64_t most = 0;                                                                            \
+            for (int64_t s = 0; s < n_seg; s++) {                                                        \
+                const int64_t need = k / bs[s] * (bs[s] * TILE + (asym[s] ? 256 : 128));                 \
+                most = need > most ? need : most;                                                        \
             }                                                                                            \
+            _Pragma("omp parallel num_threads(threads)")                                                 \
+            {                                                                                            \
+                uint8_t *bytes = aligned_alloc(64, (size_t)((most + 63) / 64 * 64));                     \
+                _Pragma("omp for schedule(static)")                                                      \
+                for (int64_t t = 0; t < tiles; t++) {                                                    \
+                    int64_t s = 0;                                                                       \
+                    while (t >= tile_start[s + 1]) s++;                                                  \
+                    const int64_t nb = k / bs[s], local = t - tile_start[s], n0 = local * TILE;           \
+                    const int64_t width = n_out[s] - n0 < TILE ? n_out[s] - n0 : TILE;                   \
+                    const uint8_t *src = w[s] + local * nb * (value_bytes(bs[s], bits[s]) + (asym[s] ? 256 : 128)); \
+                    int unpacked = bits[s] != 8 && bytes;                                                \
+                    if (unpacked) unpack_tile(src, nb, bs[s], (int)bits[s], (int)asym[s], bytes);         \
+                    for (int64_t ch = 0; ch < chunks; ch++) {                                            \
+                        float acc[ROWS * TILE] __attribute__((aligned(64)));                             \
+                        const int64_t m0 = ch * ROWS;                                                    \
+                        const int r = (int)(rows - m0 < ROWS ? rows - m0 : ROWS);                       \
+                        tile(&q, m0, r, unpacked ? bytes : src, nb, bs[s], (int)asym[s],                 \
+                             unpacked ? 8 : (int)bits[s], zero_of(bits[s]), acc);                        \
+                        for (int i = 0; i < r; i++)                                                      \
+                            STORE(out + (m0 + i) * out_stride + first[s] + n0, acc + i * TILE, width);   \
+                    }                                                                                    \
+                }                                                                                        \
+                free(bytes);                                                                             \
+            }                                                                                            \
+        } else {                                                                                         \
+            _Pragma("omp parallel for collapse(2) schedule(static) num_threads(threads) if (tiles * chunks > 1)") \
+            for (int64_t t = 0; t < tiles; t++)                                                          \
+                for (int64_t ch = 0; ch < chunks; ch++) {                                                \
+                    int64_t s = 0;                                                                       \
+                    while (t >= tile_start[s + 1]) s++;                                                  \
+                    float acc[ROWS * TILE] __attribute__((aligned(64)));                                 \
+                    const int64_t nb = k / bs[s], local = t - tile_start[s];                              \
+                    const int64_t tile_bytes = nb * (value_bytes(bs[s], bits[s]) + (asym[s] ? 256 : 128)); \
+                    const int64_t m0 = ch * ROWS, n0 = local * TILE;                                     \
+                    const int r = (int)(rows - m0 < ROWS ? rows - m0 : ROWS);                           \
+                    const int64_t width = n_out[s] - n0 < TILE ? n_out[s] - n0 : TILE;                   \
+                    tile(&q, m0, r, w[s] + local * tile_bytes, nb, bs[s], (int)asym[s], (int)bits[s],     \
+                         zero_of(bits[s]), acc);                                                         \
+                    for (int i = 0; i < r; i++)                                                          \
+                        STORE(out + (m0 + i) * out_stride + first[s] + n0, acc + i * TILE, width);       \
+                }                                                                                        \
+        }                                                                                                \
         free(q.xq); free(q.dx); free(q.sx);                                                              \
         return 0;                                                                                        \
     }                                                                                                    \

@@ -66,7 +66,7 @@ def test_unpacked_blocks_are_gguf_s_dequantized_values_bitwise(kind) -> None:
 @pytest.mark.parametrize("plain", [False, True], ids=["vnni", "plain"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", TYPES)
-@pytest.mark.parametrize("rows, n", [(1, 64), (3, 45), (8, 96), (13, 33)])
+@pytest.mark.parametrize("rows, n", [(1, 64), (3, 45), (8, 96), (13, 33), (41, 70)])
 def test_kernel_equals_a_float32_matmul_of_the_dequantized_weight(kind, dtype, plain, rows, n) -> None:
     """Odd shapes: rows past a register tile (4) and its remainder, channels past a
     packed tile (32) that are not a multiple of it."""
@@ -155,3 +155,16 @@ def test_auto_chooses_gguf_only_where_it_is_fast_and_asked_for_bfloat16(q8_gguf,
         EngineConfig(model=hf, quantization="gguf")
     with pytest.raises(ValueError, match="one rank"):
         EngineConfig(model=q8_gguf, quantization="gguf", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["vnni", "plain"])
+@pytest.mark.parametrize("kind", TYPES)
+def test_many_rows_read_tiles_unpacked_once_to_the_same_bits(kind, plain) -> None:
+    """Past 32 rows each thread rewrites a tile's blocks as bytes once for all its rows:
+    every row comes out bitwise as it does in a call of 8 rows or fewer."""
+    raw = random_blocks(kind, 70, 256, seed=3)
+    blocks = unpack(kind, raw)
+    x = torch.randn(45, 256, generator=torch.Generator().manual_seed(4))
+    many = run_kernel(blocks, x, plain)
+    for first in range(0, 45, 8):
+        assert torch.equal(run_kernel(blocks, x[first:first + 8].contiguous(), plain), many[first:first + 8])
