@@ -47,9 +47,13 @@ def supports(x: torch.Tensor) -> bool:
             and not (x.requires_grad and torch.is_grad_enabled()) and _library() is not None)
 
 
+@functools.cache
+def _kernel(name: str, dtype: torch.dtype):
+    return getattr(_library(), f"{name}_{_SUFFIX[dtype]}")
+
+
 def _call(name: str, dtype: torch.dtype, *args) -> None:
-    status = getattr(_library(), f"{name}_{_SUFFIX[dtype]}")(*args, torch.get_num_threads())
-    if status:
+    if _kernel(name, dtype)(*args, torch.get_num_threads()):
         raise ValueError(f"native {name} refused its arguments")
 
 
@@ -62,13 +66,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     """x / rms(x) * weight (float32 weight), rounded to x's dtype, plus `residual` (same
     shape and dtype) when given."""
     rows = _rows(x)
-    out = torch.empty(x.shape, dtype=x.dtype)
     res = None if residual is None else _rows(residual)
     assert weight.dtype == torch.float32 and weight.is_contiguous() and weight.numel() == x.shape[-1]
     assert res is None or (res.dtype == x.dtype and res.shape == rows.shape and res.stride(-1) == 1)
-    _call("rms_norm", x.dtype, rows.data_ptr(), rows.stride(0), None if res is None else res.data_ptr(),
-          0 if res is None else res.stride(0), out.data_ptr(), x.shape[-1], weight.data_ptr(), rows.shape[0],
-          x.shape[-1], eps)
+    return rms_norm_rows(rows, weight, eps, res).view(x.shape)
+
+
+def rms_norm_rows(rows: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """`rms_norm` of rows (M, N) unchecked: for a caller that holds what it asserts
+    (`pd.models.native_layers`: a decode step calls this ~70 times)."""
+    out = torch.empty(rows.shape, dtype=rows.dtype)
+    _call("rms_norm", rows.dtype, rows.data_ptr(), rows.stride(0), None if residual is None else residual.data_ptr(),
+          0 if residual is None else residual.stride(0), out.data_ptr(), rows.shape[1], weight.data_ptr(),
+          rows.shape[0], rows.shape[1], eps)
     return out
 
 
@@ -78,18 +89,28 @@ def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_size
     """From the fused projection's output (tokens, (H + 2 KVH) * D), q (tokens, H * D) and
     k (tokens, KVH * D): each head RMS-normed with its float32 weight (None: not normed),
     then rotated by the float32 (positions, rotary_dim) tables (`RotaryEmbedding`'s)."""
-    tokens, rot = qkv.shape[0], cos.shape[-1]
     assert qkv.dim() == 2 and qkv.shape[1] >= (num_heads + num_kv_heads) * head_size and head_size <= MAX_HEAD_SIZE
     assert cos.dtype == signed_sin.dtype == torch.float32 and cos.is_contiguous() and signed_sin.is_contiguous()
     for w in (q_weight, k_weight):
         assert w is None or (w.dtype == torch.float32 and w.is_contiguous() and w.numel() == head_size)
     positions = positions.to(torch.int64).contiguous()  # the kernel refuses one outside the tables
-    assert positions.numel() == tokens
+    assert positions.numel() == qkv.shape[0]
+    return qk_norm_rope_rows(qkv, num_heads, num_kv_heads, head_size, q_weight, k_weight, eps, positions, cos,
+                             signed_sin)
+
+
+def qk_norm_rope_rows(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_size: int,
+                      q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                      positions: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`qk_norm_rope` unchecked (positions int64 and contiguous; the kernel still refuses
+    one outside the tables)."""
+    tokens = qkv.shape[0]
     q = torch.empty(tokens, num_heads * head_size, dtype=qkv.dtype)
     k = torch.empty(tokens, num_kv_heads * head_size, dtype=qkv.dtype)
     _call("qk_norm_rope", qkv.dtype, qkv.data_ptr(), qkv.stride(0), tokens, num_heads, num_kv_heads, head_size,
           None if q_weight is None else q_weight.data_ptr(), None if k_weight is None else k_weight.data_ptr(),
-          eps, positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), rot, cos.shape[0], q.data_ptr(),
+          eps, positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), cos.shape[-1], cos.shape[0], q.data_ptr(),
           k.data_ptr())
     return q, k
 
