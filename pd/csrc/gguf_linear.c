@@ -24,8 +24,9 @@
  * the symmetric ones, z = 2^(bits - 1): 16 for Q5_0, 32 for Q6_K), as nibbles, groups 2p and
  * 2p + 1 sharing the 128 bytes of pair p (low and high nibble), then for each bit above the
  * fourth a plane of 256 bits per pair (bit h * 128 + i of pair p: byte i of group 2p + h).
- * Then the 32 channels' a (float32), then for Q4_K their c. So 0.75 bytes a weight for Q4_K
- * and Q5_0, 1 for Q6_K, where one byte each cost a third more bytes than the file.
+ * Then the 32 channels' scales, as `scales` says: 0 a as float32, 1 a then c as float32
+ * (Q4_K), 2 a as float16 (Q8_0 and Q5_0, whose a is the file's float16 d: exact). So
+ * 1.0625 bytes a weight for Q8_0, 0.6875 for Q5_0, 0.75 for Q4_K, 1 for Q6_K.
  * Channels past N are zero (v, a and c), and their outputs are not written.
  *
  * With AVX-512 VNNI a register tile of up to ROWS rows x 32 channels keeps, per row, two
@@ -62,9 +63,13 @@ static inline int32_t block_sum(const Quantized *q, int64_t row, int64_t first, 
     return bs == 16 ? s[0] : s[0] + s[1];
 }
 
-/* Bytes of one block's values in the packed layout, and the symmetric types' zero z. */
+/* Bytes of one block's values in the packed layout, of its scales, and the symmetric types'
+ * zero z. */
 static inline int64_t value_bytes(int64_t bs, int64_t bits) {
     return bits == 8 ? bs * TILE : bs * TILE / 2 + (bits - 4) * bs * TILE / 8;
+}
+static inline int64_t scale_bytes(int64_t scales) {
+    return scales == 1 ? 2 * TILE * 4 : scales == 2 ? TILE * 2 : TILE * 4;
 }
 static inline int32_t zero_of(int64_t bits) { return 1 << (bits - 1); }
 
@@ -95,11 +100,12 @@ static inline __attribute__((always_inline)) void load_pair(const uint8_t *wb, i
 /* out[r][c] for r < rows, c < 32 (float32): one tile's stream of nb blocks against rows
  * m0.. of q. */
 static inline __attribute__((always_inline)) void tile_rows(const Quantized *q, int64_t m0, int rows,
-                                                            const uint8_t *w, int64_t nb, int64_t bs, int asym,
+                                                            const uint8_t *w, int64_t nb, int64_t bs, int scales,
                                                             int bits, int32_t zero, float *out) {
     __m512 f0[ROWS], f1[ROWS];
     for (int r = 0; r < rows; r++) f0[r] = f1[r] = _mm512_setzero_ps();
-    const int64_t groups = bs / 4, values = value_bytes(bs, bits), block_bytes = values + (asym ? 256 : 128);
+    const int asym = scales == 1;
+    const int64_t groups = bs / 4, values = value_bytes(bs, bits), block_bytes = values + scale_bytes(scales);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = w + b * block_bytes;
         __m512i s0[ROWS], s1[ROWS];
@@ -129,7 +135,10 @@ static inline __attribute__((always_inline)) void tile_rows(const Quantized *q, 
             }
         }
         const float *scale = (const float *)(wb + values);
-        const __m512 a0 = _mm512_loadu_ps(scale), a1 = _mm512_loadu_ps(scale + 16);
+        const __m512 a0 = scales == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + values)))
+                                      : _mm512_loadu_ps(scale);
+        const __m512 a1 = scales == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + values + 32)))
+                                      : _mm512_loadu_ps(scale + 16);
         for (int r = 0; r < rows; r++) {
             const int64_t m = m0 + r;
             const float dx = q->dx[m * (q->k / XBLOCK) + b * bs / XBLOCK];
@@ -151,30 +160,30 @@ static inline __attribute__((always_inline)) void tile_rows(const Quantized *q, 
 
 #define ROWS_CASE(R, BITS) \
     case R:                \
-        tile_rows(q, m0, R, w, nb, bs, asym, BITS, zero, out); break;
+        tile_rows(q, m0, R, w, nb, bs, scales, BITS, zero, out); break;
 #define BITS_CASE(BITS)                                                                          \
     case BITS:                                                                                   \
         switch (rows) { ROWS_CASE(1, BITS) ROWS_CASE(2, BITS) ROWS_CASE(3, BITS) ROWS_CASE(4, BITS) default: break; } \
         break;
 
-static void tile(const Quantized *q, int64_t m0, int rows, const uint8_t *w, int64_t nb, int64_t bs, int asym,
+static void tile(const Quantized *q, int64_t m0, int rows, const uint8_t *w, int64_t nb, int64_t bs, int scales,
                  int bits, int32_t zero, float *out) {
     switch (bits) { BITS_CASE(4) BITS_CASE(5) BITS_CASE(6) BITS_CASE(8) default: break; }
 }
 
 /* A tile's nb blocks of `bits` bits rewritten as bytes (the 8-bit layout, scales copied),
  * for many rows to read without unpacking each block again per ROWS rows. */
-static void unpack_tile(const uint8_t *w, int64_t nb, int64_t bs, int bits, int asym, uint8_t *dst) {
-    const int64_t values = value_bytes(bs, bits), scales = asym ? 256 : 128;
+static void unpack_tile(const uint8_t *w, int64_t nb, int64_t bs, int bits, int scales, uint8_t *dst) {
+    const int64_t values = value_bytes(bs, bits), sb = scale_bytes(scales);
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *wb = w + b * (values + scales);
-        uint8_t *db = dst + b * (bs * TILE + scales);
+        const uint8_t *wb = w + b * (values + sb);
+        uint8_t *db = dst + b * (bs * TILE + sb);
         for (int64_t g = 0; g < bs / 4; g += 2) {
             __m512i wv[4];
             load_pair(wb, g, bs, bits, wv);
             for (int i = 0; i < 4; i++) _mm512_storeu_si512(db + g * 128 + i * 64, wv[i]);
         }
-        memcpy(db + bs * TILE, wb + values, (size_t)scales);
+        memcpy(db + bs * TILE, wb + values, (size_t)sb);
     }
 }
 #else
@@ -192,21 +201,35 @@ static inline int32_t packed_value(const uint8_t *wb, int64_t bs, int bits, int6
     return v;
 }
 
-static void unpack_tile(const uint8_t *w, int64_t nb, int64_t bs, int bits, int asym, uint8_t *dst) {
-    const int64_t values = value_bytes(bs, bits), scales = asym ? 256 : 128;
+static void unpack_tile(const uint8_t *w, int64_t nb, int64_t bs, int bits, int scales, uint8_t *dst) {
+    const int64_t values = value_bytes(bs, bits), sb = scale_bytes(scales);
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *wb = w + b * (values + scales);
-        uint8_t *db = dst + b * (bs * TILE + scales);
+        const uint8_t *wb = w + b * (values + sb);
+        uint8_t *db = dst + b * (bs * TILE + sb);
         for (int64_t c = 0; c < TILE; c++)
             for (int64_t i = 0; i < bs; i++)
                 db[(i / 4) * 128 + c * 4 + i % 4] = (uint8_t)packed_value(wb, bs, bits, c, i);
-        memcpy(db + bs * TILE, wb + values, (size_t)scales);
+        memcpy(db + bs * TILE, wb + values, (size_t)sb);
     }
 }
 
-static void tile(const Quantized *q, int64_t m0, int rows, const uint8_t *w, int64_t nb, int64_t bs, int asym,
+/* A float16's value (the scales of `scales` 2). */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    float f;
+    if (exponent == 0) {
+        f = (float)mantissa * 0x1p-24f;
+    } else {
+        const uint32_t bits = (exponent == 31 ? 0xffu << 23 : (exponent + 112) << 23) | (mantissa << 13);
+        memcpy(&f, &bits, sizeof f);
+    }
+    return (h & 0x8000) ? -f : f;
+}
+
+static void tile(const Quantized *q, int64_t m0, int rows, const uint8_t *w, int64_t nb, int64_t bs, int scales,
                  int bits, int32_t zero, float *out) {
-    const int64_t values = value_bytes(bs, bits), block_bytes = values + (asym ? 256 : 128);
+    const int asym = scales == 1;
+    const int64_t values = value_bytes(bs, bits), block_bytes = values + scale_bytes(scales);
     for (int r = 0; r < rows; r++) {
         const int64_t m = m0 + r;
         float acc[TILE] = {0};
@@ -219,8 +242,9 @@ static void tile(const Quantized *q, int64_t m0, int rows, const uint8_t *w, int
             for (int c = 0; c < TILE; c++) {
                 int32_t s = 0;
                 for (int64_t i = 0; i < bs; i++) s += packed_value(wb, bs, bits, c, i) * x[i];
-                acc[c] += asym ? (float)s * (scale[c] * dx) + scale[TILE + c] * (dx * (float)sx)
-                               : (float)(s - zero * sx) * (scale[c] * dx);
+                const float a = scales == 2 ? half_to_float(((const uint16_t *)(wb + values))[c]) : scale[c];
+                acc[c] += asym ? (float)s * (a * dx) + scale[TILE + c] * (dx * (float)sx)
+                               : (float)(s - zero * sx) * (a * dx);
             }
         }
         for (int c = 0; c < TILE; c++) out[r * TILE + c] = acc[c];
@@ -287,19 +311,19 @@ static inline void store_row_bf16(uint16_t *y, const float *acc, int64_t width) 
 /* Several weights against the same rows in one call (a fused q/k/v or gate/up: one segment
  * per GGUF tensor): the rows are quantized once, and every segment's tiles share one
  * OpenMP loop. Segment s writes out[m][first[s] + n] for n < n_out[s] (row stride
- * out_stride), from its packed weight w[s] (blocks of bs[s] inputs; asym[s]: Q4_K's
- * layout). x is rows x k, row stride x_stride. */
+ * out_stride), from its packed weight w[s] (blocks of bs[s] inputs of bits[s] bits, scales in
+ * format scales[s]). x is rows x k, row stride x_stride. */
 #define MAX_SEGMENTS 8
 #define DEFINE_GGUF_LINEAR(NAME, T, STORE)                                                               \
     int gguf_segments_##NAME(const T *x, int64_t x_stride, int64_t rows, int64_t k, int64_t n_seg,       \
                              const uint8_t *const *w, const int64_t *n_out, const int64_t *bs,            \
-                             const int64_t *asym, const int64_t *bits, const int64_t *first, T *out,      \
+                             const int64_t *scales, const int64_t *bits, const int64_t *first, T *out,    \
                              int64_t out_stride, int64_t threads) {                                      \
         if (rows < 0 || k <= 0 || k % XBLOCK || n_seg < 1 || n_seg > MAX_SEGMENTS) return 1;             \
         int64_t tile_start[MAX_SEGMENTS + 1] = {0};                                                      \
         for (int64_t s = 0; s < n_seg; s++) {                                                            \
             if (n_out[s] <= 0 || (bs[s] != 16 && bs[s] != 32)) return 1;                                  \
-            if (bits[s] != 8 && !(bits[s] >= 4 && bits[s] <= 6)) return 1;                              \
+            if ((bits[s] != 8 && !(bits[s] >= 4 && bits[s] <= 6)) || scales[s] < 0 || scales[s] > 2) return 1; \
             tile_start[s + 1] = tile_start[s] + (n_out[s] + TILE - 1) / TILE;                             \
         }                                                                                                \
         if (rows == 0) return 0;                                                                         \
@@ -315,7 +339,7 @@ static inline void store_row_bf16(uint16_t *y, const float *acc, int64_t width) 
         if (chunks > 8) { /* past 32 rows (measured): each thread unpacks a tile's blocks to bytes, once */ \
             int64_t most = 0;                                                                            \
             for (int64_t s = 0; s < n_seg; s++) {                                                        \
-                const int64_t need = k / bs[s] * (bs[s] * TILE + (asym[s] ? 256 : 128));                 \
+                const int64_t need = k / bs[s] * (bs[s] * TILE + scale_bytes(scales[s]));               \
                 most = need > most ? need : most;                                                        \
             }                                                                                            \
             _Pragma("omp parallel num_threads(threads)")                                                 \
@@ -327,14 +351,14 @@ static inline void store_row_bf16(uint16_t *y, const float *acc, int64_t width) 
                     while (t >= tile_start[s + 1]) s++;                                                  \
                     const int64_t nb = k / bs[s], local = t - tile_start[s], n0 = local * TILE;           \
                     const int64_t width = n_out[s] - n0 < TILE ? n_out[s] - n0 : TILE;                   \
-                    const uint8_t *src = w[s] + local * nb * (value_bytes(bs[s], bits[s]) + (asym[s] ? 256 : 128)); \
+                    const uint8_t *src = w[s] + local * nb * (value_bytes(bs[s], bits[s]) + scale_bytes(scales[s])); \
                     int unpacked = bits[s] != 8 && bytes;                                                \
-                    if (unpacked) unpack_tile(src, nb, bs[s], (int)bits[s], (int)asym[s], bytes);         \
+                    if (unpacked) unpack_tile(src, nb, bs[s], (int)bits[s], (int)scales[s], bytes);       \
                     for (int64_t ch = 0; ch < chunks; ch++) {                                            \
                         float acc[ROWS * TILE] __attribute__((aligned(64)));                             \
                         const int64_t m0 = ch * ROWS;                                                    \
                         const int r = (int)(rows - m0 < ROWS ? rows - m0 : ROWS);                       \
-                        tile(&q, m0, r, unpacked ? bytes : src, nb, bs[s], (int)asym[s],                 \
+                        tile(&q, m0, r, unpacked ? bytes : src, nb, bs[s], (int)scales[s],               \
                              unpacked ? 8 : (int)bits[s], zero_of(bits[s]), acc);                        \
                         for (int i = 0; i < r; i++)                                                      \
                             STORE(out + (m0 + i) * out_stride + first[s] + n0, acc + i * TILE, width);   \
@@ -350,11 +374,11 @@ static inline void store_row_bf16(uint16_t *y, const float *acc, int64_t width) 
                     while (t >= tile_start[s + 1]) s++;                                                  \
                     float acc[ROWS * TILE] __attribute__((aligned(64)));                                 \
                     const int64_t nb = k / bs[s], local = t - tile_start[s];                              \
-                    const int64_t tile_bytes = nb * (value_bytes(bs[s], bits[s]) + (asym[s] ? 256 : 128)); \
+                    const int64_t tile_bytes = nb * (value_bytes(bs[s], bits[s]) + scale_bytes(scales[s])); \
                     const int64_t m0 = ch * ROWS, n0 = local * TILE;                                     \
                     const int r = (int)(rows - m0 < ROWS ? rows - m0 : ROWS);                           \
                     const int64_t width = n_out[s] - n0 < TILE ? n_out[s] - n0 : TILE;                   \
-                    tile(&q, m0, r, w[s] + local * tile_bytes, nb, bs[s], (int)asym[s], (int)bits[s],     \
+                    tile(&q, m0, r, w[s] + local * tile_bytes, nb, bs[s], (int)scales[s], (int)bits[s],   \
                          zero_of(bits[s]), acc);                                                         \
                     for (int i = 0; i < r; i++)                                                          \
                         STORE(out + (m0 + i) * out_stride + first[s] + n0, acc + i * TILE, width);       \
@@ -366,10 +390,10 @@ static inline void store_row_bf16(uint16_t *y, const float *acc, int64_t width) 
                                                                                                          \
     /* One weight: out[m][n] for n < n_out. */                                                           \
     int gguf_linear_##NAME(const T *x, int64_t x_stride, int64_t rows, int64_t k, const uint8_t *w,      \
-                           int64_t n_out, int64_t bs, int64_t asym, int64_t bits, T *out,                \
+                           int64_t n_out, int64_t bs, int64_t scales, int64_t bits, T *out,              \
                            int64_t out_stride, int64_t threads) {                                        \
         const int64_t first = 0;                                                                         \
-        return gguf_segments_##NAME(x, x_stride, rows, k, 1, &w, &n_out, &bs, &asym, &bits, &first, out,  \
+        return gguf_segments_##NAME(x, x_stride, rows, k, 1, &w, &n_out, &bs, &scales, &bits, &first, out, \
                                     out_stride, threads);                                                \
     }
 DEFINE_GGUF_LINEAR(bf16, uint16_t, store_row_bf16)

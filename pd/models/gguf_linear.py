@@ -12,9 +12,9 @@ scaled per block. The tied embedding's table serves the lm_head so (Q8_0 on Gemm
 Which weights: a linear whose every part (a fused q/k/v or gate/up has three or two) came
 whole from one GGUF tensor of those types with no transform (`CausalLM.gguf_sources`);
 the others (float tensors, other block types, a tensor-parallel shard) stay bfloat16,
-packed for oneDNN (`pd.models.packed`). Q5_0 and Q4_K take 0.75 bytes a weight, Q6_K 1
-and Q8_0 1.125 with their float32 scales: 267 MB a step on Gemma against the file's 247
-and bfloat16's 536.
+packed for oneDNN (`pd.models.packed`). With their scales Q5_0 takes 0.69 bytes a weight,
+Q4_K 0.75, Q6_K 1 and Q8_0 1.06 (its float16 scale kept as the file has it): 253 MB a step
+on Gemma against the file's 247 and bfloat16's 536.
 
 On CPU with the native kernel built the kernel computes it; elsewhere (`PD_NATIVE_KERNELS=0`,
 another device) `reference` does the same arithmetic in torch: the activations quantized
@@ -71,6 +71,12 @@ class Blocks:
     c: torch.Tensor | None  # (N, K / bs) float32, Q4_K's minimums
     bs: int  # inputs per block: 32, or 16 for Q6_K
     bits: int  # the type's bits a value: 8 (Q8_0), 5 (Q5_0), 4 (Q4_K), 6 (Q6_K)
+
+    @property
+    def scales(self) -> int:
+        """The kernel's scale format: 1 a and c as float32 (Q4_K), 2 a as float16 (Q8_0 and
+        Q5_0, whose a is the file's float16 d), 0 a as float32 (Q6_K: d times an int8)."""
+        return 1 if self.c is not None else 0 if self.bits == 6 else 2
 
     @property
     def stored(self) -> torch.Tensor:
@@ -134,7 +140,7 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
 def pack(blocks: Blocks) -> torch.Tensor:
     """The kernel's layout (gguf_linear.c): per tile of 32 channels, per block, the values
     ([group][channel][4] bytes, or below 8 bits nibbles of group pairs and their high bit
-    planes), then the channels' a (then c) as float32 bytes."""
+    planes), then the channels' a (then c) in the format `Blocks.scales` names."""
     n, k = blocks.u.shape
     tiles, nb, bs = -(-n // TILE), k // blocks.bs, blocks.bs
     pad = tiles * TILE - n
@@ -153,7 +159,12 @@ def pack(blocks: Blocks) -> torch.Tensor:
         for plane in range(blocks.bits - 4):
             bits = (pairs >> (4 + plane)) & 1
             parts.append(_tensor(np.packbits(bits, axis=-1, bitorder="little")).reshape(tiles, nb, bs * TILE // 8))
-    parts.append(padded(blocks.a).view(tiles, TILE, nb).transpose(1, 2).contiguous().view(torch.uint8))
+    a = padded(blocks.a).view(tiles, TILE, nb).transpose(1, 2).contiguous()
+    if blocks.scales == 2:
+        half = a.to(torch.float16)
+        assert torch.equal(half.float(), a), "a float16 scale format for scales float16 cannot hold"
+        a = half
+    parts.append(a.view(torch.uint8))
     if blocks.c is not None:
         parts.append(padded(blocks.c).view(tiles, TILE, nb).transpose(1, 2).contiguous().view(torch.uint8))
     return torch.cat(parts, dim=2).reshape(-1)
@@ -180,7 +191,7 @@ class Segment:
     first: int
     n: int
     bs: int
-    asym: bool
+    scales: int  # Blocks.scales
     bits: int
     packed: torch.Tensor | None  # the kernel's layout, or None on the reference path
     weight: torch.Tensor | None  # (n, K) float32, the reference path's
@@ -206,7 +217,7 @@ def quantize_gguf_linears(model: nn.Module, native_kernels: bool | None = None) 
             blocks = unpack(kind, raw)
             if blocks.u.shape != (rows.stop - rows.start, linear.in_features):
                 break
-            segments.append(Segment(kind, rows.start, rows.stop - rows.start, blocks.bs, blocks.c is not None,
+            segments.append(Segment(kind, rows.start, rows.stop - rows.start, blocks.bs, blocks.scales,
                                     blocks.bits, pack(blocks) if native_here else None,
                                     None if native_here else blocks.dequantize().to(linear.weight.device)))
         else:
@@ -232,10 +243,10 @@ class SegmentsCall:
         self.in_features, self.out_features = in_features, out_features
         self.weights = (ctypes.c_void_p * len(segments))(*(s.packed.data_ptr() for s in segments))
         self.packed = [s.packed for s in segments]  # what the pointers point into
-        self.n_out, self.bs, self.asym, self.bits, self.first = (
+        self.n_out, self.bs, self.scales, self.bits, self.first = (
             torch.tensor(values, dtype=torch.int64) for values in
-            zip(*((s.n, s.bs, int(s.asym), s.bits, s.first) for s in segments)))
-        self.args = (len(segments), self.weights, self.n_out.data_ptr(), self.bs.data_ptr(), self.asym.data_ptr(),
+            zip(*((s.n, s.bs, s.scales, s.bits, s.first) for s in segments)))
+        self.args = (len(segments), self.weights, self.n_out.data_ptr(), self.bs.data_ptr(), self.scales.data_ptr(),
                      self.bits.data_ptr(), self.first.data_ptr())
         self.functions = {dtype: getattr(_library(), f"gguf_segments_{suffix}") for dtype, suffix in _SUFFIX.items()}
 

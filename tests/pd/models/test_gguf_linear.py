@@ -51,7 +51,7 @@ def run_kernel(blocks: Blocks, x: torch.Tensor, plain: bool = False) -> torch.Te
     out = torch.full((x.shape[0], n + 3), 7.0, dtype=x.dtype)  # 3 columns past n: must stay untouched
     kernel = getattr(library, f"gguf_linear_{gguf_linear._SUFFIX[x.dtype]}")
     status = kernel(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], packed.data_ptr(), n, blocks.bs,
-                    int(blocks.c is not None), blocks.bits, out.data_ptr(), out.stride(0), 2)
+                    blocks.scales, blocks.bits, out.data_ptr(), out.stride(0), 2)
     assert status == 0
     assert (out[:, n:] == 7.0).all()
     return out[:, :n]
@@ -112,6 +112,7 @@ def test_the_kernel_refuses_widths_it_cannot_block() -> None:
     assert library.gguf_linear_f32(x.data_ptr(), 40, 2, 40, w.data_ptr(), 8, 32, 0, 8, out.data_ptr(), 8, 1) == 1
     assert library.gguf_linear_f32(x.data_ptr(), 32, 2, 32, w.data_ptr(), 8, 8, 0, 8, out.data_ptr(), 8, 1) == 1
     assert library.gguf_linear_f32(x.data_ptr(), 32, 2, 32, w.data_ptr(), 8, 32, 0, 7, out.data_ptr(), 8, 1) == 1
+    assert library.gguf_linear_f32(x.data_ptr(), 32, 2, 32, w.data_ptr(), 8, 32, 3, 8, out.data_ptr(), 8, 1) == 1
 
 
 @pytest.fixture(scope="module")
