@@ -172,7 +172,9 @@ static void tile(const Quantized *q, int64_t m0, int rows, const uint8_t *w, int
 }
 
 /* A tile's nb blocks of `bits` bits rewritten as bytes (the 8-bit layout, scales copied),
- * for many rows to read without unpacking each block again per ROWS rows. */
+ * for many rows to read without unpacking each block again per ROWS rows (the plain path
+ * reads the packed values at any row count). */
+#define UNPACKS 1
 static void unpack_tile(const uint8_t *w, int64_t nb, int64_t bs, int bits, int scales, uint8_t *dst) {
     const int64_t values = value_bytes(bs, bits), sb = scale_bytes(scales);
     for (int64_t b = 0; b < nb; b++) {
@@ -187,6 +189,8 @@ static void unpack_tile(const uint8_t *w, int64_t nb, int64_t bs, int bits, int 
     }
 }
 #else
+#define UNPACKS 0
+#define unpack_tile(...) ((void)0) /* not called: UNPACKS is 0 */
 /* Value i = 4 g + j (within the block) of channel c, from the packed layout. */
 static inline int32_t packed_value(const uint8_t *wb, int64_t bs, int bits, int64_t c, int64_t i) {
     const int64_t g = i / 4, j = i % 4, at = c * 4 + j;
@@ -199,18 +203,6 @@ static inline int32_t packed_value(const uint8_t *wb, int64_t bs, int bits, int6
         v += ((bitsp[bit / 8] >> (bit % 8)) & 1) << (4 + plane);
     }
     return v;
-}
-
-static void unpack_tile(const uint8_t *w, int64_t nb, int64_t bs, int bits, int scales, uint8_t *dst) {
-    const int64_t values = value_bytes(bs, bits), sb = scale_bytes(scales);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *wb = w + b * (values + sb);
-        uint8_t *db = dst + b * (bs * TILE + sb);
-        for (int64_t c = 0; c < TILE; c++)
-            for (int64_t i = 0; i < bs; i++)
-                db[(i / 4) * 128 + c * 4 + i % 4] = (uint8_t)packed_value(wb, bs, bits, c, i);
-        memcpy(db + bs * TILE, wb + values, (size_t)sb);
-    }
 }
 
 /* A float16's value (the scales of `scales` 2). */
@@ -308,13 +300,35 @@ static inline void store_row_bf16(uint16_t *y, const float *acc, int64_t width) 
 }
 #endif
 
+#define MAX_SEGMENTS 8
+/* The segment of tile t (tile_start: each segment's first tile, then the total). */
+static inline int64_t segment_of(int64_t t, const int64_t *tile_start) {
+    int64_t s = 0;
+    while (t >= tile_start[s + 1]) s++;
+    return s;
+}
+
+static inline int64_t tile_bytes(int64_t k, int64_t bs, int64_t bits, int64_t scales) { /* k inputs' blocks */
+    return k / bs * (value_bytes(bs, bits) + scale_bytes(scales));
+}
+
 /* Several weights against the same rows in one call (a fused q/k/v or gate/up: one segment
  * per GGUF tensor): the rows are quantized once, and every segment's tiles share one
  * OpenMP loop. Segment s writes out[m][first[s] + n] for n < n_out[s] (row stride
  * out_stride), from its packed weight w[s] (blocks of bs[s] inputs of bits[s] bits, scales in
  * format scales[s]). x is rows x k, row stride x_stride. */
-#define MAX_SEGMENTS 8
 #define DEFINE_GGUF_LINEAR(NAME, T, STORE)                                                               \
+    /* Rows m0 .. m0 + ROWS (fewer at the end) of one tile (w, as `bits` bits) into out's       \
+     * columns col .. col + width. */                                                            \
+    static void chunk_##NAME(const Quantized *q, int64_t m0, int64_t rows, const uint8_t *w, int64_t bs, \
+                             int scales, int bits, int32_t zero, T *out, int64_t out_stride, int64_t col, \
+                             int64_t width) {                                                            \
+        float acc[ROWS * TILE] __attribute__((aligned(64)));                                             \
+        const int r = (int)(rows - m0 < ROWS ? rows - m0 : ROWS);                                       \
+        tile(q, m0, r, w, q->k / bs, bs, scales, bits, zero, acc);                                       \
+        for (int i = 0; i < r; i++) STORE(out + (m0 + i) * out_stride + col, acc + i * TILE, width);     \
+    }                                                                                                    \
+                                                                                                         \
     int gguf_segments_##NAME(const T *x, int64_t x_stride, int64_t rows, int64_t k, int64_t n_seg,       \
                              const uint8_t *const *w, const int64_t *n_out, const int64_t *bs,            \
                              const int64_t *scales, const int64_t *bits, const int64_t *first, T *out,    \
@@ -338,31 +352,22 @@ static inline void store_row_bf16(uint16_t *y, const float *acc, int64_t width) 
         const int64_t tiles = tile_start[n_seg], chunks = (rows + ROWS - 1) / ROWS;                      \
         if (chunks > 8) { /* past 32 rows (measured): each thread unpacks a tile's blocks to bytes, once */ \
             int64_t most = 0;                                                                            \
-            for (int64_t s = 0; s < n_seg; s++) {                                                        \
-                const int64_t need = k / bs[s] * (bs[s] * TILE + scale_bytes(scales[s]));               \
-                most = need > most ? need : most;                                                        \
-            }                                                                                            \
+            for (int64_t s = 0; s < n_seg; s++)                                                          \
+                most = tile_bytes(k, bs[s], 8, scales[s]) > most ? tile_bytes(k, bs[s], 8, scales[s]) : most; \
             _Pragma("omp parallel num_threads(threads)")                                                 \
             {                                                                                            \
-                uint8_t *bytes = aligned_alloc(64, (size_t)((most + 63) / 64 * 64));                     \
+                uint8_t *bytes = UNPACKS ? aligned_alloc(64, (size_t)((most + 63) / 64 * 64)) : NULL;    \
                 _Pragma("omp for schedule(static)")                                                      \
                 for (int64_t t = 0; t < tiles; t++) {                                                    \
-                    int64_t s = 0;                                                                       \
-                    while (t >= tile_start[s + 1]) s++;                                                  \
-                    const int64_t nb = k / bs[s], local = t - tile_start[s], n0 = local * TILE;           \
-                    const int64_t width = n_out[s] - n0 < TILE ? n_out[s] - n0 : TILE;                   \
-                    const uint8_t *src = w[s] + local * nb * (value_bytes(bs[s], bits[s]) + scale_bytes(scales[s])); \
-                    int unpacked = bits[s] != 8 && bytes;                                                \
-                    if (unpacked) unpack_tile(src, nb, bs[s], (int)bits[s], (int)scales[s], bytes);       \
-                    for (int64_t ch = 0; ch < chunks; ch++) {                                            \
-                        float acc[ROWS * TILE] __attribute__((aligned(64)));                             \
-                        const int64_t m0 = ch * ROWS;                                                    \
-                        const int r = (int)(rows - m0 < ROWS ? rows - m0 : ROWS);                       \
-                        tile(&q, m0, r, unpacked ? bytes : src, nb, bs[s], (int)scales[s],               \
-                             unpacked ? 8 : (int)bits[s], zero_of(bits[s]), acc);                        \
-                        for (int i = 0; i < r; i++)                                                      \
-                            STORE(out + (m0 + i) * out_stride + first[s] + n0, acc + i * TILE, width);   \
-                    }                                                                                    \
+                    const int64_t s = segment_of(t, tile_start), local = t - tile_start[s];              \
+                    const int64_t width = n_out[s] - local * TILE < TILE ? n_out[s] - local * TILE : TILE; \
+                    const uint8_t *src = w[s] + local * tile_bytes(k, bs[s], bits[s], scales[s]);        \
+                    const int unpacked = bits[s] != 8 && bytes;                                          \
+                    if (unpacked) unpack_tile(src, k / bs[s], bs[s], (int)bits[s], (int)scales[s], bytes); \
+                    for (int64_t ch = 0; ch < chunks; ch++)                                              \
+                        chunk_##NAME(&q, ch * ROWS, rows, unpacked ? bytes : src, bs[s], (int)scales[s],  \
+                                     unpacked ? 8 : (int)bits[s], zero_of(bits[s]), out, out_stride,      \
+                                     first[s] + local * TILE, width);                                     \
                 }                                                                                        \
                 free(bytes);                                                                             \
             }                                                                                            \
@@ -370,18 +375,11 @@ static inline void store_row_bf16(uint16_t *y, const float *acc, int64_t width) 
             _Pragma("omp parallel for collapse(2) schedule(static) num_threads(threads) if (tiles * chunks > 1)") \
             for (int64_t t = 0; t < tiles; t++)                                                          \
                 for (int64_t ch = 0; ch < chunks; ch++) {                                                \
-                    int64_t s = 0;                                                                       \
-                    while (t >= tile_start[s + 1]) s++;                                                  \
-                    float acc[ROWS * TILE] __attribute__((aligned(64)));                                 \
-                    const int64_t nb = k / bs[s], local = t - tile_start[s];                              \
-                    const int64_t tile_bytes = nb * (value_bytes(bs[s], bits[s]) + scale_bytes(scales[s])); \
-                    const int64_t m0 = ch * ROWS, n0 = local * TILE;                                     \
-                    const int r = (int)(rows - m0 < ROWS ? rows - m0 : ROWS);                           \
-                    const int64_t width = n_out[s] - n0 < TILE ? n_out[s] - n0 : TILE;                   \
-                    tile(&q, m0, r, w[s] + local * tile_bytes, nb, bs[s], (int)scales[s], (int)bits[s],   \
-                         zero_of(bits[s]), acc);                                                         \
-                    for (int i = 0; i < r; i++)                                                          \
-                        STORE(out + (m0 + i) * out_stride + first[s] + n0, acc + i * TILE, width);       \
+                    const int64_t s = segment_of(t, tile_start), local = t - tile_start[s];              \
+                    const int64_t width = n_out[s] - local * TILE < TILE ? n_out[s] - local * TILE : TILE; \
+                    chunk_##NAME(&q, ch * ROWS, rows, w[s] + local * tile_bytes(k, bs[s], bits[s], scales[s]), \
+                                 bs[s], (int)scales[s], (int)bits[s], zero_of(bits[s]), out, out_stride,  \
+                                 first[s] + local * TILE, width);                                         \
                 }                                                                                        \
         }                                                                                                \
         free(q.xq); free(q.dx); free(q.sx);                                                              \

@@ -265,11 +265,7 @@ def _reference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _native_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if x.dim() == 2 and x.stride(1) == 1 and x.device.type == "cpu" and x.dtype in _SUFFIX \
-            and x.shape[1] == self.in_features:  # a step's hidden states: no reshape to check
-        out = self.gguf_call(x)
-    else:
-        out = self.gguf_call(native_rows(self, x, "GGUF linear"))
+    out = self.gguf_call(native_rows(self, x, "GGUF linear"))
     if self.bias_f32 is not None:
         out = (out.float() + self.bias_f32).to(x.dtype)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)

@@ -155,7 +155,7 @@ def native_rows(linear: nn.Linear, x: torch.Tensor, what: str) -> torch.Tensor:
     if x.device.type != "cpu" or x.dtype not in _SUFFIX or x.shape[-1] != linear.in_features:
         raise ValueError(f"{what} takes CPU bfloat16/float32 rows of {linear.in_features}, got "
                          f"{x.dtype} {tuple(x.shape)} on {x.device}")
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 

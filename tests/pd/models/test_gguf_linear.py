@@ -161,8 +161,9 @@ def test_auto_chooses_gguf_only_where_it_is_fast_and_asked_for_bfloat16(q8_gguf,
 @pytest.mark.parametrize("plain", [False, True], ids=["vnni", "plain"])
 @pytest.mark.parametrize("kind", TYPES)
 def test_many_rows_read_tiles_unpacked_once_to_the_same_bits(kind, plain) -> None:
-    """Past 32 rows each thread rewrites a tile's blocks as bytes once for all its rows:
-    every row comes out bitwise as it does in a call of 8 rows or fewer."""
+    """Past 32 rows the VNNI path rewrites a tile's blocks as bytes once for all its rows (the
+    plain one reads the packed values at any count): every row comes out bitwise as it does
+    in a call of 8 rows or fewer."""
     raw = random_blocks(kind, 70, 256, seed=3)
     blocks = unpack(kind, raw)
     x = torch.randn(45, 256, generator=torch.Generator().manual_seed(4))
