@@ -1,7 +1,8 @@
-"""Strip an unpacked nixl-cu13 wheel to what its UCX backend loads (the device tool carries
-64 MiB; the wheel is 59 MB, its UCX part 8 MB as .tar.xz): drop every shared library that
-neither the Python bindings, the UCX plugin nor UCX's shared-memory and CUDA transports
-need, the nixl_ep extension and the examples. Usage: slim_nixl.py UNPACKED_WHEEL_DIR"""
+"""Strip an unpacked nixl-cu13 wheel to what its UCX and POSIX backends load (the device tool
+carries 64 MiB; the wheel is 59 MB, those parts 8 MB as .tar.xz): drop every shared library
+that neither the Python bindings, the UCX plugin (KV transfer), the POSIX plugin (the disk
+tier) nor UCX's shared-memory and CUDA transports need, the nixl_ep extension and the
+examples. Usage: slim_nixl.py UNPACKED_WHEEL_DIR"""
 
 import subprocess
 import sys
@@ -16,8 +17,8 @@ def needed(path: Path) -> list[str]:
     return [line.split("[")[1].split("]")[0] for line in out.splitlines() if "(NEEDED)" in line]
 
 
-roots = [p for p in libs if p.name.startswith(("_bindings", "_utils", "libplugin_UCX.so", "libuct_cma", "libuct_cuda",
-                                               "libucm_cuda"))]
+roots = [p for p in libs if p.name.startswith(("_bindings", "_utils", "libplugin_UCX.so", "libplugin_POSIX.so",
+                                               "libuct_cma", "libuct_cuda", "libucm_cuda"))]
 keep: set[Path] = set()
 todo = list(roots)
 while todo:

@@ -34,7 +34,9 @@ def test_a_gpu_engine_loads_its_prompts_back_from_host_memory_and_disk(arch, tin
         for _ in range(2):
             assert [llm.generate([p], PARAMS)[0].token_ids for p in prompts] == cold
         assert llm.engine.kv_cache_manager.reset_prefix_cache()  # what is left on the device goes too
-        assert [llm.generate([p], PARAMS)[0].token_ids for p in prompts] == cold
+        # Newest first: the host tier (1 MB, LRU) holds the last prompts stored; in the stored
+        # order, each read would find them already pushed out by the ones before.
+        assert [llm.generate([p], PARAMS)[0].token_ids for p in prompts[::-1]] == cold[::-1]
         assert tiers["host"].counters["loaded_blocks"] > 0 and tiers["disk"].counters["loaded_blocks"] > 0
         assert tiers["disk"].counters["corrupt_blocks"] == 0
         assert llm.engine.kv_cache_manager.usage == 0.0
