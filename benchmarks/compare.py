@@ -76,7 +76,9 @@ def serve_args(args: argparse.Namespace, deployment: Deployment, seed: int, num_
         argv.append("--ignore-eos")
     for action in _dataset_actions():
         value = getattr(args, action.dest)
-        if value is not None:
+        if action.nargs == 0:  # a switch
+            argv += [action.option_strings[0]] if value else []
+        elif value is not None:
             argv += [action.option_strings[0], str(value)]
     return serve.build_parser().parse_args(argv)
 

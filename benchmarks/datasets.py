@@ -45,13 +45,15 @@ to its length, and tokens past what its ids cover are fresh random ids.
 `--trace-scale-tokens` scales every length and the block size with it (so shared blocks
 stay shared), `--trace-scale-output` the output lengths, `--trace-time-scale` the gaps
 between arrivals (0.1: ten times faster). Requests are sent at their arrival times
-(open loop; `--max-concurrency` still bounds what is in flight), not at `--request-rate`.
+(open loop; `--max-concurrency` still bounds what is in flight), unless `--request-rate`
+is given: then in the trace's order at that rate (`--burstiness` as for the other datasets).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -180,13 +182,37 @@ def read_trace(path: str | Path) -> list[TraceRecord]:
     return records
 
 
+def whole_conversations(records: list[TraceRecord], count: int) -> list[TraceRecord]:
+    """Up to `count` records made of whole conversations, taken in the order their first
+    turns appear (one that would overflow is passed over for a smaller later one). A
+    conversation is the records whose first two hash ids agree: in the published
+    conversation trace every prompt begins with one block all share, and the next names
+    the conversation (its later turns repeat it with the history)."""
+    conversations: dict[tuple[int, ...], list[TraceRecord]] = {}
+    for number, record in enumerate(records):
+        key = tuple(record.hash_ids[:2]) if len(record.hash_ids) >= 2 else (-1, number)
+        conversations.setdefault(key, []).append(record)
+    chosen: list[TraceRecord] = []
+    for turns in conversations.values():
+        if len(chosen) + len(turns) <= count:
+            chosen += turns
+        if len(chosen) == count:
+            break
+    return chosen
+
+
 def trace_dataset(path: str | Path, num_prompts: int, block_tokens: int, scale_tokens: float, scale_output: float,
-                  time_scale: float, vocab_size: int, seed: int, low: int = LOW_TOKEN_ID) -> list[SampleRequest]:
-    """The trace's first `num_prompts` requests as token-id prompts, in arrival order, each
-    with its arrival in seconds after the first."""
+                  time_scale: float, vocab_size: int, seed: int, low: int = LOW_TOKEN_ID, conversations: bool = False,
+                  own_times: bool = True) -> list[SampleRequest]:
+    """The trace's first `num_prompts` requests (`conversations`: its first whole
+    conversations, `whole_conversations`) as token-id prompts, in arrival order, each with
+    its arrival in seconds after the first (the trace's gaps times `time_scale`), or none
+    unless `own_times` (sent at a request rate instead)."""
     if block_tokens < 1 or scale_tokens <= 0 or scale_output <= 0 or time_scale < 0:
         raise ValueError("the trace's block size and scales must be positive (the time scale may be 0)")
-    records = sorted(read_trace(path)[:num_prompts], key=lambda r: r.timestamp)
+    records = read_trace(path)
+    records = whole_conversations(records, num_prompts) if conversations else records[:num_prompts]
+    records = sorted(records, key=lambda r: r.timestamp)
     rng = np.random.default_rng(seed)
     block = max(1, round(block_tokens * scale_tokens))
     blocks: dict[int, list[int]] = {}
@@ -204,7 +230,8 @@ def trace_dataset(path: str | Path, num_prompts: int, block_tokens: int, scale_t
         if len(ids) < length:
             ids += rng.integers(low, vocab_size, size=length - len(ids)).tolist()
         samples.append(SampleRequest(ids[:length], length, max(1, round(record.output_length * scale_output)),
-                                     arrival=(record.timestamp - start) / 1000.0 * time_scale))
+                                     arrival=(record.timestamp - start) / 1000.0 * time_scale if own_times
+                                     else None))
     return samples
 
 
@@ -291,13 +318,19 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
                        help="trace: scale every output length by this (default %(default)s)")
     group.add_argument("--trace-time-scale", type=float, default=1.0,
                        help="trace: scale the gaps between arrivals by this; 0.1 replays ten times faster, "
-                            "0 sends everything at once (default %(default)s)")
+                            "0 sends everything at once (default %(default)s); --request-rate replaces the "
+                            "trace's times with that rate")
+    group.add_argument("--trace-conversations", action="store_true",
+                       help="trace: --num-prompts requests made of whole conversations (every turn of the first "
+                            "conversations, requests whose first two hash ids agree) instead of the first lines, "
+                            "so that an excerpt holds the reuse its conversations offer")
     group.add_argument("--sharegpt-output-len", type=int,
                        help="sharegpt: fixed output length instead of the reply's estimated length")
 
 
 def load_samples(args: argparse.Namespace) -> list[SampleRequest]:
-    """The dataset chosen by `args` (also reads `num_prompts` and `seed`)."""
+    """The dataset chosen by `args` (also reads `num_prompts`, `seed` and, for a trace,
+    `request_rate`)."""
     if args.dataset == "random":
         return random_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
                               args.random_prefix_len, args.vocab_size, args.seed)
@@ -314,5 +347,6 @@ def load_samples(args: argparse.Namespace) -> list[SampleRequest]:
         raise ValueError(f"--dataset {args.dataset} needs --dataset-path")
     if args.dataset == "trace":
         return trace_dataset(args.dataset_path, args.num_prompts, args.trace_block_tokens, args.trace_scale_tokens,
-                             args.trace_scale_output, args.trace_time_scale, args.vocab_size, args.seed)
+                             args.trace_scale_output, args.trace_time_scale, args.vocab_size, args.seed,
+                             conversations=args.trace_conversations, own_times=math.isinf(args.request_rate))
     return sharegpt_dataset(args.dataset_path, args.num_prompts, args.seed, args.sharegpt_output_len)

@@ -27,6 +27,12 @@ def test_serve_args_carry_the_dataset_flags_and_the_repetitions_seed() -> None:
     assert (run.dataset, run.prefix_repetition_prefix_len, run.prefix_repetition_num_prefixes) == (
         "prefix-repetition", 160, 2)
     assert run.ignore_eos and run.max_concurrency == 8
+    assert not run.trace_conversations
+    trace = compare.build_parser().parse_args(["--model", "m", "--dataset", "trace", "--dataset-path", "t.jsonl",
+                                               "--trace-conversations"])
+    run = compare.serve_args(trace, compare.Deployment("http://a", "http://d/metrics"), seed=7, num_prompts=3,
+                             label="x")
+    assert run.trace_conversations and run.dataset_path == "t.jsonl"
 
 
 def test_the_table_shows_medians_and_dashes_for_missing_figures() -> None:

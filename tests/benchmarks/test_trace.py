@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.datasets import LOW_TOKEN_ID, read_trace, trace_dataset
-from benchmarks.serve import main
+from benchmarks.datasets import LOW_TOKEN_ID, load_samples, read_trace, trace_dataset
+from benchmarks.serve import arrivals, build_parser, main
 
 TRACE = Path(__file__).parents[2] / "benchmarks" / "traces" / "mooncake_synthetic.jsonl"
 
@@ -45,6 +45,35 @@ def test_equal_hash_ids_are_equal_blocks_and_lengths_scale(tmp_path: Path) -> No
     assert [s.prompt for s in again] == [s.prompt for s in samples]
     head = trace_dataset(path, 2, 32, 0.5, 0.1, 0.5, 4096, seed=3)  # the first two lines of the file
     assert [s.arrival for s in head] == pytest.approx([0.0, 0.25]) and head[1].prompt[:32] == first.prompt[:32]
+
+
+def test_an_excerpt_of_whole_conversations(tmp_path: Path) -> None:
+    """--trace-conversations takes every turn of the first conversations (first two hash ids
+    equal) that fit, passing over one that would overflow; with --request-rate the samples
+    carry no times of their own (sent at that rate, in the trace's order)."""
+    lines = [{"timestamp": 0, "input_length": 30, "output_length": 5, "hash_ids": [0, 1]},
+             {"timestamp": 1000, "input_length": 30, "output_length": 5, "hash_ids": [0, 2]},
+             {"timestamp": 2000, "input_length": 30, "output_length": 5, "hash_ids": [0, 3]},
+             {"timestamp": 5000, "input_length": 50, "output_length": 5, "hash_ids": [0, 1, 4]},
+             {"timestamp": 6000, "input_length": 50, "output_length": 5, "hash_ids": [0, 2, 5]},
+             {"timestamp": 7000, "input_length": 70, "output_length": 5, "hash_ids": [0, 2, 5, 6]},
+             {"timestamp": 9000, "input_length": 70, "output_length": 5, "hash_ids": [0, 1, 4, 7]}]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    samples = trace_dataset(path, 4, 16, 1.0, 1.0, 0.5, 4096, seed=1, conversations=True)
+    # conversation [0, 1] (3 turns) fits; [0, 2] (3 more) would not; [0, 3] (1) does
+    assert [s.prompt_len for s in samples] == [30, 30, 50, 70]
+    assert samples[2].prompt[:30] == samples[0].prompt and samples[3].prompt[:48] == samples[2].prompt[:48]
+    assert [s.arrival for s in samples] == pytest.approx([0.0, 1.0, 2.5, 4.5])
+    first_lines = trace_dataset(path, 4, 16, 1.0, 1.0, 0.5, 4096, seed=1)
+    assert [s.prompt_len for s in first_lines] == [30, 30, 30, 50]  # without: the first four lines
+    at_a_rate = trace_dataset(path, 4, 16, 1.0, 1.0, 0.5, 4096, seed=1, conversations=True, own_times=False)
+    assert [s.prompt for s in at_a_rate] == [s.prompt for s in samples] and {s.arrival for s in at_a_rate} == {None}
+    args = build_parser().parse_args(["--base-url", "http://x", "--dataset", "trace", "--dataset-path", str(path),
+                                      "--num-prompts", "4", "--trace-conversations", "--request-rate", "2"])
+    assert [s.arrival for s in load_samples(args)] == [None] * 4
+    offsets = arrivals(load_samples(args), args)
+    assert offsets[0] >= 0 and offsets == sorted(offsets) and offsets[-1] > 0  # drawn at 2 a second
 
 
 @pytest.mark.parametrize("line, why", [('{"timestamp": 0, "input_length": 0, "output_length": 1}', "input_length"),
