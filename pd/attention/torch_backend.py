@@ -191,17 +191,16 @@ class TorchAttentionMetadataBuilder(AttentionMetadataBuilder):
         )
 
     def _tiles(self, common: CommonAttentionMetadata) -> NativeTiles:
-        rows, max_span = [], 1
+        rows, max_span, max_tile = [], 1, 1
         for i in range(common.num_reqs):
             start, end = common.query_start_loc_cpu[i], common.query_start_loc_cpu[i + 1]
             computed = common.num_computed_tokens_cpu[i]
             for first in range(0, end - start, TILE_TOKENS):
                 m = min(TILE_TOKENS, end - start - first)
                 pos = computed + first
-                rows.append((start + first, m, i, pos))
-                max_span = max(max_span, pos + m - self._first_visible(pos))
+                rows += (start + first, m, i, pos)
+                max_span, max_tile = max(max_span, pos + m - self._first_visible(pos)), max(max_tile, m)
         tiles = torch.tensor(rows, dtype=torch.int64).view(-1, 4)
-        max_tile = int(tiles[:, 1].max()) if rows else 1
         return NativeTiles(tiles=tiles, max_tile=max_tile, max_span=max_span,
                            table=common.block_table.to(torch.int32).contiguous())
 

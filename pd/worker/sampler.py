@@ -77,7 +77,7 @@ def adjust(logits: torch.Tensor, params: list[SamplingParams], histories: list[H
 def choose(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of `adjust`ed logits: greedy rows take the first maximum as
     computed; sampled rows are widened to float32 and drawn from."""
-    greedy = logits.max(dim=-1).indices  # the first maximum, as argmax; argmax is 5x slower on bfloat16 CPU
+    greedy = first_max(logits)
     if all(p.greedy for p in params):
         return greedy.tolist()
     rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -86,6 +86,21 @@ def choose(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     tokens = greedy.clone()
     tokens[rows] = _inverse_transform(probs, draws).to(tokens.dtype)
     return tokens.tolist()
+
+
+def first_max(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its first maximum, as `logits.max(dim=-1).indices` (argmax is 5x
+    slower on bfloat16 CPU). On CPU over a vocabulary that splits into chunks of up to
+    4,096: each chunk's maximum (a plain reduction, ~3.5x faster than one carrying
+    indices), then the index within the first chunk holding the row's maximum; a (8,
+    262144) bfloat16 batch: 0.35 against 1.25 ms."""
+    rows, vocab = logits.shape
+    chunk = next((c for c in (4096, 2048, 1024, 512, 256, 128) if vocab % c == 0 and vocab > c), None)
+    if logits.device.type != "cpu" or chunk is None:
+        return logits.max(dim=-1).indices
+    parts = logits.view(rows, vocab // chunk, chunk)
+    best = parts.amax(dim=-1).max(dim=-1).indices  # the first chunk reaching the row's maximum
+    return best * chunk + parts[torch.arange(rows), best].max(dim=-1).indices
 
 
 def _add_bias_(logits: torch.Tensor, params: list[SamplingParams]) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pd.scheduling.sampling_params import SamplingParams
-from pd.worker.sampler import make_generator, sample
+from pd.worker.sampler import first_max, make_generator, sample
 from tests.support.sampling_reference import brute_force_penalized
 
 
@@ -17,6 +17,26 @@ def logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
 def test_greedy_takes_the_argmax() -> None:
     x = logits()
     assert sample(x, [SamplingParams(temperature=0)] * 4, [None] * 4) == x.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("vocab", [262144, 151936, 4096, 1000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_first_max_is_the_first_maximum_of_each_row(vocab: int, dtype: torch.dtype) -> None:
+    """Chunked on CPU where the vocabulary splits (1000 does not: one plain reduction); a
+    maximum repeated in a later chunk, later in its own chunk, or earlier in a chunk than
+    its first occurrence elsewhere, still gives the first."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen).to(dtype)
+    top = logits.max() + 1
+    logits[1, [vocab - 1, vocab // 2 + 5, vocab // 2 + 3]] = top  # first at vocab // 2 + 3
+    logits[2, [vocab - 2, 7]] = top  # first at 7, the other in the last chunk
+    logits[3, [3, 2]] = top  # two in the first chunk
+    logits[4] = top  # all equal: 0
+    logits[5, [vocab - 130, vocab - 1]] = top  # the last chunk alone
+    expected = logits.max(dim=-1).indices
+    assert expected[1:].tolist() == [vocab // 2 + 3, 7, 2, 0, vocab - 130]
+    assert torch.equal(first_max(logits), expected)
+    assert first_max(logits[:0]).shape == (0,)
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
