@@ -343,7 +343,7 @@ def build_parser(prog: str = "python -m benchmarks.serve") -> argparse.ArgumentP
         "kv_transfer_params (default: off, BASE_URL serves whole requests)")
     add("--num-prompts", type=int, default=1000, help="number of requests (default: 1000)")
     add("--request-rate", type=float, default=float("inf"),
-        help="mean arrivals per second; inf sends all at once (default: inf)")
+        help="mean arrivals per second; inf sends all at once, or a trace at its own times (default: inf)")
     add("--burstiness", type=float, default=1.0,
         help="gamma shape of the arrival gaps: 1 is Poisson, <1 burstier, >1 more even (default: 1)")
     add("--max-concurrency", type=int, help="most requests in flight at once (default: no limit)")
