@@ -11,7 +11,8 @@ A request is sent to another P (at most `max_retries` times, each after an expon
 backoff with jitter) only when the failure is known to be the instance's, not the
 request's: it could not be reached (nothing was sent), its engine was dead already
 (503 "engine_dead"), or it holds too many blocks for unread requests (503
-"kv_held_limit"). A P that took the request and then dropped the connection, timed
+"kv_held_limit"); and once for a kept-alive connection closed unanswered
+(`connections.py`). A P that took the request and then dropped the connection, timed
 out, answered a 5xx of its own or died serving it may have been failed by the request
 itself (a poison request would otherwise walk the fleet): the client gets 502 or that
 answer. A 4xx is the server's verdict on this request, passed back as it is.
@@ -38,6 +39,7 @@ from proxy.answers import (ENGINE_DEAD, KV_HELD_LIMIT, OVERLOADED_RETRY_AFTER_S,
                            is_server_failure, kv_held_response, overloaded_response, passed_back, retry_after_s)
 from proxy.admission import Admission
 from proxy.body import BodyError, parse_body, prefill_body, token_id_prompt
+from proxy.connections import ConnectionTrace
 from proxy.errors import error_response
 from proxy.instances import Instance, InstancePool, NoInstanceError, OverloadedError, Route
 from proxy.metrics import ProxyMetrics
@@ -153,6 +155,7 @@ class TryAnother:
     dead (a failure counted against its breaker)."""
 
     retry_after_s: float | None = None
+    stale: bool = False  # a kept-alive connection closed unanswered
 
 
 class Upstream:
@@ -161,21 +164,15 @@ class Upstream:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         breaker = (config.breaker_failures, config.breaker_cooldown_s)
-        self.prefill = InstancePool.of(config.prefill_urls, "prefill", config.prefill_policy, breaker,
-                                       tier_weights=config.kv_tier_weights,
-                                       overlap_weight=config.kv_overlap_weight, max_outstanding=config.max_outstanding,
-                                       load_slack=config.load_slack)
+        common = dict(tier_weights=config.kv_tier_weights, overlap_weight=config.kv_overlap_weight,
+                      max_outstanding=config.max_outstanding, load_slack=config.load_slack)
+        self.prefill = InstancePool.of(config.prefill_urls, "prefill", config.prefill_policy, breaker, **common)
         self.decode = InstancePool.of(config.decode_urls, "decode", config.decode_policy, breaker,
-                                      tier_weights=config.kv_tier_weights,
-                                      overlap_weight=config.kv_overlap_weight,
-                                      decode_load_tokens=config.decode_load_tokens, load_slack=config.load_slack,
-                                      max_outstanding=config.max_outstanding)
+                                      decode_load_tokens=config.decode_load_tokens, **common)
         self.metrics = ProxyMetrics([self.prefill, self.decode])
-        self.timeout = httpx.Timeout(config.timeout_s, connect=min(CONNECT_TIMEOUT_S, config.timeout_s))
-        self.prefill_timeout = httpx.Timeout(config.prefill_timeout_s,
-                                             connect=min(CONNECT_TIMEOUT_S, config.prefill_timeout_s))
-        self.decode_timeout = httpx.Timeout(config.decode_timeout_s,
-                                            connect=min(CONNECT_TIMEOUT_S, config.decode_timeout_s))
+        self.timeout, self.prefill_timeout, self.decode_timeout = (
+            httpx.Timeout(s, connect=min(CONNECT_TIMEOUT_S, s))
+            for s in (config.timeout_s, config.prefill_timeout_s, config.decode_timeout_s))
         self.client: httpx.AsyncClient | None = None
         self.admission = Admission(config.max_queue, config.queue_timeout_s)
         self.metrics.queue_waiting.set_function(lambda: self.admission.num_waiting)
@@ -237,6 +234,7 @@ class Upstream:
         serving it)."""
         tried: set[str] = set()
         held: list[float] = []  # Retry-After of each P that refused for kv_held_limit
+        stale_retry = True  # one retry for a kept-alive connection closed unanswered
         for attempt in range(self.config.max_retries + 1):
             try:
                 instance = self.prefill.pick(call.route, tried)
@@ -249,9 +247,10 @@ class Upstream:
                 await asyncio.sleep(backoff_s(self.config.retry_backoff_s, attempt))
             tried.add(instance.url)
             self._note_pick(call, self.prefill, instance)
-            answer = await self._prefill_at(instance, call)
+            answer = await self._prefill_at(instance, call, stale_retry)
             if not isinstance(answer, TryAnother):
                 return answer
+            stale_retry = stale_retry and not answer.stale
             if answer.retry_after_s is not None:
                 held.append(answer.retry_after_s)
         if held:
@@ -259,20 +258,24 @@ class Upstream:
         return Unreached(error_response(f"no healthy prefill instance took the request after {len(tried)} tries",
                                         503, "service_unavailable"))
 
-    async def _prefill_at(self, instance: Instance, call: Call) -> Prefilled | Response | TryAnother:
+    async def _prefill_at(self, instance: Instance, call: Call, stale_retry: bool) -> Prefilled | Response | TryAnother:
         work = call.work_tokens(instance)
         instance.outstanding += 1
         instance.outstanding_tokens += work
         instance.requests += 1
         instance.breaker.start()
+        trace = ConnectionTrace()  # whether a failure below was the keep-alive race
         try:
             response = await self.client.post(instance.url + call.endpoint, json=prefill_body(call.body, call.prefix),
-                                              headers=call.headers, timeout=self.prefill_timeout)
+                                              headers=call.headers, timeout=self.prefill_timeout,
+                                              extensions={"trace": trace})
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing reached it
             self.failed(instance, f"{type(exc).__name__}: {exc}")
             return TryAnother()
         except httpx.TransportError as exc:  # it had the request: the request may be what failed it
             self.failed(instance, f"{type(exc).__name__}: {exc}")
+            if trace.stale and stale_retry:  # unless the connection was closed under it
+                return TryAnother(stale=True)
             return error_response(f"the prefill server {instance.url} failed while serving the request "
                                   f"({type(exc).__name__}: {exc}); it is not tried on another", 502)
         except httpx.HTTPError as exc:  # e.g. an undecodable content encoding: not the transport

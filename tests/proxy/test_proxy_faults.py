@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from launch import http_client
-from tests.support.proxy_fakes import (FakeServer, Reply, error, fake, hanging_up, proxy_health, proxy_in_front, proxy_metric,
-                         refusing_port, wait_until)
+from tests.support.proxy_fakes import (FakeServer, Reply, closing_kept_alive, error, fake, hanging_up, proxy_health,
+                                       proxy_in_front, proxy_metric, refusing_port, wait_until)
 
 pytestmark = pytest.mark.slow  # seconds per test of real sockets, servers and timeouts
 BODY = {"prompt": "Hello there", "max_tokens": 4}
@@ -126,6 +126,27 @@ def test_a_prefill_server_failing_with_the_request_is_a_502_not_retried_and_the_
         state = proxy_health(proxy)
         assert not state[dead]["healthy"] and state[dead]["failures"] == 1
         assert post(proxy).status_code == 200 and len(p1.received) == len(d.received) == 1
+
+
+def test_a_kept_alive_connection_closed_unanswered_is_retried_once_on_another_p(servers) -> None:
+    """A P stopping closes its idle connections; a request written on one as it closes
+    never reached it: sent to the next P (once: a second such close is a 502)."""
+    p1, p2, d = servers
+    with closing_kept_alive(p2.url) as closing, proxy_in_front([closing, p1.url], [d.url]) as proxy:
+        assert post(proxy).status_code == 200 and len(p2.received) == 1  # round robin: closing, kept alive
+        assert post(proxy).status_code == 200 and len(p1.received) == 1
+        response = post(proxy)  # closing again, on the kept connection: closed under it
+        assert response.status_code == 200, response.text
+        assert len(p2.received) == 1 and len(p1.received) == 2 and len(d.received) == 3
+        assert not proxy_health(proxy)[closing]["healthy"]
+    p1.received.clear()
+    with closing_kept_alive(p2.url) as first, closing_kept_alive(p2.url) as second, \
+            proxy_in_front([first, second, p1.url], [d.url]) as proxy:
+        assert post(proxy).status_code == 200 and post(proxy).status_code == 200  # a kept connection to each
+        assert post(proxy).status_code == 200 and len(p1.received) == 1
+        response = post(proxy)  # first closes under it, then second: not a third P
+        assert response.status_code == 502 and "not tried on another" in response.json()["error"]["message"]
+        assert len(p1.received) == 1
 
 
 def test_with_every_prefill_server_unreachable_the_answer_is_503(servers) -> None:

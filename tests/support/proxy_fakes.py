@@ -208,6 +208,51 @@ def hanging_up() -> Iterator[str]:
 
 
 @contextlib.contextmanager
+def closing_kept_alive(upstream: str) -> Iterator[str]:
+    """A URL whose server answers a connection's first request as `upstream` does (its
+    body relayed) and keeps the connection open, then reads the next request on it and
+    closes it unanswered: a server closing an idle connection as a request comes."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    stop = threading.Event()
+
+    def read_request(conn: socket.socket) -> tuple[str, bytes]:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            if not chunk:
+                raise ConnectionError("closed by the client")
+            data += chunk
+        head, body = data.split(b"\r\n\r\n", 1)
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        while len(body) < length:
+            body += conn.recv(65536)
+        return head.split(b" ")[1].decode(), body
+
+    def serve() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError):  # TimeoutError, ConnectionError among them
+                conn, _ = listener.accept()
+                with conn:
+                    path, body = read_request(conn)
+                    answer = http_client().post(upstream + path, content=body,
+                                                headers={"Content-Type": "application/json"}, timeout=30)
+                    conn.sendall(b"HTTP/1.1 %d OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                                 % (answer.status_code, len(answer.content)) + answer.content)
+                    read_request(conn)  # the next request on the kept-alive connection: closed unanswered
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(START_TIMEOUT_S)
+        listener.close()
+
+
+@contextlib.contextmanager
 def proxy_in_front(prefill: list[str], decode: list[str], **config: Any) -> Iterator[str]:
     """`build_proxy_app` served in a thread: its base URL. The prober only runs when
     the test sets `probe_interval_s`."""
