@@ -43,7 +43,8 @@ from proxy.disagg import DISAGGREGATED, LOCAL, REUSE, choose_path, reuse_tokens
 from proxy.errors import error_body, error_response
 from proxy.instances import Instance, NoInstanceError, OverloadedError, Route
 from proxy.reuse import prefill_reusing
-from proxy.upstream import Call, NoRoom, Opened, Prefilled, Unreached, Upstream
+from proxy.calls import Call, NoRoom, Opened, Prefilled, Unreached
+from proxy.upstream import Upstream
 
 logger = logging.getLogger(__name__)
 

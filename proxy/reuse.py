@@ -30,7 +30,8 @@ from fastapi.responses import Response
 
 from proxy.body import export_body
 from proxy.instances import Instance
-from proxy.upstream import Call, NoRoom, Prefilled, Unreached, Upstream
+from proxy.calls import Call, NoRoom, Prefilled, Unreached
+from proxy.upstream import Upstream
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -39,9 +37,10 @@ from proxy.answers import (ENGINE_DEAD, KV_HELD_LIMIT, OVERLOADED_RETRY_AFTER_S,
                            is_server_failure, kv_held_response, overloaded_response, passed_back, retry_after_s)
 from proxy.admission import Admission
 from proxy.body import BodyError, parse_body, prefill_body, token_id_prompt
+from proxy.calls import Call, NoRoom, Opened, Prefilled, TryAnother, Unreached
 from proxy.connections import ConnectionTrace
 from proxy.errors import error_response
-from proxy.instances import Instance, InstancePool, NoInstanceError, OverloadedError, Route
+from proxy.instances import Instance, InstancePool, NoInstanceError, OverloadedError
 from proxy.metrics import ProxyMetrics
 from proxy.proxy_config import ProxyConfig
 
@@ -51,111 +50,6 @@ RELEASE_PATH = "/v1/kv/release"
 TOKENIZE_PATH = "/v1/tokenize"
 TOKENIZE_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 5.0
-
-
-@dataclass
-class Call:
-    """One client request as the proxy sends it on: the same endpoint, body, headers
-    (X-Request-Id and Authorization) to P and D; `route` is what picking looks at.
-    `picked` names, per role, the instance chosen and the prompt tokens it was expected
-    to hold (answered in the X-PD-Prefill / X-PD-Decode headers). `bound`: the decode
-    server picked before prefill, which counts the request in flight until it is
-    opened there (or the call ends)."""
-
-    endpoint: str
-    body: dict[str, Any]
-    headers: dict[str, str]
-    route: Route
-    request_id: str
-    picked: dict[str, tuple[int, int]] = field(default_factory=dict)
-    bound: Instance | None = None
-    prefix: dict[str, Any] | None = None  # a decode server's parameters for a prefix P reads (reuse.py)
-
-    def bind(self, instance: Instance) -> None:
-        self.bound = instance
-        instance.bound += 1
-
-    def unbind(self) -> None:
-        """Idempotent."""
-        if self.bound is not None:
-            self.bound.bound -= 1
-            self.bound = None
-
-    @property
-    def stream(self) -> bool:
-        return self.body.get("stream") is True
-
-    def work_tokens(self, instance: Instance) -> int:
-        """The prompt tokens `instance` has to work through for it (compute on P, pull
-        on D): those it does not hold already (0 when the prompt is not known)."""
-        return instance.lacking_tokens(self.route) or 0
-
-    def note_pick(self, pool: InstancePool, instance: Instance) -> None:
-        held = instance.overlap_tokens(self.route)
-        self.picked[instance.role] = (pool.instances.index(instance), held)
-
-    def route_headers(self) -> dict[str, str]:
-        return {f"X-PD-{role.capitalize()}": f"{index}; overlap={held}" for role, (index, held) in self.picked.items()}
-
-
-@dataclass(frozen=True)
-class Prefilled:
-    """P's answer: the instance that holds the request's blocks, and its kv_transfer_params;
-    `reused`: P read a prefix from the decode server (reuse.py)."""
-
-    instance: Instance
-    params: dict[str, Any]
-    reused: bool = False
-
-
-@dataclass
-class Opened:
-    """D's 200 response, headers read and body not yet; its instance counts it (and the
-    prompt tokens it works through for it) outstanding until `close` (idempotent)."""
-
-    instance: Instance
-    response: httpx.Response
-    work_tokens: int = 0
-    on_close: Callable[[], None] = lambda: None
-    closed: bool = field(default=False, repr=False)
-
-    async def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.instance.outstanding -= 1
-        self.instance.outstanding_tokens -= self.work_tokens
-        self.on_close()
-        await self.response.aclose()
-
-
-@dataclass(frozen=True)
-class NoRoom:
-    """No server can take the request now (every P full or holding too much): it may
-    wait in the queue (admission.py); `answer` is what the client gets if it does not."""
-
-    answer: Response
-    retry_after_s: float | None = None
-    overloaded: str | None = None  # the role whose every instance is at --max-outstanding
-
-
-@dataclass(frozen=True)
-class Unreached:
-    """No prefill server took the request (none healthy, or none could be reached or
-    had a live engine): nothing was computed for it. `answer` is the client's 503,
-    unless the decode server prefills the request itself (`disagg.py`)."""
-
-    answer: Response
-
-
-@dataclass(frozen=True)
-class TryAnother:
-    """This P did not take the request and another may: `retry_after_s` when it
-    refused for the KV it holds; otherwise it could not be reached or its engine was
-    dead (a failure counted against its breaker)."""
-
-    retry_after_s: float | None = None
-    stale: bool = False  # a kept-alive connection closed unanswered
 
 
 class Upstream:
@@ -314,20 +208,22 @@ class Upstream:
     async def open_decode(self, call: Call, first: Instance, params: dict[str, Any] | None) -> Opened | Response:
         """D's 200 response, from `first` unless it is unhealthy by now, then from any
         other D while none could be reached (nothing was sent: another may take the same
-        parameters); or the response for the client (D's verdict, 502, 503). Without
-        P's `params`, D prefills the request itself."""
+        parameters; once also after a kept-alive connection closed unanswered); or the
+        response for the client (D's verdict, 502, 503). Without P's `params`, D
+        prefills the request itself."""
         body = call.body if params is None else call.body | {"kv_transfer_params": params}
         tried: set[str] = set()
-        instance = first
+        instance, stale_retry = first, True
         while True:
             if instance.breaker.allows():  # it may have failed another request while this one prefilled
                 if tried:
                     self.metrics.retries.labels(role="decode").inc()
                 tried.add(instance.url)
                 self._note_pick(call, self.decode, instance)
-                answer = await self._open_at(instance, call, body)
-                if answer is not None:
+                answer = await self._open_at(instance, call, body, stale_retry)
+                if not isinstance(answer, TryAnother):
                     return answer
+                stale_retry = stale_retry and not answer.stale
             try:
                 instance = self.decode.pick(call.route, tried)
             except OverloadedError as exc:
@@ -335,9 +231,11 @@ class Upstream:
             except NoInstanceError as exc:
                 return error_response(f"{exc}: cannot decode the request", 503, "service_unavailable")
 
-    async def _open_at(self, instance: Instance, call: Call, body: dict[str, Any]) -> Opened | Response | None:
+    async def _open_at(self, instance: Instance, call: Call, body: dict[str, Any],
+                       stale_retry: bool) -> Opened | Response | TryAnother:
+        trace = ConnectionTrace()  # whether a failure below was the keep-alive race
         request = self.client.build_request("POST", instance.url + call.endpoint, json=body, headers=call.headers,
-                                            timeout=self.decode_timeout)
+                                            timeout=self.decode_timeout, extensions={"trace": trace})
         work = call.work_tokens(instance)
         instance.outstanding += 1
         instance.outstanding_tokens += work
@@ -355,10 +253,12 @@ class Upstream:
             return await self._refused_by_decode(instance, response)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing reached D
             self.failed(instance, f"{type(exc).__name__}: {exc}")
-            return None
+            return TryAnother()
         except httpx.HTTPError as exc:
             if isinstance(exc, httpx.TransportError):
                 self.failed(instance, f"{type(exc).__name__}: {exc}")
+                if trace.stale and stale_retry:  # the connection was closed under it: D never had it
+                    return TryAnother(stale=True)
             return error_response(f"the decode server {instance.url} failed: {exc}", 502)
         finally:
             instance.breaker.finish()

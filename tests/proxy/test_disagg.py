@@ -21,7 +21,8 @@ from proxy.main import add_proxy_flags, proxy_config
 from proxy.metrics import ProxyMetrics
 from proxy.proxy_config import ProxyConfig
 from proxy.reuse import prefill_reusing
-from proxy.upstream import Call, Prefilled, Upstream
+from proxy.calls import Call, Prefilled
+from proxy.upstream import Upstream
 from tests.support.proxy_fakes import (COMPLETION, FakeServer, Reply, fake, fake_tokens, proxy_health, proxy_in_front,
                                        proxy_metric, refusing_port)
 

@@ -149,6 +149,20 @@ def test_a_kept_alive_connection_closed_unanswered_is_retried_once_on_another_p(
         assert len(p1.received) == 1
 
 
+def test_a_decode_server_closing_a_kept_alive_connection_unanswered_is_replaced(servers) -> None:
+    """The same race on the decode side: D never had the request, so another D reads P's
+    blocks instead."""
+    p1, _, d = servers
+    with fake("decode") as d2, closing_kept_alive(d2.url) as closing, \
+            proxy_in_front([p1.url], [closing, d.url], decode_policy="round_robin") as proxy:
+        assert post(proxy).status_code == 200 and len(d2.received) == 1  # round robin: closing, kept alive
+        assert post(proxy).status_code == 200 and len(d.received) == 1
+        response = post(proxy)  # closing again, on the kept connection: closed under it
+        assert response.status_code == 200, response.text
+        assert len(d2.received) == 1 and len(d.received) == 2 and len(p1.received) == 3
+        assert not proxy_health(proxy)[closing]["healthy"]
+
+
 def test_with_every_prefill_server_unreachable_the_answer_is_503(servers) -> None:
     _, _, d = servers
     with refusing_port() as dead, proxy_in_front([dead], [d.url]) as proxy:
