@@ -11,7 +11,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,63 +184,19 @@ def refusing_port() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def hanging_up() -> Iterator[str]:
-    """A URL whose server reads a request, then closes the connection without answering."""
+def raw_server(handle: Callable[[socket.socket], None]) -> Iterator[str]:
+    """A URL whose server hands each connection to `handle` (one at a time, its socket
+    closed after; a connection error ends only that connection)."""
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(0.1)
     stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                conn, _ = listener.accept()
-                with conn:
-                    conn.recv(65536)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        stop.set()
-        thread.join(START_TIMEOUT_S)
-        listener.close()
-
-
-@contextlib.contextmanager
-def closing_kept_alive(upstream: str) -> Iterator[str]:
-    """A URL whose server answers a connection's first request as `upstream` does (its
-    body relayed) and keeps the connection open, then reads the next request on it and
-    closes it unanswered: a server closing an idle connection as a request comes."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.1)
-    stop = threading.Event()
-
-    def read_request(conn: socket.socket) -> tuple[str, bytes]:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = conn.recv(65536)
-            if not chunk:
-                raise ConnectionError("closed by the client")
-            data += chunk
-        head, body = data.split(b"\r\n\r\n", 1)
-        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                       if line.lower().startswith(b"content-length:")), 0)
-        while len(body) < length:
-            body += conn.recv(65536)
-        return head.split(b" ")[1].decode(), body
 
     def serve() -> None:
         while not stop.is_set():
             with contextlib.suppress(OSError):  # TimeoutError, ConnectionError among them
                 conn, _ = listener.accept()
                 with conn:
-                    path, body = read_request(conn)
-                    answer = http_client().post(upstream + path, content=body,
-                                                headers={"Content-Type": "application/json"}, timeout=30)
-                    conn.sendall(b"HTTP/1.1 %d OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                                 % (answer.status_code, len(answer.content)) + answer.content)
-                    read_request(conn)  # the next request on the kept-alive connection: closed unanswered
+                    handle(conn)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -250,6 +206,42 @@ def closing_kept_alive(upstream: str) -> Iterator[str]:
         stop.set()
         thread.join(START_TIMEOUT_S)
         listener.close()
+
+
+def hanging_up() -> contextlib.AbstractContextManager[str]:
+    """A URL whose server reads a request, then closes the connection without answering."""
+    return raw_server(lambda conn: conn.recv(65536))
+
+
+def _read_request(conn: socket.socket) -> tuple[str, bytes]:
+    """One HTTP/1.1 request's path and body (ConnectionError if the client closes)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            raise ConnectionError("closed by the client")
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        body += conn.recv(65536)
+    return head.split(b" ")[1].decode(), body
+
+
+def closing_kept_alive(upstream: str) -> contextlib.AbstractContextManager[str]:
+    """A URL whose server answers a connection's first request as `upstream` does (its
+    body relayed) and keeps the connection open, then reads the next request on it and
+    closes it unanswered: a server closing an idle connection as a request comes."""
+    def handle(conn: socket.socket) -> None:
+        path, body = _read_request(conn)
+        answer = http_client().post(upstream + path, content=body, headers={"Content-Type": "application/json"},
+                                    timeout=30)
+        conn.sendall(b"HTTP/1.1 %d OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                     % (answer.status_code, len(answer.content)) + answer.content)
+        _read_request(conn)  # the next request on the kept-alive connection: closed unanswered
+
+    return raw_server(handle)
 
 
 @contextlib.contextmanager
