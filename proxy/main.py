@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
 from proxy.disagg import DISAGG_POLICIES
 from proxy.instances import POLICIES
 from proxy.proxy_config import PROXY_DEFAULTS, ProxyConfig, tier_weights
+from telemetry import logs, tracing
+from telemetry.flags import add_telemetry_flags
 
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +21,7 @@ def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
     _add_routing_flags(parser)
     _add_fault_flags(parser)
-    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")
+    add_telemetry_flags(parser)
 
 
 def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
@@ -137,12 +137,19 @@ def run_proxy(args: argparse.Namespace) -> int:
 
     from proxy.app import SERVER_KEEPALIVE_S, build_proxy_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_level, args.log_format)
     config = proxy_config(args)
+    try:
+        tracing.configure("pd-proxy", args.otlp_traces_endpoint, attributes={"pd.instance": f"{args.host}:{args.port}"})
+    except ImportError as exc:
+        raise SystemExit(f"pd proxy: {exc}") from None
     app = build_proxy_app(config)
     print(f"pd proxy: {len(args.prefill)} prefill ({config.prefill_policy}), {len(args.decode)} decode "
           f"({config.decode_policy}), disaggregation {config.disagg_policy} "
           f"at http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_keep_alive=SERVER_KEEPALIVE_S)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    log_config=logs.uvicorn_log_config(args.log_format), timeout_keep_alive=SERVER_KEEPALIVE_S)
+    finally:
+        tracing.shutdown()  # what is still queued goes out
     return 0

@@ -45,6 +45,7 @@ from pd.engine.ipc_messages import (
     input_decoder,
     refused_request_id,
 )
+from telemetry import logs
 
 if TYPE_CHECKING:
     from pd.engine.core import EngineCore
@@ -64,6 +65,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     which every stop of the server (and any restart) would wait for."""
     code = 1
     try:
+        logs.configure_from_env()  # as `pd serve --log-format` said
         code = _run(config, input_address, output_address)
     except BaseException:
         traceback.print_exc()  # os._exit below would drop what Python prints on the way out

@@ -10,21 +10,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 import socket
 import sys
 from typing import Any, NoReturn
 
 from pd.config import DEFAULT_MAX_REQUEST_BYTES, ROLES, EngineConfig, add_engine_flags
+from telemetry import logs, tracing
+from telemetry.flags import add_telemetry_flags
 
 # Idle seconds before the server closes a kept-alive connection: longer than clients keep
 # them in their pools (httpx and the openai client: 5 s; the proxy: 2 s), so a client
 # never sends on a connection the server is closing at that moment.
 KEEPALIVE_S = 30
-
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     add_engine_flags(parser)
@@ -53,7 +51,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         help="when the engine-core process dies (killed, or a crash in native code), start a new "
                              "one, at most N times over the server's life; past that, and with 0, the server "
                              "exits with code 1 so that its supervisor restarts it (default 0)")
-    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")
+    add_telemetry_flags(parser)
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> NoReturn:
@@ -85,7 +83,12 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or config.model.resolve().name
     from pd.engine.client import EngineClient, EngineStartupError
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_level, args.log_format, children=True)
+    try:
+        tracing.configure("pd-serve", args.otlp_traces_endpoint,
+                          attributes={"pd.role": config.role, "pd.instance": f"{args.host}:{args.port}"})
+    except ImportError as e:
+        raise SystemExit(f"pd serve: {e}") from None
     listener = _listen(args.host, args.port)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     client = None
@@ -110,6 +113,7 @@ def run_serve(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             client.shutdown()
         listener.close()
+        tracing.shutdown()  # what is still queued goes out
     return 0
 
 
@@ -140,6 +144,7 @@ async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, a
                     transfer_guard=TransferParamsGuard(config.kv_transfer_secret, config.kv_allowed_peers),
                     limits=limits)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           log_config=logs.uvicorn_log_config(args.log_format),
                                            timeout_graceful_shutdown=5, timeout_keep_alive=KEEPALIVE_S))
     announce = asyncio.create_task(_announce(server, f"http://{args.host}:{args.port}", name, config.role))
     engine_gone = []
