@@ -30,6 +30,7 @@ class Call:
     picked: dict[str, tuple[int, int]] = field(default_factory=dict)
     bound: Instance | None = None
     prefix: dict[str, Any] | None = None  # a decode server's parameters for a prefix P reads (reuse.py)
+    span: Any = None  # its request span, with tracing on (spans.py)
 
     def bind(self, instance: Instance) -> None:
         self.bound = instance
@@ -77,12 +78,15 @@ class Opened:
     response: httpx.Response
     work_tokens: int = 0
     on_close: Callable[[], None] = lambda: None
+    span: Any = None  # the decode call's span, with tracing on: ends with the answer
     closed: bool = field(default=False, repr=False)
 
     async def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        if self.span is not None:
+            self.span.end()
         self.instance.outstanding -= 1
         self.instance.outstanding_tokens -= self.work_tokens
         self.on_close()

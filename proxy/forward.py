@@ -36,6 +36,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
+from proxy import spans
 from proxy.admission import QueueFull, QueueTimeout
 from proxy.answers import overloaded_response
 from proxy.body import BodyError, parse_body, read_body
@@ -98,6 +99,20 @@ async def forward(upstream: Upstream, request: Request, endpoint: str) -> Respon
     body.pop("priority", None)
     request_id = request.headers.get("x-request-id") or f"pdx-{uuid.uuid4().hex}"
     call = Call(endpoint, body, upstream.headers(request, request_id), Route(prefix_key(body)), request_id)
+    spans.begin(call, request.headers)
+    response = None
+    try:
+        response = await _answer(upstream, request, call, rank)
+        return response
+    finally:
+        if not isinstance(response, StreamingResponse):  # a stream's span ends with it (`_relay`)
+            spans.answered(call, response)
+
+
+async def _answer(upstream: Upstream, request: Request, call: Call, rank: int) -> Response:
+    """The client's answer to `call`: placed, prefilled, decoded."""
+    config = upstream.config
+    body = call.body
     if config.needs_tokens:
         call.route.tokens = await upstream.tokenize(call)
         call.route.salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
@@ -206,7 +221,7 @@ async def _decode(upstream: Upstream, request: Request, call: Call, prefilled: P
     path = LOCAL if prefilled is None else REUSE if prefilled.reused else DISAGGREGATED
     headers = {"X-Request-Id": call.request_id, "X-PD-Path": path} | call.route_headers()
     if call.stream:
-        return StreamingResponse(_relay(upstream, opened), media_type="text/event-stream",
+        return StreamingResponse(_relay(upstream, opened, call, path), media_type="text/event-stream",
                                  headers=headers | {"Cache-Control": "no-cache"})
     try:
         content = await until_disconnected(request, opened.response.aread())
@@ -226,18 +241,22 @@ async def _release(upstream: Upstream, prefilled: Prefilled | None, call: Call) 
         await upstream.release(prefilled, call.headers)
 
 
-async def _relay(upstream: Upstream, opened: Opened) -> AsyncIterator[bytes]:
+async def _relay(upstream: Upstream, opened: Opened, call: Call, path: str) -> AsyncIterator[bytes]:
     """D's stream, byte for byte; closing it (the client left) closes D's request."""
+    status = CLIENT_CLOSED  # unless it is sent to its end
     try:
         async for chunk in opened.response.aiter_raw():
             yield chunk
+        status = 200
     except httpx.HTTPError as exc:  # D failed midway: end the stream with an error event
+        status = 502
         if isinstance(exc, httpx.TransportError):
             upstream.failed(opened.instance, f"{type(exc).__name__}: {exc}")
         message = error_body(f"the decode server failed mid-stream: {exc}", "bad_gateway")
         yield f"data: {json.dumps(message)}\n\ndata: [DONE]\n\n".encode()
     finally:
         await opened.close()
+        spans.end(call, status, path)
 
 
 async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:

@@ -33,6 +33,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response
 
+from proxy import spans
 from proxy.answers import (ENGINE_DEAD, KV_HELD_LIMIT, OVERLOADED_RETRY_AFTER_S, backoff_s, cached_tokens, error_code,
                            is_server_failure, kv_held_response, overloaded_response, passed_back, retry_after_s)
 from proxy.admission import Admission
@@ -97,6 +98,7 @@ class Upstream:
 
     def _note_pick(self, call: Call, pool: InstancePool, instance: Instance) -> None:
         call.note_pick(pool, instance)
+        spans.routed(call, pool, instance)
         instance.expect(call.route)
         if call.route.tokens is not None and instance.block_size:
             self.metrics.routed_overlap.labels(role=instance.role).observe(
@@ -159,22 +161,29 @@ class Upstream:
         instance.requests += 1
         instance.breaker.start()
         trace = ConnectionTrace()  # whether a failure below was the keep-alive race
+        span, headers = spans.calling(call, instance)
+        status, error = None, "cancelled"
         try:
             response = await self.client.post(instance.url + call.endpoint, json=prefill_body(call.body, call.prefix),
-                                              headers=call.headers, timeout=self.prefill_timeout,
+                                              headers=headers, timeout=self.prefill_timeout,
                                               extensions={"trace": trace})
+            status, error = response.status_code, None
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing reached it
+            error = type(exc).__name__
             self.failed(instance, f"{type(exc).__name__}: {exc}")
             return TryAnother()
         except httpx.TransportError as exc:  # it had the request: the request may be what failed it
+            error = type(exc).__name__
             self.failed(instance, f"{type(exc).__name__}: {exc}")
             if trace.stale and stale_retry:  # unless the connection was closed under it
                 return TryAnother(stale=True)
             return error_response(f"the prefill server {instance.url} failed while serving the request "
                                   f"({type(exc).__name__}: {exc}); it is not tried on another", 502)
         except httpx.HTTPError as exc:  # e.g. an undecodable content encoding: not the transport
+            error = type(exc).__name__
             return error_response(f"the prefill server {instance.url} failed: {exc}", 502)
         finally:
+            spans.called(span, status, error)
             instance.outstanding -= 1
             instance.outstanding_tokens -= work
             instance.breaker.finish()  # the verdict on it, if any, is given below
@@ -234,7 +243,8 @@ class Upstream:
     async def _open_at(self, instance: Instance, call: Call, body: dict[str, Any],
                        stale_retry: bool) -> Opened | Response | TryAnother:
         trace = ConnectionTrace()  # whether a failure below was the keep-alive race
-        request = self.client.build_request("POST", instance.url + call.endpoint, json=body, headers=call.headers,
+        span, headers = spans.calling(call, instance)
+        request = self.client.build_request("POST", instance.url + call.endpoint, json=body, headers=headers,
                                             timeout=self.decode_timeout, extensions={"trace": trace})
         work = call.work_tokens(instance)
         instance.outstanding += 1
@@ -242,19 +252,22 @@ class Upstream:
         instance.requests += 1
         instance.breaker.start()
         call.unbind()  # outstanding somewhere now
-        opened = None
+        opened, status, error = None, None, "cancelled"
         try:
             response = await self.client.send(request, stream=True)
+            status, error = response.status_code, None
             if response.status_code == 200:
                 instance.mark_succeeded()
-                opened = Opened(instance, response, work, self.admission.changed)
+                opened = Opened(instance, response, work, self.admission.changed, span)
                 self.admission.changed()  # D reads P's blocks now: P may take more
                 return opened
             return await self._refused_by_decode(instance, response)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing reached D
+            error = type(exc).__name__
             self.failed(instance, f"{type(exc).__name__}: {exc}")
             return TryAnother()
         except httpx.HTTPError as exc:
+            error = type(exc).__name__
             if isinstance(exc, httpx.TransportError):
                 self.failed(instance, f"{type(exc).__name__}: {exc}")
                 if trace.stale and stale_retry:  # the connection was closed under it: D never had it
@@ -263,6 +276,7 @@ class Upstream:
         finally:
             instance.breaker.finish()
             if opened is None:
+                spans.called(span, status, error)
                 instance.outstanding -= 1
                 instance.outstanding_tokens -= work
                 self.admission.changed()

@@ -18,6 +18,7 @@ local: a preemption recomputes it here and never reads P again.
 from __future__ import annotations
 
 import logging
+import time
 
 from pd.errors import HeldBlocksLimitError
 from pd.kv_cache.kv_cache_manager import KVCacheManager
@@ -82,6 +83,7 @@ class RemoteKV:
         self.connector.update_state_after_alloc(request, self.kv.get_blocks(request.request_id), num_external)
         request.kv_loaded_from = request.kv_loaded_from or REMOTE  # an offload tier names itself
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.times.kv_wait, request.times.kv_tokens = time.time(), num_external
         request.num_computed_tokens = num_hit + num_external
         request.num_cached_tokens = num_hit
         self.waiting[request.request_id] = request
@@ -105,6 +107,7 @@ class RemoteKV:
             if request is None:
                 continue
             request.status = RequestStatus.WAITING
+            request.times.kv_landed = time.time()
             landed.append(request)
             if req_id in connector_output.failed_recving:
                 request.kv_load_error = connector_output.failed_recving[req_id]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import msgspec
@@ -23,6 +24,22 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_ERROR = enum.auto()  # failed in the engine (its remote KV could not be loaded)
+
+
+class RequestTimes(msgspec.Struct):
+    """When a request's life in the engine passed each point, wall-clock seconds
+    (`time.time()`, comparable across the processes of a host): arrived at the engine,
+    first scheduled, parked for remote KV (`kv_tokens` to read) and when it landed, its
+    first token, finished. None: it never passed that point. A finishing output carries
+    them (the server's trace makes spans of them)."""
+
+    arrival: float
+    scheduled: float | None = None
+    kv_wait: float | None = None
+    kv_landed: float | None = None
+    kv_tokens: int = 0
+    first_token: float | None = None
+    finished: float | None = None
 
 
 @dataclass(eq=False)
@@ -58,6 +75,7 @@ class Request:
     fork_logprobs: Logprobs | None = None  # and their logprobs, if asked for
     writes_prefix_cache: bool = True  # False: its blocks hold KV not verified as its prompt's (unsigned remote KV)
     kv_loaded_from: str | None = None  # where KV it waited for came from: "remote" (a server), or a tier ("disk")
+    times: RequestTimes = field(default_factory=lambda: RequestTimes(time.time()))
     _block_hashes: dict[int, list[BlockHash]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -140,6 +158,8 @@ class Request:
             if isinstance(params, RemoteDecodeParams) else None
 
     def append_output_token_ids(self, *token_ids: int) -> None:
+        if not self.output_token_ids and token_ids:
+            self.times.first_token = time.time()
         self.output_token_ids.extend(token_ids)
 
     def fork(self, index: int, token_id: int, logprobs: Logprobs | None) -> Request:
@@ -211,6 +231,7 @@ class RequestOutput(msgspec.Struct):
     prompt_logprobs: PromptLogprobs | None = None  # with the first token, when asked for
     index: int = 0
     logprobs: Logprobs | None = None
+    times: RequestTimes | None = None  # on a finishing output
 
     @property
     def finished(self) -> bool:
@@ -231,5 +252,9 @@ class RequestOutput(msgspec.Struct):
            prompt_logprobs: PromptLogprobs | None = None) -> RequestOutput:
         """The output of `request` (one sequence of the client's request) with these new
         tokens, finished if `status` is a finished one."""
-        return cls(request.output_id, token_ids, FINISH_REASONS.get(status), params, request.num_cached_tokens,
-                   prompt_logprobs=prompt_logprobs, index=request.index, logprobs=logprobs)
+        reason = FINISH_REASONS.get(status)
+        if reason is not None:
+            request.times.finished = time.time()
+        return cls(request.output_id, token_ids, reason, params, request.num_cached_tokens,
+                   prompt_logprobs=prompt_logprobs, index=request.index, logprobs=logprobs,
+                   times=request.times if reason is not None else None)

@@ -28,6 +28,7 @@ requests with an error and frees their blocks; the others go on.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from pd.config import SchedulerConfig
@@ -250,6 +251,7 @@ class Scheduler:
         if request.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
             request.num_cached_tokens = num_hit
         request.status = RequestStatus.RUNNING
+        request.times.scheduled = request.times.scheduled or time.time()
         request.num_computed_tokens = computed
         self.running.append(request)
         self._send_new(request, num_new, out)

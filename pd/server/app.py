@@ -35,6 +35,8 @@ from pd.server.responses import CHAT, COMPLETION, Answer, Shape
 from pd.server.router_info import router_info_routes
 from pd.server.sampling import RequestLimits
 from pd.server.serving import Prepared, Server
+from pd.server.spans import RequestSpan
+from telemetry import logs, tracing
 
 logger = logging.getLogger(__name__)
 
@@ -205,12 +207,18 @@ async def _serve(server: Server, metrics: ServerMetrics, request: Request, prepa
     server.claim(prepared.request_id)
     if prepared.release_first is not None:
         await server.release_held(prepared.release_first)
-    generation = Generation(server.client, server.tokenizer, prepared, metrics)
+    span = RequestSpan(request.headers, prepared.request_id, server.role, prepared.num_prompt_tokens) \
+        if tracing.enabled() else None
+    logs.bind(prepared.request_id, None if span is None else span.trace_id)
+    generation = Generation(server.client, server.tokenizer, prepared, metrics, span=span)
     answer = Answer(shape, generation, server.tokenizer.token_strings)
     headers = {"X-Request-Id": prepared.request_id}
     if prepared.stream:
-        return _ClosingStreamingResponse(_sse(server, answer),
-                                         lambda: server.in_flight.discard(prepared.request_id),
+        def closed() -> None:
+            server.in_flight.discard(prepared.request_id)
+            generation.end_span()  # a stream closed before it started
+
+        return _ClosingStreamingResponse(_sse(server, answer), closed,
                                          media_type="text/event-stream",
                                          headers=headers | {"Cache-Control": "no-cache"})
     try:

@@ -14,10 +14,11 @@ import anyio
 
 from pd.kv_transfer.params import RemotePrefillParams
 from pd.logprobs import Logprobs, PromptLogprobs
-from pd.scheduling.request import sequence_id
+from pd.scheduling.request import RequestTimes, sequence_id
 from pd.server.detokenize import IncrementalDetokenizer
 from pd.server.metrics import ServerMetrics
 from pd.server.serving import Prepared
+from pd.server.spans import RequestSpan
 
 
 @dataclass
@@ -89,6 +90,8 @@ class Generation:
     kv_transfer_params: RemotePrefillParams | None = None
     prompt_logprobs: PromptLogprobs | None = None
     sequences: list[Sequence] = field(init=False)
+    span: RequestSpan | None = None  # with tracing on
+    times: RequestTimes | None = None  # the engine's, from the finishing output
     _last_token_time: float | None = None
 
     def __post_init__(self) -> None:
@@ -108,6 +111,8 @@ class Generation:
                 sequence = self.sequences[out.index]
                 if sequence.finish_reason is not None:
                     continue  # cut by a stop string here: what the engine sent after is dropped
+                if out.times is not None:
+                    self.times = out.times
                 if out.prompt_logprobs is not None:
                     self.prompt_logprobs = out.prompt_logprobs
                 if out.finish_reason is not None and out.kv_transfer_params is not None:
@@ -124,6 +129,13 @@ class Generation:
             # Shielded: under a cancelled scope (client gone) the abort must still be sent.
             with anyio.CancelScope(shield=True):
                 await outputs.aclose()
+            self.end_span()
+
+    def end_span(self) -> None:
+        """End the request's span, if traced (idempotent)."""
+        if self.span is not None:
+            self.span.finish(self.times, self.num_output_tokens, self.num_cached_tokens,
+                             self.sequences[0].finish_reason)
 
     @property
     def finished(self) -> bool:
