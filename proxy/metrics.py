@@ -1,5 +1,5 @@
-"""The proxy's /metrics: per-instance state (breakers included), requests answered, retries,
-429s, KV releases and the overlap routing expected and found."""
+"""The proxy's /metrics: per-instance state (breakers included), each role's policy, requests
+answered, retries, 429s, KV releases and the overlap routing expected and found."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ CACHED_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
 
 
 class InstanceCollector(Collector):
-    """Per-instance health, outstanding requests, requests sent and failures."""
+    """Per-instance health, outstanding requests, requests sent and failures; the policy
+    that picks among each role's instances."""
 
     def __init__(self, pools: list[InstancePool]) -> None:
         self.pools = pools
@@ -48,6 +49,16 @@ class InstanceCollector(Collector):
                 if i.kv_index is not None:
                     indexed.add_metric([i.url, i.role], len(i.kv_index.blocks))
         yield from (healthy, outstanding, sent, failed, breaker, indexed)
+        yield self._policies()
+
+    def _policies(self) -> Metric:
+        """pd_proxy_policy{role,policy} 1: an info gauge, to label routing decisions
+        (pd_proxy_instance_requests_total) by the policy that made them."""
+        family = GaugeMetricFamily("pd_proxy_policy", "1 for the policy that picks among each role's instances.",
+                                   labels=["role", "policy"])
+        for pool in self.pools:
+            family.add_metric([pool.role, pool.policy], 1)
+        return family
 
 
 class ProxyMetrics:
