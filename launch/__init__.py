@@ -1,6 +1,7 @@
 """One way to start a process: `pd serve` and `pd proxy` (or anything with a /health
 route) are started, health-waited and stopped by PID here, for deploy/, benchmarks/ and
-the tests alike. Standard library and httpx only; nothing of `pd` is imported.
+the tests alike. Standard library and httpx only (and tqdm, for `launch.progress`'s bar on
+a terminal); nothing of `pd` is imported.
 """
 
 from launch.process import (LaunchError, Launched, deployment_secret, end_group, exited, free_port, health_status, http_client,
