@@ -95,3 +95,16 @@ def test_disabled_progress_shows_nothing() -> None:
     with Progress("loading weights", 3, stream=log, enabled=False) as progress:
         progress.update(3)
     assert log.getvalue() == ""
+
+
+def test_importing_progress_costs_no_httpx_nor_tqdm() -> None:
+    """The engine imports it to show its weights loading: the launcher's httpx stays out
+    (the launcher's names still import on first use), tqdm waits for a terminal."""
+    import subprocess
+    import sys
+
+    script = ("import sys; import launch.progress; light = {'httpx', 'tqdm'} & set(sys.modules);"
+              "from launch import free_port; print(sorted(light), free_port() > 0)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]", "True"]
