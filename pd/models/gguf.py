@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from launch.progress import Progress
 from pd.models.gguf_weights import GGUFError, GGUFWeight
 
 if TYPE_CHECKING:
@@ -223,14 +224,17 @@ class GGUFModel:
     # --- conversion -----------------------------------------------------------------
     def write_hf_folder(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
         """config.json, generation_config.json, model.safetensors (weights in `dtype`),
-        tokenizer.json and tokenizer_config.json: an HF checkpoint transformers loads."""
+        tokenizer.json and tokenizer_config.json: an HF checkpoint transformers loads. The
+        progress per tensor dequantized goes to stderr (`launch.progress`)."""
         import torch
         from safetensors.torch import save_file
 
         dtype = dtype or torch.float32
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        weights = {name: tensor.to(dtype) for name, tensor in self.iterate_weights()}
+        lazy = list(self.lazy_weights())
+        with Progress("converting weights", len(lazy), "tensors") as progress:
+            weights = {name: weight[...].to(dtype) for name, weight in progress.track(lazy)}
         save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
         del weights
         config = {**self.hf_config, "torch_dtype": str(dtype).removeprefix("torch.")}

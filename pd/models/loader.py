@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from launch.progress import Progress
 from pd.kv_cache.allocation import torch_dtype
 from pd.models.base import CausalLM
 from pd.models.files import safetensors_files
@@ -25,6 +26,15 @@ def iterate_weights(files: list[Path]) -> Iterator[tuple[str, Any]]:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_slice(name)
+
+
+def count_weights(files: list[Path]) -> int:
+    """How many weights `iterate_weights(files)` yields (read from the files' headers)."""
+    total = 0
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            total += len(f.keys())
+    return total
 
 
 # torch.nn.init's random fills, which layers call from reset_parameters when built.
@@ -66,12 +76,15 @@ def model_skeleton(config: ModelConfig, device: torch.device | str = "meta") -> 
 
 def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> CausalLM:
     """Build the model `config.architectures` names on `device` in `config.dtype` and
-    load its weights; the model is in eval mode."""
+    load its weights; the model is in eval mode. Rank 0 shows the progress per tensor on
+    stderr (`launch.progress`: a bar on a terminal, a few lines in a server's log)."""
     if is_gguf(config.model_dir):
-        weights = open_gguf(config.model_dir).lazy_weights()  # each read and dequantized when narrowed
+        weights = list(open_gguf(config.model_dir).lazy_weights())  # each read and dequantized when narrowed
+        total = len(weights)
     else:
-        weights = iterate_weights(safetensors_files(config.model_dir))  # finds the files now: fails fast
+        files = safetensors_files(config.model_dir)  # finds the files now: fails fast
+        weights, total = iterate_weights(files), count_weights(files)
     model = model_skeleton(config, device)
-    with torch.no_grad():
-        model.load_weights(weights)
+    with torch.no_grad(), Progress("loading weights", total, "tensors", enabled=config.tp.rank == 0) as progress:
+        model.load_weights(progress.track(weights))
     return model.eval()

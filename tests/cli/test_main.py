@@ -102,3 +102,26 @@ def test_bench_serve_is_the_serving_benchmark(capsys: pytest.CaptureFixture[str]
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: pd bench serve") and "--prefill-url" in out and "--goodput" in out
+
+
+def test_convert_shows_plain_progress_per_tensor_on_stderr_off_a_terminal(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from pd.models.gguf import GGUFModel
+    from pd.models.make_model import make_model
+    from tests.support.gguf_files import write_qwen3_gguf
+
+    folder = make_model("qwen3", tmp_path / "qwen3", seed=1)
+    write_qwen3_gguf(folder, tmp_path / "qwen3.gguf", quantize_matrices=True)
+    total = len(list(GGUFModel(tmp_path / "qwen3.gguf").lazy_weights()))
+    # the tiny file has no vocabulary: a stand-in tokenizer, the weights are the work shown
+    monkeypatch.setattr(GGUFModel, "tokenizer", lambda self: (Tokenizer(WordLevel({"a": 0}, unk_token="a")), {}))
+    assert main(["convert", str(tmp_path / "qwen3.gguf"), str(tmp_path / "out")]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("pd convert: wrote ")  # stdout keeps its one line
+    lines = err.splitlines()
+    assert "\r" not in err and 2 <= len(lines) <= 10
+    assert lines[0].startswith("converting weights: ") and f"/{total} tensors (" in lines[0]
+    assert lines[-1].startswith(f"converting weights: {total}/{total} tensors (100%) in ")

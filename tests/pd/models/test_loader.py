@@ -128,3 +128,21 @@ def test_a_skeleton_for_the_kv_layout_costs_no_torch_dynamo_import(arch: str, tm
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_loading_shows_plain_progress_lines_per_tensor_on_stderr_off_a_terminal(qwen3: Path, capsys) -> None:
+    total = len(load_file(str(qwen3 / "model.safetensors")))
+    load_model(ModelConfig.from_dir(qwen3))
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert out == "" and "\r" not in err
+    assert lines[0].startswith("loading weights: ") and f"/{total} tensors (" in lines[0]
+    assert lines[-1].startswith(f"loading weights: {total}/{total} tensors (100%) in ")
+    assert len(lines) <= 10
+
+
+def test_only_rank_0_shows_the_loading_progress(qwen3: Path, capsys) -> None:
+    from pd.distributed.shard import TPShard
+
+    load_model(ModelConfig.from_dir(qwen3, tp=TPShard(rank=1, size=2)))
+    assert capsys.readouterr().err == ""
