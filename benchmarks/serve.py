@@ -10,6 +10,8 @@ and peak concurrency; TPOT is (E2EL - TTFT) / (output_len - 1) over requests wit
 than one output token; ITL percentiles are over all gaps of all requests; a request counts
 towards goodput when it meets every given SLO (TPOT taken as 0 for one-token outputs).
 `/metrics` is scraped before and after for prefix-cache hit rates and KV transfer bytes.
+The requests done (and the time left) are shown on stderr as they end: a bar on a
+terminal, a few plain lines otherwise (`launch.progress`); stdout holds the result alone.
 
     python -m benchmarks.serve --base-url http://127.0.0.1:8000 --num-prompts 200 \\
         --request-rate 4 --max-concurrency 32 --ignore-eos --save-result
@@ -31,9 +33,9 @@ from pathlib import Path
 from typing import Sequence
 
 import httpx
-from tqdm import tqdm
 
 from benchmarks.datasets import SampleRequest, add_dataset_args, load_samples
+from launch.progress import Progress
 from proxy.body import prefill_body
 from benchmarks.serve_metrics import (
     RequestRecord,
@@ -145,10 +147,11 @@ async def _read_stream(response: httpx.Response, record: RequestRecord, t0: floa
 
 async def run_requests(client: httpx.AsyncClient, url: str, payloads: list[dict],
                        samples: list[SampleRequest], offsets: list[float],
-                       max_concurrency: int | None, prefill_url: str | None = None) -> tuple[list[RequestRecord], float]:
+                       max_concurrency: int | None, prefill_url: str | None = None,
+                       label: str = "pd") -> tuple[list[RequestRecord], float]:
     """Send request i at `offsets[i]` seconds (or later, once a concurrency slot frees)."""
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else nullcontext()
-    progress = tqdm(total=len(payloads), disable=not sys.stderr.isatty())
+    progress = Progress(f"bench serve {label}", len(payloads), "requests")  # on stderr
     t0 = time.perf_counter()
 
     async def one(i: int) -> RequestRecord:
@@ -167,14 +170,15 @@ async def run_requests(client: httpx.AsyncClient, url: str, payloads: list[dict]
 
 async def run_conversations(client: httpx.AsyncClient, url: str, payloads: list[dict],
                             samples: list[SampleRequest], offsets: list[float],
-                            max_concurrency: int | None, prefill_url: str | None = None) -> tuple[list[RequestRecord], float]:
+                            max_concurrency: int | None, prefill_url: str | None = None,
+                            label: str = "pd") -> tuple[list[RequestRecord], float]:
     """Multi-turn, closed loop: each conversation starts at its first turn's offset and
     sends its next turn once the last is answered, the prompt being the last prompt, the
     model's answer (the token ids the server returned; the dataset's stand-in where it
     returned none) and the turn's new message. At most `max_concurrency` requests in
     flight; a conversation between turns holds no slot."""
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else nullcontext()
-    progress = tqdm(total=len(payloads), disable=not sys.stderr.isatty())
+    progress = Progress(f"bench serve {label}", len(payloads), "requests")  # on stderr
     records: list[RequestRecord] = [RequestRecord(prompt_len=s.prompt_len) for s in samples]
     conversations: dict[int, list[int]] = {}
     for i, sample in enumerate(samples):
@@ -263,7 +267,7 @@ async def benchmark(args: argparse.Namespace) -> dict:
         prefill_url = args.prefill_url + args.endpoint if args.prefill_url else None
         run = run_conversations if closed_loop(args) else run_requests
         records, duration = await run(client, args.base_url + args.endpoint, payloads,
-                                      samples, offsets, args.max_concurrency, prefill_url)
+                                      samples, offsets, args.max_concurrency, prefill_url, args.label)
         after = await scrape_metrics(client, metrics_url)
     metrics = compute_metrics(records, duration, slos)
     server = server_metric_deltas(before, after) if before is not None and after is not None else None
