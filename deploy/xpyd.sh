@@ -7,7 +7,8 @@
 #   deploy/xpyd.sh stop
 #
 # Starts every server (P with --role prefill, D with --role decode: NIXL between them),
-# waits until each answers /health, starts `pd proxy` in front, prints the URLs, and
+# waits until each answers /health (how many do, on stderr: a bar on a terminal, a few
+# plain lines otherwise), starts `pd proxy` in front, prints the URLs, and
 # stops everything it started on Ctrl-C, or with `deploy/xpyd.sh stop` (from another
 # shell, or after --detach). Without --model it makes a tiny Bamba (Mamba2 + attention)
 # with `pd make-model`. The machine's cores are split between the servers (--num-threads,
@@ -94,13 +95,36 @@ start() {  # name port args...: start one process in the background, remember it
     echo $! >> "$PIDS"
 }
 
-wait_healthy() {  # name url
+show_healthy() {  # what healthy total started: a redrawn bar on a terminal, else a plain line per tenth
+    local elapsed=$((SECONDS - $4))
+    if [ -t 2 ]; then
+        local bar; bar="$(printf '%*s' $((20 * $2 / $3)) '' | tr ' ' '#')"
+        printf '\rxpyd: %s |%-20s| %d/%d, %d s' "$1" "$bar" "$2" "$3" "$elapsed" >&2
+        [ "$2" -lt "$3" ] || echo >&2
+    elif [ $((10 * $2 / $3)) -gt "$SHOWN" ]; then
+        SHOWN=$((10 * $2 / $3))
+        echo "xpyd: $1: $2/$3 ($((100 * $2 / $3))%, $elapsed s)" >&2
+    fi
+}
+
+wait_healthy() {  # what name=url...: until each answers /health (180 s), how many do shown on stderr
+    local what="$1" started=$SECONDS; shift
+    local total=$# pending=("$@") entry still
+    SHOWN=0
     for _ in $(seq 1800); do
-        curl -sf "$2/health" > /dev/null 2>&1 && return 0
+        still=()
+        for entry in "${pending[@]}"; do
+            curl -sf "${entry#*=}/health" > /dev/null 2>&1 || still+=("$entry")
+        done
+        pending=(${still[@]+"${still[@]}"})
+        show_healthy "$what" $((total - ${#pending[@]})) "$total" "$started"
+        [ ${#pending[@]} -gt 0 ] || return 0
         sleep 0.1
     done
-    echo "xpyd: $1 not healthy after 180 s; its log ($STATE/$1.log) ends:" >&2
-    tail -20 "$STATE/$1.log" >&2
+    [ ! -t 2 ] || echo >&2
+    entry="${pending[0]%%=*}"
+    echo "xpyd: $entry not healthy after 180 s; its log ($STATE/$entry.log) ends:" >&2
+    tail -20 "$STATE/$entry.log" >&2
     exit 1
 }
 
@@ -115,10 +139,12 @@ for i in $(seq 0 $((NUM_D - 1))); do
         --dtype "$DTYPE" --num-threads "$THREADS" --tensor-parallel-size "$D_TP" "${EXTRA[@]}"
     D_URLS+=("http://127.0.0.1:$((D_BASE + i))")
 done
-for i in $(seq 0 $((NUM_P - 1))); do wait_healthy "prefill-$i" "${P_URLS[$i]}"; done
-for i in $(seq 0 $((NUM_D - 1))); do wait_healthy "decode-$i" "${D_URLS[$i]}"; done
+SERVERS=()
+for i in $(seq 0 $((NUM_P - 1))); do SERVERS+=("prefill-$i=${P_URLS[$i]}"); done
+for i in $(seq 0 $((NUM_D - 1))); do SERVERS+=("decode-$i=${D_URLS[$i]}"); done
+wait_healthy "servers healthy" "${SERVERS[@]}"
 start proxy "$PD" proxy --prefill "${P_URLS[@]}" --decode "${D_URLS[@]}" --host 127.0.0.1 --port "$PORT" --policy "$POLICY"
-wait_healthy proxy "http://127.0.0.1:$PORT"
+wait_healthy "proxy healthy" "proxy=http://127.0.0.1:$PORT"
 
 echo "xpyd: ${NUM_P}P${NUM_D}D of $MODEL (TP $P_TP / $D_TP), $THREADS thread(s) per rank, policy $POLICY"
 echo "  prefill: ${P_URLS[*]}"

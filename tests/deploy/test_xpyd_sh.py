@@ -79,6 +79,9 @@ def test_xpyd_detached_serves_through_the_proxy_and_stop_ends_everything(tmp_pat
                               "--detach", *flags], env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stdout + out.stderr
         assert "2P1D" in out.stdout and "(TP 1 / 2)" in out.stdout and "proxy:" in out.stdout
+        # waiting for health, shown on stderr as plain lines (no terminal here): counts, no carriage return
+        assert "xpyd: servers healthy: 3/3 (100%, " in out.stderr and "xpyd: proxy healthy: 1/1 (100%, " in out.stderr
+        assert "\r" not in out.stderr and "xpyd: servers healthy: 3/3" not in out.stdout
         pids = [int(p) for p in pids_file.read_text().split()]
         assert len(pids) == 4 and all(alive(p) for p in pids)  # 2 P, 1 D, the proxy
         assert complete(flags[1])["usage"]["completion_tokens"] == 4
