@@ -30,6 +30,7 @@ from launch import Launched, exited, free_port, health_status, log_tail, pd_comm
 from launch import start_logged, stop_process, wait_ready
 from launch.flags import port_number, positive_float, positive_int
 from launch.process import GROUP_GRACE_S, STOP_TIMEOUT_S, keep_running
+from launch.progress import Progress
 from launch.signals import ignore_stop_signals, install_signal_handlers, signals_deferred
 
 from pd.kv_transfer.signing import SECRET_ENV
@@ -275,18 +276,21 @@ def get_by(refs: list[ray.ObjectRef], deadline: float, late: str) -> list[Any]:
 
 def wait_for_servers(starts: dict[Any, ray.ObjectRef], timeout: float) -> list[dict[str, Any]]:
     """Each server's info (launch order) once all answer /health; raises if one exits or
-    they are not all up within `timeout` s."""
+    they are not all up within `timeout` s. How many are healthy is shown on stderr (a bar
+    on a terminal, a few lines otherwise)."""
     deadline = time.monotonic() + timeout
     servers = get_by(list(starts.values()), deadline,
                      f"the servers' actors were not all placed within {timeout:g} s: not enough free CPUs/GPUs?")
     pending = dict(zip(starts, servers))
-    while pending:
-        ready = get_by([actor.ready.remote() for actor in pending], deadline + 5, "a server stopped answering")
-        pending = {actor: info for (actor, info), ok in zip(pending.items(), ready) if not ok}
-        if pending and time.monotonic() > deadline:
-            logs = ", ".join(info["log"] for info in pending.values())
-            raise RuntimeError(f"{len(pending)} server(s) not healthy after {timeout:g} s; see {logs}")
-        time.sleep(0.5 if pending else 0)
+    with Progress("ray_pd: servers healthy", len(pending)) as progress:
+        while pending:
+            ready = get_by([actor.ready.remote() for actor in pending], deadline + 5, "a server stopped answering")
+            progress.update(sum(map(bool, ready)))
+            pending = {actor: info for (actor, info), ok in zip(pending.items(), ready) if not ok}
+            if pending and time.monotonic() > deadline:
+                logs = ", ".join(info["log"] for info in pending.values())
+                raise RuntimeError(f"{len(pending)} server(s) not healthy after {timeout:g} s; see {logs}")
+            time.sleep(0.5 if pending else 0)
     return servers
 
 

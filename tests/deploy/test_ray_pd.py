@@ -139,6 +139,8 @@ def test_ray_pd_serves_through_the_proxy_and_sigterm_stops_every_server(tmp_path
         urls = wait_for_urls(process, urls_file, log_path)
         print(f"ray_pd.py up in {time.monotonic() - started:.1f} s")
         assert len(urls["prefill"]) == 1 and len(urls["decode"]) == 1
+        progress = [line for line in log_path.read_text().splitlines() if line.startswith("ray_pd: servers healthy")]
+        assert progress and progress[-1].startswith("ray_pd: servers healthy: 2/2 (100%) in ")  # plain, in a log
         response = http_client().post(f"{urls['proxy']}/v1/completions", timeout=120,
                                       json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
         assert response.status_code == 200, response.text
