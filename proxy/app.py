@@ -1,8 +1,10 @@
 """The PD proxy: an OpenAI-compatible front for prefill and decode servers.
 
 Routes: POST /v1/completions and /v1/chat/completions (`proxy.forward`: P, then D),
-GET /v1/models (asked of a decode server), GET /metrics, and GET /health, which is
-always open; the others need `Authorization: Bearer KEY` when the proxy has an API key.
+GET /v1/models (asked of a decode server), GET /metrics, GET /dashboard and
+/dashboard/state (`proxy.dashboard`: the operator's live page), and GET /health, which
+is always open; the others need `Authorization: Bearer KEY` when the proxy has an API
+key (/dashboard, opened by a browser, also takes `?key=KEY`).
 Every answer the proxy makes itself is OpenAI's `{"error": {...}}` JSON, a 500 too.
 """
 
@@ -19,11 +21,13 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from proxy.dashboard import Dashboard, page_response
 from proxy.errors import ProxyError, error_response
 from proxy.forward import forward
 from proxy.kv_subscriber import follow_kv_events
 from proxy.metrics import CONTENT_TYPE
 from proxy.proxy_config import ProxyConfig
+from proxy.recent import RecentRequests
 from proxy.upstream import Upstream
 
 logger = logging.getLogger(__name__)
@@ -41,17 +45,18 @@ SERVER_KEEPALIVE_S = 30
 def build_proxy_app(config: ProxyConfig) -> FastAPI:
     upstream = Upstream(config)
     app = FastAPI(title="pd proxy", lifespan=_lifespan(upstream), docs_url=None, redoc_url=None, openapi_url=None)
+    dashboard = Dashboard(upstream)
     app.state.upstream = upstream
     _add_error_handlers(app)
     keyed = [Depends(_key_check(config.api_key))]
 
     @app.post("/v1/completions", dependencies=keyed)
     async def completions(request: Request) -> Response:
-        return await _forward(upstream, request, "/v1/completions")
+        return await _forward(upstream, dashboard.recent, request, "/v1/completions")
 
     @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat_completions(request: Request) -> Response:
-        return await _forward(upstream, request, "/v1/chat/completions")
+        return await _forward(upstream, dashboard.recent, request, "/v1/chat/completions")
 
     @app.get("/v1/models", dependencies=keyed)
     async def models(request: Request) -> Response:
@@ -60,6 +65,14 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
     @app.get("/metrics", dependencies=keyed)
     async def metrics() -> Response:
         return Response(upstream.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.get("/dashboard", dependencies=[Depends(_key_check(config.api_key, in_query=True))])
+    async def dashboard_page() -> Response:
+        return page_response()
+
+    @app.get("/dashboard/state", dependencies=keyed)
+    async def dashboard_state() -> JSONResponse:
+        return JSONResponse(await dashboard.state(), headers={"Cache-Control": "no-store"})
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -111,28 +124,37 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(f"internal error in the proxy: {type(exc).__name__}", 500, "internal_error")
 
 
-def _key_check(api_key: str | None) -> Callable[[Request], None]:
-    """A dependency refusing (401) a client without `Authorization: Bearer api_key`."""
+def _key_check(api_key: str | None, in_query: bool = False) -> Callable[[Request], None]:
+    """A dependency refusing (401) a client without `Authorization: Bearer api_key`
+    (`in_query`: or without `?key=api_key`, for a page a browser opens)."""
     expected = api_key.encode() if api_key is not None else None
 
     def check(request: Request) -> None:
         if expected is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+        given = token.strip() if scheme.lower() == "bearer" else None
+        if given is None and in_query:
+            given = request.query_params.get("key")
+        if given is None or not hmac.compare_digest(given.encode("utf-8", "replace"), expected):
             raise ProxyError("missing or incorrect API key (send Authorization: Bearer <key>)", "invalid_api_key",
                              status=401, headers={"WWW-Authenticate": "Bearer"})
 
     return check
 
 
-async def _forward(upstream: Upstream, request: Request, endpoint: str) -> Response:
+async def _forward(upstream: Upstream, recent: RecentRequests, request: Request, endpoint: str) -> Response:
+    record = recent.start(endpoint)
     try:
         response = await forward(upstream, request, endpoint)
     except ProxyError as exc:
         response = exc.response()
+    except Exception:  # answered by the app's handler
+        record.failed()
+        raise
     upstream.metrics.requests.labels(endpoint=endpoint, status=str(response.status_code)).inc()
-    return response
+    return record.answered(response, [i.url for i in upstream.prefill.instances],
+                           [i.url for i in upstream.decode.instances])
 
 
 async def _models(upstream: Upstream, request: Request) -> Response:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from proxy.disagg import DISAGG_POLICIES
 from proxy.instances import POLICIES
@@ -136,8 +137,10 @@ def run_proxy(args: argparse.Namespace) -> int:
     import uvicorn
 
     from proxy.app import SERVER_KEEPALIVE_S, build_proxy_app
+    from proxy.dashboard import RedactKey
 
     logs.configure(args.log_level, args.log_format)
+    logging.getLogger("uvicorn.access").addFilter(RedactKey())  # /dashboard?key=KEY
     config = proxy_config(args)
     try:
         tracing.configure("pd-proxy", args.otlp_traces_endpoint, attributes={"pd.instance": f"{args.host}:{args.port}"})

@@ -141,7 +141,8 @@ def http_body(path: str):
 SERVER_ROUTES = [("POST", p) for p in VALID] + [("GET", p) for p in ("/v1/models", "/v1/kv_config", "/health",
                                                                      "/metrics", "/v1/nothing")]
 PROXY_ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-                ("GET", "/health"), ("GET", "/metrics"), ("POST", "/v1/kv/release")]
+                ("GET", "/health"), ("GET", "/metrics"), ("POST", "/v1/kv/release"), ("GET", "/dashboard"),
+                ("GET", "/dashboard/state")]
 
 
 def send(url: str, method: str, path: str, content: bytes) -> httpx.Response:

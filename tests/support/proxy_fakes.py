@@ -69,6 +69,7 @@ class FakeServer:
         self.releases: list[Received] = []
         self.aborted = 0
         self.kv_config: dict[str, Any] | None = None  # GET /v1/kv_config's answer (None: 404)
+        self.metrics_text: str | None = None  # GET /metrics's answer (None: 404)
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -79,6 +80,8 @@ class FakeServer:
         app.get("/health")(lambda: JSONResponse({"status": self.health_status}, self.health_status))
         app.get("/v1/kv_config")(lambda: JSONResponse(self.kv_config, 200 if self.kv_config else 404))
         app.post("/v1/tokenize")(self._tokenize)
+        app.get("/metrics")(lambda: Response(self.metrics_text, 200 if self.metrics_text else 404,
+                                             media_type="text/plain"))
         return app
 
     async def _tokenize(self, request: Request) -> Response:
