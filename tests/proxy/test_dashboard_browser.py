@@ -1,0 +1,79 @@
+"""The dashboard in a real headless browser (Chromium from the system's packages, driven
+by Selenium; `.ci/run` installs both): a real `pd proxy` process in front of fake
+servers, the page opened with the key in its query, every instance shown, a request's
+id shown as text (not HTML), and an instance shown down once its server stops."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import uuid
+
+import pytest
+
+from launch import http_client
+from tests.support.proxy_fakes import fake
+from tests.support.server_harness import running_proxy, wait_until
+
+pytestmark = pytest.mark.slow
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install '.[test]')")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+if not (CHROMIUM and CHROMEDRIVER):
+    pytest.skip("chromium and chromedriver are not installed (apt-get install chromium chromium-driver)",
+                allow_module_level=True)
+
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+KEY = f"key-{uuid.uuid4().hex}"
+WAIT_S = 30  # a bound on waiting for the page (it polls every second), not a measurement
+INJECTED = '<img id="injected" src="x">'
+
+
+@pytest.fixture
+def browser():
+    """Headless Chromium; the driver is the system's, so Selenium downloads nothing."""
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def health_shown(driver) -> dict[str, str]:
+    """Each instance row's URL and the health it shows."""
+    rows = driver.find_elements(By.CSS_SELECTOR, "#instances tbody tr")
+    return {row.get_attribute("data-url"): row.find_elements(By.TAG_NAME, "td")[2].text for row in rows}
+
+
+def test_the_page_shows_every_instance_and_one_going_down(browser, tmp_path) -> None:
+    with contextlib.ExitStack() as stack, contextlib.ExitStack() as stopping:
+        p = stack.enter_context(fake("prefill"))
+        d1 = stack.enter_context(fake("decode"))
+        d2 = stopping.enter_context(fake("decode"))  # the one stopped below
+        proxy = stack.enter_context(running_proxy(
+            tmp_path / "proxy.log", "--prefill", p.url, "--decode", d1.url, d2.url, "--api-key", KEY,
+            "--probe-interval", "0.2", "--breaker-cooldown", "600", "--log-level", "info"))
+        wait = WebDriverWait(browser, WAIT_S)
+        browser.get(f"{proxy.url}/dashboard?key={KEY}")
+        every = {p.url: "up", d1.url: "up", d2.url: "up"}
+        wait.until(lambda driver: health_shown(driver) == every)
+
+        sent = http_client().post(f"{proxy.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30,
+                                  headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": INJECTED})
+        assert sent.status_code == 200
+        cells = lambda driver: [td.text for td in driver.find_elements(By.CSS_SELECTOR, "#requests tbody td")]
+        wait.until(lambda driver: INJECTED in cells(driver))
+        assert browser.find_elements(By.ID, "injected") == []  # shown as text, never made an element
+        assert "disaggregated" in cells(browser) and p.url in cells(browser)
+
+        stopping.close()  # d2's server stops: the prober finds it gone, its breaker opens
+        wait.until(lambda driver: health_shown(driver) == every | {d2.url: "down"})
+        assert browser.find_element(By.ID, "status").text.startswith("live")
+        assert wait_until(lambda: "key=***" in proxy.log_path.read_text(), WAIT_S)
+        assert KEY not in proxy.log_path.read_text()  # the page's query, redacted from the access log
