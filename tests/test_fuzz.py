@@ -5,7 +5,8 @@ the same engine processes, /health 200, a request through the proxy answered wit
 tokens it was answered before, and the KV caches back to 0.
 
 Surfaces: every HTTP route of `pd serve` (on P and D) and of `pd proxy`, with bodies
-that are random JSON, valid bodies with a field mutated, or random bytes; the KV events
+that are random JSON, valid bodies with a field mutated, or random bytes, and W3C trace
+headers well formed or not (tracing is on, exporting to a receiver of the test's); the KV events
 replay socket and the KV side channel (ZMQ DEALER frames: random, and mutated valid
 messages, among them msgpack maps whose keys are not UTF-8); NIXL notifications to P
 (from a NIXL agent of our own, after a handshake as any decode server makes); and
@@ -35,6 +36,7 @@ from hypothesis import strategies as st
 
 from kv_events.messages import ReplayRequest, encode
 from launch import free_port, http_client
+from tests.support.otlp import otlp_receiver
 from tests.support.server_harness import running_proxy, running_server, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
@@ -57,14 +59,16 @@ def deployment(tiny_models, tmp_path_factory):
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     ports = {name: free_port() for name in ("events", "replay", "side")}
     with contextlib.ExitStack() as stack:
+        endpoint, _ = stack.enter_context(otlp_receiver())  # traced: the traceparent headers below are read
+        traced = ("--otlp-traces-endpoint", endpoint)
         p = stack.enter_context(running_server(
-            tiny_models["qwen3"], logs / "p.log", "--role", "prefill", *SERVER_FLAGS, "--kv-events-port",
+            tiny_models["qwen3"], logs / "p.log", "--role", "prefill", *SERVER_FLAGS, *traced, "--kv-events-port",
             str(ports["events"]), "--kv-events-replay-port", str(ports["replay"]), "--kv-side-channel-port",
             str(ports["side"])))
         d = stack.enter_context(running_server(tiny_models["qwen3"], logs / "d.log", "--role", "decode",
-                                               *SERVER_FLAGS))
+                                               *SERVER_FLAGS, *traced))
         proxy = stack.enter_context(running_proxy(logs / "proxy.log", "--prefill", p.url, "--decode", d.url,
-                                                  "--log-level", "warning", "--timeout", "30"))
+                                                  "--log-level", "warning", "--timeout", "30", *traced))
         reference = answer(proxy)
         pids = {name: engine_pid(server) for name, server in (("p", p), ("d", d))}
         yield {"p": p, "d": d, "proxy": proxy, "ports": ports, "reference": reference, "pids": pids}
@@ -133,6 +137,14 @@ def mutated(draw, path: str) -> dict:
     return body
 
 
+HEADER_TEXT = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=120)
+trace_headers = st.fixed_dictionaries({}, optional={  # W3C trace context, well formed or not
+    "traceparent": HEADER_TEXT | st.builds("00-{}-{}-{}".format, st.binary(min_size=16, max_size=16).map(bytes.hex),
+                                           st.binary(min_size=8, max_size=8).map(bytes.hex),
+                                           st.sampled_from(["00", "01", "ff", "zz"])),
+    "tracestate": HEADER_TEXT})
+
+
 def http_body(path: str):
     as_json = (mutated(path) | json_values).map(lambda v: json.dumps(v).encode())
     return as_json | st.binary(max_size=300)
@@ -145,9 +157,9 @@ PROXY_ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), (
                 ("GET", "/dashboard/state")]
 
 
-def send(url: str, method: str, path: str, content: bytes) -> httpx.Response:
+def send(url: str, method: str, path: str, content: bytes, headers: dict | None = None) -> httpx.Response:
     return http_client().request(method, url + path, content=content, timeout=60,
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json"} | (headers or {}))
 
 
 def assert_no_server_error(response: httpx.Response) -> None:
@@ -165,7 +177,8 @@ def test_every_route_of_the_servers(deployment) -> None:
     @given(data=st.data(), role=st.sampled_from(["p", "d"]), route=st.sampled_from(SERVER_ROUTES))
     def fuzz(data, role, route) -> None:
         method, path = route
-        assert_no_server_error(send(deployment[role].url, method, path, data.draw(http_body(path))))
+        assert_no_server_error(send(deployment[role].url, method, path, data.draw(http_body(path)),
+                                    data.draw(trace_headers)))
 
     fuzz()
     assert_unharmed(deployment)
@@ -176,7 +189,7 @@ def test_every_route_of_the_proxy(deployment) -> None:
     @given(data=st.data(), route=st.sampled_from(PROXY_ROUTES))
     def fuzz(data, route) -> None:
         method, path = route
-        response = send(deployment["proxy"].url, method, path, data.draw(http_body(path)))
+        response = send(deployment["proxy"].url, method, path, data.draw(http_body(path)), data.draw(trace_headers))
         assert response.status_code < 500 or response.status_code == 503 and "kv_held_limit" in response.text, \
             response.text[:500]
 

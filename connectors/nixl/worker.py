@@ -348,6 +348,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             why = "ended after the prefill server's lease"
         elif state == "DONE":
             output.finished_recving.add(req_id)
+            output.load_sizes[req_id] = (sum(b for b, _ in shares.values()), sum(d for _, d in shares.values()))
             if not loading.notified:  # checked (or no word to check): P may free the blocks now
                 self._notify(remote, ReadDone(remote.remote_request_id))
             if word is None or not loading.request.trusted:

@@ -88,15 +88,15 @@ class KVConnectorOutput:
     requests whose load failed (request id -> why, for logs and error messages).
     `unverified`: received requests whose KV could not be verified as the holder's for
     their prompt (parameters not signed with the deployment's secret): they may use it,
-    but nothing of theirs enters the prefix cache. `load_sizes`: a tensor-parallel rank
-    > 0's finished loads, what each moved (bytes, transfer descriptors), for rank 0's
-    figures."""
+    but nothing of theirs enters the prefix cache. `load_sizes`: what each finished load
+    moved (bytes, transfer descriptors): a tensor-parallel rank > 0's own share, for rank
+    0's figures; rank 0's, every rank's together (a request's trace shows them)."""
 
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: dict[str, str] = field(default_factory=dict)
     unverified: set[str] = field(default_factory=set)
-    load_sizes: dict[str, tuple[int, int]] = field(default_factory=dict)  # a rank > 0: (bytes, transfers) it loaded
+    load_sizes: dict[str, tuple[int, int]] = field(default_factory=dict)  # (bytes, descriptors) loaded
     offload: dict[str, OffloadReport] | None = None  # the offload tiers' reports, by tier (pd/kv_offload)
 
 

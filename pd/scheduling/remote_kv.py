@@ -108,6 +108,7 @@ class RemoteKV:
                 continue
             request.status = RequestStatus.WAITING
             request.times.kv_landed = time.time()
+            request.times.kv_bytes, request.times.kv_descriptors = connector_output.load_sizes.get(req_id, (None, None))
             landed.append(request)
             if req_id in connector_output.failed_recving:
                 request.kv_load_error = connector_output.failed_recving[req_id]

@@ -29,7 +29,8 @@ class RequestStatus(enum.Enum):
 class RequestTimes(msgspec.Struct):
     """When a request's life in the engine passed each point, wall-clock seconds
     (`time.time()`, comparable across the processes of a host): arrived at the engine,
-    first scheduled, parked for remote KV (`kv_tokens` to read) and when it landed, its
+    first scheduled, parked for remote KV (`kv_tokens` to read) and when it landed (with
+    the bytes and transfer descriptors the read moved, where the connector says), its
     first token, finished. None: it never passed that point. A finishing output carries
     them (the server's trace makes spans of them)."""
 
@@ -38,6 +39,8 @@ class RequestTimes(msgspec.Struct):
     kv_wait: float | None = None
     kv_landed: float | None = None
     kv_tokens: int = 0
+    kv_bytes: int | None = None
+    kv_descriptors: int | None = None
     first_token: float | None = None
     finished: float | None = None
 

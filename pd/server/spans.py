@@ -5,7 +5,7 @@ decode call) and ends with the response, a stream when it ends or its client lea
 When the engine's finishing output came, its `RequestTimes` become the children, with the
 engine's own clock: `pd.queue` (arrival to its first step, or to waiting for remote KV),
 `pd.kv_read` (waiting for the remote KV of `pd.kv_tokens` tokens until it landed: the
-transfer from P), `pd.prefill` (its first step to its first token) and `pd.decode` (the
+transfer from P, its bytes and descriptors), `pd.prefill` (its first step to its first token) and `pd.decode` (the
 first token to the end). A span is made of what happened: D under remote prefill has no
 prefill of its own, P no decode.
 """
@@ -49,7 +49,8 @@ def phases(times: RequestTimes, output_tokens: int) -> list[tuple[str, float, fl
     queued_until = min(t for t in (times.kv_wait, times.scheduled, end) if t is not None)
     out.append(("pd.queue", times.arrival, queued_until, {}))
     if times.kv_wait is not None and times.kv_landed is not None:
-        out.append(("pd.kv_read", times.kv_wait, times.kv_landed, {"pd.kv_tokens": times.kv_tokens}))
+        out.append(("pd.kv_read", times.kv_wait, times.kv_landed, {
+            "pd.kv_tokens": times.kv_tokens, "pd.kv_bytes": times.kv_bytes, "pd.kv_descriptors": times.kv_descriptors}))
     if times.scheduled is not None and times.first_token is not None and times.first_token >= times.scheduled:
         out.append(("pd.prefill", times.scheduled, times.first_token, {}))
     if times.first_token is not None and times.finished is not None and output_tokens > 1:

@@ -22,11 +22,12 @@ def test_p_prefills_its_one_token_and_decodes_nothing() -> None:
 
 
 def test_d_waits_for_the_kv_read_then_decodes_from_p_s_first_token() -> None:
-    times = RequestTimes(1.0, kv_wait=1.25, kv_landed=2.0, kv_tokens=48, first_token=2.0, scheduled=2.5, finished=4.0)
+    times = RequestTimes(1.0, kv_wait=1.25, kv_landed=2.0, kv_tokens=48, kv_bytes=4096, kv_descriptors=3,
+                         first_token=2.0, scheduled=2.5, finished=4.0)
     out = phases(times, 6)
     assert [(n, s, e) for n, s, e, _ in out] == [("pd.queue", 1.0, 1.25), ("pd.kv_read", 1.25, 2.0),
                                                   ("pd.decode", 2.5, 4.0)]
-    assert out[1][3] == {"pd.kv_tokens": 48}
+    assert out[1][3] == {"pd.kv_tokens": 48, "pd.kv_bytes": 4096, "pd.kv_descriptors": 3}
 
 
 def test_a_request_that_never_ran_only_queued() -> None:
