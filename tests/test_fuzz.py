@@ -137,7 +137,7 @@ def mutated(draw, path: str) -> dict:
     return body
 
 
-HEADER_TEXT = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=120)
+HEADER_TEXT = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=120).map(str.strip)  # as sent
 trace_headers = st.fixed_dictionaries({}, optional={  # W3C trace context, well formed or not
     "traceparent": HEADER_TEXT | st.builds("00-{}-{}-{}".format, st.binary(min_size=16, max_size=16).map(bytes.hex),
                                            st.binary(min_size=8, max_size=8).map(bytes.hex),
