@@ -8,18 +8,25 @@ never a carriage return: at most `lines` plain lines in all, one at each tenth (
 left)`, and the last when the work ends (`... 300/300 tensors (100%) in 5.1 s`). An update
 costs a comparison: count per tensor or per request, never per token.
 
+In a process that logs JSON (`PD_LOG_FORMAT=json`, which `pd serve --log-format json` sets
+for itself and its engine) the plain lines on stderr are log records instead (logger
+`pd.progress`, level info), so that each line there is one JSON object.
+
 Here, on the lowest floor, so that every package (`pd`, the benchmarks, the deploy
 scripts) may use it; tqdm is imported only when a bar is drawn.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any, TextIO, TypeVar
 
+JSON_LOGS = ("PD_LOG_FORMAT", "json")  # what telemetry.logs sets for the processes `pd serve` starts
 MAX_LINES = 10  # plain lines of one piece of work, the final one included, whatever the total
 T = TypeVar("T")
 
@@ -41,6 +48,9 @@ class Progress:
                  lines: int = MAX_LINES, enabled: bool = True) -> None:
         self.what, self.total, self.unit = what, max(0, total), unit
         self.stream = sys.stderr if stream is None else stream
+        # a process logging JSON (`--log-format json`) gets its plain lines as log records, so
+        # that every line of its stderr is one JSON object
+        self._as_log = stream is None and os.environ.get(JSON_LOGS[0]) == JSON_LOGS[1]
         self.done = 0
         self._lines = max(1, lines)
         self._step = 1  # the next plain line is due at step/lines of the total
@@ -89,6 +99,9 @@ class Progress:
         return f"{self.what}: {self.done}/{self.total}{unit} ({percent}"
 
     def _print(self, line: str) -> None:
+        if self._as_log:
+            logging.getLogger("pd.progress").info(line)
+            return
         print(line, file=self.stream, flush=True)
 
     def __enter__(self) -> Progress:

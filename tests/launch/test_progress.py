@@ -4,6 +4,7 @@ plain lines with counts and no carriage return anywhere else."""
 from __future__ import annotations
 
 import fcntl
+import logging
 import io
 import os
 import re
@@ -11,7 +12,7 @@ import select
 import struct
 import termios
 
-from launch.progress import MAX_LINES, Progress, is_terminal
+from launch.progress import JSON_LOGS, MAX_LINES, Progress, is_terminal
 
 
 def read_all(fd: int) -> str:
@@ -108,3 +109,25 @@ def test_importing_progress_costs_no_httpx_nor_tqdm() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["[]", "True"]
+
+
+def test_where_logs_are_json_its_lines_are_log_records(monkeypatch) -> None:
+    """`pd serve --log-format json` (and the engine it starts): every line of stderr is one
+    JSON object, the progress too."""
+    from telemetry import logs
+
+    assert JSON_LOGS == (logs.ENV_FORMAT, "json")  # the name telemetry.logs sets
+    records = []
+    monkeypatch.setenv(logs.ENV_FORMAT, "json")
+    handler = logging.Handler()
+    handler.emit = records.append
+    monkeypatch.setattr(logging.getLogger(), "handlers", [handler])
+    monkeypatch.setattr(logging.getLogger(), "level", logging.INFO)
+    with Progress("loading weights", 4, "tensors") as progress:  # stderr, the default
+        progress.update(4)
+    assert [r.getMessage() for r in records][-1].startswith("loading weights: 4/4 tensors (100%) in ")
+    assert {r.name for r in records} == {"pd.progress"}
+    text = io.StringIO()
+    with Progress("converting", 2, stream=text) as progress:  # a stream given: written to it as it is
+        progress.update(2)
+    assert text.getvalue().startswith("converting: 2/2") and len(records) == 1
