@@ -64,14 +64,19 @@ def test_a_json_line_carries_the_traceback_and_text_lines_stay_text(captured) ->
 
 
 def test_a_child_process_takes_the_format_from_the_environment(monkeypatch, captured) -> None:
-    for name in (logs.ENV_FORMAT, logs.ENV_LEVEL):
-        monkeypatch.delenv(name, raising=False)  # unset again afterwards
+    for name in (logs.ENV_FORMAT, logs.ENV_LEVEL):  # as they were afterwards: set, then removed
+        monkeypatch.setenv(name, "")  # (a delenv of an unset name would record nothing to restore)
+        monkeypatch.delenv(name)
     logs.configure("warning", "json", children=True)
     assert (logs.os.environ[logs.ENV_FORMAT], logs.os.environ[logs.ENV_LEVEL]) == ("json", "warning")
     logging.getLogger().handlers.clear()
     logs.configure_from_env()
     assert isinstance(logging.getLogger().handlers[0].formatter, logs.JsonFormatter)
     assert logging.getLogger().level == logging.WARNING
+
+
+def test_the_environment_is_left_as_it_was() -> None:  # after the test above, in the same process
+    assert logs.os.environ.get(logs.ENV_FORMAT) != "json"
 
 
 def test_an_unknown_format_is_refused() -> None:
