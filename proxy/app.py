@@ -144,7 +144,7 @@ def _key_check(api_key: str | None, in_query: bool = False) -> Callable[[Request
 
 
 async def _forward(upstream: Upstream, recent: RecentRequests, request: Request, endpoint: str) -> Response:
-    record = recent.start(endpoint)
+    record = recent.start(endpoint, upstream.metrics.observe_answer)
     try:
         response = await forward(upstream, request, endpoint)
     except ProxyError as exc:

@@ -1,5 +1,6 @@
 """The proxy's /metrics: per-instance state (breakers included), each role's policy, requests
-answered, retries, 429s, KV releases and the overlap routing expected and found."""
+answered and how long they took as their clients saw it, retries, 429s, KV releases and the
+overlap routing expected and found."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RELEASE_RESULTS = ("released", "unknown", "failed")  # P freed blocks / held none by that id / no answer
 OVERLAP_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 CACHED_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)  # the servers' (pd/server/metrics.py), so that the two compare
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+               40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 
 
 class InstanceCollector(Collector):
@@ -62,11 +67,24 @@ class InstanceCollector(Collector):
 
 
 class ProxyMetrics:
+    def observe_answer(self, ttft_s: float | None, total_s: float) -> None:
+        """A request answered 200: its time to first bytes (streamed) and to its end."""
+        if ttft_s is not None:
+            self.time_to_first_token.observe(ttft_s)
+        self.request_latency.observe(total_s)
+
     def __init__(self, pools: list[InstancePool]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(InstanceCollector(pools))
         self.requests = Counter("pd_proxy_requests", "Requests answered, by endpoint and status code.",
                                 ["endpoint", "status"], registry=self.registry)
+        self.time_to_first_token = Histogram(
+            "pd_proxy_time_to_first_token_seconds", "Seconds from a streamed request's arrival at the proxy to the "
+            "first bytes of its answer sent back: what its client waited (queue, prefill, KV read, first token).",
+            buckets=TTFT_BUCKETS, registry=self.registry)
+        self.request_latency = Histogram(
+            "pd_proxy_request_latency_seconds", "Seconds from a request's arrival at the proxy to the end of its "
+            "answer (a stream's last bytes), for requests answered 200.", buckets=E2E_BUCKETS, registry=self.registry)
         self.kv_releases = Counter("pd_proxy_kv_releases",
                                    "Prefill servers asked to free a request's blocks that no decode server will "
                                    "read, by result: released, unknown (P held none by that id), failed.",

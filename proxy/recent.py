@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,8 @@ class RequestRecord:
     """One client request: where it went (`X-PD-Path`, and the P and D that the
     X-PD-Prefill / X-PD-Decode headers name) and its timings in ms: to the first chunk
     of a streamed answer (`ttft_ms`; None unstreamed) and to the end (`total_ms`; None
-    while it is in flight)."""
+    while it is in flight). `on_answered(ttft_s, total_s)` is told of a request answered
+    200 whole (a stream sent to its end), for the proxy's latency histograms."""
 
     endpoint: str
     started_at: float = field(default_factory=time.time)  # wall clock, for display
@@ -33,6 +34,7 @@ class RequestRecord:
     ttft_ms: float | None = None
     total_ms: float | None = None
     _t0: float = field(default_factory=time.monotonic, repr=False)
+    on_answered: Callable[[float | None, float], None] | None = field(default=None, repr=False)
 
     def _elapsed_ms(self) -> float:
         return round((time.monotonic() - self._t0) * 1000, 1)
@@ -48,7 +50,7 @@ class RequestRecord:
         if isinstance(response, StreamingResponse):
             response.body_iterator = self._timed(response.body_iterator)
         else:
-            self.total_ms = self._elapsed_ms()
+            self._ended(whole=True)
         return response
 
     def failed(self) -> None:
@@ -56,13 +58,20 @@ class RequestRecord:
         self.status, self.total_ms = 500, self._elapsed_ms()
 
     async def _timed(self, chunks: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        whole = False
         try:
             async for chunk in chunks:
                 if self.ttft_ms is None:
                     self.ttft_ms = self._elapsed_ms()
                 yield chunk
+            whole = True
         finally:  # the end, or the client left
-            self.total_ms = self._elapsed_ms()
+            self._ended(whole)
+
+    def _ended(self, whole: bool) -> None:
+        self.total_ms = self._elapsed_ms()
+        if whole and self.status == 200 and self.on_answered is not None:
+            self.on_answered(None if self.ttft_ms is None else self.ttft_ms / 1000, self.total_ms / 1000)
 
     def as_dict(self) -> dict[str, Any]:
         return {"request_id": self.request_id, "endpoint": self.endpoint, "started_at": self.started_at,
@@ -82,8 +91,8 @@ class RecentRequests:
     def __init__(self, size: int = RECENT_REQUESTS) -> None:
         self._ring: deque[RequestRecord] = deque(maxlen=size)
 
-    def start(self, endpoint: str) -> RequestRecord:
-        record = RequestRecord(endpoint)
+    def start(self, endpoint: str, on_answered: Callable[[float | None, float], None] | None = None) -> RequestRecord:
+        record = RequestRecord(endpoint, on_answered=on_answered)
         self._ring.append(record)
         return record
 
