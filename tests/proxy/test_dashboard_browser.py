@@ -45,10 +45,19 @@ def browser():
         driver.quit()
 
 
+# The page redraws its tables every second: each is read in one script call, never element by
+# element (an element found before a redraw is stale after it).
 def health_shown(driver) -> dict[str, str]:
     """Each instance row's URL and the health it shows."""
-    rows = driver.find_elements(By.CSS_SELECTOR, "#instances tbody tr")
-    return {row.get_attribute("data-url"): row.find_elements(By.TAG_NAME, "td")[2].text for row in rows}
+    rows = driver.execute_script("return Array.from(document.querySelectorAll('#instances tbody tr'))"
+                                 ".map(row => [row.dataset.url, row.cells[2].innerText]);")
+    return dict(map(tuple, rows))
+
+
+def request_cells(driver) -> list[str]:
+    """The text of every cell of the last requests' table."""
+    return driver.execute_script("return Array.from(document.querySelectorAll('#requests tbody td'))"
+                                 ".map(cell => cell.innerText);")
 
 
 def test_the_page_shows_every_instance_and_one_going_down(browser, tmp_path) -> None:
@@ -67,10 +76,9 @@ def test_the_page_shows_every_instance_and_one_going_down(browser, tmp_path) -> 
         sent = http_client().post(f"{proxy.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30,
                                   headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": INJECTED})
         assert sent.status_code == 200
-        cells = lambda driver: [td.text for td in driver.find_elements(By.CSS_SELECTOR, "#requests tbody td")]
-        wait.until(lambda driver: INJECTED in cells(driver))
+        wait.until(lambda driver: INJECTED in request_cells(driver))
         assert browser.find_elements(By.ID, "injected") == []  # shown as text, never made an element
-        assert "disaggregated" in cells(browser) and p.url in cells(browser)
+        assert "disaggregated" in request_cells(browser) and p.url in request_cells(browser)
 
         stopping.close()  # d2's server stops: the prober finds it gone, its breaker opens
         wait.until(lambda driver: health_shown(driver) == every | {d2.url: "down"})
