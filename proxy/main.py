@@ -144,7 +144,7 @@ def run_proxy(args: argparse.Namespace) -> int:
     config = proxy_config(args)
     try:
         tracing.configure("pd-proxy", args.otlp_traces_endpoint, attributes={"pd.instance": f"{args.host}:{args.port}"})
-    except ImportError as exc:
+    except (ImportError, ValueError) as exc:
         raise SystemExit(f"pd proxy: {exc}") from None
     app = build_proxy_app(config)
     print(f"pd proxy: {len(args.prefill)} prefill ({config.prefill_policy}), {len(args.decode)} decode "

@@ -32,10 +32,14 @@ def configure(service: str, endpoint: str | None = None, exporter: Any = None,
     """Export this process's spans to `endpoint` (OTLP/HTTP, e.g.
     http://127.0.0.1:4318/v1/traces), or to `exporter` (an SDK span exporter, each span as
     it ends: tests); neither: tracing stays off. `attributes` describe the process (its
-    role, its address) on every span. ImportError, with what to install, without the SDK."""
+    role, its address) on every span. ImportError, with what to install, without the SDK;
+    ValueError for an endpoint that is not an http(s) URL."""
     global _tracer, _provider
     if endpoint is None and exporter is None:
         return
+    if endpoint is not None and not endpoint.startswith(("http://", "https://")):
+        raise ValueError(f"the OTLP traces endpoint must be an http:// or https:// URL (OTLP/HTTP, e.g. "
+                         f"http://127.0.0.1:4318/v1/traces), got {endpoint!r}")
     try:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider

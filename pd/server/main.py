@@ -87,7 +87,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         tracing.configure("pd-serve", args.otlp_traces_endpoint,
                           attributes={"pd.role": config.role, "pd.instance": f"{args.host}:{args.port}"})
-    except ImportError as e:
+    except (ImportError, ValueError) as e:
         raise SystemExit(f"pd serve: {e}") from None
     listener = _listen(args.host, args.port)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

@@ -82,3 +82,14 @@ print(sorted(m for m in sys.modules if m.startswith(("opentelemetry.sdk", "opent
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-2:] == ["[]", "[]"]
+
+
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:4318", "grpc://127.0.0.1:4317", ""])
+def test_an_endpoint_that_is_not_an_http_url_is_refused_at_start(endpoint) -> None:
+    with pytest.raises(ValueError, match="http:// or https://"):
+        tracing.configure("pd-test", endpoint)
+    assert not tracing.enabled()
+    result = subprocess.run([sys.executable, "-m", "cli.main", "proxy", "--prefill", "http://127.0.0.1:9",
+                             "--decode", "http://127.0.0.1:9", "--otlp-traces-endpoint", endpoint],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "pd proxy: the OTLP traces endpoint must be an http://" in result.stderr
