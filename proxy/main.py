@@ -9,7 +9,7 @@ from proxy.disagg import DISAGG_POLICIES
 from proxy.instances import POLICIES
 from proxy.proxy_config import PROXY_DEFAULTS, ProxyConfig, tier_weights
 from telemetry import logs, tracing
-from telemetry.flags import add_telemetry_flags
+from telemetry.flags import add_telemetry_flags, apply_telemetry_flags
 
 
 
@@ -139,13 +139,9 @@ def run_proxy(args: argparse.Namespace) -> int:
     from proxy.app import SERVER_KEEPALIVE_S, build_proxy_app
     from proxy.dashboard import RedactKey
 
-    logs.configure(args.log_level, args.log_format)
-    logging.getLogger("uvicorn.access").addFilter(RedactKey())  # /dashboard?key=KEY
     config = proxy_config(args)
-    try:
-        tracing.configure("pd-proxy", args.otlp_traces_endpoint, attributes={"pd.instance": f"{args.host}:{args.port}"})
-    except (ImportError, ValueError) as exc:
-        raise SystemExit(f"pd proxy: {exc}") from None
+    apply_telemetry_flags(args, "pd proxy", "pd-proxy", {"pd.instance": f"{args.host}:{args.port}"})
+    logging.getLogger("uvicorn.access").addFilter(RedactKey())  # /dashboard?key=KEY
     app = build_proxy_app(config)
     print(f"pd proxy: {len(args.prefill)} prefill ({config.prefill_policy}), {len(args.decode)} decode "
           f"({config.decode_policy}), disaggregation {config.disagg_policy} "

@@ -67,12 +67,6 @@ class InstanceCollector(Collector):
 
 
 class ProxyMetrics:
-    def observe_answer(self, ttft_s: float | None, total_s: float) -> None:
-        """A request answered 200: its time to first bytes (streamed) and to its end."""
-        if ttft_s is not None:
-            self.time_to_first_token.observe(ttft_s)
-        self.request_latency.observe(total_s)
-
     def __init__(self, pools: list[InstancePool]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(InstanceCollector(pools))
@@ -129,6 +123,12 @@ class ProxyMetrics:
             self.queue_refused.labels(reason=reason)
         self.queue_waiting = Gauge("pd_proxy_queue_waiting", "Requests waiting in the proxy's queue now.",
                                    registry=self.registry)
+
+    def observe_answer(self, ttft_s: float | None, total_s: float) -> None:
+        """A request answered 200: its time to first bytes (streamed) and to its end."""
+        if ttft_s is not None:
+            self.time_to_first_token.observe(ttft_s)
+        self.request_latency.observe(total_s)
 
     def exposition(self) -> bytes:
         """The text /metrics answers."""

@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 from pd.config import DEFAULT_MAX_REQUEST_BYTES, ROLES, EngineConfig, add_engine_flags
 from telemetry import logs, tracing
-from telemetry.flags import add_telemetry_flags
+from telemetry.flags import add_telemetry_flags, apply_telemetry_flags
 
 # Idle seconds before the server closes a kept-alive connection: longer than clients keep
 # them in their pools (httpx and the openai client: 5 s; the proxy: 2 s), so a client
@@ -83,12 +83,8 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or config.model.resolve().name
     from pd.engine.client import EngineClient, EngineStartupError
 
-    logs.configure(args.log_level, args.log_format, children=True)
-    try:
-        tracing.configure("pd-serve", args.otlp_traces_endpoint,
-                          attributes={"pd.role": config.role, "pd.instance": f"{args.host}:{args.port}"})
-    except (ImportError, ValueError) as e:
-        raise SystemExit(f"pd serve: {e}") from None
+    apply_telemetry_flags(args, "pd serve", "pd-serve",
+                          {"pd.role": config.role, "pd.instance": f"{args.host}:{args.port}"}, children=True)
     listener = _listen(args.host, args.port)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     client = None
