@@ -19,10 +19,16 @@ def test_peaks_are_measured_per_instruction_and_thread_count(tmp_path, capsys) -
     assert json.loads(out.read_text()) == result and list(result) == list(peaks.KINDS)
     for figures in result.values():
         assert figures["threads"] == 2 and figures["one_thread"] > 0 and figures["all_threads"] > 0
-    # 64 int8 multiply-adds an instruction against float32's 16: far more a second at any clock
-    int8, f32 = result["int8 dot (vpdpbusd)"], result["float32 FMA (vfmadd)"]
-    assert int8["one_thread"] > 2 * f32["one_thread"]
     assert "| int8 dot (vpdpbusd) |" in capsys.readouterr().out
+
+
+def test_each_kind_counts_its_multiply_adds_per_instruction(monkeypatch) -> None:
+    """Timed figures are not compared (the suite's load moves them 2x): the same measured
+    instruction rate becomes 64, 32 and 16 multiply-adds per instruction."""
+    monkeypatch.setattr(peaks, "measure", lambda kind, threads, seconds: 1.5 * threads)
+    result = peaks.run(2, 0.01)
+    assert [(r["one_thread"], r["all_threads"]) for r in result.values()] == [(96.0, 192.0), (48.0, 96.0),
+                                                                              (24.0, 48.0)]
 
 
 def test_peaks_refuse_nonsense_arguments() -> None:
