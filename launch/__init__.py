@@ -3,8 +3,9 @@ route) are started, health-waited and stopped by PID here, for deploy/, benchmar
 the tests alike. Standard library and httpx only (and tqdm, for `launch.progress`'s bar on
 a terminal); nothing of `pd` is imported.
 
-The launcher's names are read from `launch.process` on first use, so that importing
-`launch.progress` (which the engine does to show its weights loading) costs no httpx.
+The launcher's names are read from `launch.process` (`free_port` from `launch.ports`) on
+first use, so that importing `launch.progress` (which the engine does to show its weights
+loading) costs no httpx.
 """
 
 from typing import Any
@@ -15,6 +16,10 @@ __all__ = ["LaunchError", "Launched", "deployment_secret", "end_group", "exited"
 
 
 def __getattr__(name: str) -> Any:
+    if name == "free_port":
+        from launch.ports import free_port
+
+        return free_port
     if name in __all__:
         from launch import process
 

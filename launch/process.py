@@ -20,7 +20,6 @@ import functools
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -86,12 +85,6 @@ def deployment_secret() -> str:
     if not os.environ.get(SECRET_ENV):
         os.environ[SECRET_ENV] = secrets.token_hex(32)
     return os.environ[SECRET_ENV]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def log_tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:

@@ -89,7 +89,9 @@ def test_a_remote_rank_killed_mid_run_stops_the_server_cleanly(tiny_models, tmp_
             assert time.monotonic() - start < 30
             assert server.process.wait(30) == 1, server.log_tail()
             assert wait_until(lambda: not alive(engine_pid), 10), "the engine was left behind"
-            assert "tensor-parallel ranks failed" in server.log_path.read_text()
+            # a collective, the step's hand-off or its report finds the rank gone: whichever came first
+            log = server.log_path.read_text()
+            assert "the engine core failed: RankLost: " in log, log[-4000:]
     finally:
         stop_process(rank)
 

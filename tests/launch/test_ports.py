@@ -1,0 +1,64 @@
+"""`free_port` hands a port out once machine-wide: the kernel may pick a port again before
+the server it was picked for binds it (a deployment's HTTP and KV events ports were once
+the same, failing the server's start), so a picked port is reserved until it is stale."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launch import ports
+
+
+@pytest.fixture
+def picks(monkeypatch, tmp_path):
+    """The kernel's picks, scripted; reservations in a directory of the test's own."""
+    script: list[int] = []
+    monkeypatch.setattr(ports, "kernel_port", lambda host: script.pop(0))
+    monkeypatch.setattr(ports, "reservations_dir", lambda: tmp_path)
+    return script
+
+
+def test_a_port_the_kernel_picks_twice_is_handed_out_once(picks) -> None:
+    picks.extend([40001, 40001, 40001, 40003])
+    assert [ports.free_port(), ports.free_port()] == [40001, 40003]
+
+
+def test_a_port_another_process_was_handed_is_skipped(picks, tmp_path) -> None:
+    code = ("import sys; from pathlib import Path; from launch import ports; "
+            "ports.kernel_port = lambda host: 40005; ports.reservations_dir = lambda: Path(sys.argv[1]); "
+            "print(ports.free_port())")
+    other = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert other.stdout.split() == ["40005"]
+    picks.extend([40005, 40007])
+    assert ports.free_port() == 40007
+
+
+def test_a_stale_reservation_is_taken_over(picks, tmp_path) -> None:
+    stale = tmp_path / "40009"
+    stale.touch()
+    old = time.time() - ports.RESERVATION_S - 1
+    os.utime(stale, (old, old))
+    picks.extend([40009])
+    assert ports.free_port() == 40009
+    assert time.time() - stale.stat().st_mtime < ports.RESERVATION_S
+
+
+def test_no_unreserved_port_is_an_error_naming_the_directory(picks, tmp_path) -> None:
+    (tmp_path / "40011").touch()
+    picks.extend([40011] * ports.TRIES)
+    with pytest.raises(OSError, match=str(tmp_path)):
+        ports.free_port()
+
+
+def test_real_picks_are_distinct_and_bindable() -> None:
+    import socket
+
+    picked = [ports.free_port() for _ in range(50)]
+    assert len(set(picked)) == len(picked)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", picked[-1]))
