@@ -12,6 +12,8 @@ or never will) and is taken over.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import socket
 import tempfile
@@ -26,6 +28,18 @@ def reservations_dir() -> Path:
     path = Path(tempfile.gettempdir()) / f"pd-port-reservations-{os.getuid()}"
     path.mkdir(mode=0o700, exist_ok=True)
     return path
+
+
+@functools.cache
+def sweep(directory: Path) -> None:
+    """Remove the stale reservations, once per process: the directory holds at most the
+    ports handed out within the last `RESERVATION_S` seconds (and whatever this process
+    reserves)."""
+    now = time.time()
+    for path in directory.iterdir():
+        with contextlib.suppress(FileNotFoundError):  # another launcher swept it first
+            if now - path.stat().st_mtime >= RESERVATION_S:
+                path.unlink()
 
 
 def kernel_port(host: str) -> int:
@@ -56,6 +70,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port free on `host` that no launcher on this machine was handed within the last
     `RESERVATION_S` seconds."""
     directory = reservations_dir()
+    sweep(directory)
     for _ in range(TRIES):
         port = kernel_port(host)
         if reserve(port, directory, time.time()):

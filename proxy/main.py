@@ -143,9 +143,9 @@ def run_proxy(args: argparse.Namespace) -> int:
     apply_telemetry_flags(args, "pd proxy", "pd-proxy", {"pd.instance": f"{args.host}:{args.port}"})
     logging.getLogger("uvicorn.access").addFilter(RedactKey())  # /dashboard?key=KEY
     app = build_proxy_app(config)
-    print(f"pd proxy: {len(args.prefill)} prefill ({config.prefill_policy}), {len(args.decode)} decode "
-          f"({config.decode_policy}), disaggregation {config.disagg_policy} "
-          f"at http://{args.host}:{args.port}", flush=True)
+    logging.getLogger("pd.proxy").info("%d prefill (%s), %d decode (%s), disaggregation %s at http://%s:%d",
+                                       len(args.prefill), config.prefill_policy, len(args.decode),
+                                       config.decode_policy, config.disagg_policy, args.host, args.port)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     log_config=logs.uvicorn_log_config(args.log_format), timeout_keep_alive=SERVER_KEEPALIVE_S)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import signal
 import socket
-import sys
 from typing import Any, NoReturn
 
 from pd.config import DEFAULT_MAX_REQUEST_BYTES, ROLES, EngineConfig, add_engine_flags
@@ -23,6 +23,8 @@ from telemetry.flags import add_telemetry_flags, apply_telemetry_flags
 # them in their pools (httpx and the openai client: 5 s; the proxy: 2 s), so a client
 # never sends on a connection the server is closing at that moment.
 KEEPALIVE_S = 30
+
+logger = logging.getLogger("pd.serve")
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     add_engine_flags(parser)
@@ -79,26 +81,27 @@ def run_serve(args: argparse.Namespace) -> int:
         tokenizer = Tokenizer(config.model)
     except (ValueError, OSError) as e:
         raise SystemExit(f"pd serve: {e}") from None
-    print(f"pd serve: dtype {config.dtype} ({config.dtype_reason}), quantization {config.quantization} ({config.quantization_reason})", flush=True)
     name = args.served_model_name or config.model.resolve().name
     from pd.engine.client import EngineClient, EngineStartupError
 
     apply_telemetry_flags(args, "pd serve", "pd-serve",
                           {"pd.role": config.role, "pd.instance": f"{args.host}:{args.port}"}, children=True)
+    logger.info("dtype %s (%s), quantization %s (%s)", config.dtype, config.dtype_reason, config.quantization,
+                config.quantization_reason)
     listener = _listen(args.host, args.port)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     client = None
     try:
         client = EngineClient.start(config)
         info = client.info
-        print(f"pd serve: KV cache {config.kv_cache_memory / 1024 ** 3:.2f} GiB per rank ({config.kv_cache_memory_reason}): "
-              f"{info.num_blocks} blocks, {info.num_blocks * max(info.block_sizes)} tokens", flush=True)
+        logger.info("KV cache %.2f GiB per rank (%s): %d blocks, %d tokens", config.kv_cache_memory / 1024 ** 3,
+                    config.kv_cache_memory_reason, info.num_blocks, info.num_blocks * max(info.block_sizes))
         for line in client.info.kv_offload:
-            print(f"pd serve: {line}", flush=True)
+            logger.info("%s", line)
         if not asyncio.run(_serve(client, tokenizer, name, config, args, listener, limits)):
             return 1
     except EngineStartupError as e:
-        print(f"pd serve: {e}", file=sys.stderr)
+        logger.error("%s", e)
         return 1
     except KeyboardInterrupt:
         pass
@@ -161,5 +164,5 @@ async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, a
 async def _announce(server: Any, url: str, name: str, role: str) -> None:
     while not server.started:
         await asyncio.sleep(0.05)
-    print(f"pd serve: {name} ({role}) ready at {url} (OpenAI API under {url}/v1)", flush=True)
+    logger.info("%s (%s) ready at %s (OpenAI API under %s/v1)", name, role, url, url)
 

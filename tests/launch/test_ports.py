@@ -38,14 +38,23 @@ def test_a_port_another_process_was_handed_is_skipped(picks, tmp_path) -> None:
     assert ports.free_port() == 40007
 
 
-def test_a_stale_reservation_is_taken_over(picks, tmp_path) -> None:
+def test_a_stale_reservation_is_taken_over_and_a_fresh_one_is_not(tmp_path) -> None:
     stale = tmp_path / "40009"
     stale.touch()
     old = time.time() - ports.RESERVATION_S - 1
     os.utime(stale, (old, old))
-    picks.extend([40009])
-    assert ports.free_port() == 40009
+    assert ports.reserve(40009, tmp_path, time.time())
     assert time.time() - stale.stat().st_mtime < ports.RESERVATION_S
+    assert not ports.reserve(40009, tmp_path, time.time())
+
+
+def test_stale_reservations_are_swept_once_a_process(tmp_path) -> None:
+    old = time.time() - ports.RESERVATION_S - 1
+    for port in (40013, 40015):
+        (tmp_path / str(port)).touch()
+    os.utime(tmp_path / "40013", (old, old))
+    ports.sweep(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["40015"]
 
 
 def test_no_unreserved_port_is_an_error_naming_the_directory(picks, tmp_path) -> None:

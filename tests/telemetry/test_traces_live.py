@@ -49,6 +49,9 @@ def test_a_pd_request_is_one_trace_across_proxy_p_the_transfer_and_d(tiny_models
     read = one["pd-serve", "decode", "pd.kv_read"].attributes  # the transfer: P's blocks read
     assert read["pd.kv_tokens"] > 0 and read["pd.kv_bytes"] > 0 and read["pd.kv_descriptors"] > 0
     assert on_d.attributes["pd.output_tokens"] == 6 and on_d.attributes["pd.request_id"] == "traced-live"
-    lines = [json.loads(line) for line in (tmp_path / "d.log").read_text().splitlines() if line.startswith("{")]
+    for log in ("p.log", "d.log", "proxy.log"):  # every line a JSON record, start-up lines too
+        text = [line for line in (tmp_path / log).read_text().splitlines() if not line.startswith("{")]
+        assert not text, (log, text[:5])
+    lines = [json.loads(line) for line in (tmp_path / "d.log").read_text().splitlines()]
     named = [line for line in lines if line.get("request_id") == "traced-live"]
     assert named and all(line["trace_id"] == root.trace_id for line in named)
