@@ -1,13 +1,19 @@
 """Free ports for servers this machine's launchers start, each handed out once.
 
-A port is picked free by binding port 0, then closed and passed on a command line; the
-server binds it seconds later, after its weights load. Meanwhile the kernel can pick the
-same port again, for this process (a deployment's HTTP port and its KV events port were
-once the same) or another launcher on the machine (tests run in several workers). So each
-port handed out is reserved, machine-wide, by a file created exclusively in a directory of
-this user's; the kernel skips ports in use, the reservation those picked and not yet
-bound. A reservation older than `RESERVATION_S` is stale (its server has bound the port
-or never will) and is taken over.
+A port is picked free, then passed on a command line; the server binds it seconds later,
+after its weights load. Two things could take it meanwhile, and neither may:
+
+- the kernel: a bind to port 0 (a library's listener, another launcher's pick) or an
+  outgoing connection takes a port of the kernel's ephemeral range
+  (/proc/sys/net/ipv4/ip_local_port_range) — so ports are picked below that range, from
+  `LOWEST` up (below it: Ray's worker ports and well-known services), where nothing is
+  handed out by the kernel; only where that range leaves too few ports is the kernel
+  asked for one;
+- another launcher's pick, on this machine (tests run in several workers) or in this
+  process (a deployment's HTTP and KV events ports were once the same) — so each port
+  handed out is reserved, machine-wide, by a file created exclusively in a directory of
+  this user's. A reservation older than `RESERVATION_S` is stale (its server has bound
+  the port or never will) and is taken over.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import secrets
 import socket
 import tempfile
 import time
@@ -22,6 +29,9 @@ from pathlib import Path
 
 RESERVATION_S = 600.0
 TRIES = 200
+LOWEST = 20000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+MIN_CANDIDATES = 4096  # fewer ports below the ephemeral range than this: ask the kernel
 
 
 def reservations_dir() -> Path:
@@ -42,10 +52,25 @@ def sweep(directory: Path) -> None:
                 path.unlink()
 
 
-def kernel_port(host: str) -> int:
-    """A port free on `host` now, as the kernel picks it."""
+@functools.cache
+def candidates() -> range | None:
+    """The ports picked from: those from `LOWEST` up to the kernel's ephemeral range; None
+    where they are too few (or the range cannot be read)."""
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return range(LOWEST, low) if low - LOWEST >= MIN_CANDIDATES else None
+
+
+def pick_port(host: str) -> int | None:
+    """A port free on `host` now, or None if the one tried is not."""
+    ports = candidates()
     with socket.socket() as s:
-        s.bind((host, 0))
+        try:
+            s.bind((host, 0 if ports is None else ports[secrets.randbelow(len(ports))]))
+        except OSError:
+            return None  # in use (or in TIME_WAIT: a server might bind it, this check does not)
         return s.getsockname()[1]
 
 
@@ -72,8 +97,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     directory = reservations_dir()
     sweep(directory)
     for _ in range(TRIES):
-        port = kernel_port(host)
-        if reserve(port, directory, time.time()):
+        port = pick_port(host)
+        if port is not None and reserve(port, directory, time.time()):
             return port
-    raise OSError(f"no free port on {host} in {TRIES} tries: every one the kernel picked was handed out "
+    raise OSError(f"no free port on {host} in {TRIES} tries: every one tried was in use or handed out "
                   f"within {RESERVATION_S:g} s (reservations in {directory})")

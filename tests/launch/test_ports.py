@@ -1,6 +1,7 @@
-"""`free_port` hands a port out once machine-wide: the kernel may pick a port again before
-the server it was picked for binds it (a deployment's HTTP and KV events ports were once
-the same, failing the server's start), so a picked port is reserved until it is stale."""
+"""`free_port` hands a port out once machine-wide, and from where the kernel hands out
+none: between the pick and the server's bind, a port was once picked again (a deployment's
+HTTP and KV events ports were the same) and once taken by another process's listener on
+port 0 (a TP rank port), each failing a server's start."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import subprocess
 import sys
 import time
+
+import socket
 
 import pytest
 
@@ -18,7 +21,7 @@ from launch import ports
 def picks(monkeypatch, tmp_path):
     """The kernel's picks, scripted; reservations in a directory of the test's own."""
     script: list[int] = []
-    monkeypatch.setattr(ports, "kernel_port", lambda host: script.pop(0))
+    monkeypatch.setattr(ports, "pick_port", lambda host: script.pop(0))
     monkeypatch.setattr(ports, "reservations_dir", lambda: tmp_path)
     return script
 
@@ -30,7 +33,7 @@ def test_a_port_the_kernel_picks_twice_is_handed_out_once(picks) -> None:
 
 def test_a_port_another_process_was_handed_is_skipped(picks, tmp_path) -> None:
     code = ("import sys; from pathlib import Path; from launch import ports; "
-            "ports.kernel_port = lambda host: 40005; ports.reservations_dir = lambda: Path(sys.argv[1]); "
+            "ports.pick_port = lambda host: 40005; ports.reservations_dir = lambda: Path(sys.argv[1]); "
             "print(ports.free_port())")
     other = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
     assert other.stdout.split() == ["40005"]
@@ -64,10 +67,38 @@ def test_no_unreserved_port_is_an_error_naming_the_directory(picks, tmp_path) ->
         ports.free_port()
 
 
-def test_real_picks_are_distinct_and_bindable() -> None:
-    import socket
+def test_a_port_in_use_is_not_picked(picks) -> None:
+    picks.extend([None, None, 40017])  # pick_port: the ports it tried were in use
+    assert ports.free_port() == 40017
 
+
+@pytest.mark.parametrize(("content", "expected"), [("32768\t60999\n", range(20000, 32768)),
+                                                   ("21000 60999", None), ("", None), (None, None)])
+def test_ports_are_picked_below_the_kernels_ephemeral_range(monkeypatch, tmp_path, content, expected) -> None:
+    path = tmp_path / "ip_local_port_range"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setattr(ports, "EPHEMERAL_RANGE", path)
+    ports.candidates.cache_clear()
+    try:
+        assert ports.candidates() == expected
+    finally:
+        ports.candidates.cache_clear()
+
+
+def test_pick_port_tries_one_candidate_and_says_none_if_it_is_taken(monkeypatch) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(ports, "candidates", lambda: range(port, port + 1))
+        assert ports.pick_port("127.0.0.1") is None
+    assert ports.pick_port("127.0.0.1") == port
+
+
+def test_real_picks_are_distinct_bindable_and_outside_the_kernels_range() -> None:
     picked = [ports.free_port() for _ in range(50)]
     assert len(set(picked)) == len(picked)
+    if ports.candidates() is not None:  # this machine's range leaves room below it
+        assert all(p in ports.candidates() for p in picked)
     with socket.socket() as s:
         s.bind(("127.0.0.1", picked[-1]))

@@ -7,7 +7,6 @@ import os
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -32,6 +31,7 @@ from connectors.nixl.peer_messages import (
     decode_reply,
     encode,
 )
+from launch import free_port
 
 OUR_HASH = "11" * 32
 LAYOUT = KVLayoutInfo("P-test", [TensorInfo(4096, 10, 256)], [[DataRefInfo(0, 256)]], [16], OUR_HASH)
@@ -137,9 +137,7 @@ def test_respond_raising_becomes_an_error_reply(server: SideChannelServer) -> No
 
 
 def test_no_server_times_out() -> None:
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     with pytest.raises(HandshakeFailed, match="no handshake reply .* within 0.3 s"):
         fetch_remote_layout("127.0.0.1", port, HandshakeRequest("D", OUR_HASH), 0.3)
 

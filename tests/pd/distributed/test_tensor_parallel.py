@@ -4,13 +4,13 @@ decode, for every family; each rank holds about half the weights."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from launch import free_port
 from pd.config import EngineConfig
 from pd.distributed.shard import TPShard
 from pd.kv_cache.layout import KVCacheLayoutError
@@ -25,12 +25,6 @@ from tests.support.tp_forward import rank_logits
 
 ARCHS = ["qwen3", "gemma3", "bamba", "granitehybrid"]
 TOL = 2e-4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(queue, model, rank, size, prompt, decode, port, quantization):
@@ -48,7 +42,7 @@ def run_tp(model: Path, size: int, prompt: list[int], decode: list[int], quantiz
     processes."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(queue, model, r, size, prompt, decode, port, quantization))
              for r in range(size)]
     for p in procs:
