@@ -33,9 +33,7 @@ channel on which peers fetch this engine's agent metadata and layout.
   rank > 0 only polls its agent, each step.
 - P: blocks kept for a reader are released (`finished_sending`) on its read-done
   notification, on its reject, on a release from the scheduler half, or when the
-  lease expires, and their lease word reads 0 from then on; a KeepAlive from D (the
-  request waits in D's queue) extends the lease to its full length from the
-  KeepAlive's arrival.
+  lease expires (`holds.py`).
 """
 
 from __future__ import annotations
@@ -49,13 +47,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from connectors.nixl.handshake import SideChannelServer
+from connectors.nixl.holds import Holds
 from connectors.nixl.leases import LeaseTable
 from pd.kv_cache.canonical import CanonicalKVCaches
 from pd.kv_transfer.params import RemotePrefillParams
 from pd.scheduling.connector_api import KVConnectorOutput, KVConnectorWorker
 from connectors.nixl.peer_messages import (HandshakeError, HandshakeRequest, HandshakeResponse, KeepAlive,
-                                           NotifDecodeError, RankAgent, ReadDone, Reject, decode_notif, encode_notif,
-                                           rank_agent_name)
+                                           RankAgent, ReadDone, Reject, encode_notif, rank_agent_name)
 from connectors.nixl.peer_agents import PeerAgents
 from connectors.nixl.peers import PeerHandshakes
 from connectors.nixl.scheduler import NixlConnectorMetadata, ReqToRecv
@@ -66,7 +64,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-LATE_READ_GRACE_S = 10.0  # P polls this long after a lease expired, so a read already posted ends
 # The sender polls this long after a notification: without a progress thread UCX sends it
 # (and wires up a new peer's endpoint) only while the sender's agent is polled.
 NOTIF_FLUSH_S = 5.0
@@ -117,9 +114,8 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.rank_sizes: dict[str, dict[int, tuple[int, int]]] = {}  # rank 0: request -> rank -> (bytes, descriptors)
         self.loading: dict[str, _Loading] = {}
         self.failed: dict[str, str] = {}  # failed before a read could be posted -> why
-        self.deadlines: dict[str, float] = {}  # P: request id -> monotonic end of its lease
         self.leases: LeaseTable | None = None  # lease words (P's slots, D's landing words), made with the transport
-        self.released: set[str] = set()  # P: leases ended by a release, reported next poll
+        self.holds = Holds(config.lease_seconds, config.clock, self.stats, self._poll_for)  # P
         self._poll_until = 0.0  # keep progressing NIXL until then (a late read; a notification on its way)
 
     # --- set-up -------------------------------------------------------------------
@@ -133,6 +129,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             self.transport = self.peers.transport = NixlTransport(self.agent_name, kv_caches)
             return
         self.leases = LeaseTable(kv_caches.tensors[0].num_blocks)  # a held request holds a block at least
+        self.holds.leases = self.leases
         self.transport = self.peers.transport = NixlTransport(self.agent_name, kv_caches,
                                                               lease_words=self.leases.words)
         self.side_channel = SideChannelServer(self.config.host, self.config.side_channel_port, self._respond)
@@ -174,12 +171,9 @@ class NixlConnectorWorker(KVConnectorWorker):
         if self.config.rank > 0:
             return  # leases, rejects and KeepAlives are rank 0's
         for send in metadata.reqs_to_send:
-            self.deadlines[send.request_id] = send.deadline
+            self.holds.hold(send.request_id, send.deadline)
         for req_id in metadata.reqs_to_release:
-            if req_id in self.deadlines:
-                self._end_lease(req_id)
-                self.released.add(req_id)
-                self.stats.released += 1
+            self.holds.release(req_id)
         for remote, reason in metadata.reqs_to_reject:
             self._reject(remote, reason)
         for remote in metadata.reqs_to_keep_alive:
@@ -267,14 +261,12 @@ class NixlConnectorWorker(KVConnectorWorker):
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         self.peers.finish()
-        output = KVConnectorOutput(finished_sending=self.released, failed_recving=self.failed)
-        self.failed, self.released = {}, set()
+        output = KVConnectorOutput(failed_recving=self.failed)
+        self.failed = {}
         self._poll_reads(output)
-        if self.config.rank > 0:
-            self.transport.get_notifs()  # progresses this agent: P's ranks are read, D's ranks read
-            return output
-        self._read_notifs(output)
-        self._expire_leases(output)
+        notifs = self.transport.get_notifs()  # progresses this agent: P's ranks are read, D's ranks read
+        if self.config.rank == 0:
+            self.holds.update(notifs, output)
         return output
 
     def _poll_reads(self, output: KVConnectorOutput) -> None:
@@ -362,42 +354,6 @@ class NixlConnectorWorker(KVConnectorWorker):
         output.failed_recving[req_id] = f"the read from {remote.remote_engine_id} {why}"
         self.stats.failures += 1
 
-    def _read_notifs(self, output: KVConnectorOutput) -> None:
-        for peer, payloads in self.transport.get_notifs().items():
-            for payload in payloads:
-                try:
-                    notif = decode_notif(payload)
-                except NotifDecodeError as exc:
-                    logger.warning("ignoring a malformed notification from %s: %s", peer, exc)
-                    self.stats.malformed_notifications += 1
-                    continue
-                if notif.request_id not in self.deadlines:
-                    continue
-                if isinstance(notif, KeepAlive):
-                    deadline = self.config.clock() + self.config.lease_seconds
-                    self.deadlines[notif.request_id] = max(self.deadlines[notif.request_id], deadline)
-                    self.stats.keep_alives_received += 1
-                    continue
-                self._end_lease(notif.request_id)
-                output.finished_sending.add(notif.request_id)
-                self.stats.rejects_received += isinstance(notif, Reject)
-
-    def _expire_leases(self, output: KVConnectorOutput) -> None:
-        now = self.config.clock()
-        for req_id, deadline in list(self.deadlines.items()):
-            if now >= deadline:
-                logger.warning("lease of %s expired before a decode server read it: freeing its blocks", req_id)
-                self._poll_for(LATE_READ_GRACE_S)
-                self._end_lease(req_id)
-                output.finished_sending.add(req_id)
-                self.stats.leases_expired += 1
-
-    def _end_lease(self, req_id: str) -> None:
-        """The request's blocks are to be freed: first its lease word reads 0, so a reader
-        that checks it after its read knows they may no longer be the request's."""
-        del self.deadlines[req_id]
-        self.leases.release(req_id)
-
     def _poll_for(self, seconds: float) -> None:
         self._poll_until = max(self._poll_until, self.config.clock() + seconds)
 
@@ -407,7 +363,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         a decode server may still be reading, and without a progress thread its read
         moves only while both sides poll (it then ends, as a failure, on D); and for a
         while after a notification was sent, which moves only while the sender polls."""
-        busy = self.deadlines or self.loading or self.peers.busy
+        busy = self.holds or self.loading or self.peers.busy
         return bool(busy) or self.config.clock() < self._poll_until
 
     def malformed_messages(self) -> dict[str, int]:
@@ -416,7 +372,7 @@ class NixlConnectorWorker(KVConnectorWorker):
 
     @property
     def num_requests_held(self) -> int:
-        return len(self.deadlines)
+        return len(self.holds)
 
     def shutdown(self) -> None:
         self.peers.close()

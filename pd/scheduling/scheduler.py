@@ -38,10 +38,11 @@ from pd.kv_transfer.params import RemotePrefillParams
 from pd.logprobs import Logprobs
 from pd.scheduling import fair_share
 from pd.scheduling.connector_api import KVConnectorScheduler, KVLoadRefused
-from pd.scheduling.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pd.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
 from pd.scheduling.prompt_sources import PromptSources
 from pd.scheduling.remote_kv import RemoteKV
 from pd.scheduling.request import Request, RequestOutput, RequestStatus, sequence_id
+from pd.scheduling.runner_view import RunnerView
 from pd.structured.matchers import GrammarMatchers
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class Scheduler:
         self.waiting_for_grammar: dict[str, Request] = {}
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # to tell the runner next step
-        self.sent_blocks: dict[str, list[int]] = {}  # per group, block ids the runner has
+        self.runner_view = RunnerView(kv_cache_manager)
         self.remote_kv = RemoteKV(kv_cache_manager, connector, config.kv_load_failure_policy,
                                   config.kv_max_held_fraction)
         self.num_preemptions = 0
@@ -118,10 +119,7 @@ class Scheduler:
                     break
             if blocks is None:
                 break
-            if request.request_id in self.sent_blocks:
-                self._schedule_cached(request, num_new, out)
-            else:  # a sequence forked since the last step: new to the runner
-                self._send_new(request, num_new, out)
+            self.runner_view.schedule(request, num_new, out)  # a sequence forked since the last step: whole
             budget -= num_new
         if not preempted:
             self._admit_waiting(out, budget)
@@ -254,23 +252,7 @@ class Scheduler:
         request.times.scheduled = request.times.scheduled or time.time()
         request.num_computed_tokens = computed
         self.running.append(request)
-        self._send_new(request, num_new, out)
-
-    def _send_new(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
-        """Schedule a request the runner does not hold: all its tokens and blocks."""
-        block_ids = self.kv.get_block_ids(request.request_id)
-        self.sent_blocks[request.request_id] = [len(ids) for ids in block_ids]
-        out.new_requests.append(NewRequestData(request.request_id, request.all_token_ids, request.num_prompt_tokens,
-                                               request.sampling_params, block_ids, request.num_computed_tokens))
-        out.num_scheduled_tokens[request.request_id] = num_new
-
-    def _schedule_cached(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
-        block_ids = self.kv.get_block_ids(request.request_id)
-        sent = self.sent_blocks[request.request_id]
-        new_ids = [ids[n:] for ids, n in zip(block_ids, sent)]
-        self.sent_blocks[request.request_id] = [len(ids) for ids in block_ids]
-        out.cached_requests.append(CachedRequestData(request.request_id, new_ids, request.num_computed_tokens))
-        out.num_scheduled_tokens[request.request_id] = num_new
+        self.runner_view.schedule(request, num_new, out)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Free the request's blocks and put it back at the front of the queue; it is
@@ -280,7 +262,7 @@ class Scheduler:
         self.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        self.sent_blocks.pop(request.request_id, None)
+        self.runner_view.forget(request.request_id)
         out.drop(request.request_id)
         self.waiting.appendleft(request)
 
@@ -434,7 +416,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.waiting_for_grammar.pop(request.request_id, None)
         self.grammars.remove(request.request_id)
-        self.sent_blocks.pop(request.request_id, None)
+        self.runner_view.forget(request.request_id)
         self.prompt_sources.forget(request.request_id)
         del self.requests[request.request_id]
         return self.remote_kv.finish(request, was_loading)
