@@ -358,6 +358,10 @@ def test_device_kind_follows_the_tensors() -> None:
         t.close()  # idempotent
 
 
+UCX_NAMES = ("UCX_TLS", "UCX_NET_DEVICES", "UCX_MEM_EVENTS", "UCX_RCACHE_ENABLE", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY")
+UCX_AT_IMPORT = {name: os.environ.get(name) for name in UCX_NAMES}
+
+
 @pytest.mark.parametrize("host, transports, env, expected", [
     ("127.0.0.1", "auto", {}, {"UCX_TLS": "sm,self,tcp", "UCX_NET_DEVICES": "lo"}),
     ("127.0.0.1", ("auto", True), {}, {"UCX_TLS": "sm,self,tcp,cuda_copy,cuda_ipc"}),  # a host with GPUs
@@ -376,9 +380,17 @@ def test_device_kind_follows_the_tensors() -> None:
     ("127.0.0.1", ("auto", True), {}, {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": None}),  # KV in host memory
 ])
 def test_configure_ucx_picks_transports_per_deployment(monkeypatch, host, transports, env, expected) -> None:
-    for name in ("UCX_TLS", "UCX_NET_DEVICES", "UCX_MEM_EVENTS", "UCX_RCACHE_ENABLE", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"):
-        monkeypatch.delenv(name, raising=False)
+    for name in UCX_NAMES:  # set first: deleting a name that is not set records nothing to restore
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     configure_ucx(host, *(transports if isinstance(transports, tuple) else (transports,)))
     assert {name: os.environ.get(name) for name in expected} == expected
+
+
+def test_the_environment_is_left_as_it_was() -> None:
+    """After the test above, in the same process: its GPU cases' UCX variables once stayed
+    set, and every server the worker started next inherited them (UCX then warned of an
+    unused variable in a server's log)."""
+    assert {name: os.environ.get(name) for name in UCX_NAMES} == UCX_AT_IMPORT
