@@ -6,6 +6,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 # Servers and engines the tests start (hundreds, three at a time) take 256 MiB of KV each
 # unless a test sizes it: `--kv-cache-memory auto` would give each a quarter of the host.
 os.environ.setdefault("PD_KV_CACHE_MEMORY", str(256 * 1024 * 1024))
@@ -13,9 +15,28 @@ os.environ.setdefault("PD_KV_CACHE_MEMORY", str(256 * 1024 * 1024))
 # The tiny models and the pool of colocated servers are session fixtures, registered here
 # once, so a worker has one set of each (imported into two conftests they were two of each).
 from launch import deployment_secret
+from launch.process import SECRET_ENV
 from tests.support.tiny_models import colocated, tiny_models  # noqa: F401  (the session fixtures)
 
 _SESSION_DIRS: list[str] = []
+
+# What a test may leave in the environment for the tests after it (whose servers inherit
+# it): the deployment's transfer secret, and UCX's settings for one host as a process that
+# makes NIXL agents itself sets them once (`configure_ucx("127.0.0.1")`, the values every
+# server here sets too). Anything else a test sets it must restore: a GPU case's UCX
+# variable once stayed set and every server its worker started next warned of it.
+ENV_LEFT = {"UCX_TLS": "sm,self,tcp", "UCX_NET_DEVICES": "lo", "UCX_MEM_EVENTS": "no", "UCX_RCACHE_ENABLE": "n",
+            "NIXL_LOG_LEVEL": "WARN"}
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    before = dict(os.environ)
+    yield
+    changed = {name: value for name, value in os.environ.items() if before.get(name) != value
+               and name not in (SECRET_ENV, "PYTEST_CURRENT_TEST") and ENV_LEFT.get(name) != value}
+    removed = sorted(set(before) - set(os.environ) - {"PYTEST_CURRENT_TEST"})
+    assert not changed and not removed, f"the test left the environment changed: set {changed}, removed {removed}"
 
 
 def pytest_configure(config) -> None:

@@ -359,7 +359,6 @@ def test_device_kind_follows_the_tensors() -> None:
 
 
 UCX_NAMES = ("UCX_TLS", "UCX_NET_DEVICES", "UCX_MEM_EVENTS", "UCX_RCACHE_ENABLE", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY")
-UCX_AT_IMPORT = {name: os.environ.get(name) for name in UCX_NAMES}
 
 
 @pytest.mark.parametrize("host, transports, env, expected", [
@@ -387,10 +386,3 @@ def test_configure_ucx_picks_transports_per_deployment(monkeypatch, host, transp
         monkeypatch.setenv(name, value)
     configure_ucx(host, *(transports if isinstance(transports, tuple) else (transports,)))
     assert {name: os.environ.get(name) for name in expected} == expected
-
-
-def test_the_environment_is_left_as_it_was() -> None:
-    """After the test above, in the same process: its GPU cases' UCX variables once stayed
-    set, and every server the worker started next inherited them (UCX then warned of an
-    unused variable in a server's log)."""
-    assert {name: os.environ.get(name) for name in UCX_NAMES} == UCX_AT_IMPORT
