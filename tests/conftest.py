@@ -21,21 +21,24 @@ from tests.support.tiny_models import colocated, tiny_models  # noqa: F401  (the
 _SESSION_DIRS: list[str] = []
 
 # What a test may leave in the environment for the tests after it (whose servers inherit
-# it): the deployment's transfer secret, and UCX's settings for one host as a process that
-# makes NIXL agents itself sets them once (`configure_ucx("127.0.0.1")`, the values every
-# server here sets too). Anything else a test sets it must restore: a GPU case's UCX
-# variable once stayed set and every server its worker started next warned of it.
+# it): UCX's settings for one host as a process that makes NIXL agents itself sets them
+# once (`configure_ucx("127.0.0.1")`, the values every server here sets too), and the
+# names below. Anything else a test sets it must restore: a GPU case's UCX variable once
+# stayed set, and every server its worker started next warned of it in its log.
 ENV_LEFT = {"UCX_TLS": "sm,self,tcp", "UCX_NET_DEVICES": "lo", "UCX_MEM_EVENTS": "no", "UCX_RCACHE_ENABLE": "n",
             "NIXL_LOG_LEVEL": "WARN"}
-
+# Set for the rest of the process, whatever the value: the run's transfer secret
+# (`deployment_secret`), and what libraries set on first use (torch's compiled-kernel
+# cache, its default; Ray's cluster utilities; pytest).
+ENV_OWNED = {SECRET_ENV, "TORCHINDUCTOR_CACHE_DIR", "RAY_CLIENT_MODE", "PYTEST_CURRENT_TEST"}
 
 @pytest.fixture(autouse=True)
 def _environment_restored():
     before = dict(os.environ)
     yield
     changed = {name: value for name, value in os.environ.items() if before.get(name) != value
-               and name not in (SECRET_ENV, "PYTEST_CURRENT_TEST") and ENV_LEFT.get(name) != value}
-    removed = sorted(set(before) - set(os.environ) - {"PYTEST_CURRENT_TEST"})
+               and name not in ENV_OWNED and ENV_LEFT.get(name) != value}
+    removed = sorted(set(before) - set(os.environ) - ENV_OWNED)
     assert not changed and not removed, f"the test left the environment changed: set {changed}, removed {removed}"
 
 
