@@ -26,6 +26,7 @@ KEEPALIVE_S = 30
 
 logger = logging.getLogger("pd.serve")
 
+
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     add_engine_flags(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")

@@ -5,8 +5,8 @@ decode call) and ends with the response, a stream when it ends or its client lea
 When the engine's finishing output came, its `RequestTimes` become the children, with the
 engine's own clock: `pd.queue` (arrival to its first step, or to waiting for remote KV),
 `pd.kv_read` (waiting for the remote KV of `pd.kv_tokens` tokens until it landed: the
-transfer from P, its bytes and descriptors), `pd.prefill` (its first step to its first token) and `pd.decode` (the
-first token to the end). A span is made of what happened: D under remote prefill has no
+transfer from P, its bytes and descriptors), `pd.prefill` (its first step to its first
+token) and `pd.decode` (the first token to the end). A span is made of what happened: D under remote prefill has no
 prefill of its own, P no decode.
 """
 

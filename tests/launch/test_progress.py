@@ -4,8 +4,8 @@ plain lines with counts and no carriage return anywhere else."""
 from __future__ import annotations
 
 import fcntl
-import logging
 import io
+import logging
 import os
 import re
 import select
