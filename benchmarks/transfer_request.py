@@ -70,7 +70,7 @@ def fill(config: KVCacheConfig, layout: str, seed: int) -> KVCacheAllocation:
 
 
 def layout_hash(arch: str, dtype: str, layout: str, config: KVCacheConfig) -> str:
-    return compat_hash(arch, dtype, config.block_sizes, layout,
+    return compat_hash(arch, "random", "none", dtype, config.block_sizes, layout,
                        [repr(g.spec) for g in config.groups])
 
 

@@ -30,6 +30,7 @@ import torch
 from connectors.nixl.descriptors import piece_runs, read_descriptors
 from connectors.nixl.peer_messages import DataRefInfo, DeviceKind, HandshakeResponse, KVLayoutInfo, PieceInfo, TensorInfo
 from pd.kv_cache.canonical import CanonicalKVCaches, KVCacheBlockTensor
+from pd.kv_transfer.compat import COMPAT_DIFFERS
 from pd.kv_transfer.nixl_api import load_nixl
 
 logger = logging.getLogger(__name__)
@@ -126,7 +127,8 @@ class NixlTransport:
         layout = response.layout
         if expected_compat_hash is not None and layout.compat_hash != expected_compat_hash:
             raise IncompatiblePeer(f"incompatible KV layout: peer {layout.engine_id!r} has hash "
-                                   f"{layout.compat_hash[:12]}, this engine {expected_compat_hash[:12]}")
+                                   f"{layout.compat_hash[:12]}, this engine {expected_compat_hash[:12]} "
+                                   f"({COMPAT_DIFFERS})")
         if layout.engine_id == self.engine_id:
             raise IncompatiblePeer(f"peer engine id {layout.engine_id!r} is this engine's own id")
         self._check_shapes(layout)

@@ -50,6 +50,7 @@ from connectors.nixl.handshake import SideChannelServer
 from connectors.nixl.holds import Holds
 from connectors.nixl.leases import LeaseTable
 from pd.kv_cache.canonical import CanonicalKVCaches
+from pd.kv_transfer.compat import COMPAT_DIFFERS
 from pd.kv_transfer.params import RemotePrefillParams
 from pd.scheduling.connector_api import KVConnectorOutput, KVConnectorWorker
 from connectors.nixl.peer_messages import (HandshakeError, HandshakeRequest, HandshakeResponse, KeepAlive,
@@ -160,7 +161,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         if request.compat_hash != self.config.compat_hash:
             return HandshakeError(f"incompatible KV layout: peer {request.engine_id!r} has "
                                   f"{request.compat_hash[:12]}, this engine {self.config.compat_hash[:12]} "
-                                  f"(model, dtype, block size, layout or KV cache groups differ)")
+                                  f"({COMPAT_DIFFERS})")
         return HandshakeResponse(self.transport.agent_metadata(), self.transport.local_layout(self.config.compat_hash),
                                  self.rank_agents)
 

@@ -95,8 +95,9 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         client = EngineClient.start(config)
         info = client.info
-        logger.info("KV cache %.2f GiB per rank (%s): %d blocks, %d tokens", config.kv_cache_memory / 1024 ** 3,
-                    config.kv_cache_memory_reason, info.num_blocks, info.num_blocks * max(info.block_sizes))
+        logger.info("KV cache %.2f GiB per rank (%s): %d blocks, %d tokens; KV compatibility hash %s",
+                    config.kv_cache_memory / 1024 ** 3, config.kv_cache_memory_reason, info.num_blocks,
+                    info.num_blocks * max(info.block_sizes), info.compat_hash[:12])
         for line in client.info.kv_offload:
             logger.info("%s", line)
         if not asyncio.run(_serve(client, tokenizer, name, config, args, listener, limits)):

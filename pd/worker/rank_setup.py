@@ -18,6 +18,7 @@ from pd.models.base import CausalLM
 from pd.models.loader import load_model, model_skeleton
 from pd.models.model_config import ModelConfig
 from pd.models.packed import pack_linears
+from pd.models.fingerprint import weights_fingerprint
 from pd.models.gguf_linear import quantize_gguf_linears
 from pd.models.quantized import quantize_linears
 from pd.kv_transfer.compat import compat_hash
@@ -75,8 +76,9 @@ def connector_context(config: EngineConfig, engine_id: str) -> ConnectorContext:
     model_config = ModelConfig.from_dir(config.model, config.dtype, config.max_model_len)
     whole = whole_kv_cache_config(config)
     model_id = json.dumps(model_config.hf_config, sort_keys=True, default=str)
-    hashed = compat_hash(model_id, config.dtype, whole.block_sizes, config.kv_layout,
-                         [repr(g.spec) + repr(g.layer_names) for g in whole.groups])
+    groups = [repr(g.spec) + repr(g.layer_names) for g in whole.groups]
+    hashed = compat_hash(model_id, weights_fingerprint(config.model), config.quantization, config.dtype,
+                         whole.block_sizes, config.kv_layout, groups)
     return ConnectorContext(engine_id, config.connector_config(), hashed, whole.block_sizes,
                             tp_size=config.tensor_parallel_size)
 

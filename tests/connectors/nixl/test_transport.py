@@ -65,7 +65,7 @@ def kv_config(partial_group: bool) -> KVCacheConfig:
 
 
 def kv_hash(config: KVCacheConfig, layout: str) -> str:
-    return compat_hash("tiny-test", "mixed", config.block_sizes, layout,
+    return compat_hash("tiny-test", "random", "none", "mixed", config.block_sizes, layout,
                        [repr(g.spec) for g in config.groups])
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pd.llm import LLM
+from pd.models.make_model import make_model
 from pd.scheduling.sampling_params import SamplingParams
 from tests.support.server_harness import ARCHS
 
@@ -77,14 +78,24 @@ def test_a_restarted_engine_loads_what_the_last_one_left_on_disk(tiny_models, co
         assert from_disk(llm) == 8 * 192
 
 
-def test_a_tier_written_under_another_compatibility_hash_starts_empty(tiny_models, tmp_path, caplog):
-    with tiered(tiny_models["qwen3"], "qwen3", tmp_path, block_size=32) as llm:
+@pytest.mark.parametrize("change", ["block size", "weights", "quantization"])
+def test_a_tier_written_under_another_compatibility_hash_starts_empty(change, tiny_models, cold, tmp_path, caplog):
+    """Another block size, other weights of the same architecture (another seed), or
+    linears computed otherwise (int8): the KV the last engine left means something else."""
+    model, before = tiny_models["qwen3"], {}
+    if change == "block size":
+        before = {"block_size": 32}
+    elif change == "weights":
+        model = make_model("qwen3", tmp_path / "other-weights", seed=7)
+    else:
+        before = {"quantization": "int8"}
+    with tiered(model, "qwen3", tmp_path / "tier", **before) as llm:
         one_by_one(llm, prompts())
         assert llm.engine.runner.connector.tiers["disk"].entries
-    with tiered(tiny_models["qwen3"], "qwen3", tmp_path) as llm:
+    with tiered(tiny_models["qwen3"], "qwen3", tmp_path / "tier") as llm:
         assert "another compatibility hash" in caplog.text
         assert not llm.engine.runner.connector.tiers["disk"].entries
-        one_by_one(llm, prompts())
+        assert one_by_one(llm, prompts()) == cold["qwen3"]
         assert from_disk(llm) == 0
 
 

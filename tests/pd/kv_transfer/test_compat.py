@@ -7,7 +7,8 @@ from pd.kv_transfer.compat import compat_hash
 
 
 
-HASH_ARGS = dict(model_id="tiny-qwen3", dtype="bfloat16", block_sizes=[16, 16], layout="canonical",
+HASH_ARGS = dict(model_id="tiny-qwen3", weights="0f" * 16, quantization="none", dtype="bfloat16",
+                 block_sizes=[16, 16], layout="canonical",
                  group_specs_repr=["FullAttentionSpec(block_size=16)", "SlidingWindowSpec(window=8)"])
 
 
@@ -20,6 +21,8 @@ def test_compat_hash_is_stable_and_sees_every_input() -> None:
     assert compat_hash(**(HASH_ARGS | {"block_sizes": (16, 16)})) == h  # tuple or list alike
     changes = [
         {"model_id": "tiny-qwen3b"},
+        {"weights": "1f" * 16},
+        {"quantization": "int8"},
         {"dtype": "float16"},
         {"block_sizes": [16, 32]},
         {"layout": "per-layer"},
@@ -31,10 +34,10 @@ def test_compat_hash_is_stable_and_sees_every_input() -> None:
 
 
 def test_compat_hash_does_not_confuse_field_boundaries() -> None:
-    a = compat_hash("model", "float16", [16], "canonical", ["ab", "c"])
-    b = compat_hash("model", "float16", [16], "canonical", ["a", "bc"])
-    c = compat_hash("modelf", "loat16", [16], "canonical", ["ab", "c"])
+    a = compat_hash("model", "w", "none", "float16", [16], "canonical", ["ab", "c"])
+    b = compat_hash("model", "w", "none", "float16", [16], "canonical", ["a", "bc"])
+    c = compat_hash("modelf", "w", "none", "loat16", [16], "canonical", ["ab", "c"])
     assert len({a, b, c}) == 3
 
 
-PINNED_HASH = "45386710ebb3d0d8e2dce6e1917aa397be8dd18175654d8df6103049c13c5619"
+PINNED_HASH = "66e2fac31b3ff2eee908a80058a25e0a9accdd25c7a876e603d242879bd6c386"
