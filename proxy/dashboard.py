@@ -11,8 +11,10 @@ breaker lets requests through, within `SAMPLE_TIMEOUT_S`; an answer never counts
 against a breaker); a figure not known is null. Then the last requests (`recent.py`).
 
 Both routes need the API key, like every route but /health. A browser's navigation
-cannot send a header, so /dashboard also takes it as `?key=KEY` (`RedactKey` keeps it
-out of the access log); the page sends it on its fetches as `Authorization: Bearer`.
+cannot send a header, so /dashboard also takes it as `?key=KEY`; the page sends it on
+its fetches as `Authorization: Bearer`. No query reaches the access log (`RedactKey`):
+the check decodes the query (`?%6Bey=KEY` is `key=KEY`), so no pattern of the raw text
+could tell every spelling of the key apart from other parameters.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ SAMPLE_MIN_INTERVAL_S = 0.5
 SAMPLE_TIMEOUT_S = 1.0
 KV_USAGE, HIT_QUERIES, HITS = "pd_kv_cache_usage", "pd_prefix_cache_queries_total", "pd_prefix_cache_hits_total"
 TRANSFER_BYTES = "pd_kv_transfer_bytes_total"
-_KEY_IN_QUERY = re.compile(r"([?&]key=)[^&\s]*")
+# a path's query, and parameters after a ';' (which uvicorn's log writes percent-escaped)
+_QUERY = re.compile(r"(?:[?;]|%3[bB]).*", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -146,10 +149,13 @@ def page_response() -> HTMLResponse:
 
 
 class RedactKey(logging.Filter):
-    """Replaces the value of a `key=` query parameter in a record's arguments (uvicorn's
-    access log writes each request's path and query) with `***`."""
+    """Replaces the query (and `;` parameters) of the path in an access log record
+    (uvicorn's arguments: client, method, path with query, HTTP version, status) with
+    `?***`, whatever it holds."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.args, tuple):
-            record.args = tuple(_KEY_IN_QUERY.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args)
+        if isinstance(record.args, tuple) and len(record.args) >= 3 and isinstance(record.args[2], str):
+            args = list(record.args)
+            args[2] = _QUERY.sub("?***", args[2])
+            record.args = tuple(args)
         return True

@@ -4,6 +4,8 @@ both routes. The page itself, in a real browser: test_dashboard_browser.py."""
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 import pytest
 from hypothesis import given, settings
@@ -14,6 +16,7 @@ from launch import http_client
 from proxy.dashboard import PAGE_HEADERS, Sample, parse_samples, sample
 from proxy.recent import RECENT_REQUESTS, RecentRequests
 from tests.support.proxy_fakes import fake, proxy_in_front, wait_until
+from tests.support.server_harness import running_proxy
 
 KEY = "dash-key"
 BODY = {"prompt": "Hello there", "max_tokens": 4}
@@ -132,3 +135,31 @@ def test_any_key_in_the_query_or_header_but_the_right_one_is_a_401() -> None:
                 assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
 
         fuzz()
+
+
+@pytest.mark.slow
+def test_no_spelling_of_the_key_in_a_query_reaches_the_access_log(tmp_path) -> None:
+    """The check decodes the query's names (`%6Bey` is `key`): the access log of a real
+    `pd proxy` never shows the key, however the request target spells it, accepted or not."""
+    spellings = [f"?key={KEY}", f"?%6Bey={KEY}", f"?k%65y={KEY}", f"?KEY={KEY}", f";key={KEY}", f"?a=1&key={KEY}",
+                 f"?key={KEY}&key=x", f"?%6b%65%79={KEY}", f"?key=%{KEY.encode().hex()}"]
+    with fake("prefill") as p, fake("decode") as d, running_proxy(
+            tmp_path / "proxy.log", "--prefill", p.url, "--decode", d.url, "--api-key", KEY,
+            "--log-level", "info") as proxy:
+        statuses = {spelling: raw_get(proxy.url, "/dashboard" + spelling) for spelling in spellings}
+        assert statuses[f"?%6Bey={KEY}"] == statuses[f"?key={KEY}"] == 200  # decoded alike by the check
+        assert raw_get(proxy.url, "/dashboard?done=1") == 401
+        logged = lambda: proxy.log_path.read_text().count('"GET /dashboard') == len(spellings) + 1  # noqa: E731
+        assert wait_until(logged), proxy.log_path.read_text()
+        log = proxy.log_path.read_text()
+    assert KEY not in log and KEY.encode().hex() not in log
+    assert log.count('"GET /dashboard?*** HTTP/1.1"') == len(spellings) + 1
+
+
+def raw_get(url: str, target: str) -> int:
+    """GET `target` exactly as written (no client normalizes it); the status."""
+    host, port = httpx.URL(url).host, httpx.URL(url).port
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(f"GET {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        head = sock.recv(4096).decode("latin-1")
+    return int(head.split(" ", 2)[1])
