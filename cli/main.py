@@ -158,10 +158,10 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 def _add_tp_rank_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--join", required=True, metavar="HOST:PORT", help="the server's --tp-host:--tp-port; tried until it answers or --join-timeout passes")
+    parser.add_argument("--join", required=True, metavar="HOST:PORT", help="the server's --tp-host:--tp-port; tried until the rank joins, the server refuses it (wrong secret, a rank it does not await), or --join-timeout passes")
     parser.add_argument("--rank", type=int, required=True, help="this rank: one of the server's ranks past its --tp-local-ranks (K..N-1), each joined once")
     parser.add_argument("--device", default=None, help="this rank's torch device, e.g. cuda:1 (default: the server's device type, first device: cuda or cpu)")
-    parser.add_argument("--join-timeout", type=float, default=300.0, help="seconds to keep trying to reach the server (default %(default)s)")
+    parser.add_argument("--join-timeout", type=float, default=300.0, help="seconds to keep trying to join the server (a connection it drops or that fails is tried again until then) (default %(default)s)")
 
 
 def _run_tp_rank(args: argparse.Namespace) -> int:

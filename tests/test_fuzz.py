@@ -26,6 +26,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -41,7 +42,7 @@ from tests.support.server_harness import running_proxy, running_server, wait_unt
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 BUDGET = {"server_http": 500, "proxy_http": 300, "replay": 400, "side_channel": 300, "tcp": 200, "nixl": 300,
-          "tp_join": 300}
+          "tp_join": 300, "tp_join_rank": 200}
 FUZZ = settings(deadline=None, database=None, suppress_health_check=list(HealthCheck), derandomize=False)
 
 
@@ -297,6 +298,41 @@ def test_the_tensor_parallel_join_listener() -> None:
         channel.close()
     finally:
         listener.close()
+
+
+def test_a_rank_joining_an_engine_that_answers_garbage() -> None:
+    """What an engine says to a joining rank (its challenge, then a welcome or a refusal),
+    mutated: the rank's join ends in a ChannelError saying so, never another exception."""
+    from pd.worker.rank_channel import ENCODER, HEADER, Challenge, ChannelError, Refused, Welcome
+    from pd.worker.rank_join import join
+
+    challenge = ENCODER.encode(Challenge(b"n" * 32))
+    answers = [ENCODER.encode(Welcome(b"m" * 32)), ENCODER.encode(Refused("no"))]
+    with socket.create_server(("127.0.0.1", 0)) as engine:
+        port = engine.getsockname()[1]
+
+        @budget("tp_join_rank")
+        @given(first=st.booleans(), answer=st.sampled_from(answers).flatmap(msgpack_like), framed=st.booleans())
+        def fuzz(first, answer, framed) -> None:
+            frame = HEADER.pack(len(answer)) + answer if framed else answer
+            replies = [frame] if first else [HEADER.pack(len(challenge)) + challenge, frame]
+            serving = threading.Thread(target=answer_once, args=(engine, replies), daemon=True)
+            serving.start()
+            with pytest.raises(ChannelError):
+                join("127.0.0.1", port, 1, "s" * 64, timeout=0)  # one try
+            serving.join(10)
+
+        fuzz()
+
+
+def answer_once(listener: socket.socket, replies: list[bytes]) -> None:
+    """Send each reply, the next after the rank's hello, then close."""
+    conn, _ = listener.accept()
+    with conn, contextlib.suppress(OSError):
+        for i, reply in enumerate(replies):
+            if i:
+                conn.recv(4096)  # the rank's hello (or the end)
+            conn.sendall(reply)
 
 
 # ---- NIXL notifications --------------------------------------------------------------

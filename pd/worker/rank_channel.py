@@ -55,6 +55,10 @@ class Welcome(msgspec.Struct, frozen=True, tag="welcome"):
     mac: bytes  # over the rank's nonce and its rank
 
 
+class Refused(msgspec.Struct, frozen=True, tag="refused"):
+    reason: str  # what in the hello was refused: the rank stops trying
+
+
 class StoreAddress(msgspec.Struct, frozen=True):
     """Where the ranks' `torch.distributed` store is: a TCP store (`host`, `port`) when
     a rank is on another node, else a file store (`path`) that opens no port."""
@@ -117,7 +121,7 @@ ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 TO_RANK = msgspec.msgpack.Decoder(Setup | Step | Stop, dec_hook=_dec_hook)
 FROM_RANK = msgspec.msgpack.Decoder(Ready | Failed | StepDone, dec_hook=_dec_hook)
 JOIN_FROM_RANK = msgspec.msgpack.Decoder(Hello)
-JOIN_FROM_ENGINE = msgspec.msgpack.Decoder(Challenge | Welcome)
+JOIN_FROM_ENGINE = msgspec.msgpack.Decoder(Challenge | Welcome | Refused)
 
 
 def encode(obj: object) -> msgspec.Raw:

@@ -22,7 +22,8 @@ from pd.scheduling.outputs import CachedRequestData, NewRequestData, SchedulerOu
 from pd.scheduling.sampling_params import SamplingParams
 from pd.worker import rank_join
 from pd.worker.rank_channel import (ENCODER, FROM_RANK, HEADER, TO_RANK, Challenge, ChannelError, Hello,
-                                    RankChannel, Step, StepDone, StoreAddress, decode, encode, mac, new_nonce)
+                                    RankChannel, Refused, Step, StepDone, StoreAddress, decode, encode, mac,
+                                    new_nonce)
 from pd.worker.rank_join import RankListener, join
 from pd.worker.tp_ranks import rank_setup
 from tests.support.nixl_workers import remote_prefill
@@ -168,9 +169,55 @@ def test_a_hello_replayed_from_another_challenge_is_refused(listener) -> None:
         channel.recv(rank_join.JOIN_FROM_ENGINE, timeout=5)
         stale = mac(SECRET, rank_join.RANK_ROLE, new_nonce(), 2)
         channel.send(Hello(2, new_nonce(), stale))
-        with pytest.raises(ChannelError):
+        assert channel.recv(rank_join.JOIN_FROM_ENGINE, timeout=5) == Refused(
+            "it does not hold the deployment's secret")
+        with pytest.raises(ChannelError, match="ended"):
             channel.recv(rank_join.JOIN_FROM_ENGINE, timeout=5)
     assert not listener.joined
+
+
+def test_idle_connections_cannot_keep_a_rank_out(listener) -> None:
+    """More silent connections from the rank's own address than the listener hears out
+    at once (the probe's 16 locked a rank out for good): each newer one closes the
+    oldest silent one, so the rank's own connection is heard, and it joins."""
+    idle = [socket.create_connection(("127.0.0.1", listener.port))
+            for _ in range(3 * rank_join.MAX_PENDING_PER_ADDRESS)]
+    try:
+        channel = join("127.0.0.1", listener.port, 2, SECRET, timeout=30)
+        assert sorted(listener.joined) == [2]
+        assert wait_until(lambda: listener.refused >= len(idle) - rank_join.MAX_PENDING_PER_ADDRESS)
+        assert len(listener.proving) <= rank_join.MAX_PENDING_PER_ADDRESS
+        channel.close()
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_a_rank_dropped_before_its_welcome_tries_again_and_then_says_what_it_met() -> None:
+    """A connection the engine closes without a refusal (dropped for a newer one, a
+    listener not yet the engine's) is tried again until the join timeout."""
+    with socket.create_server(("127.0.0.1", 0)) as closing:
+        port = closing.getsockname()[1]
+        accepted = []
+
+        def close_each() -> None:
+            while len(accepted) < 3:
+                conn, _ = closing.accept()
+                accepted.append(conn)
+                conn.close()
+
+        threading.Thread(target=close_each, daemon=True).start()
+        with pytest.raises(ChannelError, match=r"could not join .* the last try: the connection failed before a "
+                                               r"welcome: the connection ended"):
+            join("127.0.0.1", port, 2, SECRET, timeout=2 * rank_join.RETRY_S)
+        assert len(accepted) >= 2  # tried again
+
+
+def test_a_refused_hello_is_not_tried_again(listener) -> None:
+    with pytest.raises(ChannelError, match="refused rank 2: it does not hold the deployment's secret"):
+        join("127.0.0.1", listener.port, 2, "not the secret", timeout=60)
+    assert wait_until(lambda: listener.refused == 1)
+    assert listener.refused == 1 and not listener.joined
 
 
 def test_waiting_gives_up_with_the_ranks_missing(listener) -> None:
