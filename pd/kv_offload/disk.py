@@ -74,24 +74,30 @@ class _Transfer:
 
 def default_disk_bytes(directory: Path) -> int:
     """A tenth of the free space where the tier's file goes, at most `MAX_DEFAULT_BYTES`."""
+    return min(MAX_DEFAULT_BYTES, shutil.disk_usage(_existing(directory)).free // 10)
+
+
+def _existing(directory: Path) -> Path:
+    """`directory`, or its nearest ancestor that exists."""
     existing = Path(directory).absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    return min(MAX_DEFAULT_BYTES, shutil.disk_usage(existing).free // 10)
+    return existing
 
 
 class DiskTier:
     name = "disk"
 
-    def __init__(self, directory: Path, nbytes: int, caches: CanonicalKVCaches, compat_hash: str,
+    def __init__(self, directory: Path, nbytes: int | None, caches: CanonicalKVCaches, compat_hash: str,
                  agent_name: str, staged: bool | None = None) -> None:
-        """`staged`: move blocks through host rows (`Staging`); None: where the KV cache is
-        not in host memory (a GPU engine's)."""
+        """`nbytes`: the tier's size (None: `default_disk_bytes`; where that is not one
+        block, the tier is off). `staged`: move blocks through host rows (`Staging`); None:
+        where the KV cache is not in host memory (a GPU engine's)."""
         self.caches = caches
         self.slot_bytes = slot_bytes(caches)
-        self.num_slots = nbytes // self.slot_bytes
-        if self.num_slots < 1:
+        if nbytes is not None and nbytes < self.slot_bytes:
             raise ValueError(f"--kv-offload-disk-bytes {nbytes} is less than one block ({self.slot_bytes} bytes)")
+        self.num_slots = (nbytes or 0) // self.slot_bytes
         self.compat_hash = compat_hash
         self.directory = Path(directory)
         self.data_path, self.index_path = self.directory / "pd-kv.blocks", self.directory / "pd-kv.index"
@@ -106,6 +112,8 @@ class DiskTier:
         self.agent = None
         self.staging = None
         try:
+            if nbytes is None:
+                self.num_slots = self._default_slots()
             if staged or (staged is None and caches.tensors[0].device.type != "cpu"):
                 self.staging = Staging(caches, self.slot_bytes)
             self._open(Path(directory))
@@ -114,6 +122,17 @@ class DiskTier:
             self.turn_off(f"cannot use {directory}: {type(exc).__name__}: {exc}")
             return
         self.restored_count = len(self.entries)
+
+    def _default_slots(self) -> int:
+        """The slots of the default size; OSError saying why the directory cannot take one."""
+        existing = _existing(self.directory)
+        if not os.access(existing, os.W_OK):
+            raise OSError(f"{existing} is not writable (a read-only file system, or no permission)")
+        nbytes = default_disk_bytes(self.directory)
+        if nbytes < self.slot_bytes:
+            raise OSError(f"the default size, a tenth of the {nbytes * 10} bytes free there, is less than one block "
+                          f"({self.slot_bytes} bytes); give --kv-offload-disk-bytes")
+        return nbytes // self.slot_bytes
 
     def description(self) -> str:
         if self.off_reason is not None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pd.histogram import SECONDS_BUCKETS, Histogram
 from pd.kv_cache.canonical import CanonicalKVCaches
 from pd.config import TierSettings
-from pd.kv_offload.disk import DiskTier, default_disk_bytes
+from pd.kv_offload.disk import DiskTier
 from pd.kv_offload.host import HostTier
 from pd.kv_offload.tier import Tier, TierBlock
 from pd.scheduling.connector_api import KVConnectorMetadata, KVConnectorOutput, KVConnectorWorker, OffloadReport
@@ -25,8 +25,8 @@ def build_tiers(settings: TierSettings, caches: CanonicalKVCaches) -> list[Tier]
     if settings.host_bytes is not None:
         tiers.append(HostTier(settings.host_bytes, caches))
     if settings.disk_path is not None:
-        nbytes = settings.disk_bytes if settings.disk_bytes is not None else default_disk_bytes(settings.disk_path)
-        tiers.append(DiskTier(settings.disk_path, nbytes, caches, settings.compat_hash, f"{settings.engine_id}-disk"))
+        tiers.append(DiskTier(settings.disk_path, settings.disk_bytes, caches, settings.compat_hash,
+                              f"{settings.engine_id}-disk"))
     return tiers
 
 

@@ -5,11 +5,16 @@ compatibility hash and not under another; a corrupt block is a miss, never KV.""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from pd.kv_offload import disk
 from pd.llm import LLM
 from pd.models.make_model import make_model
 from pd.scheduling.sampling_params import SamplingParams
@@ -220,3 +225,45 @@ def wait_for(tier, what, polls: int = 10_000):
         if found := what(tier.poll()):
             return found
     raise AssertionError("the tier never reported it")
+
+
+@contextlib.contextmanager
+def read_only_mount(directory: Path, size: str = "4k") -> Iterator[Path]:
+    """A read-only tmpfs of `size` at `directory` (root only: mount(8)), unmounted after."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only file system needs root (CI and sessions run as root)")
+    directory.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"ro,size={size}", "tmpfs", str(directory)], check=True)
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=True)
+
+
+@pytest.mark.parametrize("where", ["the mount", "a folder under it"])
+def test_a_default_sized_tier_on_a_read_only_file_system_is_off_and_the_engine_serves(
+        where, tiny_models, cold, tmp_path, caplog):
+    """The probe's server stopped with "--kv-offload-disk-bytes 0 is less than one block":
+    the default size (a tenth of the free space) is 0 there. The tier is off, saying where
+    and why, and the engine serves."""
+    with read_only_mount(tmp_path / "ro") as mount:
+        directory = mount if where == "the mount" else mount / "tier"
+        with tiered(tiny_models["qwen3"], "qwen3", directory, kv_offload_disk_bytes=None) as llm:
+            tier = llm.engine.runner.connector.tiers["disk"]
+            assert tier.off_reason is not None and str(directory) in tier.off_reason
+            assert "read-only" in tier.off_reason or "Read-only" in tier.off_reason
+            assert one_by_one(llm, prompts()) == cold["qwen3"]
+        assert "KV disk tier turned off" in caplog.text
+
+
+def test_a_default_size_under_one_block_turns_the_tier_off_saying_so(tiny_models, cold, monkeypatch, tmp_path):
+    monkeypatch.setattr(disk, "default_disk_bytes", lambda directory: 100)
+    with tiered(tiny_models["qwen3"], "qwen3", tmp_path, kv_offload_disk_bytes=None) as llm:
+        reason = llm.engine.runner.connector.tiers["disk"].off_reason
+        assert reason is not None and str(tmp_path) in reason and "less than one block" in reason
+        assert one_by_one(llm, prompts()) == cold["qwen3"]
+
+
+def test_an_explicit_size_under_one_block_is_refused_at_start(tiny_models, tmp_path):
+    with pytest.raises(ValueError, match="--kv-offload-disk-bytes 100 is less than one block"):
+        tiered(tiny_models["qwen3"], "qwen3", tmp_path, kv_offload_disk_bytes=100)
