@@ -14,10 +14,12 @@ from telemetry.flags import add_telemetry_flags, apply_telemetry_flags
 
 
 def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prefill", nargs="+", required=True, metavar="URL",
-                        help="prefill servers' base URLs, e.g. http://127.0.0.1:8100")
-    parser.add_argument("--decode", nargs="+", required=True, metavar="URL",
-                        help="decode servers' base URLs, e.g. http://127.0.0.1:8200")
+    parser.add_argument("--prefill", nargs="+", action="extend", required=True, metavar="URL",
+                        help="prefill servers' base URLs, e.g. http://127.0.0.1:8100 (the flag may be repeated: "
+                             "each adds its URLs; a URL given twice is refused)")
+    parser.add_argument("--decode", nargs="+", action="extend", required=True, metavar="URL",
+                        help="decode servers' base URLs, e.g. http://127.0.0.1:8200 (the flag may be repeated: "
+                             "each adds its URLs; a URL given twice is refused)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
     _add_routing_flags(parser)

@@ -46,6 +46,10 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:
             raise ValueError("at least one prefill and one decode server are needed")
+        for role, urls in (("prefill", self.prefill_urls), ("decode", self.decode_urls)):
+            twice = sorted({url for url in urls if urls.count(url) > 1})
+            if twice:
+                raise ValueError(f"{', '.join(twice)} given more than once as --{role}")
         if self.decode_policy is None and self.disagg_policy == "conditional":
             # the next turn goes to the decode server holding the last one, which it then
             # prefills itself: round robin would send it where nothing is held

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
-from pd.config import EngineConfig
+from pd.config import EngineConfig, add_engine_flags
+from pd.kv_transfer.signing import DEFAULT_ALLOWED_PEERS
 from pd.llm import LLM
 from pd.models.make_model import make_model
 
@@ -62,3 +65,13 @@ def test_num_threads_sets_the_engines_torch_threads(tmp_path) -> None:
         assert torch.get_num_threads() == wanted
     finally:
         torch.set_num_threads(before)
+
+
+def test_repeated_allowed_peers_flags_add_and_none_keeps_loopback(tiny_models) -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    model = str(tiny_models["qwen3"])
+    given = parser.parse_args(["--model", model, "--kv-allowed-peers", "10.0.0.0/8", "--kv-allowed-peers",
+                               "192.168.1.2", "172.16.0.0/12"])
+    assert EngineConfig.from_args(given).kv_allowed_peers == ("10.0.0.0/8", "192.168.1.2", "172.16.0.0/12")
+    assert EngineConfig.from_args(parser.parse_args(["--model", model])).kv_allowed_peers == DEFAULT_ALLOWED_PEERS
