@@ -51,14 +51,16 @@ def choose_path(route: Route, decode: Instance, prefill: InstancePool, policy: s
 def reuse_tokens(route: Route, decode: Instance, prefill: InstancePool, min_tokens: int) -> int:
     """The prompt tokens D exports for P to read (0: none): the full blocks of the prompt
     D holds, short of its last token (P computes at least that one), when they are at
-    least `min_tokens` (> 0) more than the healthy P holding most is known to hit. What a
-    P's events say it holds is its hit only where every KV cache group is full attention:
-    with sliding-window or Mamba groups the hit may stop far short of it (their blocks go
-    first), so such a P counts as hitting nothing (it reads only what it lacks anyway)."""
+    least `min_tokens` (> 0) more than the healthy P holding most holds by its events.
+    Those name the routing group's blocks (full attention), and a P reading a prefix
+    reads what its full-attention hit lacks, whatever its sliding-window or Mamba groups
+    hold (they are left out of that hit, as D's are for a remote prefill): where a P's
+    events cover D's blocks, a read would move nothing. (Counting a hybrid's P as holding
+    nothing, as this did, sent every next turn of a conversation it had prefilled down
+    this path for nothing.)"""
     if min_tokens <= 0 or route.tokens is None or not decode.block_size:
         return 0
     last_block = (len(route.tokens) - 1) // decode.block_size * decode.block_size
     held = min(decode.overlap_tokens(route), last_block)
-    on_prefill = max((i.overlap_tokens(route) for i in prefill.instances if i.healthy and i.hit_is_overlap),
-                     default=0)
+    on_prefill = max((i.overlap_tokens(route) for i in prefill.instances if i.healthy), default=0)
     return held if held - on_prefill >= min_tokens else 0

@@ -82,7 +82,6 @@ class Instance:
     kv_index: KVIndex | None = None  # what its KV events say it holds (kv_aware)
     tier_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))  # per medium
     block_size: int = 0  # tokens per block of the indexed KV cache group
-    hit_is_overlap: bool = True  # False: sliding-window or Mamba groups may make its hits shorter than that group's
     engine_pid: int | None = None  # as its /health last said: another one means it restarted
     cache_epoch: int = 0  # counts the times what it held was forgotten (its events are followed anew)
 

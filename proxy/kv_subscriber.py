@@ -60,7 +60,6 @@ async def _learn(instance: Instance, client: httpx.AsyncClient, headers: dict[st
                        "routing sees nothing in its cache", instance.url)
         return None
     instance.block_size, instance.kv_index = block_size, KVIndex(group=group)
-    instance.hit_is_overlap = all(isinstance(g, dict) and g.get("kind") == "full_attention" for g in config["groups"])
     return publisher, replay
 
 

@@ -46,7 +46,8 @@ from connectors.nixl.leases import LeaseTable
 from pd.kv_cache.spec import cdiv
 from pd.kv_transfer.params import RemotePrefillParams
 from pd.kv_transfer.signing import prompt_digest, sign
-from pd.scheduling.connector_api import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, KVLoadRefused
+from pd.scheduling.connector_api import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, KVHeldAlready,
+                                         KVLoadRefused)
 from pd.scheduling.request import Request, RequestStatus
 
 
@@ -118,12 +119,14 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             return 0, False
         try:
             check_fits(params, request, len(self.block_sizes), self.block_sizes[0])
-            if params.num_prompt_tokens <= num_computed_tokens:  # only a prefix can be: held here already
-                raise KVTransferParamsError(f"its {params.num_prompt_tokens} tokens are held here already")
         except KVTransferParamsError as exc:
             self._meta.reqs_to_reject.append((params, str(exc)))  # their holder frees the blocks
             self.num_rejected += 1
             raise KVLoadRefused(request.request_id, f"its kv_transfer_params do not fit it: {exc}") from None
+        if params.num_prompt_tokens <= num_computed_tokens:  # only a prefix can be
+            why = f"the prefix's {params.num_prompt_tokens} tokens are held here already"
+            self._meta.reqs_to_reject.append((params, why))  # the decode server frees its export
+            raise KVHeldAlready(request.request_id, why)
         return params.num_prompt_tokens - num_computed_tokens, True
 
     def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:

@@ -202,6 +202,7 @@ class EngineCore:
             group_queries=list(prefix.group_queries), group_hits=list(prefix.group_hits),
             kv_transfer=counters, kv_transfer_histograms=histograms, kv_transfer_by_rank=by_rank,
             kv_load_failures=dict(self.scheduler.remote_kv.load_failures),
+            kv_prefix_reads_skipped=self.scheduler.remote_kv.reads_skipped,
             kv_cache_bytes=[self.runner.kv_allocation.nbytes, *(self.tp_ranks.kv_bytes if self.tp_ranks else [])],
             prompt_tokens_by_source=dict(self.scheduler.prompt_sources.counts),
             kv_offload=offload_figures(self.scheduler.connector, self.runner.connector),

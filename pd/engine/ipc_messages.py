@@ -136,6 +136,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_transfer_by_rank: dict[str, dict[int, int]] = {}  # figure -> tensor-parallel rank -> value
     kv_cache_bytes: list[int] = []  # KV cache memory of each tensor-parallel rank
     kv_load_failures: dict[str, int] = {}  # by policy action: recompute / fail
+    kv_prefix_reads_skipped: int = 0  # P: exported prefixes it held already (nothing read)
     prompt_tokens_by_source: dict[str, int] = {}  # computed / local_cache / remote / disk
     kv_offload: dict[str, dict[str, float]] = {}  # per offload tier (pd/kv_offload): its counters and gauges
     kv_offload_load_seconds: dict[str, HistogramSnapshot] = {}  # per offload tier: how long its loads took

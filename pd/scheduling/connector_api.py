@@ -64,6 +64,13 @@ class KVLoadRefused(Exception):
         self.reason = reason
 
 
+class KVHeldAlready(KVLoadRefused):
+    """Raised by `get_num_new_matched_tokens` for a prefix this server's own prefix cache
+    holds already (the proxy's view of it lagged, or its events cover only the full
+    attention group): nothing is loaded, which is no failure. The scheduler takes its own
+    hit; the connector has already told the holder to free the export."""
+
+
 @dataclass
 class KVConnectorMetadata:
     """What the scheduler half tells the worker half in one step (connector-specific)."""

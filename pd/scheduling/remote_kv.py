@@ -43,6 +43,7 @@ class RemoteKV:
         self.delayed_free: dict[str, Request] = {}  # P: finished, blocks kept for the connector
         self.aborted_while_loading: dict[str, Request] = {}  # D: blocks freed once the load ends
         self.load_failures = {"recompute": 0, "fail": 0}  # by what was done about them
+        self.reads_skipped = 0  # P: prefixes a decode server exported that this server held already
 
     @property
     def num_held_blocks(self) -> int:
@@ -118,14 +119,27 @@ class RemoteKV:
             self.kv.cache_blocks(request, request.num_computed_tokens)
         return landed
 
+    def skip_read(self, request: Request, why: str) -> None:
+        """P holds the prefix a decode server exported for `request`: it reads nothing
+        (counted, logged) and goes on as a request keeping its blocks for that server."""
+        self.reads_skipped += 1
+        logger.info("request %s reads no prefix from the decode server: %s", request.request_id, why)
+        request.remote_kv_landed()
+
     def load_fails(self, request: Request) -> str | None:
-        """Count a request whose remote KV could not be loaded (`kv_load_error`): the
-        error to end it with when the policy is "fail", None when it is "recompute" (it
-        is computed here), as a prefix P could not read from D, or blocks an offload
+        """Count and log a request whose remote KV could not be loaded (`kv_load_error`):
+        the error to end it with when the policy is "fail", None when it is "recompute"
+        (it is computed here), as a prefix P could not read from D, or blocks an offload
         tier could not give back, always are."""
         from_tier = request.kv_loaded_from not in (None, REMOTE)  # a lower tier's copy: a miss, never an error
         policy = "recompute" if request.reads_prefix or from_tier else self.load_failure_policy
         self.load_failures[policy] += 1
+        if from_tier:
+            source = f"the {request.kv_loaded_from} tier"
+        else:
+            source = "a decode server" if request.reads_prefix else "the prefill server"
+        logger.warning("request %s: its KV could not be loaded from %s (%s); %s", request.request_id, source,
+                       request.kv_load_error, "computed here" if policy == "recompute" else "failed")
         if policy == "recompute":
             return None
         return f"the KV cache of this request could not be loaded from the prefill server: {request.kv_load_error}"

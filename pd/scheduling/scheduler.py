@@ -37,7 +37,7 @@ from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_transfer.params import RemotePrefillParams
 from pd.logprobs import Logprobs
 from pd.scheduling import fair_share
-from pd.scheduling.connector_api import KVConnectorScheduler, KVLoadRefused
+from pd.scheduling.connector_api import KVConnectorScheduler, KVHeldAlready, KVLoadRefused
 from pd.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
 from pd.scheduling.prompt_sources import PromptSources
 from pd.scheduling.remote_kv import RemoteKV
@@ -196,6 +196,10 @@ class Scheduler:
             hit_blocks, num_hit = self.kv.get_computed_blocks(request, self._skipped_groups(request))
             try:
                 num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
+            except KVHeldAlready as held:  # a prefix held here: nothing to read, no failure
+                self.remote_kv.skip_read(request, held.reason)
+                hit_blocks, num_hit = self.kv.get_computed_blocks(request)  # every group's hit now
+                num_external, load_async = 0, False
             except KVLoadRefused as refused:  # its remote KV cannot be loaded: a local request now
                 request.kv_load_error = refused.reason
                 if self._fails_on_load_error(request):

@@ -82,6 +82,11 @@ class EngineStatsCollector(Collector):
             yield from kv_transfer_rank_metrics(stats.kv_transfer_by_rank)
         if stats is not None and (stats.kv_transfer or stats.kv_offload):  # KV may be loaded from elsewhere
             yield from kv_load_failure_metrics(stats.kv_load_failures)
+        if stats is not None and stats.kv_transfer:
+            skipped = CounterMetricFamily("pd_kv_prefix_reads_skipped", "Prefixes a decode server exported for "
+                                          "this server to read that it held already: nothing was read (not a failure).")
+            skipped.add_metric([], stats.kv_prefix_reads_skipped)
+            yield skipped
         if stats is not None and stats.kv_offload:  # offload tiers are configured
             yield from kv_offload_metrics(stats.kv_offload, stats.kv_offload_load_seconds)
 

@@ -114,6 +114,27 @@ def test_a_long_next_turn_is_prefilled_on_p_reading_what_d_holds_first(deploymen
         assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
 
 
+def test_a_next_turn_whose_prefix_p_prefilled_reads_nothing_and_is_no_load_failure(deployment, colocated) -> None:
+    """A first turn prefilled on P, then a long turn: D exports what it holds, but P (whose
+    events this proxy does not follow) holds that prefix already. It reads nothing and
+    counts no load failure (the probe saw every such Bamba turn counted as one, the
+    reason nowhere): the read skipped is counted and logged, D frees its export."""
+    arch, block, p, d, front = deployment
+    before = p.metrics()
+    turns = [("disaggregated", 0), ("disaggregated+reuse", local_max(block) + 2 * block)]
+    for k, _, held in conversation(deployment, colocated[arch], 13, 4 * block + 4, turns, streamed=1):
+        pass
+    after = p.metrics()
+    failures = 'pd_kv_load_failures_total{policy="recompute"}'
+    assert after[failures] == before[failures]
+    assert after["pd_kv_prefix_reads_skipped_total"] == before["pd_kv_prefix_reads_skipped_total"] + 1
+    assert after['pd_prompt_tokens_by_source_total{source="remote"}'] == \
+        before['pd_prompt_tokens_by_source_total{source="remote"}']
+    assert "reads no prefix from the decode server" in p.log_tail(20000)
+    for server in (p, d):
+        assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+
+
 @pytest.fixture(scope="module")
 def two_decoders(tiny_models, tmp_path_factory):
     """1P2D qwen3 behind a conditional proxy with no --decode-policy (kv_aware by default)."""

@@ -147,9 +147,6 @@ def test_p_reads_from_d_the_full_blocks_d_holds_beyond_any_p_when_they_are_enoug
     pool.instances[1].kv_index.blocks.update(route.block_hashes(BLOCK)[:3])  # a P holds 12 of D's 16
     assert reuse_tokens(route, decode_holding(route, 4), pool, 8) == 0
     assert reuse_tokens(route, decode_holding(route, 5), pool, 8) == 20
-    pool.instances[1].hit_is_overlap = False  # a hybrid's P: its hit may be far shorter than its events say
-    assert reuse_tokens(route, decode_holding(route, 4), pool, 8) == 16
-    pool.instances[1].hit_is_overlap = True
     pool.instances[1].mark_failed("gone")  # what an unhealthy P holds does not count
     assert reuse_tokens(route, decode_holding(route, 4), pool, 8) == 16
 

@@ -75,13 +75,11 @@ def test_a_servers_events_are_followed_through_replays_gaps_and_garbage(publishe
             assert response.headers["x-pd-decode"] == "0; overlap=0"  # it publishes nothing
 
 
-@pytest.mark.parametrize(("kinds", "hit_is_overlap"), [(["full_attention"], True),
-                                                       (["sliding_window", "full_attention"], False),
-                                                       (["mamba", "full_attention"], False)])
-def test_a_server_with_partial_groups_is_known_to_hit_less_than_its_events_say(kinds, hit_is_overlap) -> None:
-    """Its events name the routing group's blocks; with sliding-window or Mamba groups
-    beside it, its prefix-cache hit may stop short of them (issue 34: whether P reads a
-    prefix from D must not count on them)."""
+@pytest.mark.parametrize("kinds", [["full_attention"], ["sliding_window", "full_attention"],
+                                   ["mamba", "full_attention"]])
+def test_the_routing_group_and_its_block_size_are_learned_from_the_servers_kv_config(kinds) -> None:
+    """Its events name the routing group's blocks (the full-attention group, beside
+    sliding-window or Mamba groups in a hybrid)."""
     groups = [{"id": i, "kind": kind, "block_size": BLOCK} for i, kind in enumerate(kinds)]
     endpoints = {"publisher": "tcp://127.0.0.1:1", "replay": "tcp://127.0.0.1:1"}
     with fake("prefill") as p:
@@ -93,4 +91,4 @@ def test_a_server_with_partial_groups_is_known_to_hit_less_than_its_events_say(k
             async with httpx.AsyncClient() as client:
                 return await _learn(instance, client, {}, 0.1)
         assert asyncio.run(learn()) == (endpoints["publisher"], endpoints["replay"])
-    assert instance.hit_is_overlap is hit_is_overlap and instance.block_size == BLOCK
+    assert instance.kv_index.group == len(kinds) - 1 and instance.block_size == BLOCK
