@@ -16,6 +16,7 @@ os.environ.setdefault("PD_KV_CACHE_MEMORY", str(256 * 1024 * 1024))
 # once, so a worker has one set of each (imported into two conftests they were two of each).
 from launch import deployment_secret
 from launch.process import SECRET_ENV
+from pd.worker.memory import KERNEL_CACHE_VARIABLES
 from tests.support.tiny_models import colocated, tiny_models  # noqa: F401  (the session fixtures)
 
 _SESSION_DIRS: list[str] = []
@@ -30,7 +31,8 @@ ENV_LEFT = {"UCX_TLS": "sm,self,tcp", "UCX_NET_DEVICES": "lo", "UCX_MEM_EVENTS":
 # Set for the rest of the process, whatever the value: the run's transfer secret
 # (`deployment_secret`), and what libraries set on first use (torch's compiled-kernel
 # cache, its default; Ray's cluster utilities; pytest).
-ENV_OWNED = {SECRET_ENV, "TORCHINDUCTOR_CACHE_DIR", "RAY_CLIENT_MODE", "PYTEST_CURRENT_TEST"}
+ENV_OWNED = {SECRET_ENV, "TORCHINDUCTOR_CACHE_DIR", "RAY_CLIENT_MODE", "PYTEST_CURRENT_TEST",
+             *KERNEL_CACHE_VARIABLES}  # the last: an engine's own, set on its first start (pd/worker/memory.py)
 
 @pytest.fixture(autouse=True)
 def _environment_restored():

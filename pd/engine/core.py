@@ -16,7 +16,7 @@ from pd.config import EngineConfig, SchedulerConfig
 from pd.distributed.shard import TPShard
 from pd.engine.ipc_messages import EngineInfo, EngineStats, HistogramSnapshot
 from pd.engine.kv_event_publisher import KVEventPublisher, NoKVEvents
-from pd.engine.malloc import keep_freed_memory
+from pd.worker.memory import apply_memory_settings
 from pd.histogram import Histogram
 from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_cache.spec import KVCacheConfig, MambaSpec
@@ -43,7 +43,7 @@ def group_names(config: KVCacheConfig) -> list[str]:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, keep_logits: bool = False) -> None:
-        keep_freed_memory()
+        apply_memory_settings()
         torch.manual_seed(config.seed)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)

@@ -44,6 +44,7 @@ from pd.kv_transfer.connectors import KV_CONNECTORS
 from pd.kv_transfer.signing import SECRET_ENV, secret_from_env
 from pd.scheduling.connector_api import ConnectorContext, KVConnectorOutput
 from pd.scheduling.outputs import SchedulerOutput
+from pd.worker.memory import apply_memory_settings
 from pd.worker.model_runner import ModelRunner
 from pd.worker.rank_channel import (ENCODER, FROM_RANK, TO_RANK, ChannelError, Failed, RankChannel, Ready, Setup,
                                     Step, StepDone, Stop, StoreAddress, decode, encode)
@@ -273,6 +274,7 @@ def rank_main(channel: RankChannel, pick_device: Callable[[EngineConfig, int], s
     if not isinstance(setup, Setup):
         raise ChannelError(f"the engine sent {type(setup).__name__} before a setup")
     rank = setup.rank
+    apply_memory_settings()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s")
     try:
         runner = _build(setup, pick_device(setup.config, rank))

@@ -398,7 +398,7 @@ def test_steady_decode_steps_take_no_page_faults() -> None:
     that size would be mmapped and faulted in page by page on every call (16,384 faults
     per 64 MiB); from the builder's workspace, a steady step faults (next to) nothing.
     The native kernel reads the cache in place: no large buffer at all."""
-    from pd.engine.malloc import keep_freed_memory
+    from pd.worker.memory import keep_freed_memory
 
     keep_freed_memory()
     bs, n, context, kvh, size = 16, 8, 8192, 2, 128

@@ -1,5 +1,5 @@
 """A steady decode through the engine takes no page faults: the decode workspace and the
-engine's malloc settings (`pd.engine.malloc`) keep every step's memory mapped. Before
+engine's malloc settings (`pd.worker.memory`) keep every step's memory mapped. Before
 them, this shape (tiny Qwen 3, 8 requests at context 1,500) took ~14,000 faults a step."""
 
 from __future__ import annotations
