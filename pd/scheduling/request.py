@@ -78,6 +78,7 @@ class Request:
     fork_logprobs: Logprobs | None = None  # and their logprobs, if asked for
     writes_prefix_cache: bool = True  # False: its blocks hold KV not verified as its prompt's (unsigned remote KV)
     kv_loaded_from: str | None = None  # where KV it waited for came from: "remote" (a server), or a tier ("disk")
+    last_step: int = -1  # the scheduler's last step that computed it (-1: none yet)
     times: RequestTimes = field(default_factory=lambda: RequestTimes(time.time()))
     _block_hashes: dict[int, list[BlockHash]] = field(default_factory=dict, init=False, repr=False)
 

@@ -64,6 +64,7 @@ class Scheduler:
         self.remote_kv = RemoteKV(kv_cache_manager, connector, config.kv_load_failure_policy,
                                   config.kv_max_held_fraction)
         self.num_preemptions = 0
+        self.num_steps = 0  # schedule() calls
         self._failed_outputs: list[RequestOutput] = []  # failed between updates; sent with the next one
         self.prompt_sources = PromptSources()
         self.block_copies: list[tuple[int, int]] = []  # of forked sequences, for the next step
@@ -107,9 +108,11 @@ class Scheduler:
         self.finished_req_ids, self.block_copies = set(), []
         budget = self.config.max_num_batched_tokens
         preempted = False
+        self.num_steps += 1
+        share = fair_share.step_share(self.running, self.waiting)
         for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING or budget <= 0:
-                continue  # preempted earlier in this loop, or no budget left
+            if request.status is not RequestStatus.RUNNING or budget <= 0 or request.request_id not in share:
+                continue  # preempted earlier in this loop, no budget left, or past its request's share
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
             while (blocks := self.kv.allocate_slots(request, num_new)) is None:
                 victim = fair_share.growth_victim(self.running, fair_share.running_counts(self.running))
@@ -120,6 +123,7 @@ class Scheduler:
             if blocks is None:
                 break
             self.runner_view.schedule(request, num_new, out)  # a sequence forked since the last step: whole
+            request.last_step = self.num_steps
             budget -= num_new
         if not preempted:
             self._admit_waiting(out, budget)
@@ -255,6 +259,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.times.scheduled = request.times.scheduled or time.time()
         request.num_computed_tokens = computed
+        request.last_step = self.num_steps
         self.running.append(request)
         self.runner_view.schedule(request, num_new, out)
 

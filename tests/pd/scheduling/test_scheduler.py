@@ -497,6 +497,33 @@ def test_one_requests_sequences_cannot_starve_another_request(memory_blocks: int
     assert seen["big_running"] == 7  # the big one goes on (the small one left a slot this step)
 
 
+def test_a_step_computes_no_more_of_one_requests_sequences_than_of_any_others() -> None:
+    """Probe finding 4: beside a request of n = 128 running 64 sequences a step, a 4-token
+    request's steps took the time of the big one's batch (p99 1.75-2.6x). While the small
+    one waits or runs, a step computes one sequence of the big one (the most the small one
+    runs), those computed least recently first; alone, all of them."""
+    specs = {"l0": attn()}
+    page = make_kv_cache_config(specs, 10**9).cross_layer_page_bytes
+    scheduler, kv = make_scheduler(specs, 4000 * page, max_num_seqs=16)
+    big = Request("big", list(range(10, 50)), SamplingParams(max_tokens=400, n=16, ignore_eos=True, temperature=1.0))
+    small = Request("small", list(range(60, 80)), SamplingParams(max_tokens=4, ignore_eos=True))
+    runner, steps = ToyRunner(kv, scheduler.config), []
+    scheduler.add_request(big)
+    while small.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
+        if len(steps) == 10:
+            scheduler.add_request(small)
+        so = scheduler.schedule()
+        steps.append(sorted(so.num_scheduled_tokens))
+        scheduler.update_from_output(so, runner.execute(so))
+        assert len(steps) < 100, "the small request never ended"
+    alone, beside = steps[2:10], steps[10:]
+    assert all(len(ids) == 16 for ids in alone)  # every sequence of the big one, once forked
+    assert all("small" in ids and len(ids) == 2 for ids in beside), beside  # the small one and one of big's
+    assert len(beside) == 4  # its prefill and 3 decode steps: as beside a request of one sequence
+    assert len({i for ids in beside for i in ids} - {"small"}) == 4  # four sequences of big's in turn
+    assert small.output_token_ids == reference_outputs(small.prompt_token_ids, 4)
+
+
 @pytest.mark.parametrize("reserve", [0, 128])
 def test_admission_keeps_room_for_what_running_requests_will_grow_into(reserve: int) -> None:
     """Issue 31 row 7: with a cache for ~1.6 requests, each admitted next to another was

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pd.scheduling.sampling_params import SamplingParams
+from pd.worker import sampler
 from pd.worker.sampler import first_max, make_generator, sample
 from tests.support.sampling_reference import brute_force_penalized
 
@@ -66,6 +67,24 @@ def test_a_seeded_request_samples_the_same_whatever_its_batch() -> None:
     batched = sample(x, [SamplingParams(temperature=0.7), p, SamplingParams(temperature=0)],
                      [None, make_generator(42, "cpu"), None])
     assert batched[1] == alone[0]
+
+
+def test_rows_sampled_in_parts_draw_what_one_part_would(monkeypatch) -> None:
+    """Sampled rows go through in parts of SAMPLE_PART_BYTES (no temporary large enough
+    to be mapped fresh by malloc): parts of one and of three rows give each seeded row
+    the token that all rows at once give it, with filters and greedy rows between them."""
+    x = torch.randn(7, 3000, generator=torch.Generator().manual_seed(3)) * 2
+    params = [SamplingParams(temperature=0.7 + i / 10, seed=i, top_k=50 if i % 2 else None,
+                             top_p=0.9 if i % 3 else 1.0) for i in range(7)]
+    params[4] = SamplingParams(temperature=0.0)
+
+    def drawn(part_bytes: int) -> list[int]:
+        monkeypatch.setattr(sampler, "SAMPLE_PART_BYTES", part_bytes)
+        return sample(x, params, [make_generator(i, "cpu") for i in range(7)])
+
+    whole = drawn(1 << 30)
+    assert drawn(4 * 3000) == whole and drawn(3 * 4 * 3000) == whole
+    assert whole[4] == int(x[4].argmax())
 
 
 def test_temperature_sampling_follows_the_softmax() -> None:
