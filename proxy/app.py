@@ -95,6 +95,7 @@ def _lifespan(upstream: Upstream) -> Callable[[FastAPI], contextlib.AbstractAsyn
                               keepalive_expiry=UPSTREAM_KEEPALIVE_S)
         async with httpx.AsyncClient(limits=limits, timeout=upstream.timeout) as client:
             upstream.client = client
+            await _probe_all(upstream)  # what /health and routing say is known from the first request on
             tasks = [asyncio.create_task(_probe_forever(upstream)), *_follow_kv_events(upstream)]
             try:
                 yield
@@ -182,5 +183,8 @@ def _follow_kv_events(upstream: Upstream) -> list[asyncio.Task[None]]:
 async def _probe_forever(upstream: Upstream) -> None:
     while True:
         await asyncio.sleep(upstream.config.probe_interval_s)
-        for pool in (upstream.prefill, upstream.decode):
-            await pool.probe(upstream.client)
+        await _probe_all(upstream)
+
+
+async def _probe_all(upstream: Upstream) -> None:
+    await asyncio.gather(upstream.prefill.probe(upstream.client), upstream.decode.probe(upstream.client))

@@ -27,6 +27,7 @@ for it (picked before their prefill, see forward.py):
 from __future__ import annotations
 
 import bisect
+import asyncio
 import hashlib
 import itertools
 from collections.abc import Sequence
@@ -84,6 +85,7 @@ class Instance:
     block_size: int = 0  # tokens per block of the indexed KV cache group
     engine_pid: int | None = None  # as its /health last said: another one means it restarted
     cache_epoch: int = 0  # counts the times what it held was forgotten (its events are followed anew)
+    probed: bool = False  # its /health answered (or failed) the prober at least once
 
     @property
     def in_flight(self) -> int:
@@ -135,7 +137,8 @@ class Instance:
         index = self.kv_index
         indexed = None if index is None else {"blocks": len(index.blocks), "events_seq": index.last_seq,
                                               "tiers": {m: len(held) for m, held in index.lower.items()}}
-        return {"url": self.url, "role": self.role, "healthy": self.healthy, "breaker": self.breaker.state,
+        return {"url": self.url, "role": self.role, "healthy": self.healthy, "probed": self.probed,
+                "breaker": self.breaker.state,
                 "outstanding": self.outstanding, "bound": self.bound,
                 "requests": self.requests, "failures": self.failures, "last_error": self.last_error,
                 "kv_index": indexed}
@@ -227,24 +230,26 @@ class InstancePool:
 
     async def probe(self, client: httpx.AsyncClient, timeout_s: float = 2.0) -> None:
         """Ask /health of every instance its breaker lets through (an open one past its
-        cool-down is half-open: this is its trial): a 200 is a success, anything else a
-        failure. An engine process other than the one seen before means the server
-        restarted: what it held is forgotten."""
-        for instance in self.instances:
-            if not instance.breaker.allows():
-                continue
-            instance.breaker.start()
-            try:
-                response = await client.get(f"{instance.url}/health", timeout=timeout_s)
-                ok = response.status_code == 200
-                error = None if ok else f"/health answered {response.status_code}"
-            except httpx.HTTPError as exc:
-                ok, error = False, f"/health failed: {type(exc).__name__}: {exc}"
-            if ok:
-                self._note_engine(instance, response)
-                instance.mark_succeeded()
-            else:
-                instance.mark_failed(error)
+        cool-down is half-open: this is its trial), all at once: a 200 is a success,
+        anything else a failure. An engine process other than the one seen before means
+        the server restarted: what it held is forgotten."""
+        await asyncio.gather(*(self._probe(instance, client, timeout_s) for instance in self.instances
+                               if instance.breaker.allows()))
+
+    async def _probe(self, instance: Instance, client: httpx.AsyncClient, timeout_s: float) -> None:
+        instance.breaker.start()
+        try:
+            response = await client.get(f"{instance.url}/health", timeout=timeout_s)
+            ok = response.status_code == 200
+            error = None if ok else f"/health answered {response.status_code}"
+        except httpx.HTTPError as exc:
+            ok, error = False, f"/health failed: {type(exc).__name__}: {exc}"
+        instance.probed = True
+        if ok:
+            self._note_engine(instance, response)
+            instance.mark_succeeded()
+        else:
+            instance.mark_failed(error)
 
     @staticmethod
     def _note_engine(instance: Instance, response: httpx.Response) -> None:

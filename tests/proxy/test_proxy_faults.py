@@ -11,7 +11,7 @@ import pytest
 
 from launch import http_client
 from tests.support.proxy_fakes import (FakeServer, Reply, closing_kept_alive, error, fake, hanging_up, proxy_health,
-                                       proxy_in_front, proxy_metric, refusing_port, wait_until)
+                                       proxy_in_front, proxy_metric, refusing_port, vanishing, wait_until)
 
 pytestmark = pytest.mark.slow  # seconds per test of real sockets, servers and timeouts
 BODY = {"prompt": "Hello there", "max_tokens": 4}
@@ -104,6 +104,30 @@ def slow_prefill():
     with fake("prefill") as p:
         p.default = Reply(delay_s=30)
         yield p.url
+
+
+def test_the_proxy_knows_every_servers_health_from_its_start(servers) -> None:
+    """Probed before the proxy serves (it showed every server up until its first probe,
+    an interval later): a server down at start is down in /health and gets no request."""
+    p1, _, d = servers
+    with refusing_port() as dead, proxy_in_front([dead, p1.url], [d.url]) as proxy:  # the prober's interval: 1 h
+        state = proxy_health(proxy)
+        assert state[dead]["probed"] and not state[dead]["healthy"] and state[dead]["breaker"] == "open"
+        assert state[p1.url]["probed"] and state[p1.url]["healthy"] and state[d.url]["healthy"]
+        assert post(proxy).status_code == 200 and len(p1.received) == 1
+
+
+def test_a_request_timing_out_on_a_kept_alive_connection_is_not_tried_on_another_server(servers) -> None:
+    """A response that does not come in time is not the keep-alive race (a connection
+    closed as the request was written): the server had the request, which may be what
+    hangs it. (The connection the proxy's probe opened is kept alive for the first one.)"""
+    p1, p2, d = servers
+    with proxy_in_front([p1.url, p2.url], [d.url], timeout_s=1.0) as proxy:
+        assert post(proxy).status_code == 200 and post(proxy).status_code == 200  # a kept connection to each
+        p1.default = Reply(delay_s=30)
+        response = post(proxy)  # round robin: p1 again, on its kept connection
+        assert response.status_code == 502 and "not tried on another" in response.json()["error"]["message"]
+        assert len(p2.received) == 1
 
 
 def test_an_unreachable_prefill_server_is_marked_unhealthy_and_the_next_serves(servers) -> None:
@@ -215,10 +239,11 @@ def test_an_unreachable_decode_server_is_skipped_for_the_next(servers) -> None:
 
 def test_with_no_decode_server_reachable_p_releases_and_the_next_request_skips_p(servers) -> None:
     p1, _, _ = servers
-    with refusing_port() as dead, proxy_in_front([p1.url], [dead]) as proxy:
+    with vanishing() as dead, proxy_in_front([p1.url], [dead.url]) as proxy:
+        dead.vanish()  # since the proxy's probe at start
         response = post(proxy)
         assert response.status_code == 503 and "no healthy decode instance" in response.json()["error"]["message"]
-        assert p1.released_ids == ["p-1"] and not proxy_health(proxy)[dead]["healthy"]
+        assert p1.released_ids == ["p-1"] and not proxy_health(proxy)[dead.url]["healthy"]
         assert post(proxy).status_code == 503
         assert len(p1.received) == 1  # D is known down: P is not asked to hold blocks again
 

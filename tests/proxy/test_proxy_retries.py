@@ -12,8 +12,8 @@ import pytest
 
 from launch import http_client
 from proxy.answers import MAX_BACKOFF_S, backoff_s
-from tests.support.proxy_fakes import (Reply, error, fake, proxy_health, proxy_in_front, proxy_metric, refusing_port,
-                         wait_until)
+from tests.support.proxy_fakes import (Reply, error, fake, proxy_health, proxy_in_front, proxy_metric,
+                                       vanishing, wait_until)
 
 pytestmark = pytest.mark.slow  # seconds per test of real sockets, servers and timeouts
 BODY = {"prompt": "Hello there", "max_tokens": 4}
@@ -36,10 +36,13 @@ def test_the_backoff_doubles_with_jitter_and_is_capped() -> None:
 
 
 def test_a_prefill_failing_before_answering_is_retried_on_each_other_p() -> None:
-    with fake("prefill") as p, fake("decode") as d, refusing_port() as refused, refusing_port() as dead, \
+    with fake("prefill") as p, fake("decode") as d, vanishing() as refusing, vanishing() as dying, \
             fake("prefill") as gone:
         gone.default = error("engine_dead", 503)  # its engine was dead before the request came
+        refused, dead = refusing.url, dying.url
         with proxy_in_front([refused, dead, gone.url, p.url], [d.url], max_retries=3) as proxy:
+            refusing.vanish()  # both since the proxy's probe at start
+            dying.vanish()
             response = post(proxy)
             assert response.status_code == 200 and response.json()["choices"][0]["text"] == "fake answer"
             state = proxy_health(proxy)
@@ -50,8 +53,9 @@ def test_a_prefill_failing_before_answering_is_retried_on_each_other_p() -> None
 
 
 def test_max_retries_bounds_the_prefill_servers_tried() -> None:
-    with fake("prefill") as p, fake("decode") as d, refusing_port() as refused, \
-            proxy_in_front([refused, p.url], [d.url], max_retries=0) as proxy:
+    with fake("prefill") as p, fake("decode") as d, vanishing() as refused, \
+            proxy_in_front([refused.url, p.url], [d.url], max_retries=0) as proxy:
+        refused.vanish()  # since the proxy's probe at start
         response = post(proxy)  # round_robin takes the first one first
         assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable"
         assert p.received == [] and d.received == [] and retries(proxy) == 0

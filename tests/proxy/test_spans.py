@@ -9,7 +9,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from launch import http_client
 from telemetry import tracing
-from tests.support.proxy_fakes import fake, proxy_in_front, wait_until
+from tests.support.proxy_fakes import fake, proxy_in_front, vanishing, wait_until
 
 pytestmark = pytest.mark.slow  # real sockets and servers
 CLIENT_TRACE, CLIENT_SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
@@ -58,7 +58,8 @@ def test_a_request_is_one_trace_from_the_client_through_p_and_d(exported, stream
 
 
 def test_without_a_traceparent_the_proxy_starts_a_trace_and_a_failed_call_says_why(exported) -> None:
-    with fake("decode") as d, proxy_in_front(["http://127.0.0.1:9"], [d.url], max_retries=0) as url:
+    with fake("decode") as d, vanishing() as p, proxy_in_front([p.url], [d.url], max_retries=0) as url:
+        p.vanish()  # since the proxy's probe at start
         response = http_client().post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
         assert response.status_code == 503  # the one P cannot be reached
     spans = {s.name: s for s in exported.get_finished_spans()}

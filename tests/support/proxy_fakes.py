@@ -186,10 +186,24 @@ def refusing_port() -> Iterator[str]:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
+class RawServer:
+    """A server on a raw socket (`raw_server`): `url`, and `vanish()`, after which its
+    port refuses every connection (a server that died since the proxy's last probe)."""
+
+    def __init__(self, listener: socket.socket) -> None:
+        self.listener = listener
+        self.url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    def vanish(self) -> None:
+        self.listener.shutdown(socket.SHUT_RDWR)  # no longer listening: connections are refused
+
+
 @contextlib.contextmanager
-def raw_server(handle: Callable[[socket.socket], None]) -> Iterator[str]:
-    """A URL whose server hands each connection to `handle` (one at a time, its socket
-    closed after; a connection error ends only that connection)."""
+def raw_server(handle: Callable[[socket.socket, str, bytes], None]) -> Iterator[RawServer]:
+    """A server that answers `GET /health` with 200 (the proxy's probes find it up) and
+    hands each connection's other first request, read, to `handle(conn, path, body)` (one
+    connection at a time, its socket closed after; a connection error ends only that
+    connection)."""
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(0.1)
     stop = threading.Event()
@@ -199,21 +213,37 @@ def raw_server(handle: Callable[[socket.socket], None]) -> Iterator[str]:
             with contextlib.suppress(OSError):  # TimeoutError, ConnectionError among them
                 conn, _ = listener.accept()
                 with conn:
-                    handle(conn)
+                    path, body = _read_request(conn)
+                    if path == "/health":
+                        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 16\r\n"
+                                     b"Connection: close\r\n\r\n{\"status\": \"ok\"}")
+                    else:
+                        handle(conn, path, body)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+        yield RawServer(listener)
     finally:
         stop.set()
         thread.join(START_TIMEOUT_S)
         listener.close()
 
 
-def hanging_up() -> contextlib.AbstractContextManager[str]:
-    """A URL whose server reads a request, then closes the connection without answering."""
-    return raw_server(lambda conn: conn.recv(65536))
+@contextlib.contextmanager
+def hanging_up() -> Iterator[str]:
+    """A URL whose server answers /health but reads any other request and then closes the
+    connection without answering."""
+    with raw_server(lambda conn, path, body: None) as server:
+        yield server.url
+
+
+@contextlib.contextmanager
+def vanishing() -> Iterator[RawServer]:
+    """A server up when the proxy starts (its probe finds /health answering) whose port
+    refuses every connection once the test calls `vanish()`."""
+    with raw_server(lambda conn, path, body: None) as server:
+        yield server
 
 
 def _read_request(conn: socket.socket) -> tuple[str, bytes]:
@@ -232,19 +262,21 @@ def _read_request(conn: socket.socket) -> tuple[str, bytes]:
     return head.split(b" ")[1].decode(), body
 
 
-def closing_kept_alive(upstream: str) -> contextlib.AbstractContextManager[str]:
-    """A URL whose server answers a connection's first request as `upstream` does (its
-    body relayed) and keeps the connection open, then reads the next request on it and
-    closes it unanswered: a server closing an idle connection as a request comes."""
-    def handle(conn: socket.socket) -> None:
-        path, body = _read_request(conn)
+@contextlib.contextmanager
+def closing_kept_alive(upstream: str) -> Iterator[str]:
+    """A URL whose server answers a connection's first request (but /health) as
+    `upstream` does (its body relayed) and keeps the connection open, then reads the next
+    request on it and closes it unanswered: a server closing an idle connection as a
+    request comes."""
+    def handle(conn: socket.socket, path: str, body: bytes) -> None:
         answer = http_client().post(upstream + path, content=body, headers={"Content-Type": "application/json"},
                                     timeout=30)
         conn.sendall(b"HTTP/1.1 %d OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
                      % (answer.status_code, len(answer.content)) + answer.content)
         _read_request(conn)  # the next request on the kept-alive connection: closed unanswered
 
-    return raw_server(handle)
+    with raw_server(handle) as server:
+        yield server.url
 
 
 @contextlib.contextmanager
