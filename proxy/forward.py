@@ -95,7 +95,7 @@ async def forward(upstream: Upstream, request: Request, endpoint: str) -> Respon
         body = parse_body(await read_body(request, config.max_request_bytes), config.max_depth)
     except ClientDisconnect:
         return Response(status_code=CLIENT_CLOSED)
-    rank = priority(body)  # the queue's: taken out, as the servers do not take it
+    rank = priority(body, config.max_client_priority)  # the queue's: taken out, as the servers do not take it
     body.pop("priority", None)
     request_id = request.headers.get("x-request-id") or f"pdx-{uuid.uuid4().hex}"
     call = Call(endpoint, body, upstream.headers(request, request_id), Route(prefix_key(body)), request_id)
@@ -194,14 +194,19 @@ async def _try_place(upstream: Upstream, request: Request,
     return decode, prefilled
 
 
-def priority(body: dict[str, Any]) -> int:
-    """The body's `priority` (lower first; 0 when absent). BodyError if not an integer."""
+def priority(body: dict[str, Any], most_urgent: int) -> int:
+    """The body's `priority` (lower first; 0 when absent). BodyError if not an integer of
+    32 bits, or more urgent (lower) than `most_urgent` (`--max-client-priority`)."""
     value = body.get("priority", 0)
     if type(value) is not int or not -2**31 <= value < 2**31:
         error = BodyError("priority must be an integer of 32 bits (lower is served first)", "invalid_type")
-        error.path = ["priority"]
-        raise error.located()
-    return value
+    elif value < most_urgent:
+        error = BodyError(f"priority {value} is more urgent than this proxy lets a client ask (at most "
+                          f"{most_urgent}: lower is served first)", "invalid_value")
+    else:
+        return value
+    error.path = ["priority"]
+    raise error.located()
 
 
 async def _decode(upstream: Upstream, request: Request, call: Call, prefilled: Prefilled | None,

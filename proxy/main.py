@@ -111,6 +111,11 @@ def _add_fault_flags(parser: argparse.ArgumentParser) -> None:
                              "prefill server holding too many blocks for unread requests), served in order of "
                              "their body's priority (lower first) then arrival; past it the client gets 429 with "
                              "Retry-After; 0: no queue, no room is answered at once (default %(default)s)")
+    parser.add_argument("--max-client-priority", type=int, default=PROXY_DEFAULTS["max_client_priority"],
+                        metavar="P", help="the most urgent priority a client may ask in its body (lower is served "
+                                          "first); a lower one is refused with 400. The default lets a client "
+                                          "defer its own requests (priority > 0) but not go ahead of others; "
+                                          "-2147483648 lets any client ask anything (default %(default)s)")
     parser.add_argument("--queue-timeout", type=float, default=PROXY_DEFAULTS["queue_timeout_s"], metavar="S",
                         help="the longest a request waits in the queue; then 429 with Retry-After "
                              "(default %(default)s)")
@@ -128,6 +133,7 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
                            retry_backoff_s=args.retry_backoff, breaker_failures=args.breaker_failures,
                            breaker_cooldown_s=args.breaker_cooldown, max_outstanding=args.max_outstanding,
                            max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
+                           max_client_priority=args.max_client_priority,
                            max_request_bytes=args.max_request_bytes, disagg_policy=args.disagg_policy,
                            local_prefill_max_tokens=args.local_prefill_max_tokens,
                            reuse_min_tokens=args.reuse_min_tokens, kv_tier_weights=tier_weights(args.kv_tier_weights))

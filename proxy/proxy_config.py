@@ -35,6 +35,7 @@ class ProxyConfig:
     max_outstanding: int = 0  # requests in flight per server at most; past it on every one: queued (0: no limit)
     max_queue: int = 1024  # requests waiting for room at most; past it: 429 (0: no queue, no room is a 429 / 503)
     queue_timeout_s: float = 600.0  # the longest a request waits for room; then 429
+    max_client_priority: int = 0  # the most urgent (lowest) `priority` a client may send; lower: 400
     release_timeout_s: float = 5.0  # one `/v1/kv/release` to a prefill server
     max_request_bytes: int = MAX_REQUEST_BYTES
     max_depth: int = MAX_DEPTH  # of a request body's nested objects and arrays
@@ -70,6 +71,9 @@ class ProxyConfig:
             raise ValueError("the probe interval, the timeouts and the breaker's cool-down must be positive")
         if self.max_retries < 0 or self.retry_backoff_s < 0 or self.max_outstanding < 0 or self.max_queue < 0:
             raise ValueError("max_retries, the retry backoff, max_outstanding and max_queue must not be negative")
+        if not -2**31 <= self.max_client_priority < 2**31:
+            raise ValueError(f"the most urgent client priority must be an integer of 32 bits, got "
+                             f"{self.max_client_priority}")
         if self.queue_timeout_s <= 0:
             raise ValueError(f"the queue timeout must be positive, got {self.queue_timeout_s}")
         if self.breaker_failures < 1:

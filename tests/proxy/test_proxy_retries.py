@@ -19,8 +19,8 @@ pytestmark = pytest.mark.slow  # seconds per test of real sockets, servers and t
 BODY = {"prompt": "Hello there", "max_tokens": 4}
 
 
-def post(proxy: str) -> httpx.Response:
-    return http_client().post(f"{proxy}/v1/completions", json=BODY, timeout=60)
+def post(proxy: str, body: dict | None = None) -> httpx.Response:
+    return http_client().post(f"{proxy}/v1/completions", json=body or BODY, timeout=60)
 
 
 def retries(proxy: str, role: str = "prefill") -> float:
@@ -177,10 +177,26 @@ def test_a_priority_outside_32_bits_or_not_an_integer_is_a_400() -> None:
         assert p.received == [] and post(proxy).status_code == 200
 
 
+def test_a_priority_more_urgent_than_the_proxy_allows_is_a_400() -> None:
+    """Any client could send -2^31 and go ahead of every other: by default a client may
+    only defer its own requests; --max-client-priority lets it ask more."""
+    with fake("prefill") as p, fake("decode") as d, proxy_in_front([p.url], [d.url]) as proxy:
+        for bad in (-1, -2**31):
+            response = http_client().post(f"{proxy}/v1/completions", json=BODY | {"priority": bad}, timeout=10)
+            assert response.status_code == 400 and response.json()["error"]["param"] == "priority", response.text
+            assert "more urgent than this proxy lets a client ask (at most 0" in response.json()["error"]["message"]
+        assert p.received == []
+        for fine in (0, 7, 2**31 - 1):
+            assert post(proxy, BODY | {"priority": fine}).status_code == 200
+    with fake("prefill") as p, fake("decode") as d, proxy_in_front([p.url], [d.url], max_client_priority=-5) as proxy:
+        assert post(proxy, BODY | {"priority": -5}).status_code == 200
+        assert post(proxy, BODY | {"priority": -6}).status_code == 400
+
+
 def test_a_priority_orders_the_proxys_queue_and_is_not_sent_to_the_servers() -> None:
     """pd serve refuses a field it does not take (400 "priority is not supported"): the
     proxy, whose queue the field orders, keeps it."""
-    with fake("prefill") as p, fake("decode") as d, proxy_in_front([p.url], [d.url]) as proxy:
+    with fake("prefill") as p, fake("decode") as d, proxy_in_front([p.url], [d.url], max_client_priority=-3) as proxy:
         response = http_client().post(f"{proxy}/v1/completions", json=BODY | {"priority": -3}, timeout=10)
         assert response.status_code == 200, response.text
         assert [r.body for r in p.received + d.received if "priority" in r.body] == []
