@@ -44,7 +44,7 @@ import msgspec
 
 from connectors.nixl.leases import LeaseTable
 from pd.kv_cache.spec import cdiv
-from pd.kv_transfer.params import RemotePrefillParams
+from pd.kv_transfer.params import PromptSources, RemotePrefillParams
 from pd.kv_transfer.signing import prompt_digest, sign
 from pd.scheduling.connector_api import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, KVHeldAlready,
                                          KVLoadRefused)
@@ -176,7 +176,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 first_token_ids=request.first_token_ids, block_size=self.block_sizes[0], tp_size=self.tp_size,
                 lease_expires_at=self.wall_clock() + self.lease_seconds, lease_seconds=self.lease_seconds,
                 prompt_digest=prompt_digest(request.prompt_token_ids), lease_slot=slot, lease_token=token,
-                first_logprobs=request.first_logprobs, prompt_logprobs=request.prompt_logprobs)
+                first_logprobs=request.first_logprobs, prompt_logprobs=request.prompt_logprobs,
+                prompt_sources=PromptSources.of(request.prompt_sources) if request.prompt_sources else None)
             params = sign(params, self.secret) if self.secret else params
         except BaseException:  # the blocks are freed now: their slot must read 0 first
             if self.leases is not None:

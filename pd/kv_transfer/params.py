@@ -44,6 +44,28 @@ MAX_GROUPS = 256
 BlockIds = Annotated[list[Annotated[list[BlockId], msgspec.Meta(max_length=INT32)]],
                      msgspec.Meta(min_length=1, max_length=MAX_GROUPS)]
 MAX_TP_SIZE = 256  # tensor-parallel ranks of a prefill server
+Tokens = Annotated[int, msgspec.Meta(ge=0, lt=INT32)]
+
+
+class PromptSources(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Where a prefill server's prompt tokens came from: computed for the request, its
+    prefix cache, another server's cache (a prefix read from a decode server), or an
+    offload tier (pd/scheduling/prompt_sources.py)."""
+
+    computed: Tokens = 0
+    local_cache: Tokens = 0
+    remote: Tokens = 0
+    host: Tokens = 0
+    disk: Tokens = 0
+
+    @classmethod
+    def of(cls, counts: dict[str, int]) -> PromptSources:
+        return cls(**counts)
+
+    def counts(self) -> dict[str, int]:
+        """The sources as a dict: computed and local_cache always, the others where not 0."""
+        out = msgspec.structs.asdict(self)
+        return {k: v for k, v in out.items() if v or k in ("computed", "local_cache")}
 MAX_SEQUENCES = 1024  # first tokens a set may carry (the server holds them to the request's n)
 
 
@@ -89,6 +111,7 @@ class RemotePrefillParams(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     signature: HexDigest | None = None  # HMAC over every other field, with the deployment's secret
     first_logprobs: Logprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_sources: PromptSources | None = None  # where P's prompt tokens came from (computed, its cache, ...)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object a response carries (the flag says what it is; no `kind`)."""

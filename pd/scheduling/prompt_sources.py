@@ -1,9 +1,17 @@
 """Where each request's prompt tokens came from: computed here, the local prefix cache,
-or a remote prefill; counted once per request, when it first runs."""
+another server (a remote prefill, or a prefix read from a decode server) or an offload
+tier (host, disk); counted once per request, when it first runs, for the server's
+totals and the request's own `prompt_sources`."""
 
 from __future__ import annotations
 
 from pd.scheduling.request import Request, RequestStatus
+
+
+def cached_tokens(sources: dict[str, int]) -> int:
+    """Prompt tokens whose KV was not computed for the request: found in a prefix cache,
+    loaded from an offload tier or read from another server's cache."""
+    return sum(tokens for source, tokens in sources.items() if source != "computed")
 
 
 class PromptSources:
@@ -21,10 +29,12 @@ class PromptSources:
             num_hit, num_external = request.num_cached_tokens, request.num_computed_tokens - request.num_cached_tokens
         prompt = request.num_prompt_tokens
         num_external = min(num_external, prompt - num_hit)
-        self.counts["local_cache"] += num_hit
-        source = request.kv_loaded_from or "remote"  # another server's KV, or an offload tier's
-        self.counts[source] = self.counts.get(source, 0) + num_external
-        self.counts["computed"] += prompt - num_hit - num_external
+        sources = {"computed": prompt - num_hit - num_external, "local_cache": num_hit}
+        if num_external:
+            sources[request.kv_loaded_from or "remote"] = num_external  # another server's KV, or a tier's
+        request.prompt_sources = sources
+        for source, tokens in sources.items():
+            self.counts[source] = self.counts.get(source, 0) + tokens
 
     def forget(self, request_id: str) -> None:
         self._counted.discard(request_id)

@@ -79,6 +79,8 @@ class Request:
     writes_prefix_cache: bool = True  # False: its blocks hold KV not verified as its prompt's (unsigned remote KV)
     kv_loaded_from: str | None = None  # where KV it waited for came from: "remote" (a server), or a tier ("disk")
     last_step: int = -1  # the scheduler's last step that computed it (-1: none yet)
+    prompt_sources: dict[str, int] = field(default_factory=dict)  # where its prompt's KV came from (PromptSources)
+    prefill_sources: dict[str, int] | None = None  # D: where the prefill server's came from, once its KV landed
     times: RequestTimes = field(default_factory=lambda: RequestTimes(time.time()))
     _block_hashes: dict[int, list[BlockHash]] = field(default_factory=dict, init=False, repr=False)
 
@@ -104,6 +106,14 @@ class Request:
         if self.fork_logprobs is not None:
             rows.append(self.fork_logprobs)
         return rows
+
+    @property
+    def client_sources(self) -> dict[str, int]:
+        """Where the prompt's KV came from as the client counts it, for the whole
+        deployment: what the prefill server said when this server read its KV (P computed
+        those tokens for this request: they were not a cache's), else this server's own
+        `prompt_sources`."""
+        return self.prefill_sources or self.prompt_sources
 
     @property
     def output_id(self) -> str:
@@ -155,9 +165,12 @@ class Request:
         return params.prefix if isinstance(params, RemoteDecodeParams) else params
 
     def remote_kv_landed(self) -> None:
-        """Its remote KV is in its blocks: on D a local request from now on; on P one that
-        keeps its blocks for a decode server and reads nothing more."""
+        """Its remote KV is in its blocks: on D a local request from now on (what P said of
+        where its prompt came from kept: `prefill_sources`); on P one that keeps its blocks
+        for a decode server and reads nothing more."""
         params = self.kv_transfer_params
+        if isinstance(params, RemotePrefillParams) and params.prompt_sources is not None:
+            self.prefill_sources = params.prompt_sources.counts()
         self.kv_transfer_params = RemoteDecodeParams(do_remote_decode=True) \
             if isinstance(params, RemoteDecodeParams) else None
 
@@ -171,6 +184,7 @@ class Request:
         child = Request(sequence_id(self.request_id, index), self.prompt_token_ids,
                         self.sampling_params.for_sequence(index), cache_salt=self.cache_salt,
                         num_cached_tokens=self.num_cached_tokens, parent_id=self.request_id, index=index,
+                        prompt_sources=dict(self.prompt_sources), prefill_sources=self.prefill_sources,
                         writes_prefix_cache=self.writes_prefix_cache)
         child.append_output_token_ids(token_id)
         child.add_output_logprobs(logprobs)
@@ -229,7 +243,7 @@ class RequestOutput(msgspec.Struct):
     new_token_ids: list[int] = []
     finish_reason: str | None = None
     kv_transfer_params: RemotePrefillParams | None = None
-    num_cached_tokens: int = 0
+    prompt_sources: dict[str, int] = {}  # where the prompt's KV came from, for the client (Request.client_sources)
     error: str | None = None
     error_code: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # with the first token, when asked for
@@ -259,6 +273,6 @@ class RequestOutput(msgspec.Struct):
         reason = FINISH_REASONS.get(status)
         if reason is not None:
             request.times.finished = time.time()
-        return cls(request.output_id, token_ids, reason, params, request.num_cached_tokens,
+        return cls(request.output_id, token_ids, reason, params, request.client_sources,
                    prompt_logprobs=prompt_logprobs, index=request.index, logprobs=logprobs,
                    times=request.times if reason is not None else None)

@@ -312,9 +312,10 @@ class Scheduler:
                     self.kv.free(request)
                     request.num_computed_tokens = 0
                 continue
-            if (first := RemoteKV.first_tokens(request)) is not None:
+            first = RemoteKV.first_tokens(request)
+            request.remote_kv_landed()  # its holder frees the blocks; sequences forked below inherit what P said
+            if first is not None:
                 outputs += self._append_token(request, *first)
-            request.remote_kv_landed()  # its holder frees the blocks
         return outputs
 
     def _fails_on_load_error(self, request: Request) -> bool:

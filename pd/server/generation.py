@@ -14,11 +14,20 @@ import anyio
 
 from pd.kv_transfer.params import RemotePrefillParams
 from pd.logprobs import Logprobs, PromptLogprobs
+from pd.scheduling.prompt_sources import cached_tokens
 from pd.scheduling.request import RequestTimes, sequence_id
 from pd.server.detokenize import IncrementalDetokenizer
 from pd.server.metrics import ServerMetrics
 from pd.server.serving import Prepared
 from pd.server.spans import RequestSpan
+
+
+def prompt_tokens_details(sources: dict[str, int]) -> dict[str, Any]:
+    """`usage.prompt_tokens_details`: `cached_tokens` as OpenAI's clients read it, and
+    `sources`, how many prompt tokens came from where (`computed`, `local_cache`,
+    `remote`: another server's cache, `host` / `disk`: an offload tier). Under PD they are
+    the prefill server's: it computed for this request what the decode server read."""
+    return {"cached_tokens": cached_tokens(sources), "sources": dict(sources)}
 
 
 @dataclass
@@ -86,7 +95,7 @@ class Generation:
     arrival: float = field(default_factory=time.monotonic)
     created: int = field(default_factory=lambda: int(time.time()))  # the responses' `created`
     num_output_tokens: int = 0
-    num_cached_tokens: int = 0
+    prompt_sources: dict[str, int] = field(default_factory=dict)  # where the prompt's KV came from
     kv_transfer_params: RemotePrefillParams | None = None
     prompt_logprobs: PromptLogprobs | None = None
     sequences: list[Sequence] = field(init=False)
@@ -134,7 +143,7 @@ class Generation:
     def end_span(self) -> None:
         """End the request's span, if traced (idempotent)."""
         if self.span is not None:
-            self.span.finish(self.times, self.num_output_tokens, self.num_cached_tokens,
+            self.span.finish(self.times, self.num_output_tokens, self.prompt_sources,
                              self.sequences[0].finish_reason)
 
     @property
@@ -142,7 +151,8 @@ class Generation:
         return all(s.finish_reason is not None for s in self.sequences)
 
     def _observe(self, out: Any) -> None:
-        self.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_sources:
+            self.prompt_sources = out.prompt_sources
         n = len(out.new_token_ids)
         if not n:
             return
@@ -169,4 +179,4 @@ class Generation:
         prompt = self.prepared.num_prompt_tokens
         return {"prompt_tokens": prompt, "completion_tokens": self.num_output_tokens,
                 "total_tokens": prompt + self.num_output_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+                "prompt_tokens_details": prompt_tokens_details(self.prompt_sources)}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pd.scheduling.prompt_sources import cached_tokens
 from pd.scheduling.request import RequestTimes
 from telemetry import tracing
 
@@ -27,17 +28,20 @@ class RequestSpan:
         self.trace_id = tracing.trace_id(self.span)
         self.finished = False
 
-    def finish(self, times: RequestTimes | None, output_tokens: int, cached_tokens: int,
+    def finish(self, times: RequestTimes | None, output_tokens: int, prompt_sources: dict[str, int],
                finish_reason: str | None) -> None:
-        """End the span (idempotent), with the engine's `times` as children if it sent them."""
+        """End the span (idempotent), with the engine's `times` as children if it sent them,
+        and where the prompt's KV came from (`pd.prompt_tokens.<source>`, and their sum
+        but the computed ones as `pd.cached_tokens`: the client's usage says the same)."""
         if self.finished:
             return
         self.finished = True
         if times is not None:
             for name, start, end, attributes in phases(times, output_tokens):
                 tracing.child(self.span, name, start, end, attributes)
-        self.span.set_attributes({"pd.output_tokens": output_tokens, "pd.cached_tokens": cached_tokens,
-                                  "pd.finish_reason": finish_reason or "none"})
+        self.span.set_attributes({"pd.output_tokens": output_tokens, "pd.cached_tokens": cached_tokens(prompt_sources),
+                                  "pd.finish_reason": finish_reason or "none",
+                                  **{f"pd.prompt_tokens.{source}": n for source, n in prompt_sources.items()}})
         self.span.end()
 
 

@@ -49,6 +49,11 @@ def test_a_pd_request_is_one_trace_across_proxy_p_the_transfer_and_d(tiny_models
     read = one["pd-serve", "decode", "pd.kv_read"].attributes  # the transfer: P's blocks read
     assert read["pd.kv_tokens"] > 0 and read["pd.kv_bytes"] > 0 and read["pd.kv_descriptors"] > 0
     assert on_d.attributes["pd.output_tokens"] == 6 and on_d.attributes["pd.request_id"] == "traced-live"
+    # where the prompt came from, as the client's usage says: P computed it (D read it from P)
+    prompt_tokens = response.json()["usage"]["prompt_tokens"]
+    for on in (on_p, on_d):
+        assert on.attributes["pd.prompt_tokens.computed"] == prompt_tokens and on.attributes["pd.cached_tokens"] == 0
+        assert on.attributes["pd.prompt_tokens.local_cache"] == 0
     for log in ("p.log", "d.log", "proxy.log"):  # every line a JSON record, start-up lines too
         text = [line for line in (tmp_path / log).read_text().splitlines() if not line.startswith("{")]
         assert not text, (log, text[:5])

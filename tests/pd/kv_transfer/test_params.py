@@ -21,7 +21,7 @@ def test_a_remote_prefill_set_round_trips_through_json() -> None:
     assert params.remote_block_ids == [[1, 2, 3], [0, 0, 4]] and params.first_token_ids == [7]
     assert params.to_json() == GOOD | {"lease_seconds": None, "prompt_digest": None, "signature": None,
                                       "first_logprobs": None, "prompt_logprobs": None, "lease_slot": None,
-                                      "lease_token": None}
+                                      "lease_token": None, "prompt_sources": None}
     assert parse_transfer_params(params.to_json()) == params
 
 
@@ -57,6 +57,9 @@ BAD = {
                                                                       "ranks": [1]}}, "first_logprobs.token_ids"),
     "prompt_logprobs starting at 0": (GOOD | {"prompt_logprobs": {"token_ids": [], "logprobs": [], "ranks": [],
                                                                    "start": 0}}, "prompt_logprobs.start"),
+    "prompt_sources of an unknown source": (GOOD | {"prompt_sources": {"elsewhere": 3}}, "prompt_sources"),
+    "prompt_sources negative": (GOOD | {"prompt_sources": {"computed": -1}}, "prompt_sources.computed"),
+    "prompt_sources not a map": (GOOD | {"prompt_sources": [["computed", 1]]}, "prompt_sources"),
     "remote_port string": (GOOD | {"remote_port": "abc"}, "remote_port"),
     "remote_port null": (GOOD | {"remote_port": None}, "remote_port"),
     "remote_port zero": (GOOD | {"remote_port": 0}, "remote_port"),
