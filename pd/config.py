@@ -70,6 +70,7 @@ class EngineConfig:
     kv_side_channel_port: int = 0
     kv_lease_seconds: float = 60.0
     kv_read_timeout: float = 30.0  # D: a KV read still under way after this long fails (recompute / fail)
+    kv_digest: bool = False  # digest the KV held for readers; a reader checks (pd/kv_transfer/digests.py)
     kv_ucx_transports: str = "auto"  # UCX_TLS for the NIXL agent; auto: shared memory + tcp on loopback
     skip_partial_groups_on_remote_prefill: bool = True  # D: see --no-skip-partial-groups-on-remote-prefill
     kv_load_failure_policy: str = "recompute"
@@ -258,7 +259,7 @@ class EngineConfig:
     def connector_config(self) -> ConnectorConfig:
         """What the KV connector is configured with (it sees nothing else of this)."""
         return ConnectorConfig(self.kv_host, self.kv_side_channel_port, self.kv_lease_seconds, self.kv_read_timeout,
-                               self.kv_ucx_transports, self.kv_transfer_secret)
+                               self.kv_ucx_transports, self.kv_transfer_secret, self.kv_digest)
 
     def scheduler_config(self, max_model_len: int, eos_token_ids: frozenset[int],
                          mamba_block_size: int | None) -> SchedulerConfig:
@@ -323,6 +324,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-host", default=ENGINE_DEFAULTS["kv_host"], help="address the KV side channel binds and advertises to decode servers (default %(default)s)")
     parser.add_argument("--kv-side-channel-port", type=int, default=ENGINE_DEFAULTS["kv_side_channel_port"], help="TCP port of the KV side channel (handshakes); 0 picks a free one (default %(default)s)")
     parser.add_argument("--kv-lease-seconds", type=float, default=ENGINE_DEFAULTS["kv_lease_seconds"], help="a prefill server frees KV blocks no decode server read after this long (default %(default)s)")
+    parser.add_argument("--kv-digest", action=argparse.BooleanOptionalAction, default=ENGINE_DEFAULTS["kv_digest"], help="digest (xxh3-64) every KV block this server holds for a reader (a prefill server's blocks for its decode servers, a decode server's exported prefix for a prefill server), at the step that computed them, into the signed kv_transfer_params; a reader checks every byte it read against them before using or caching them, and a mismatch is a load failure (--kv-load-failure-policy; pd_kv_transfer_digest_mismatches_total). A reader checks whatever digests it is given, so turn it on where KV is held. Off by default on this project's CPU machine: it costs more than 2 %% of a transfer's time there (README, KV integrity) (default %(default)s)")
     parser.add_argument("--kv-read-timeout", type=float, default=ENGINE_DEFAULTS["kv_read_timeout"], help="on a decode server, a KV read from the prefill server still under way after this many seconds fails, and --kv-load-failure-policy decides (default %(default)s)")
     parser.add_argument("--kv-ucx-transports", default=ENGINE_DEFAULTS["kv_ucx_transports"], metavar="UCX_TLS", help="UCX transports the NIXL agent may use, as a UCX_TLS list (e.g. rc,ud,sm,self or cuda_ipc,sm,self,tcp); auto: for a loopback --kv-host sm,self,tcp (reads are one process_vm_readv copy), plus cuda_copy,cuda_ipc on a host with GPUs, else UCX's own choice; a UCX_TLS environment variable wins over auto (default %(default)s)")
     parser.add_argument("--no-skip-partial-groups-on-remote-prefill", dest="skip_partial_groups_on_remote_prefill", action="store_false", help="on a decode server, keep Mamba and sliding-window groups in the prefix-cache hit search for remote-prefill requests (A/B comparison: their misses collapse the full-attention hit, so D reads more)")

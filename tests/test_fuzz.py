@@ -51,7 +51,7 @@ def budget(surface: str) -> settings:
 PROMPT = "The keeper of the lighthouse wrote down every ship. "
 REFERENCE_BODY = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 SERVER_FLAGS = ("--max-model-len", "128", "--max-sequences-per-request", "4", "--kv-lease-seconds", "5",
-                "--log-level", "warning")
+                "--kv-digest", "--log-level", "warning")
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +124,12 @@ SPECIAL = st.sampled_from([
         "do_remote_prefill": True, "remote_engine_id": "e", "remote_host": "127.0.0.1", "remote_port": 9,
         "remote_request_id": "r", "remote_block_ids": [[1]], "num_prompt_tokens": 1, "first_token_ids": [5],
         "block_size": 16}},
+    *({"do_remote_prefill": True, "remote_engine_id": "e", "remote_host": "127.0.0.1", "remote_port": 9,
+       "remote_request_id": "r", "remote_block_ids": [[1]], "num_prompt_tokens": 1, "first_token_ids": [5],
+       "block_size": 16} | extra
+      for extra in ({"kv_digests": ["AAAAAAAAAAA="]}, {"kv_digests": ["not base64!"]}, {"kv_digests": []},
+                    {"kv_digests": [1, 2]}, {"prompt_sources": {"computed": 1, "disk": 2**40}},
+                    {"prompt_sources": {"elsewhere": 1}}, {"prompt_sources": [1]})),
     "\udcff", "\x00" * 10, 2**63, -1, float("nan"), float("inf"), [[]], {"type": "json_schema"},
     {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/x"}}}, {"grammar": "start: start"},
 ])

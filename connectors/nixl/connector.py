@@ -20,7 +20,7 @@ class NixlConnector(KVConnector):
                                                     context.compat_hash, lease_seconds=config.lease_seconds,
                                                     read_timeout_s=config.read_timeout_s,
                                                     ucx_transports=config.ucx_transports,
-                                                    rank=context.rank, tp_size=context.tp_size))
+                                                    rank=context.rank, tp_size=context.tp_size, digest=config.digest))
 
     @staticmethod
     def build_scheduler(context: ConnectorContext, worker: NixlConnectorWorker) -> NixlConnectorScheduler:
@@ -28,4 +28,4 @@ class NixlConnector(KVConnector):
         config = context.config
         return NixlConnectorScheduler(context.engine_id, config.host, worker.side_channel_port,
                                       context.block_sizes, config.lease_seconds, secret=config.secret,
-                                      leases=worker.leases, tp_size=context.tp_size)
+                                      leases=worker.leases, tp_size=context.tp_size, digests=worker.digest_book)

@@ -31,6 +31,7 @@ class PeerAgents:
         self.stats = stats
         self.transport = None  # the worker's NixlTransport, once its KV caches are registered
         self.agents: dict[str, list[str]] = {}
+        self.ranks: dict[str, list[int]] = {}  # engine id -> the rank of each of its agents read from
         self.sizes: dict[str, int] = {}
         # engine id -> what waits for its handshake: (do it, fail it with why)
         self.waiting: dict[str, list[tuple[Callable[[], None], Callable[[str], None]]]] = {}
@@ -60,7 +61,7 @@ class PeerAgents:
         for engine_id, outcome, seconds in self.handshakes.completed():
             if isinstance(outcome, HandshakeResponse):
                 try:
-                    self.agents[engine_id] = self._load(engine_id, outcome)
+                    self.agents[engine_id], self.ranks[engine_id] = self._load(engine_id, outcome)
                     self.sizes[engine_id] = len(outcome.agents)
                 except Exception as exc:
                     outcome = exc
@@ -73,9 +74,9 @@ class PeerAgents:
             for action, fail in self.waiting.pop(engine_id, []):
                 action() if engine_id in self.agents else fail(str(outcome))
 
-    def _load(self, engine_id: str, response: HandshakeResponse) -> list[str]:
+    def _load(self, engine_id: str, response: HandshakeResponse) -> tuple[list[str], list[int]]:
         """The names of the agents this rank reads from, in the order the reads go, each
-        loaded; ValueError if they hold not every head this rank holds."""
+        loaded, and their ranks; ValueError if they hold not every head this rank holds."""
         agents = response.agents
         for rank, agent in enumerate(agents):
             if agent.layout.engine_id != rank_agent_name(engine_id, rank):
@@ -94,7 +95,7 @@ class PeerAgents:
             raise ValueError(f"the ranks of {engine_id!r} hold none of the bytes of {lacking[:4]} (group, piece) "
                              f"that this rank holds")
         return [self.transport.add_peer(HandshakeResponse(agents[r].agent_metadata, agents[r].layout))
-                for r in chosen]
+                for r in chosen], chosen
 
     def close(self) -> None:
         self.handshakes.close()

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from connectors.nixl.digest_book import DigestBook
 from connectors.nixl.leases import LeaseTable
 from pd.kv_cache.spec import cdiv
 from pd.kv_transfer.params import PromptSources, RemotePrefillParams
@@ -85,6 +86,7 @@ class NixlConnectorMetadata(KVConnectorMetadata):
     reqs_to_reject: list[tuple[RemotePrefillParams, str]] = field(default_factory=list)  # (where, why)
     reqs_to_release: list[str] = field(default_factory=list)  # P: kept blocks to free now
     reqs_to_keep_alive: list[RemotePrefillParams] = field(default_factory=list)  # D: still waiting to read these
+    reqs_to_digest: list[tuple[str, list[list[int]]]] = field(default_factory=list)  # P: prompts complete this step
 
 
 class KVTransferParamsError(ValueError):
@@ -95,7 +97,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
     def __init__(self, engine_id: str, host: str, side_channel_port: int, block_sizes: list[int],
                  lease_seconds: float = 60.0, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, secret: str | None = None,
-                 leases: LeaseTable | None = None, tp_size: int = 1) -> None:
+                 leases: LeaseTable | None = None, tp_size: int = 1, digests: DigestBook | None = None) -> None:
         if len(set(block_sizes)) != 1:
             raise ValueError(f"the NIXL connector needs one block size across KV cache groups, got {block_sizes}")
         self.engine_id = engine_id
@@ -108,6 +110,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.secret = secret  # signs the parameters P hands out (pd/kv_transfer/signing.py)
         self.leases = leases  # P: the worker half's lease table (None: parameters name no lease word)
         self.tp_size = tp_size  # P: its ranks hold the blocks' heads between them (D handshakes with them all)
+        self.digests = digests  # P with --kv-digest: what its ranks digested of requests held for readers
         self._meta = NixlConnectorMetadata()
         self.num_rejected = 0
         self._lease_end: dict[str, float] = {}  # D: waiting request -> wall-clock end of P's lease, as known here
@@ -157,7 +160,12 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 self._lease_end[request.request_id] = now + params.lease_seconds * (1 - KEEP_ALIVE_MARGIN)
 
     # --- P side -------------------------------------------------------------------
+    def prompt_computed(self, request: Request, block_ids: list[list[int]]) -> None:
+        if self.digests is not None and request.do_remote_decode:  # its ranks digest them after the step
+            self._meta.reqs_to_digest.append((request.request_id, block_ids))
+
     def request_finished(self, request: Request, block_ids: list[list[int]]) -> tuple[bool, RemotePrefillParams | None]:
+        digests = self.digests.take(request.request_id) if self.digests is not None else None
         never_loaded = request.num_computed_tokens == 0
         aborted = request.status is RequestStatus.FINISHED_ABORTED
         self._lease_end.pop(request.request_id, None)
@@ -177,7 +185,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 lease_expires_at=self.wall_clock() + self.lease_seconds, lease_seconds=self.lease_seconds,
                 prompt_digest=prompt_digest(request.prompt_token_ids), lease_slot=slot, lease_token=token,
                 first_logprobs=request.first_logprobs, prompt_logprobs=request.prompt_logprobs,
-                prompt_sources=PromptSources.of(request.prompt_sources) if request.prompt_sources else None)
+                prompt_sources=PromptSources.of(request.prompt_sources) if request.prompt_sources else None,
+                kv_digests=digests)
             params = sign(params, self.secret) if self.secret else params
         except BaseException:  # the blocks are freed now: their slot must read 0 first
             if self.leases is not None:
@@ -210,6 +219,8 @@ def check_fits(params: RemotePrefillParams, request: Request, num_groups: int, b
                                     f"this request has {request.num_prompt_tokens}")
     if params.block_size != block_size:
         raise KVTransferParamsError(f"block size {params.block_size} differs from ours ({block_size})")
+    if params.kv_digests is not None and len(params.kv_digests) != params.tp_size:
+        raise KVTransferParamsError(f"kv_digests has {len(params.kv_digests)} entries for {params.tp_size} ranks")
     expected = cdiv(covered, block_size)
     remote = params.remote_block_ids
     if len(remote) != num_groups or any(len(ids) != expected for ids in remote):

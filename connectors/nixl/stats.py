@@ -27,6 +27,8 @@ class TransferStats:
     handshakes: int = 0
     handshake_failures: int = 0
     malformed_notifications: int = 0  # NIXL notifications that were not ReadDone, Reject or KeepAlive
+    digests_checked: int = 0  # requests received whose bytes matched the holder's digests
+    digest_mismatches: int = 0  # requests received whose bytes did not: a load failure
     xfer_time: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))
     post_time: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))
     bytes_per_read: Histogram = field(default_factory=lambda: Histogram(BYTES_BUCKETS))

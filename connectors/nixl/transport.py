@@ -31,6 +31,7 @@ from connectors.nixl.descriptors import piece_runs, read_descriptors
 from connectors.nixl.peer_messages import DataRefInfo, DeviceKind, HandshakeResponse, KVLayoutInfo, PieceInfo, TensorInfo
 from pd.kv_cache.canonical import CanonicalKVCaches, KVCacheBlockTensor
 from pd.kv_transfer.compat import COMPAT_DIFFERS
+from pd.kv_transfer.digests import WHOLE
 from pd.kv_transfer.nixl_api import load_nixl
 
 logger = logging.getLogger(__name__)
@@ -186,6 +187,14 @@ class NixlTransport:
     @property
     def peers(self) -> list[str]:
         return list(self._peers)
+
+    def peer_units(self, peer_engine_id: str) -> list[list[tuple[str, int]]]:
+        """Per group, the keys of the peer's digest units (pd/kv_transfer/digests.py): its
+        pieces, or the whole page where it describes none."""
+        pieces = self._peer(peer_engine_id).layout.group_pieces
+        if not pieces:
+            return [[WHOLE] for _ in self._refs]
+        return [[(p.kind, p.index) for p in group] for group in pieces]
 
     # --- transfers ------------------------------------------------------------------
     def start_read(

@@ -41,16 +41,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from connectors.nixl.digest_book import DigestBook
 from connectors.nixl.handshake import SideChannelServer
 from connectors.nixl.holds import Holds
 from connectors.nixl.leases import LeaseTable
 from pd.kv_cache.canonical import CanonicalKVCaches
 from pd.kv_transfer.compat import COMPAT_DIFFERS
+from pd.kv_transfer.digests import WHOLE, BlockDigests, mismatch
 from pd.kv_transfer.params import RemotePrefillParams
 from pd.scheduling.connector_api import KVConnectorOutput, KVConnectorWorker
 from connectors.nixl.peer_messages import (HandshakeError, HandshakeRequest, HandshakeResponse, KeepAlive,
@@ -65,6 +67,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+DIGEST_MISMATCH = "brought bytes that are not what the holder digested"  # a load failure's reason starts so
 # The sender polls this long after a notification: without a progress thread UCX sends it
 # (and wires up a new peer's endpoint) only while the sender's agent is polled.
 NOTIF_FLUSH_S = 5.0
@@ -81,6 +84,7 @@ class _Loading:
     notified: bool = False  # the read-done notification rode on the data READ
     outcome: str | None = None  # this rank's data READs are final: "DONE", "ERR", "TIMEOUT" or "ERR: why"
     landing: int | None = None  # the lease word its verifying read lands in, once posted
+    units_read: list[tuple[int, list[set]]] = field(default_factory=list)  # (P rank, unit keys read per group)
 
 
 @dataclass
@@ -98,6 +102,7 @@ class NixlWorkerConfig:
     wall_clock: Callable[[], float] = time.time
     rank: int = 0  # the tensor-parallel rank whose KV memory this worker moves
     tp_size: int = 1
+    digest: bool = False  # P: digest the blocks held for readers (pd/kv_transfer/digests.py)
 
 
 class NixlConnectorWorker(KVConnectorWorker):
@@ -117,6 +122,10 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.failed: dict[str, str] = {}  # failed before a read could be posted -> why
         self.leases: LeaseTable | None = None  # lease words (P's slots, D's landing words), made with the transport
         self.holds = Holds(config.lease_seconds, config.clock, self.stats, self._poll_for)  # P
+        self.block_digests: BlockDigests | None = None  # of this rank's blocks, once registered
+        self.digest_book = DigestBook(config.tp_size) if config.digest and config.rank == 0 else None  # P
+        self.rank_mismatches: dict[str, str] = {}  # rank 0: request -> a rank > 0's digest mismatch
+        self._to_digest: list[tuple[str, list[list[int]]]] = []  # P: this step's prompts, once computed
         self._poll_until = 0.0  # keep progressing NIXL until then (a late read; a notification on its way)
 
     # --- set-up -------------------------------------------------------------------
@@ -126,6 +135,7 @@ class NixlConnectorWorker(KVConnectorWorker):
 
         configure_ucx(self.config.host, self.config.ucx_transports, cuda=torch.cuda.is_available(),
                       kv_on_gpu=kv_caches.tensors[0].device.type == "cuda")
+        self.block_digests = BlockDigests(kv_caches)
         if self.config.rank > 0:  # its reads only: leases and the side channel are rank 0's
             self.transport = self.peers.transport = NixlTransport(self.agent_name, kv_caches)
             return
@@ -151,6 +161,11 @@ class NixlConnectorWorker(KVConnectorWorker):
                 self.rank_sizes.setdefault(req_id, {})[rank] = output.load_sizes.get(req_id, (0, 0))
             for req_id, why in output.failed_recving.items():
                 self.rank_results.setdefault(req_id, {})[rank] = why
+            for req_id, why in output.digest_mismatches.items():
+                self.rank_mismatches.setdefault(req_id, f"(tensor-parallel rank {rank}) {why}")
+            if self.digest_book is not None:
+                for req_id, digests in output.digests.items():
+                    self.digest_book.put(req_id, rank, digests)
 
     @property
     def side_channel_port(self) -> int:
@@ -167,6 +182,7 @@ class NixlConnectorWorker(KVConnectorWorker):
 
     # --- every step ---------------------------------------------------------------
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        self._to_digest = metadata.reqs_to_digest
         for recv in metadata.reqs_to_recv:
             self._start_read(recv)
         if self.config.rank > 0:
@@ -198,21 +214,25 @@ class NixlConnectorWorker(KVConnectorWorker):
         one_read = remote.lease_token is None and len(agents) == 1 and self.config.tp_size == 1
         done = encode_notif(ReadDone(remote.remote_request_id)) if one_read else b""
         taken: list[set] = [set() for _ in recv.local_block_ids]
-        handles, error = [], None
-        for agent in agents:
+        handles, error, units_read = [], None, []
+        for rank, agent in zip(self.peers.ranks[remote.remote_engine_id], agents):
+            before = [set(keys) for keys in taken]
             try:
                 handles.append(self.transport.start_read(agent, recv.local_block_ids, recv.remote_block_ids,
                                                          done, taken))
             except Exception as exc:  # any transport failure fails this request only
                 error = str(exc)
                 break
+            units_read.append((rank, [keys - seen if self.transport.pieces else {WHOLE}
+                                      for keys, seen in zip(taken, before)]))
         if error is not None and not handles:
             self._fail_read(recv, error)
             return
         self.stats.post_time.observe(self.config.clock() - posting)
         self.loading[recv.request_id] = _Loading(recv, handles, self.config.clock(),
                                                  sum(h.num_bytes for h in handles),
-                                                 sum(h.num_descriptors for h in handles), error, one_read)
+                                                 sum(h.num_descriptors for h in handles), error, one_read,
+                                                 units_read=units_read)
 
     def _post_check(self, loading: _Loading) -> str | None:
         """After the data READ: the READ of P's lease word; why it could not be posted, or None."""
@@ -264,11 +284,38 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.peers.finish()
         output = KVConnectorOutput(failed_recving=self.failed)
         self.failed = {}
+        self._digest_held(output)
         self._poll_reads(output)
         notifs = self.transport.get_notifs()  # progresses this agent: P's ranks are read, D's ranks read
         if self.config.rank == 0:
             self.holds.update(notifs, output)
         return output
+
+    def _digest_held(self, output: KVConnectorOutput) -> None:
+        """P: digest the blocks of the prompts this step completed (they are held for a
+        reader once the scheduler half sees them finish): rank 0 keeps its own, a rank > 0
+        reports them to rank 0."""
+        for req_id, block_ids in self._to_digest:
+            digests = self.block_digests.request(block_ids)
+            if self.digest_book is not None:
+                self.digest_book.put(req_id, 0, digests)
+            else:
+                output.digests[req_id] = digests
+        self._to_digest = []
+
+    def _digest_mismatch(self, loading: _Loading) -> str | None:
+        """Why the bytes this rank read for the request differ from the holder's digests of
+        them (None: they match, or the holder gave none)."""
+        remote, recv = loading.request.remote, loading.request
+        if remote.kv_digests is None:
+            return None
+        for rank, keys in loading.units_read:
+            why = mismatch(self.block_digests, recv.local_block_ids, recv.remote_block_ids, keys,
+                           remote.kv_digests[rank], self.transport.peer_units(rank_agent_name(remote.remote_engine_id,
+                                                                                              rank)))
+            if why is not None:
+                return why
+        return None
 
     def _poll_reads(self, output: KVConnectorOutput) -> None:
         for req_id, loading in list(self.loading.items()):
@@ -325,6 +372,8 @@ class NixlConnectorWorker(KVConnectorWorker):
         if loading.outcome == "DONE":
             output.finished_recving.add(req_id)
             output.load_sizes[req_id] = (loading.num_bytes, loading.num_descriptors)
+            if (why := self._digest_mismatch(loading)) is not None:
+                output.digest_mismatches[req_id] = why
             return
         output.failed_recving[req_id] = _failure(loading.outcome, self.config.read_timeout_s)
         self.stats.failures += 1
@@ -335,11 +384,18 @@ class NixlConnectorWorker(KVConnectorWorker):
         word = self.leases.landed(loading.landing) if loading.landing is not None else None
         shares = {0: (loading.num_bytes, loading.num_descriptors), **self.rank_sizes.pop(req_id, {})}
         lease = remote.lease_expires_at
+        ranks_mismatch = self.rank_mismatches.pop(req_id, None)
         if state == "DONE" and word is not None and word != remote.lease_token:
             why = "found its blocks freed by the prefill server before the read ended (released, or its lease ended)"
         elif state == "DONE" and lease is not None and self.config.wall_clock() >= lease:
             why = "ended after the prefill server's lease"
+        elif state == "DONE" and (mismatched := self._digest_mismatch(loading) or ranks_mismatch) is not None:
+            why = f"{DIGEST_MISMATCH}: {mismatched}"
+            self.stats.digest_mismatches += 1
+            self._reject(remote, f"the read {why}")  # nothing retries it: P frees its blocks
         elif state == "DONE":
+            if remote.kv_digests is not None:
+                self.stats.digests_checked += 1
             output.finished_recving.add(req_id)
             output.load_sizes[req_id] = (sum(b for b, _ in shares.values()), sum(d for _, d in shares.values()))
             if not loading.notified:  # checked (or no word to check): P may free the blocks now

@@ -44,6 +44,7 @@ MAX_GROUPS = 256
 BlockIds = Annotated[list[Annotated[list[BlockId], msgspec.Meta(max_length=INT32)]],
                      msgspec.Meta(min_length=1, max_length=MAX_GROUPS)]
 MAX_TP_SIZE = 256  # tensor-parallel ranks of a prefill server
+MAX_DIGEST_BYTES = 1 << 28  # of one rank's digests of a request's blocks (pd/kv_transfer/digests.py)
 Tokens = Annotated[int, msgspec.Meta(ge=0, lt=INT32)]
 
 
@@ -112,6 +113,9 @@ class RemotePrefillParams(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     first_logprobs: Logprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None
     prompt_sources: PromptSources | None = None  # where P's prompt tokens came from (computed, its cache, ...)
+    # per P rank, its digests of the blocks (pd/kv_transfer/digests.py; None: P made none)
+    kv_digests: Annotated[list[Annotated[bytes, msgspec.Meta(max_length=MAX_DIGEST_BYTES)]],
+                          msgspec.Meta(min_length=1, max_length=MAX_TP_SIZE)] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object a response carries (the flag says what it is; no `kind`)."""

@@ -97,13 +97,18 @@ class KVConnectorOutput:
     their prompt (parameters not signed with the deployment's secret): they may use it,
     but nothing of theirs enters the prefix cache. `load_sizes`: what each finished load
     moved (bytes, transfer descriptors): a tensor-parallel rank > 0's own share, for rank
-    0's figures; rank 0's, every rank's together (a request's trace shows them)."""
+    0's figures; rank 0's, every rank's together (a request's trace shows them). A rank
+    > 0 also reports its digests of requests held for readers (`digests`) and its share
+    of a request received whose bytes differ from the holder's digests
+    (`digest_mismatches`, why), for rank 0 to decide on."""
 
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: dict[str, str] = field(default_factory=dict)
     unverified: set[str] = field(default_factory=set)
     load_sizes: dict[str, tuple[int, int]] = field(default_factory=dict)  # (bytes, descriptors) loaded
+    digests: dict[str, bytes] = field(default_factory=dict)  # a rank > 0: its digests of held requests' blocks
+    digest_mismatches: dict[str, str] = field(default_factory=dict)  # a rank > 0: received, but not as digested
     offload: dict[str, OffloadReport] | None = None  # the offload tiers' reports, by tier (pd/kv_offload)
 
 
@@ -135,6 +140,10 @@ class KVConnectorScheduler(ABC):
                          block_ids: list[list[int]]) -> tuple[bool, RemotePrefillParams | None]:
         """Called exactly once per finished request, before its blocks are freed. Returns
         (delay_free, kv_transfer_params for the response)."""
+
+    def prompt_computed(self, request: Request, block_ids: list[list[int]]) -> None:
+        """Called at schedule time for a request whose prompt's last tokens the step
+        computes (its prompt's KV is complete once the step ran), with its blocks."""
 
     def requests_waiting(self, requests: Iterable[Request]) -> None:
         """Called once per step with the requests waiting for admission (in order); a

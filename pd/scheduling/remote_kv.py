@@ -112,7 +112,7 @@ class RemoteKV:
             request.times.kv_bytes, request.times.kv_descriptors = connector_output.load_sizes.get(req_id, (None, None))
             landed.append(request)
             if req_id in connector_output.failed_recving:
-                request.kv_load_error = connector_output.failed_recving[req_id]
+                request.kv_load_error = request.times.kv_error = connector_output.failed_recving[req_id]
                 continue
             if req_id in connector_output.unverified:  # it may use this KV; nobody else may hit it
                 request.writes_prefix_cache = False

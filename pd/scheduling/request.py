@@ -30,9 +30,9 @@ class RequestTimes(msgspec.Struct):
     """When a request's life in the engine passed each point, wall-clock seconds
     (`time.time()`, comparable across the processes of a host): arrived at the engine,
     first scheduled, parked for remote KV (`kv_tokens` to read) and when it landed (with
-    the bytes and transfer descriptors the read moved, where the connector says), its
-    first token, finished. None: it never passed that point. A finishing output carries
-    them (the server's trace makes spans of them)."""
+    the bytes and transfer descriptors the read moved, where the connector says, or why
+    it failed), its first token, finished. None: it never passed that point. A finishing
+    output carries them (the server's trace makes spans of them)."""
 
     arrival: float
     scheduled: float | None = None
@@ -41,6 +41,7 @@ class RequestTimes(msgspec.Struct):
     kv_tokens: int = 0
     kv_bytes: int | None = None
     kv_descriptors: int | None = None
+    kv_error: str | None = None  # why the KV it waited for could not be loaded (it was computed, or it failed)
     first_token: float | None = None
     finished: float | None = None
 

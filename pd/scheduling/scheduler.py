@@ -127,6 +127,10 @@ class Scheduler:
             budget -= num_new
         if not preempted:
             self._admit_waiting(out, budget)
+        for req_id, num_new in out.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            if request.num_computed_tokens < request.num_prompt_tokens <= request.num_computed_tokens + num_new:
+                self.connector.prompt_computed(request, self.kv.get_block_ids(req_id))
         self.connector.requests_waiting(self.waiting)
         out.kv_connector_metadata = self.connector.build_connector_meta()
         out.grammar_masks = self.grammars.masks([r for r, n in out.num_scheduled_tokens.items() if r in self.grammars

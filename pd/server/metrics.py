@@ -104,6 +104,8 @@ KV_TRANSFER_COUNTERS = {
     "keep_alives": ("keep_alives_received", "Lease extensions asked by decode servers whose queue holds the request."),
     "failed_notifications": ("failed_notifications", "Notifications (reject, keep-alive) that could not reach a prefill server."),
     "handshakes": ("handshakes", "Side-channel handshakes with prefill servers that succeeded."),
+    "digests_checked": ("digests_checked", "KV reads whose every byte matched the holder's digests (--kv-digest on the holder)."),
+    "digest_mismatches": ("digest_mismatches", "KV reads whose bytes differed from the holder's digests: load failures (recomputed or failed by --kv-load-failure-policy)."),
     "handshake_failures": ("handshake_failures", "Side-channel handshakes with prefill servers that failed."),
 }
 

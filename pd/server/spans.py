@@ -54,7 +54,8 @@ def phases(times: RequestTimes, output_tokens: int) -> list[tuple[str, float, fl
     out.append(("pd.queue", times.arrival, queued_until, {}))
     if times.kv_wait is not None and times.kv_landed is not None:
         out.append(("pd.kv_read", times.kv_wait, times.kv_landed, {
-            "pd.kv_tokens": times.kv_tokens, "pd.kv_bytes": times.kv_bytes, "pd.kv_descriptors": times.kv_descriptors}))
+            "pd.kv_tokens": times.kv_tokens, "pd.kv_bytes": times.kv_bytes, "pd.kv_descriptors": times.kv_descriptors,
+            "pd.kv_error": times.kv_error}))
     if times.scheduled is not None and times.first_token is not None and times.first_token >= times.scheduled:
         out.append(("pd.prefill", times.scheduled, times.first_token, {}))
     if times.first_token is not None and times.finished is not None and output_tokens > 1:

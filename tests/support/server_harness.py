@@ -31,6 +31,14 @@ class ServerProcess(Launched):
                 samples[key] = float(value)
         return samples
 
+    @property
+    def engine_pid(self) -> int:
+        """The PID of the server's engine process: its child started by multiprocessing's
+        spawn (the other child is multiprocessing's resource tracker)."""
+        children = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text().split()
+        (child,) = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        return int(child)
+
     def wait_for_metric(self, name: str, predicate, timeout: float = METRIC_WAIT_S) -> float:
         """Poll /metrics until `predicate(value)`; the last value either way."""
         deadline = time.monotonic() + timeout

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -204,3 +205,56 @@ def test_blocks_p_freed_before_the_read_ended_fail_the_read(pair) -> None:
     poller = Poller(p, d)
     poller.until(lambda x: x.failed["D"])
     assert poller.recved["D"] == set() and d.stats.failures == 1 and d.stats.reads == 0
+
+
+@pytest.fixture
+def digesting_pair():
+    p, p_buf = make_worker("P", clock=Clock(), digest=True)
+    d, d_buf = make_worker("D")
+    p_buf.copy_(torch.randint(-128, 127, p_buf.shape, dtype=torch.int8))
+    try:
+        yield p, p_buf, d, d_buf
+    finally:
+        d.shutdown()
+        p.shutdown()
+
+
+def digested(p, block_ids: list[list[int]]) -> RemotePrefillParams:
+    """P held `p1` and digested its blocks in the step that computed them; its parameters."""
+    p.start_load_kv(NixlConnectorMetadata(reqs_to_digest=[("p1", block_ids)]))
+    p.get_finished(set())
+    params = held(p)
+    digests = p.digest_book.take("p1")
+    assert digests is not None and len(digests) == 1
+    return msgspec.structs.replace(params, remote_block_ids=block_ids, kv_digests=digests)
+
+
+def test_every_byte_read_is_checked_against_the_holders_digests(digesting_pair) -> None:
+    p, p_buf, d, d_buf = digesting_pair
+    remote = digested(p, [[3, 4, 0], [0, 9, 0]])
+    d.start_load_kv(NixlConnectorMetadata(reqs_to_recv=[ReqToRecv("d1", remote, [[5, 6, 0], [0, 7, 0]],
+                                                                  remote.remote_block_ids, trusted=True)]))
+    poller = Poller(p, d)
+    poller.until(lambda x: x.recved["D"] and x.sent["P"])
+    assert d.stats.digests_checked == 1 and d.stats.digest_mismatches == 0 and d.stats.failures == 0
+
+
+@pytest.mark.parametrize("where", ["read", "held here already"])
+def test_a_bit_flipped_in_p_s_kv_after_the_prefill_fails_the_read_if_it_was_read(digesting_pair, where) -> None:
+    """The KV P holds changes between its prefill (digested) and D's read: D finds out,
+    tells P to free the blocks, and fails the load (the scheduler recomputes it). A block
+    D does not read (its own prefix-cache hit) is not D's to check."""
+    p, p_buf, d, d_buf = digesting_pair
+    remote = digested(p, [[3, 4], [0, 9]])
+    p_buf[4 if where == "read" else 3, 17] ^= 0x10
+    local = [[5, 6], [0, 7]] if where == "read" else [[0, 6], [0, 7]]
+    d.start_load_kv(NixlConnectorMetadata(reqs_to_recv=[ReqToRecv("d1", remote, local, remote.remote_block_ids,
+                                                                  trusted=True)]))
+    poller = Poller(p, d)
+    if where != "read":
+        poller.until(lambda x: x.recved["D"] and x.sent["P"])
+        assert d.stats.digests_checked == 1 and d.stats.digest_mismatches == 0
+        return
+    poller.until(lambda x: x.failed["D"] and x.sent["P"])  # P frees on D's reject
+    assert poller.recved["D"] == set() and d.stats.digest_mismatches == 1 and d.stats.digests_checked == 0
+    assert p.num_requests_held == 0

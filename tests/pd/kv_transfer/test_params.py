@@ -21,7 +21,7 @@ def test_a_remote_prefill_set_round_trips_through_json() -> None:
     assert params.remote_block_ids == [[1, 2, 3], [0, 0, 4]] and params.first_token_ids == [7]
     assert params.to_json() == GOOD | {"lease_seconds": None, "prompt_digest": None, "signature": None,
                                       "first_logprobs": None, "prompt_logprobs": None, "lease_slot": None,
-                                      "lease_token": None, "prompt_sources": None}
+                                      "lease_token": None, "prompt_sources": None, "kv_digests": None}
     assert parse_transfer_params(params.to_json()) == params
 
 

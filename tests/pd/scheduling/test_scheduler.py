@@ -19,7 +19,7 @@ from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from pd.kv_transfer.params import RemotePrefillParams
-from pd.scheduling.connector_api import NullConnectorScheduler
+from pd.scheduling.connector_api import KVConnectorScheduler, NullConnectorScheduler
 from pd.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
 from pd.scheduling.request import Request, RequestStatus
 from pd.scheduling.sampling_params import SamplingParams
@@ -238,7 +238,7 @@ def remote_prefill(num_prompt_tokens: int, first_token_id: int = 0) -> RemotePre
     return RemotePrefillParams(True, "p", "127.0.0.1", 1, "p1", [[0]], num_prompt_tokens, [first_token_id], 16)
 
 
-class ToyRemoteConnector:
+class ToyRemoteConnector(KVConnectorScheduler):
     """A connector whose 'remote' KV arrives after a given number of steps (the scheduler
     contract only; real transfers are tested with NIXL)."""
 

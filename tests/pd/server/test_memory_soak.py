@@ -25,15 +25,12 @@ GROWTH_MB = 24  # allowed over MEASURED requests (uncapped: ~140)
 BOUND_MB = 600  # the tiny model's engine: weights, a 32 MiB KV cache, the largest step's activations, caches
 
 
-def engine_rss_mb(server_pid: int) -> int:
-    """The resident memory of the server's engine process (its child started by
-    multiprocessing's spawn; the other is multiprocessing's resource tracker), in MB."""
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    (child,) = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-    for line in Path(f"/proc/{child}/status").read_text().splitlines():
+def engine_rss_mb(server) -> int:
+    """The resident memory of the server's engine process, in MB."""
+    for line in Path(f"/proc/{server.engine_pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) // 1024
-    raise AssertionError(f"no VmRSS for process {child}")
+    raise AssertionError(f"no VmRSS for process {server.engine_pid}")
 
 
 def load(url: str, requests: int, seed: int) -> None:
@@ -62,10 +59,10 @@ def test_an_engines_memory_plateaus_under_prompts_of_every_length(tiny_models, t
     with running_server(tiny_models["qwen3"], tmp_path / "server.log", "--kv-cache-memory", str(32 << 20),
                         "--max-model-len", "1024") as server:
         load(server.url, WARM_UP, seed=1)
-        warm = engine_rss_mb(server.pid)
+        warm = engine_rss_mb(server)
         samples = []
         for part in range(4):
             load(server.url, MEASURED // 4, seed=2 + part)
-            samples.append(engine_rss_mb(server.pid))
+            samples.append(engine_rss_mb(server))
     assert samples[-1] - warm <= GROWTH_MB, (warm, samples)
     assert max(samples) <= BOUND_MB, (warm, samples)

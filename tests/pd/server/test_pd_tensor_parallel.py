@@ -4,7 +4,8 @@ both at 2. Every answer equals the colocated TP = 1 server's, for an attention m
 a sliding-window one and a Mamba hybrid, prompts around the block sizes; every read
 came from P (none fell back to recomputing) and every server's KV is back to 0. Faults:
 a side channel that leaves a rank out, a P gone before D reads; D computes the request
-itself, with the right tokens, and serves on."""
+itself, with the right tokens, and serves on. Every server digests what it holds for
+readers (`--kv-digest`): every read, of whichever ranks' heads, is checked against them."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def servers(arch, tiny_models, colocated, tmp_path_factory):
     with contextlib.ExitStack() as stack:
         start = lambda name, tp: stack.enter_context(running_server(  # noqa: E731
             tiny_models[arch], logs / f"{name}.log", "--kv-connector", "nixl", "--tensor-parallel-size", tp,
-            "--kv-cache-memory", str(KV_MEMORY), wait=False))
+            "--kv-cache-memory", str(KV_MEMORY), "--kv-digest", wait=False))
         servers = {name: start(name, str(size)) for name, size in SIZES.items()}
         reference = colocated[arch]
         started_together(stack, *servers.values())
@@ -67,6 +68,7 @@ def test_p_then_d_of_other_tp_sizes_gives_the_colocated_tokens(servers, arch, pa
     p, d = servers[pair[0]], servers[pair[1]]
     rng = random.Random(f"tp-{arch}-{pair}")
     reads_before = counter(d, "pd_kv_transfer_reads_total")
+    checked_before = counter(d, "pd_kv_transfer_digests_checked_total")
     row_bytes = whole_kv_cache_config(EngineConfig(model=str(tiny_models[arch]))).cross_layer_page_bytes
     ranks = max(SIZES[name] for name in pair)
     for i, n in enumerate(PROMPT_LENGTHS):
@@ -87,6 +89,8 @@ def test_p_then_d_of_other_tp_sizes_gives_the_colocated_tokens(servers, arch, pa
             assert sum(read[f'pd_kv_transfer_rank_descriptors_total{{rank="{r}"}}'] for r in d_ranks) == \
                 read["pd_kv_transfer_descriptors_total"], n
     assert counter(d, "pd_kv_transfer_reads_total") - reads_before == len(PROMPT_LENGTHS)
+    # every byte each D rank read, of whichever P rank's heads, matched P's ranks' digests (--kv-digest)
+    assert counter(d, "pd_kv_transfer_digests_checked_total") - checked_before == len(PROMPT_LENGTHS)
     for server in (p, d):
         assert counter(server, "pd_kv_transfer_failures_total") == 0
         assert server.wait_for_metric("pd_kv_requests_held", lambda v: v == 0) == 0
@@ -108,8 +112,10 @@ def test_p_reads_a_prefix_from_d_of_another_tp_size(servers, arch, pair) -> None
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     prefix = complete(d, export_body(body, prompt[:held])).body["kv_transfer_params"]
     read_before = counter(p, 'pd_prompt_tokens_by_source_total{source="remote"}')
+    checked_before = counter(p, "pd_kv_transfer_digests_checked_total")
     params = complete(p, prefill_body(body, prefix)).body["kv_transfer_params"]
     assert counter(p, 'pd_prompt_tokens_by_source_total{source="remote"}') - read_before == held
+    assert counter(p, "pd_kv_transfer_digests_checked_total") - checked_before == 1  # D's ranks' digests
     assert complete(d, body | {"kv_transfer_params": params}).token_ids == complete(servers["c"], body).token_ids
     for server in (p, d):
         assert counter(server, "pd_kv_transfer_failures_total") == 0
