@@ -18,6 +18,12 @@ Then NIXL + notif: the same READ carrying a read-done notification, as the conne
 sends it; DONE waits until P's agent took the notification, so P's poll interval
 (`--peer-poll-ms`, its engine step) is part of that figure.
 
+And `--kv-digest`'s cost: NIXL READ + check, the READ followed by D's check of every
+block read against P's digests (`pd/kv_transfer/digests.py`, as the NIXL worker does),
+interleaved with the READ alone; "check / READ" is the median of the rounds' (checked -
+READ) / READ. P pays about as much again when it digests the blocks (not timed here: the
+same hashing, at the end of the step that computed them).
+
 **Per architecture** (`--arch ...`): one request's read with each tiny architecture's
 real KV cache config, canonical vs per-layer layout (`benchmarks/transfer_request.py`).
 
@@ -118,6 +124,10 @@ def bench_block_size(block_bytes: int, args: argparse.Namespace) -> dict:
             if not torch.equal(dst[li], source[ri]):
                 raise AssertionError(f"{fn.__name__} moved the wrong bytes")
         times = interleaved({"nixl": nixl, "cma": cma}, args.repeats)
+        check = digest_check(block_caches(dst), block_caches(source), [local_ids], [remote_ids])
+        checked = interleaved({"nixl": nixl, "nixl_checked": lambda: (nixl(), check())}, args.repeats)
+        times["nixl_checked"] = checked["nixl_checked"]
+        times["check_share"] = [c / n - 1 for n, c in zip(checked["nixl"], checked["nixl_checked"])]
         times["memcpy"] = timed(memcpy, args.repeats)  # apart: its writes to another buffer would
         # be written back during whatever ran next
         notif = encode_notif(ReadDone("bench-request"))
@@ -129,15 +139,32 @@ def bench_block_size(block_bytes: int, args: argparse.Namespace) -> dict:
     return sweep_row(block_bytes, count, count * block_bytes, times)
 
 
+def digest_check(ours, holders, local_ids: list[list[int]], remote_ids: list[list[int]]):
+    """D's check of a READ's blocks against the holder's digests of them (made here from
+    `holders`, the same bytes as P's), as the NIXL worker runs it; raises on a mismatch."""
+    from pd.kv_transfer.digests import BlockDigests, mismatch
+
+    mine, theirs = BlockDigests(ours), BlockDigests(holders)
+    blob, keys = theirs.request(remote_ids), [theirs.unit_keys(g) for g in range(len(remote_ids))]
+    read = [set(group_keys) for group_keys in keys]
+
+    def check() -> None:
+        why = mismatch(mine, local_ids, remote_ids, read, blob, keys)
+        if why is not None:
+            raise AssertionError(f"the READ brought other bytes: {why}")
+    return check
+
+
 def format_sweep(rows: Sequence[dict]) -> str:
-    lines = ["| block | blocks | MiB | NIXL READ GB/s | CMA GB/s | memcpy GB/s | NIXL / CMA | NIXL + notif GB/s |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| block | blocks | MiB | NIXL READ GB/s | CMA GB/s | memcpy GB/s | NIXL / CMA | NIXL + notif GB/s "
+             "| READ + check GB/s | check / READ |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         size = r["block_bytes"]
         label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
         lines.append(f"| {label} | {r['blocks']} | {r['bytes'] / 2**20:.0f} | {r['nixl_gbps']:.2f} "
                      f"| {r['cma_gbps']:.2f} | {r['memcpy_gbps']:.2f} | {r['nixl_over_cma']:.2f} "
-                     f"| {r['nixl_notif_gbps']:.2f} |")
+                     f"| {r['nixl_notif_gbps']:.2f} | {r['nixl_checked_gbps']:.2f} | {r['check_share']:.1%} |")
     return "\n".join(lines)
 
 

@@ -113,6 +113,9 @@ def sweep_row(block_bytes: int, count: int, num_bytes: int, times: dict[str, lis
     way's median time and rate, and NIXL over CMA."""
     row = {"block_bytes": block_bytes, "blocks": count, "bytes": num_bytes, "ucx_tls": os.environ.get("UCX_TLS")}
     for name, values in times.items():
+        if name.endswith("_share"):  # a ratio per round, not a time
+            row[name] = statistics.median(values)
+            continue
         row[f"{name}_gbps"] = num_bytes / statistics.median(values) / 1e9
         row[f"{name}_median_ms"] = statistics.median(values) * 1e3
     # each round's NIXL against the CMA copy next to it: the pairing cancels the machine's drift

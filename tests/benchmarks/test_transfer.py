@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import transfer
 
 
@@ -13,10 +15,24 @@ def test_the_sweep_lands_the_right_bytes_and_writes_its_table(tmp_path, capsys) 
     result = transfer.main(["--block-kib", "64", "--read-mib", "1", "--repeats", "2", "--output", str(out)])
     (row,) = result["sweep"]
     assert row["block_bytes"] == 64 << 10 and row["blocks"] == 16 and row["bytes"] == 1 << 20
-    assert all(row[f"{k}_gbps"] > 0 for k in ("nixl", "cma", "memcpy", "nixl_notif"))
+    assert all(row[f"{k}_gbps"] > 0 for k in ("nixl", "cma", "memcpy", "nixl_notif", "nixl_checked"))
+    assert isinstance(row["check_share"], float)  # the digest check's share of the READ (checked: it raised not)
     assert json.loads(out.read_text())["sweep"] == [row]
     table = capsys.readouterr().out
-    assert "| 64 KiB | 16 | 1 |" in table and "NIXL / CMA" in table
+    assert "| 64 KiB | 16 | 1 |" in table and "NIXL / CMA" in table and "check / READ" in table
+
+
+def test_the_digest_check_raises_on_other_bytes() -> None:
+    """The sweep's check is the worker's: bytes other than the holder's fail it."""
+    import torch
+
+    holders = torch.randint(-128, 128, (8, 256), dtype=torch.int8)
+    ours = holders.clone()
+    check = transfer.digest_check(transfer.block_caches(ours), transfer.block_caches(holders), [[1, 2]], [[1, 2]])
+    check()
+    ours[2, 7] += 1
+    with pytest.raises(AssertionError, match="other bytes: group 0, block 2"):
+        check()
 
 
 def test_cma_read_copies_ranges_of_another_process(tmp_path) -> None:
