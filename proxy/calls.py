@@ -30,6 +30,7 @@ class Call:
     picked: dict[str, tuple[int, int]] = field(default_factory=dict)
     bound: Instance | None = None
     prefix: dict[str, Any] | None = None  # a decode server's parameters for a prefix P reads (reuse.py)
+    canary: Any = None  # its canary's Tap (canary.py): D is asked for the token ids
     span: Any = None  # its request span, with tracing on (spans.py)
 
     def bind(self, instance: Instance) -> None:

@@ -211,7 +211,18 @@ def priority(body: dict[str, Any], most_urgent: int) -> int:
 
 async def _decode(upstream: Upstream, request: Request, call: Call, prefilled: Prefilled | None,
                   decode: Instance) -> Response:
-    """D's answer for the client; P's blocks released whenever no D will read them."""
+    """D's answer for the client; P's blocks released whenever no D will read them. A PD
+    request the canary samples is run again alone once its answer is whole (canary.py)."""
+    call.canary = upstream.canaries.tap(call) if prefilled is not None else None
+    response = await _decode_answer(upstream, request, call, prefilled, decode)
+    if call.canary is not None and not call.stream:  # a stream's canary runs as the stream ends (`_relay`)
+        exclude = {decode.url} | ({prefilled.instance.url} if prefilled is not None else set())
+        upstream.canaries.done(call.canary, response.status_code == 200, upstream.canary(call, call.canary, exclude))
+    return response
+
+
+async def _decode_answer(upstream: Upstream, request: Request, call: Call, prefilled: Prefilled | None,
+                         decode: Instance) -> Response:
     try:
         opened = await until_disconnected(request, upstream.open_decode(
             call, decode, None if prefilled is None else prefilled.params))
@@ -226,7 +237,8 @@ async def _decode(upstream: Upstream, request: Request, call: Call, prefilled: P
     path = LOCAL if prefilled is None else REUSE if prefilled.reused else DISAGGREGATED
     headers = {"X-Request-Id": call.request_id, "X-PD-Path": path} | call.route_headers()
     if call.stream:
-        return StreamingResponse(_relay(upstream, opened, call, path), media_type="text/event-stream",
+        exclude = {opened.instance.url} | ({prefilled.instance.url} if prefilled is not None else set())
+        return StreamingResponse(_relay(upstream, opened, call, path, exclude), media_type="text/event-stream",
                                  headers=headers | {"Cache-Control": "no-cache"})
     try:
         content = await until_disconnected(request, opened.response.aread())
@@ -238,6 +250,8 @@ async def _decode(upstream: Upstream, request: Request, call: Call, prefilled: P
         return error_response(f"the decode server {opened.instance.url} failed: {exc}", 502)
     finally:
         await opened.close()
+    if call.canary is not None and opened.response.status_code == 200:
+        content = call.canary.body(content)
     return Response(content, opened.response.status_code, media_type="application/json", headers=headers)
 
 
@@ -246,12 +260,20 @@ async def _release(upstream: Upstream, prefilled: Prefilled | None, call: Call) 
         await upstream.release(prefilled, call.headers)
 
 
-async def _relay(upstream: Upstream, opened: Opened, call: Call, path: str) -> AsyncIterator[bytes]:
-    """D's stream, byte for byte; closing it (the client left) closes D's request."""
+async def _relay(upstream: Upstream, opened: Opened, call: Call, path: str,
+                 exclude: set[str]) -> AsyncIterator[bytes]:
+    """D's stream, byte for byte (less the token ids a canary asked D for); closing it
+    (the client left) closes D's request."""
     status = CLIENT_CLOSED  # unless it is sent to its end
+    tap = call.canary
     try:
         async for chunk in opened.response.aiter_raw():
-            yield chunk
+            if tap is not None:
+                chunk = tap.chunk(chunk)
+            if chunk:
+                yield chunk
+        if tap is not None and (rest := tap.flush()):
+            yield rest
         status = 200
     except httpx.HTTPError as exc:  # D failed midway: end the stream with an error event
         status = 502
@@ -261,6 +283,8 @@ async def _relay(upstream: Upstream, opened: Opened, call: Call, path: str) -> A
         yield f"data: {json.dumps(message)}\n\ndata: [DONE]\n\n".encode()
     finally:
         await opened.close()
+        if tap is not None:
+            upstream.canaries.done(tap, status == 200, upstream.canary(call, tap, exclude))
         spans.end(call, status, path)
 
 

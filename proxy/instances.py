@@ -26,8 +26,8 @@ for it (picked before their prefill, see forward.py):
 
 from __future__ import annotations
 
-import bisect
 import asyncio
+import bisect
 import hashlib
 import itertools
 from collections.abc import Sequence

@@ -111,6 +111,19 @@ def _add_fault_flags(parser: argparse.ArgumentParser) -> None:
                              "prefill server holding too many blocks for unread requests), served in order of "
                              "their body's priority (lower first) then arrival; past it the client gets 429 with "
                              "Retry-After; 0: no queue, no room is answered at once (default %(default)s)")
+    parser.add_argument("--canary-fraction", type=float, default=PROXY_DEFAULTS["canary_fraction"], metavar="F",
+                        help="a fraction (0-1) of the greedy or seeded one-sequence requests that take a PD path "
+                             "is also run alone on another server once its answer is sent, and the token ids "
+                             "compared: pd_proxy_canary_total{result=match|tie|mismatch|error|skipped}, a mismatch "
+                             "logged with both request ids and on the request's trace (default %(default)s: off)")
+    parser.add_argument("--canary-max-inflight", type=int, default=PROXY_DEFAULTS["canary_max_inflight"],
+                        metavar="N", help="canaries running at once at most; an answer ending past it is "
+                                          "counted skipped (default %(default)s)")
+    parser.add_argument("--canary-tie-logprob", type=float, default=PROXY_DEFAULTS["canary_tie_logprob"],
+                        metavar="EPS", help="answers that differ first at a token that is one of the colocated "
+                                            "answer's two most likely there, within EPS of its logprob, are a tie "
+                                            "(arithmetic that differs in its last bits may pick either), not a "
+                                            "mismatch (default %(default)s)")
     parser.add_argument("--max-client-priority", type=int, default=PROXY_DEFAULTS["max_client_priority"],
                         metavar="P", help="the most urgent priority a client may ask in its body (lower is served "
                                           "first); a lower one is refused with 400. The default lets a client "
@@ -133,7 +146,8 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
                            retry_backoff_s=args.retry_backoff, breaker_failures=args.breaker_failures,
                            breaker_cooldown_s=args.breaker_cooldown, max_outstanding=args.max_outstanding,
                            max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
-                           max_client_priority=args.max_client_priority,
+                           max_client_priority=args.max_client_priority, canary_fraction=args.canary_fraction,
+                           canary_max_inflight=args.canary_max_inflight, canary_tie_logprob=args.canary_tie_logprob,
                            max_request_bytes=args.max_request_bytes, disagg_policy=args.disagg_policy,
                            local_prefill_max_tokens=args.local_prefill_max_tokens,
                            reuse_min_tokens=args.reuse_min_tokens, kv_tier_weights=tier_weights(args.kv_tier_weights))

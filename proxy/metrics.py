@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from proxy.canary import RESULTS as CANARY_RESULTS
 from proxy.disagg import PATHS
 from proxy.instances import InstancePool
 
@@ -123,6 +124,12 @@ class ProxyMetrics:
             self.queue_refused.labels(reason=reason)
         self.queue_waiting = Gauge("pd_proxy_queue_waiting", "Requests waiting in the proxy's queue now.",
                                    registry=self.registry)
+        self.canary = Counter("pd_proxy_canary", "PD requests run again colocated (--canary-fraction), by result: "
+                              "match, tie (they differ first at a token whose two most likely were within "
+                              "--canary-tie-logprob), mismatch, error (no colocated answer), skipped (past "
+                              "--canary-max-inflight, or no server to run it).", ["result"], registry=self.registry)
+        for result in CANARY_RESULTS:
+            self.canary.labels(result=result)
 
     def observe_answer(self, ttft_s: float | None, total_s: float) -> None:
         """A request answered 200: its time to first bytes (streamed) and to its end."""

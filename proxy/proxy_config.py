@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 
 from proxy.body import MAX_DEPTH, MAX_REQUEST_BYTES
+from proxy.canary import TIE_LOGPROB
 from proxy.disagg import DISAGG_POLICIES, LOCAL_PREFILL_MAX_TOKENS, REUSE_MIN_TOKENS
 from proxy.instances import LOAD_SLACK, POLICIES
 from proxy.kv_index import DEFAULT_TIER_WEIGHTS
@@ -43,6 +44,9 @@ class ProxyConfig:
     local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS  # conditional: D computes at most this many itself
     reuse_min_tokens: int = REUSE_MIN_TOKENS  # conditional: P reads a prefix from D holding this many more (0: never)
     kv_tier_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))  # kv_aware
+    canary_fraction: float = 0.0  # of greedy or seeded PD requests also run colocated and compared (canary.py)
+    canary_max_inflight: int = 2  # canaries running at once at most; a request sampled past it is skipped
+    canary_tie_logprob: float = TIE_LOGPROB  # a PD token this close to the reference's is a tie, not a mismatch
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:
@@ -76,6 +80,10 @@ class ProxyConfig:
                              f"{self.max_client_priority}")
         if self.queue_timeout_s <= 0:
             raise ValueError(f"the queue timeout must be positive, got {self.queue_timeout_s}")
+        if not 0.0 <= self.canary_fraction <= 1.0:
+            raise ValueError(f"the canary fraction must be within 0 and 1, got {self.canary_fraction}")
+        if self.canary_max_inflight < 1 or not self.canary_tie_logprob >= 0.0:
+            raise ValueError("the canaries in flight must be at least 1 and the tie logprob not negative")
         if self.breaker_failures < 1:
             raise ValueError(f"breaker_failures must be at least 1, got {self.breaker_failures}")
         if self.max_request_bytes <= 0:

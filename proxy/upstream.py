@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -39,6 +40,7 @@ from proxy.answers import (ENGINE_DEAD, KV_HELD_LIMIT, OVERLOADED_RETRY_AFTER_S,
 from proxy.admission import Admission
 from proxy.body import BodyError, parse_body, prefill_body, token_id_prompt
 from proxy.calls import Call, NoRoom, Opened, Prefilled, TryAnother, Unreached
+from proxy.canary import Canaries, Tap, check
 from proxy.connections import ConnectionTrace
 from proxy.errors import error_response
 from proxy.instances import Instance, InstancePool, NoInstanceError, OverloadedError
@@ -71,6 +73,19 @@ class Upstream:
         self.client: httpx.AsyncClient | None = None
         self.admission = Admission(config.max_queue, config.queue_timeout_s)
         self.metrics.queue_waiting.set_function(lambda: self.admission.num_waiting)
+        self.canaries = Canaries(config.canary_fraction, config.canary_max_inflight, config.canary_tie_logprob,
+                                 lambda result: self.metrics.canary.labels(result=result).inc())
+
+    def canary(self, call: Call, tap: Tap, exclude: set[str]) -> Callable[[], Awaitable[str]]:
+        """What runs `call`'s canary: alone on an instance (decode servers first) other than
+        `exclude` (its P and D) where one is healthy and below --max-outstanding."""
+        limit = self.config.max_outstanding
+        fit = [i for i in self.decode.instances + self.prefill.instances
+               if i.healthy and (not limit or i.in_flight < limit)]
+        target = next((i for i in fit if i.url not in exclude), fit[0] if fit else None)
+        parent = call.span  # its request's span, ended by the time the canary runs
+        return lambda: check(self.client, call, tap, target, call.headers, self.timeout,
+                             self.config.canary_tie_logprob, parent)
 
     def headers(self, request: Request, request_id: str) -> dict[str, str]:
         auth = self.config.server_authorization or request.headers.get("authorization")
@@ -221,6 +236,8 @@ class Upstream:
         response for the client (D's verdict, 502, 503). Without P's `params`, D
         prefills the request itself."""
         body = call.body if params is None else call.body | {"kv_transfer_params": params}
+        if call.canary is not None:
+            body = body | {"return_token_ids": True}  # what the canary compares (the tap takes them out)
         tried: set[str] = set()
         instance, stale_retry = first, True
         while True:

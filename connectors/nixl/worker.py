@@ -39,6 +39,7 @@ channel on which peers fetch this engine's agent metadata and layout.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DIGEST_MISMATCH = "brought bytes that are not what the holder digested"  # a load failure's reason starts so
+PERTURB_ENV = "PD_TEST_PERTURB_LANDED_KV"  # tests: "1" garbles each read's first block after its checks
 # The sender polls this long after a notification: without a progress thread UCX sends it
 # (and wires up a new peer's endpoint) only while the sender's agent is polled.
 NOTIF_FLUSH_S = 5.0
@@ -126,6 +128,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.digest_book = DigestBook(config.tp_size) if config.digest and config.rank == 0 else None  # P
         self.rank_mismatches: dict[str, str] = {}  # rank 0: request -> a rank > 0's digest mismatch
         self._to_digest: list[tuple[str, list[list[int]]]] = []  # P: this step's prompts, once computed
+        self._perturb = os.environ.get(PERTURB_ENV) == "1"  # a deliberately broken decode server (tests)
         self._poll_until = 0.0  # keep progressing NIXL until then (a late read; a notification on its way)
 
     # --- set-up -------------------------------------------------------------------
@@ -396,6 +399,8 @@ class NixlConnectorWorker(KVConnectorWorker):
         elif state == "DONE":
             if remote.kv_digests is not None:
                 self.stats.digests_checked += 1
+            if self._perturb:
+                self._perturb_landed(loading.request)
             output.finished_recving.add(req_id)
             output.load_sizes[req_id] = (sum(b for b, _ in shares.values()), sum(d for _, d in shares.values()))
             if not loading.notified:  # checked (or no word to check): P may free the blocks now
@@ -410,6 +415,18 @@ class NixlConnectorWorker(KVConnectorWorker):
         logger.warning("KV read for %s from %s %s", req_id, remote.remote_engine_id, why)
         output.failed_recving[req_id] = f"the read from {remote.remote_engine_id} {why}"
         self.stats.failures += 1
+
+    def _perturb_landed(self, recv: ReqToRecv) -> None:
+        """A test hook (`PD_TEST_PERTURB_LANDED_KV=1`): garble the first block a read
+        landed, after every check, as a broken decode server would (its answers then
+        differ from a colocated server's: what the proxy's canary is to catch)."""
+        for group, ids in enumerate(recv.local_block_ids):
+            block = next((b for b in ids if b), 0)
+            if block:
+                for ref in self.block_digests.kv_caches.group_data_refs[group]:
+                    rows = self.block_digests.kv_caches.tensors[ref.tensor_idx].tensor
+                    rows[block, ref.offset_bytes:ref.offset_bytes + ref.page_size_bytes] ^= 0x40
+                return
 
     def _poll_for(self, seconds: float) -> None:
         self._poll_until = max(self._poll_until, self.config.clock() + seconds)

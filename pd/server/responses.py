@@ -156,8 +156,15 @@ class Answer:
         return "tool_calls"
 
     def _with_token_ids(self, choice: dict[str, Any], delta: Delta, whole: bool) -> dict[str, Any]:
+        """With `return_token_ids`: the choice's token ids, and with logprobs each scored
+        token's row by id (`top_token_ids`: [id, logprob] of the token, then of the k most
+        likely; the logprobs objects name tokens by text, which two tokens may share)."""
         if self.prepared.return_token_ids:
             choice["token_ids"] = delta.token_ids
+            if delta.logprobs is not None:
+                rows = delta.logprobs
+                choice["top_token_ids"] = [[[t, v] for t, v in zip(ids, values)]
+                                           for ids, values in zip(rows.token_ids, rows.logprobs)]
             if whole:
                 choice["prompt_token_ids"] = list(self.prepared.engine_request.prompt_token_ids)
         return choice

@@ -5,6 +5,7 @@ then whatever is left of the process group) by `running_server`'s `finally`."""
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -51,24 +52,25 @@ class ServerProcess(Launched):
 
 @contextlib.contextmanager
 def _running(name: str, log_path: Path, ready: Callable[[int | None], bool], *args: str,
-             port: int | None = None, wait: bool = True) -> Iterator[ServerProcess]:
+             port: int | None = None, wait: bool = True, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
     """`pd NAME --host 127.0.0.1 --port P *args` on port P (a free one unless given),
     yielded once `ready(status of /health)` (`wait=False`: at once, to start several side
-    by side and then `wait_started(*servers)`); always stopped."""
+    by side and then `wait_started(*servers)`), with `env` added to this process's
+    environment; always stopped."""
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     with running(pd_command(name, "--host", "127.0.0.1", "--port", str(port), *args), url, log_path,
-                 ready=ready, wait=wait) as launched:
+                 ready=ready, wait=wait, env=None if env is None else os.environ | env) as launched:
         yield ServerProcess(launched.url, launched.process, launched.log_path, launched.readiness)
 
 
 def running_server(model_dir: Path, log_path: Path, *args: str, port: int | None = None,
-                   wait: bool = True) -> contextlib.AbstractContextManager[ServerProcess]:
+                   wait: bool = True, env: dict[str, str] | None = None) -> contextlib.AbstractContextManager[ServerProcess]:
     """`pd serve --model model_dir *args`, yielded once healthy (on `port`, or a free
     one). One torch thread each: several servers share this machine's cores, and
     oversubscribed threads spin (the tests check behaviour, not speed)."""
     return _running("serve", log_path, lambda status: status == 200,
-                    "--model", str(model_dir), "--num-threads", "1", *args, port=port, wait=wait)
+                    "--model", str(model_dir), "--num-threads", "1", *args, port=port, wait=wait, env=env)
 
 
 def running_proxy(log_path: Path, *args: str) -> contextlib.AbstractContextManager[ServerProcess]:
