@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from launch import free_port, http_client, pd_command, running
+from launch import deployment_secret, free_port, http_client, pd_command, running
 
 RESULTS = ("match", "tie", "mismatch", "error", "skipped")
 
@@ -92,8 +92,7 @@ def proxy(servers: tuple[str, str], logs: Path, name: str, *flags: str):
 
 
 def agreement(servers: tuple[str, str], logs: Path, args: argparse.Namespace) -> dict:
-    with proxy(servers, logs, "proxy-canary", "--canary-fraction", "1", "--canary-max-inflight",
-               str(args.concurrency)) as front:
+    with proxy(servers, logs, "proxy-canary", "--canary-fraction", "1", "--canary-max-inflight", "64") as front:
         send_all(front.url, bodies(args.requests, args.seed, args.new_tokens), args.concurrency)
         counts = settled(front.url, args.requests)
     print(f"{args.requests} greedy requests, every one run again alone: " +
@@ -139,6 +138,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         help="more flags for both pd serve (default %(default)s: a core each)")
     parser.add_argument("--output", type=Path, help="also write the figures here as JSON")
     args = parser.parse_args(argv)
+    deployment_secret()  # P and D share it (they inherit the environment)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         logs = Path(tmp)
         ports = free_port(), free_port()

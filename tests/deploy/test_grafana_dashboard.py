@@ -13,39 +13,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from launch import http_client
+from tests.support.promql import labelled_selectors, sample_labels, selectors
 from tests.support.server_harness import running_proxy, running_server
 
 ROOT = Path(__file__).parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "pd-dashboard.json"
 PROMETHEUS = ROOT / "deploy" / "prometheus.yml"
-# what is not a selector: a range, or the label list of by, without, on, ignoring, group_left/right
-NOT_SELECTORS = re.compile(r"\[[^\]]*\]|\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
-SELECTOR = re.compile(r"\b([a-zA-Z_:][\w:]*)\b(?!\s*\()\s*(\{[^}]*\})?")
-OPERATORS = {"and", "or", "unless", "bool", "offset"}
-JOB = re.compile(r'\bjob\s*(=~|=)\s*"([^"]*)"')
-PRESENT = re.compile(r'\b(\w+)\s*!=\s*""')  # a matcher asking for samples that have the label
-
-
-def selectors(expr: str) -> list[tuple[str, set[str]]]:
-    """Each series selector of a PromQL expression: (metric name, the jobs its `job`
-    matcher names; empty without one). Function calls, numbers and label lists are not."""
-    return [(name, jobs) for name, jobs, _ in labelled_selectors(expr)]
-
-
-def labelled_selectors(expr: str) -> list[tuple[str, set[str], set[str]]]:
-    """selectors(), each with the labels its samples must have (`label!=""`)."""
-    found = []
-    for match in SELECTOR.finditer(NOT_SELECTORS.sub(" ", expr)):
-        name, matchers = match.group(1), match.group(2) or ""
-        if name not in OPERATORS:
-            jobs = {job for op, value in JOB.findall(matchers) for job in (value.split("|") if op == "=~" else [value])}
-            found.append((name, jobs, set(PRESENT.findall(matchers))))
-    return found
-
-
 def targets(dashboard: dict) -> list[dict]:
     return [t for panel in dashboard["panels"] if panel["type"] != "row" for t in panel["targets"]]
 
@@ -56,16 +31,6 @@ def missing_series(dashboard: dict, series: dict[str, dict[str, set[str]]]) -> l
     return sorted({(name, job) for target in targets(dashboard) for name, jobs, labels in
                    labelled_selectors(target["expr"]) for job in jobs
                    if name not in series[job] or not labels <= series[job][name]})
-
-
-def sample_labels(text: str) -> dict[str, set[str]]:
-    """Each sample name of an exposition (a histogram's _bucket, _sum, _count; a counter's
-    _total) -> the label names its samples have."""
-    labels: dict[str, set[str]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels.setdefault(sample.name, set()).update(sample.labels)
-    return labels
 
 
 def test_selectors_are_read_out_of_promql() -> None:
