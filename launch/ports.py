@@ -14,6 +14,11 @@ after its weights load. Two things could take it meanwhile, and neither may:
   handed out is reserved, machine-wide, by a file created exclusively in a directory of
   this user's. A reservation older than `RESERVATION_S` is stale (its server has bound
   the port or never will) and is taken over.
+
+Where no port must be known in advance there is no race at all: `pd serve` and `pd proxy`
+take `--port 0` (the kernel picks as they bind) and `--port-file PATH` (they write the
+port bound there at once, `write_port`), and the launcher reads it (`read_port`) before
+it waits for /health. The tests' servers start so.
 """
 
 from __future__ import annotations
@@ -102,3 +107,26 @@ def free_port(host: str = "127.0.0.1") -> int:
             return port
     raise OSError(f"no free port on {host} in {TRIES} tries: every one tried was in use or handed out "
                   f"within {RESERVATION_S:g} s (reservations in {directory})")
+
+
+def write_port(path: str | Path, port: int) -> None:
+    """Write the port a server listens on to `path` (`--port-file`), whole or not at all."""
+    path = Path(path)
+    part = path.with_name(f".{path.name}.{os.getpid()}")
+    part.write_text(f"{port}\n")
+    os.replace(part, path)
+
+
+def read_port(path: str | Path) -> int | None:
+    """The port written to `path` by `write_port`; None until it is there."""
+    try:
+        return int(Path(path).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def listen(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A TCP socket listening on host:port (port 0: any free one, as the kernel picks it);
+    OSError if it cannot."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family, backlog=backlog)

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import httpx
 
+from launch.ports import read_port
+
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 20.0
 GROUP_GRACE_S = 5.0
@@ -43,13 +45,25 @@ class LaunchError(RuntimeError):
 
 @dataclass
 class Launched:
-    """A started process: its base URL, the process and its log file."""
+    """A started process: its base URL, the process and its log file. Started with a
+    `port_file`, its URL holds `{port}` until the process wrote the port it listens on
+    there (`--port 0 --port-file`: no port is picked before the server binds it)."""
 
     url: str
     process: subprocess.Popen
     log_path: Path
     # what `wait_started` waits for: the /health predicate, the monotonic deadline, a name for errors
     readiness: tuple[Callable[[int | None], bool], float, str] | None = field(default=None, repr=False)
+    port_file: Path | None = field(default=None, repr=False)
+
+    def resolved(self) -> bool:
+        """Whether its URL is known (the port written, where it is to be)."""
+        if self.port_file is not None and "{port}" in self.url:
+            port = read_port(self.port_file)
+            if port is None:
+                return False
+            self.url = self.url.format(port=port)
+        return True
 
     @property
     def pid(self) -> int:
@@ -123,7 +137,7 @@ def wait_ready(launched: Launched, ready: Callable[[int | None], bool] = lambda 
     """Poll `/health` until `ready(status)`; LaunchError if the process exits first or
     `timeout_s` passes (the process is left running: the caller stops it)."""
     deadline = time.monotonic() + timeout_s
-    while not ready(health_status(launched.url)):
+    while not (launched.resolved() and ready(health_status(launched.url))):
         if exited(launched.process):
             raise LaunchError(f"{name} exited with {stop_process(launched.process)}; "
                               f"log {launched.log_path}:\n{launched.log_tail()}")
@@ -135,12 +149,16 @@ def wait_ready(launched: Launched, ready: Callable[[int | None], bool] = lambda 
 
 def start(cmd: list[str], url: str, log_path: Path, ready: Callable[[int | None], bool] = lambda s: s == 200,
           timeout_s: float = STARTUP_TIMEOUT_S, env: dict[str, str] | None = None,
-          die_with_parent: bool = False, wait: bool = True) -> Launched:
-    """Start `cmd` (serving at `url`) and return it once ready (`wait=False`: at once;
-    then call `wait_started` on it, e.g. after starting others alongside). A process that
-    fails to become ready is stopped before LaunchError is raised."""
+          die_with_parent: bool = False, wait: bool = True, port_file: Path | None = None,
+          launched_type: type[Launched] = Launched) -> Launched:
+    """Start `cmd` (serving at `url`, where `{port}` is what it writes to `port_file`) and
+    return it once ready (`wait=False`: at once; then call `wait_started` on it, e.g.
+    after starting others alongside), as a `launched_type`. A process that fails to
+    become ready is stopped before LaunchError is raised."""
     name = f"pd {cmd[3]}" if cmd[1:3] == ["-m", "cli.main"] and len(cmd) > 3 else cmd[0]
-    launched = Launched(url, start_logged(cmd, log_path, env, die_with_parent), log_path)
+    if port_file is not None:
+        Path(port_file).unlink(missing_ok=True)  # a last run's
+    launched = launched_type(url, start_logged(cmd, log_path, env, die_with_parent), log_path, port_file=port_file)
     launched.readiness = (ready, time.monotonic() + timeout_s, name)
     if wait:
         wait_started(launched)

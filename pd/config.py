@@ -84,8 +84,8 @@ class EngineConfig:
     tp_local_ranks: int | None = None  # ranks the engine starts on its node (rank 0 included); None: all
     tp_host: str = "127.0.0.1"  # with ranks on other nodes: where they join and reach the ranks' store
     tp_port: int = 0  # the join listener's port (needed, not 0, when ranks are on other nodes)
-    kv_events_port: int | None = None  # publish KV events (kv_events/) on tcp://kv_events_host:port; None: off
-    kv_events_replay_port: int | None = None  # their replay socket; None: kv_events_port + 1
+    kv_events_port: int | None = None  # publish KV events (kv_events/) on tcp://kv_events_host:port; None: off; 0: any
+    kv_events_replay_port: int | None = None  # their replay socket; None: kv_events_port + 1 (0: any)
     kv_events_host: str = "127.0.0.1"
     kv_offload_host_bytes: int | None = None  # host memory for the host tier (pd/kv_offload); None: no such tier
     kv_offload_disk_path: Path | None = None  # a directory for the disk tier (pd/kv_offload); None: no such tier
@@ -249,11 +249,11 @@ class EngineConfig:
         if self.kv_events_port is None:
             return
         if self.kv_events_replay_port is None:
-            object.__setattr__(self, "kv_events_replay_port", self.kv_events_port + 1)
+            object.__setattr__(self, "kv_events_replay_port", self.kv_events_port + 1 if self.kv_events_port else 0)
         for name in ("kv_events_port", "kv_events_replay_port"):
-            if not 1 <= getattr(self, name) <= 65535:
-                raise ValueError(f"{name} must be a TCP port (1-65535), got {getattr(self, name)}")
-        if self.kv_events_port == self.kv_events_replay_port:
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be a TCP port (1-65535, or 0: any free one), got {getattr(self, name)}")
+        if self.kv_events_port and self.kv_events_port == self.kv_events_replay_port:
             raise ValueError("kv_events_port and kv_events_replay_port must differ")
 
     def connector_config(self) -> ConnectorConfig:
@@ -329,8 +329,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-ucx-transports", default=ENGINE_DEFAULTS["kv_ucx_transports"], metavar="UCX_TLS", help="UCX transports the NIXL agent may use, as a UCX_TLS list (e.g. rc,ud,sm,self or cuda_ipc,sm,self,tcp); auto: for a loopback --kv-host sm,self,tcp (reads are one process_vm_readv copy), plus cuda_copy,cuda_ipc on a host with GPUs, else UCX's own choice; a UCX_TLS environment variable wins over auto (default %(default)s)")
     parser.add_argument("--no-skip-partial-groups-on-remote-prefill", dest="skip_partial_groups_on_remote_prefill", action="store_false", help="on a decode server, keep Mamba and sliding-window groups in the prefix-cache hit search for remote-prefill requests (A/B comparison: their misses collapse the full-attention hit, so D reads more)")
     parser.add_argument("--kv-load-failure-policy", choices=KV_LOAD_FAILURE_POLICIES, default=ENGINE_DEFAULTS["kv_load_failure_policy"], help="when a decode server cannot load a request's KV from the prefill server (P gone, read failed, incompatible pair): recompute the prompt here, or fail the request with an error (default %(default)s)")
-    parser.add_argument("--kv-events-port", type=int, default=ENGINE_DEFAULTS["kv_events_port"], help="publish this server's prefix-cache changes (KV events: blocks stored, evicted, all cleared; msgpack, kv_events/) on a ZMQ PUB socket at tcp://--kv-events-host:PORT, for a KV-aware router (pd proxy --policy kv_aware) (default: off)")
-    parser.add_argument("--kv-events-replay-port", type=int, default=ENGINE_DEFAULTS["kv_events_replay_port"], help="TCP port of the KV events' replay socket (ZMQ ROUTER: a subscriber that missed batches, or starts late, asks for them or for a snapshot) (default: --kv-events-port + 1)")
+    parser.add_argument("--kv-events-port", type=int, default=ENGINE_DEFAULTS["kv_events_port"], help="publish this server's prefix-cache changes (KV events: blocks stored, evicted, all cleared; msgpack, kv_events/) on a ZMQ PUB socket at tcp://--kv-events-host:PORT, for a KV-aware router (pd proxy --policy kv_aware); 0: any free port (and the replay socket too, unless --kv-events-replay-port), as GET /v1/kv_config says, where the proxy looks (default: off)")
+    parser.add_argument("--kv-events-replay-port", type=int, default=ENGINE_DEFAULTS["kv_events_replay_port"], help="TCP port of the KV events' replay socket (ZMQ ROUTER: a subscriber that missed batches, or starts late, asks for them or for a snapshot) (default: --kv-events-port + 1; with --kv-events-port 0, any free port)")
     parser.add_argument("--kv-events-host", default=ENGINE_DEFAULTS["kv_events_host"], help="address the KV events sockets bind (default %(default)s)")
     parser.add_argument("--kv-max-held-fraction", type=float, default=ENGINE_DEFAULTS["kv_max_held_fraction"], help="on a prefill server, the most of its KV cache (0..1] kept for decode servers that have not read it yet; past it, new prefills for decode servers are refused with 503 and Retry-After so the server's own queue is not starved (default %(default)s)")
     parser.add_argument("--kv-transfer-secret", default=ENGINE_DEFAULTS["kv_transfer_secret"], help=f"secret shared by a deployment's prefill and decode servers: P signs the kv_transfer_params it returns, D acts only on signed, unexpired, unreplayed ones issued for the same prompt (403 otherwise); prefer the {SECRET_ENV} environment variable, which other users cannot read from the process list; an empty value means none, whatever the variable says (default: that variable; a prefill or decode server without one refuses to start unless --allow-unsigned-kv-params)")

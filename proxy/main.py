@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
+from launch.ports import listen, write_port
 from proxy.disagg import DISAGG_POLICIES
 from proxy.instances import POLICIES
 from proxy.proxy_config import PROXY_DEFAULTS, ProxyConfig, tier_weights
@@ -21,7 +23,11 @@ def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
                         help="decode servers' base URLs, e.g. http://127.0.0.1:8200 (the flag may be repeated: "
                              "each adds its URLs; a URL given twice is refused)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on; 0: any free one, as the kernel "
+                                                               "picks it when the proxy binds (default 8000)")
+    parser.add_argument("--port-file", type=Path, default=None, metavar="PATH",
+                        help="write the port listened on to PATH as soon as it is bound (with --port 0, the only "
+                             "way to learn it; a launcher waits for it) (default: none)")
     _add_routing_flags(parser)
     _add_fault_flags(parser)
     add_telemetry_flags(parser)
@@ -162,6 +168,13 @@ def run_proxy(args: argparse.Namespace) -> int:
     from proxy.dashboard import RedactKey
 
     config = proxy_config(args)
+    try:
+        listener = listen(args.host, args.port)
+        args.port = listener.getsockname()[1]  # the one bound: --port 0 asks the kernel
+        if args.port_file is not None:
+            write_port(args.port_file, args.port)
+    except OSError as exc:
+        raise SystemExit(f"pd proxy: cannot listen on {args.host}:{args.port}: {exc}") from None
     apply_telemetry_flags(args, "pd proxy", "pd-proxy", {"pd.instance": f"{args.host}:{args.port}"})
     logging.getLogger("uvicorn.access").addFilter(RedactKey())  # /dashboard?key=KEY
     app = build_proxy_app(config)
@@ -169,8 +182,10 @@ def run_proxy(args: argparse.Namespace) -> int:
                                        len(args.prefill), config.prefill_policy, len(args.decode),
                                        config.decode_policy, config.disagg_policy, args.host, args.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    log_config=logs.uvicorn_log_config(args.log_format), timeout_keep_alive=SERVER_KEEPALIVE_S)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                               log_config=logs.uvicorn_log_config(args.log_format),
+                                               timeout_keep_alive=SERVER_KEEPALIVE_S))
+        server.run(sockets=[listener])
     finally:
         tracing.shutdown()  # what is still queued goes out
     return 0

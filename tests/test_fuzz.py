@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kv_events.messages import ReplayRequest, encode
-from launch import free_port, http_client
+from launch import http_client
 from tests.support.otlp import otlp_receiver
 from tests.support.server_harness import running_proxy, running_server, wait_until
 
@@ -58,21 +58,31 @@ SERVER_FLAGS = ("--max-model-len", "128", "--max-sequences-per-request", "4", "-
 def deployment(tiny_models, tmp_path_factory):
     logs = tmp_path_factory.mktemp("fuzz")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    ports = {name: free_port() for name in ("events", "replay", "side")}
     with contextlib.ExitStack() as stack:
         endpoint, _ = stack.enter_context(otlp_receiver())  # traced: the traceparent headers below are read
         traced = ("--otlp-traces-endpoint", endpoint)
         p = stack.enter_context(running_server(
             tiny_models["qwen3"], logs / "p.log", "--role", "prefill", *SERVER_FLAGS, *traced, "--kv-events-port",
-            str(ports["events"]), "--kv-events-replay-port", str(ports["replay"]), "--kv-side-channel-port",
-            str(ports["side"])))
+            "0"))  # every port bound as the kernel picks it: what P says it bound is read below
         d = stack.enter_context(running_server(tiny_models["qwen3"], logs / "d.log", "--role", "decode",
                                                *SERVER_FLAGS, *traced))
         proxy = stack.enter_context(running_proxy(logs / "proxy.log", "--prefill", p.url, "--decode", d.url,
                                                   "--log-level", "warning", "--timeout", "30", *traced))
         reference = answer(proxy)
         pids = {name: engine_pid(server) for name, server in (("p", p), ("d", d))}
+        ports = bound_ports(p)
         yield {"p": p, "d": d, "proxy": proxy, "ports": ports, "reference": reference, "pids": pids}
+
+
+def bound_ports(p) -> dict[str, int]:
+    """P's KV events, replay and side-channel ports, as it says it bound them."""
+    events = http_client().get(f"{p.url}/v1/kv_config", timeout=10).json()["events"]
+    params = http_client().post(f"{p.url}/v1/completions", json=REFERENCE_BODY | {
+        "kv_transfer_params": {"do_remote_decode": True}}, timeout=60).json()["kv_transfer_params"]
+    http_client().post(f"{p.url}/v1/kv/release", json={"remote_request_id": params["remote_request_id"],
+                                                       "signature": params["signature"]}, timeout=10)
+    port = lambda endpoint: int(endpoint.rsplit(":", 1)[1])  # noqa: E731
+    return {"events": port(events["publisher"]), "replay": port(events["replay"]), "side": params["remote_port"]}
 
 
 def engine_pid(server) -> int:

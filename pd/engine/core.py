@@ -91,12 +91,8 @@ class EngineCore:
 
     @property
     def kv_events_endpoints(self) -> dict[str, str] | None:
-        """Where KV events are published and replayed (None: they are not)."""
-        config = self.config
-        if config.kv_events_port is None:
-            return None
-        return {"publisher": f"tcp://{config.kv_events_host}:{config.kv_events_port}",
-                "replay": f"tcp://{config.kv_events_host}:{config.kv_events_replay_port}"}
+        """Where KV events are published and replayed, as bound (None: they are not)."""
+        return self.kv_events.endpoints
 
     def _kv_events(self) -> NoKVEvents:
         if self.config.kv_events_port is None:

@@ -58,6 +58,7 @@ class NoKVEvents:
 
     malformed_requests = 0
     dropped_replies = 0
+    endpoints = None
 
     def publish(self, events: list[KVEvent]) -> None:
         pass
@@ -88,12 +89,13 @@ class KVEventPublisher(NoKVEvents):
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, PUB_HWM)  # a slow subscriber loses batches (and asks again), never blocks a step
         self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)  # subscriptions only come in
-        self._pub.bind(f"tcp://{host}:{port}")
+        self._pub.bind(_endpoint(host, port))
         self._replay = self._context.socket(zmq.ROUTER)
         self._replay.setsockopt(zmq.SNDHWM, REPLAY_HWM)
         self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or vanished client raises Again, never blocks
-        self._replay.bind(f"tcp://{host}:{replay_port}")
+        self._replay.bind(_endpoint(host, replay_port))
+        self.endpoints = {"publisher": _bound(self._pub), "replay": _bound(self._replay)}
 
     def publish(self, events: list[KVEvent]) -> None:
         if not events:
@@ -165,3 +167,14 @@ class KVEventPublisher(NoKVEvents):
         self._pub.close(linger=0)
         self._replay.close(linger=0)
         self._context.term()
+
+
+def _endpoint(host: str, port: int) -> str:
+    """Where a socket binds: tcp://host:port, any free port for 0."""
+    return f"tcp://{host}:{port or '*'}"
+
+
+def _bound(socket: zmq.Socket) -> str:
+    """The endpoint a socket bound (its port when it was asked for any)."""
+    endpoint = socket.getsockopt(zmq.LAST_ENDPOINT)
+    return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)

@@ -13,8 +13,10 @@ import asyncio
 import logging
 import signal
 import socket
+from pathlib import Path
 from typing import Any, NoReturn
 
+from launch.ports import listen, write_port
 from pd.config import DEFAULT_MAX_REQUEST_BYTES, ROLES, EngineConfig, add_engine_flags
 from telemetry import logs, tracing
 from telemetry.flags import add_telemetry_flags, apply_telemetry_flags
@@ -30,7 +32,11 @@ logger = logging.getLogger("pd.serve")
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     add_engine_flags(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on; 0: any free one, as the kernel "
+                                                               "picks it when the server binds (default 8000)")
+    parser.add_argument("--port-file", type=Path, default=None, metavar="PATH",
+                        help="write the port listened on to PATH as soon as it is bound, before the engine starts "
+                             "(with --port 0, the only way to learn it; a launcher waits for it) (default: none)")
     parser.add_argument("--role", choices=ROLES, default="both",
                         help="both: prefill and decode here; prefill / decode: one side of a "
                              "disaggregated pair behind the proxy (default both)")
@@ -85,11 +91,12 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or config.model.resolve().name
     from pd.engine.client import EngineClient, EngineStartupError
 
+    listener = _listen(args.host, args.port, args.port_file)
+    args.port = listener.getsockname()[1]  # the one bound: --port 0 asks the kernel
     apply_telemetry_flags(args, "pd serve", "pd-serve",
                           {"pd.role": config.role, "pd.instance": f"{args.host}:{args.port}"}, children=True)
     logger.info("dtype %s (%s), quantization %s (%s)", config.dtype, config.dtype_reason, config.quantization,
                 config.quantization_reason)
-    listener = _listen(args.host, args.port)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     client = None
     try:
@@ -118,15 +125,18 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def _listen(host: str, port: int, port_file: Path | None) -> socket.socket:
     """The server's listening socket, bound before the engine starts (which takes seconds):
     the port is this server's from the moment it was chosen, not taken meanwhile by
-    another process's free-port pick, and a port in use fails at once."""
+    another process's free-port pick, and a port in use fails at once. Its port is
+    written to `port_file` now (port 0: the one the kernel picked)."""
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((host, port), family=family, backlog=2048)
+        listener = listen(host, port)
+        if port_file is not None:
+            write_port(port_file, listener.getsockname()[1])
     except OSError as e:
         raise SystemExit(f"pd serve: cannot listen on {host}:{port}: {e}") from None
+    return listener
 
 
 async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, args: argparse.Namespace,

@@ -14,7 +14,8 @@ import socket
 
 import pytest
 
-from launch import ports
+from launch import http_client, ports, running
+from launch.ports import read_port, write_port
 
 
 @pytest.fixture
@@ -102,3 +103,43 @@ def test_real_picks_are_distinct_bindable_and_outside_the_kernels_range() -> Non
         assert all(p in ports.candidates() for p in picked)
     with socket.socket() as s:
         s.bind(("127.0.0.1", picked[-1]))
+
+
+SERVE_ON_ANY_PORT = """
+import http.server, sys
+from launch.ports import listen, write_port
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+server = http.server.HTTPServer(("127.0.0.1", 0), Health, bind_and_activate=False)
+server.socket = listen("127.0.0.1", 0)
+write_port(sys.argv[1], server.socket.getsockname()[1])
+server.serve_forever()
+"""
+
+
+def test_a_server_on_a_port_the_kernel_picks_is_found_by_its_port_file(tmp_path) -> None:
+    """No port is picked before the server binds it: it binds port 0 and writes what it got;
+    the launcher reads it before waiting for /health."""
+    port_file = tmp_path / "server.port"
+    port_file.write_text("1\n")  # a stale one of a last run: removed at start
+    cmd = [sys.executable, "-c", SERVE_ON_ANY_PORT, str(port_file)]
+    with running(cmd, "http://127.0.0.1:{port}", tmp_path / "server.log", port_file=port_file) as launched:
+        port = read_port(port_file)
+        assert port is not None and port != 1 and launched.url == f"http://127.0.0.1:{port}"
+        assert http_client().get(f"{launched.url}/health", timeout=5).status_code == 200
+
+
+def test_a_port_file_is_read_only_once_whole(tmp_path) -> None:
+    path = tmp_path / "p.port"
+    assert read_port(path) is None  # not written yet
+    path.write_text("")  # being written (write_port renames a whole file into place: never seen so)
+    assert read_port(path) is None
+    write_port(path, 34567)
+    assert read_port(path) == 34567 and [p.name for p in tmp_path.iterdir()] == ["p.port"]

@@ -14,7 +14,7 @@ import pytest
 
 from launch import http_client
 from tests.support.proxy_fakes import wait_until
-from tests.support.server_harness import free_port, running_proxy, running_server
+from tests.support.server_harness import running_proxy, running_server
 
 pytestmark = pytest.mark.slow
 SYSTEM = ("You are the harbour master's assistant. Answer questions about ships, tides, moorings and the "
@@ -26,7 +26,7 @@ TOPICS = ["Ferries: the night one from the north pier", "Barges: the coal one th
 
 
 def events_flags() -> list[str]:
-    return ["--kv-events-port", str(free_port()), "--kv-events-replay-port", str(free_port())]
+    return ["--kv-events-port", "0"]  # both sockets on ports the kernel picks as they bind; /v1/kv_config says
 
 
 @pytest.fixture(scope="module")

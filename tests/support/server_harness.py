@@ -53,15 +53,19 @@ class ServerProcess(Launched):
 @contextlib.contextmanager
 def _running(name: str, log_path: Path, ready: Callable[[int | None], bool], *args: str,
              port: int | None = None, wait: bool = True, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
-    """`pd NAME --host 127.0.0.1 --port P *args` on port P (a free one unless given),
-    yielded once `ready(status of /health)` (`wait=False`: at once, to start several side
-    by side and then `wait_started(*servers)`), with `env` added to this process's
-    environment; always stopped."""
-    port = port or free_port()
-    url = f"http://127.0.0.1:{port}"
-    with running(pd_command(name, "--host", "127.0.0.1", "--port", str(port), *args), url, log_path,
-                 ready=ready, wait=wait, env=None if env is None else os.environ | env) as launched:
-        yield ServerProcess(launched.url, launched.process, launched.log_path, launched.readiness)
+    """`pd NAME --host 127.0.0.1 --port P *args` on port P, or without `port` on a port the
+    server binds as the kernel picks it (`--port 0`, written to a `--port-file` beside its
+    log: nothing can take it between a pick and the bind), yielded once `ready(status of
+    /health)` (`wait=False`: at once, to start several side by side and then
+    `wait_started(*servers)`: their URLs are known then), with `env` added to this
+    process's environment; always stopped."""
+    port_file = None if port else log_path.with_suffix(".port")
+    cmd = pd_command(name, "--host", "127.0.0.1", "--port", str(port or 0), *args,
+                     *(("--port-file", str(port_file)) if port_file else ()))
+    with running(cmd, f"http://127.0.0.1:{port or '{port}'}", log_path, ready=ready, wait=wait,
+                 env=None if env is None else os.environ | env, port_file=port_file,
+                 launched_type=ServerProcess) as launched:
+        yield launched
 
 
 def running_server(model_dir: Path, log_path: Path, *args: str, port: int | None = None,
