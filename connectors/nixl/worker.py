@@ -39,7 +39,6 @@ channel on which peers fetch this engine's agent metadata and layout.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,11 +48,12 @@ import torch
 
 from connectors.nixl.digest_book import DigestBook
 from connectors.nixl.handshake import SideChannelServer
+from connectors.nixl.integrity import Integrity
 from connectors.nixl.holds import Holds
 from connectors.nixl.leases import LeaseTable
 from pd.kv_cache.canonical import CanonicalKVCaches
 from pd.kv_transfer.compat import COMPAT_DIFFERS
-from pd.kv_transfer.digests import WHOLE, BlockDigests, mismatch
+from pd.kv_transfer.digests import WHOLE
 from pd.kv_transfer.params import RemotePrefillParams
 from pd.scheduling.connector_api import KVConnectorOutput, KVConnectorWorker
 from connectors.nixl.peer_messages import (HandshakeError, HandshakeRequest, HandshakeResponse, KeepAlive,
@@ -69,7 +69,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DIGEST_MISMATCH = "brought bytes that are not what the holder digested"  # a load failure's reason starts so
-PERTURB_ENV = "PD_TEST_PERTURB_LANDED_KV"  # tests: "1" garbles each read's first block after its checks
 # The sender polls this long after a notification: without a progress thread UCX sends it
 # (and wires up a new peer's endpoint) only while the sender's agent is polled.
 NOTIF_FLUSH_S = 5.0
@@ -124,11 +123,10 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.failed: dict[str, str] = {}  # failed before a read could be posted -> why
         self.leases: LeaseTable | None = None  # lease words (P's slots, D's landing words), made with the transport
         self.holds = Holds(config.lease_seconds, config.clock, self.stats, self._poll_for)  # P
-        self.block_digests: BlockDigests | None = None  # of this rank's blocks, once registered
         self.digest_book = DigestBook(config.tp_size) if config.digest and config.rank == 0 else None  # P
+        self.integrity: Integrity | None = None  # --kv-digest's part, once the KV caches are registered
         self.rank_mismatches: dict[str, str] = {}  # rank 0: request -> a rank > 0's digest mismatch
         self._to_digest: list[tuple[str, list[list[int]]]] = []  # P: this step's prompts, once computed
-        self._perturb = os.environ.get(PERTURB_ENV) == "1"  # a deliberately broken decode server (tests)
         self._poll_until = 0.0  # keep progressing NIXL until then (a late read; a notification on its way)
 
     # --- set-up -------------------------------------------------------------------
@@ -138,7 +136,7 @@ class NixlConnectorWorker(KVConnectorWorker):
 
         configure_ucx(self.config.host, self.config.ucx_transports, cuda=torch.cuda.is_available(),
                       kv_on_gpu=kv_caches.tensors[0].device.type == "cuda")
-        self.block_digests = BlockDigests(kv_caches)
+        self.integrity = Integrity(kv_caches, self.digest_book)
         if self.config.rank > 0:  # its reads only: leases and the side channel are rank 0's
             self.transport = self.peers.transport = NixlTransport(self.agent_name, kv_caches)
             return
@@ -287,38 +285,18 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.peers.finish()
         output = KVConnectorOutput(failed_recving=self.failed)
         self.failed = {}
-        self._digest_held(output)
+        self.integrity.digest_held(self._to_digest, output)
+        self._to_digest = []
         self._poll_reads(output)
         notifs = self.transport.get_notifs()  # progresses this agent: P's ranks are read, D's ranks read
         if self.config.rank == 0:
             self.holds.update(notifs, output)
         return output
 
-    def _digest_held(self, output: KVConnectorOutput) -> None:
-        """P: digest the blocks of the prompts this step completed (they are held for a
-        reader once the scheduler half sees them finish): rank 0 keeps its own, a rank > 0
-        reports them to rank 0."""
-        for req_id, block_ids in self._to_digest:
-            digests = self.block_digests.request(block_ids)
-            if self.digest_book is not None:
-                self.digest_book.put(req_id, 0, digests)
-            else:
-                output.digests[req_id] = digests
-        self._to_digest = []
-
     def _digest_mismatch(self, loading: _Loading) -> str | None:
-        """Why the bytes this rank read for the request differ from the holder's digests of
-        them (None: they match, or the holder gave none)."""
-        remote, recv = loading.request.remote, loading.request
-        if remote.kv_digests is None:
-            return None
-        for rank, keys in loading.units_read:
-            why = mismatch(self.block_digests, recv.local_block_ids, recv.remote_block_ids, keys,
-                           remote.kv_digests[rank], self.transport.peer_units(rank_agent_name(remote.remote_engine_id,
-                                                                                              rank)))
-            if why is not None:
-                return why
-        return None
+        engine_id = loading.request.remote.remote_engine_id
+        return self.integrity.mismatch(loading.request, loading.units_read,
+                                       lambda rank: self.transport.peer_units(rank_agent_name(engine_id, rank)))
 
     def _poll_reads(self, output: KVConnectorOutput) -> None:
         for req_id, loading in list(self.loading.items()):
@@ -399,8 +377,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         elif state == "DONE":
             if remote.kv_digests is not None:
                 self.stats.digests_checked += 1
-            if self._perturb:
-                self._perturb_landed(loading.request)
+            self.integrity.garble(loading.request)
             output.finished_recving.add(req_id)
             output.load_sizes[req_id] = (sum(b for b, _ in shares.values()), sum(d for _, d in shares.values()))
             if not loading.notified:  # checked (or no word to check): P may free the blocks now
@@ -415,18 +392,6 @@ class NixlConnectorWorker(KVConnectorWorker):
         logger.warning("KV read for %s from %s %s", req_id, remote.remote_engine_id, why)
         output.failed_recving[req_id] = f"the read from {remote.remote_engine_id} {why}"
         self.stats.failures += 1
-
-    def _perturb_landed(self, recv: ReqToRecv) -> None:
-        """A test hook (`PD_TEST_PERTURB_LANDED_KV=1`): garble the first block a read
-        landed, after every check, as a broken decode server would (its answers then
-        differ from a colocated server's: what the proxy's canary is to catch)."""
-        for group, ids in enumerate(recv.local_block_ids):
-            block = next((b for b in ids if b), 0)
-            if block:
-                for ref in self.block_digests.kv_caches.group_data_refs[group]:
-                    rows = self.block_digests.kv_caches.tensors[ref.tensor_idx].tensor
-                    rows[block, ref.offset_bytes:ref.offset_bytes + ref.page_size_bytes] ^= 0x40
-                return
 
     def _poll_for(self, seconds: float) -> None:
         self._poll_until = max(self._poll_until, self.config.clock() + seconds)

@@ -4,6 +4,7 @@ on a reject, or when the lease expires; late and failed reads are reported as fa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -21,9 +22,10 @@ from tests.support.nixl_workers import CONFIG, Clock, Poller, make_worker, recv,
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture
-def pair():
-    p, p_buf = make_worker("P", clock=Clock())
+@contextlib.contextmanager
+def worker_pair(**p_config):
+    """P (its blocks random bytes; `p_config`: more of its worker config) and D."""
+    p, p_buf = make_worker("P", clock=Clock(), **p_config)
     d, d_buf = make_worker("D")
     p_buf.copy_(torch.randint(-128, 127, p_buf.shape, dtype=torch.int8))
     try:
@@ -31,6 +33,12 @@ def pair():
     finally:
         d.shutdown()
         p.shutdown()
+
+
+@pytest.fixture
+def pair():
+    with worker_pair() as workers:
+        yield workers
 
 
 def test_d_reads_the_blocks_and_p_frees_on_the_notification(pair) -> None:
@@ -209,14 +217,8 @@ def test_blocks_p_freed_before_the_read_ended_fail_the_read(pair) -> None:
 
 @pytest.fixture
 def digesting_pair():
-    p, p_buf = make_worker("P", clock=Clock(), digest=True)
-    d, d_buf = make_worker("D")
-    p_buf.copy_(torch.randint(-128, 127, p_buf.shape, dtype=torch.int8))
-    try:
-        yield p, p_buf, d, d_buf
-    finally:
-        d.shutdown()
-        p.shutdown()
+    with worker_pair(digest=True) as workers:
+        yield workers
 
 
 def digested(p, block_ids: list[list[int]]) -> RemotePrefillParams:
