@@ -9,8 +9,9 @@ tokens, `--concurrency` at a time): every one is run again alone and compared. P
 the outcomes (match, tie, mismatch, error, skipped).
 
 **Latency**: two proxies in front of the same servers, one with the canary off and one
-with `--fraction`; the same requests through each in turn, `--repeats` rounds, each
-proxy first in every other round. Prints each round's median and p99 client latency per
+with `--fraction`; as many requests through each in turn (prompts of their own each time:
+none finds another run's in a cache), `--repeats` rounds, each proxy first in every other
+round. Prints each round's median and p99 client latency per
 proxy and the median ratios (canary / off): within noise is what a default may cost.
 """
 
@@ -101,16 +102,16 @@ def agreement(servers: tuple[str, str], logs: Path, args: argparse.Namespace) ->
 
 
 def latency(servers: tuple[str, str], logs: Path, args: argparse.Namespace) -> dict:
-    requests = bodies(args.requests, args.seed, args.new_tokens)
     rounds = []
     with proxy(servers, logs, "proxy-off") as off, proxy(servers, logs, "proxy-canary", "--canary-fraction",
                                                            str(args.fraction)) as on:
-        send_all(off.url, requests[:4], 1)  # warm: both servers' first steps
+        send_all(off.url, bodies(4, args.seed - 1, args.new_tokens), 1)  # warm: both servers' first steps
         for i in range(args.repeats):
             order = [("off", off), ("canary", on)][::1 if i % 2 else -1]
             figures = {}
-            for name, front in order:
-                times = send_all(front.url, requests, args.concurrency)
+            for j, (name, front) in enumerate(order):  # prompts of their own: no run finds another's cached
+                times = send_all(front.url, bodies(args.requests, args.seed + 2 * i + j, args.new_tokens),
+                                 args.concurrency)
                 figures[name] = {"p50_ms": 1000 * statistics.median(times),
                                  "p99_ms": 1000 * times[min(len(times) - 1, int(0.99 * len(times)))]}
             rounds.append(figures)
