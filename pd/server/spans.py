@@ -39,6 +39,8 @@ class RequestSpan:
         if times is not None:
             for name, start, end, attributes in phases(times, output_tokens):
                 tracing.child(self.span, name, start, end, attributes)
+            if times.kv_error is not None:  # its KV could not be loaded (a digest mismatch among the reasons)
+                self.span.add_event("pd.kv_load_failed", {"pd.kv_error": times.kv_error})
         self.span.set_attributes({"pd.output_tokens": output_tokens, "pd.cached_tokens": cached_tokens(prompt_sources),
                                   "pd.finish_reason": finish_reason or "none",
                                   **{f"pd.prompt_tokens.{source}": n for source, n in prompt_sources.items()}})
@@ -53,9 +55,10 @@ def phases(times: RequestTimes, output_tokens: int) -> list[tuple[str, float, fl
     queued_until = min(t for t in (times.kv_wait, times.scheduled, end) if t is not None)
     out.append(("pd.queue", times.arrival, queued_until, {}))
     if times.kv_wait is not None and times.kv_landed is not None:
-        out.append(("pd.kv_read", times.kv_wait, times.kv_landed, {
-            "pd.kv_tokens": times.kv_tokens, "pd.kv_bytes": times.kv_bytes, "pd.kv_descriptors": times.kv_descriptors,
-            "pd.kv_error": times.kv_error}))
+        read = {"pd.kv_tokens": times.kv_tokens, "pd.kv_bytes": times.kv_bytes,
+                "pd.kv_descriptors": times.kv_descriptors}
+        out.append(("pd.kv_read", times.kv_wait, times.kv_landed,
+                    read if times.kv_error is None else read | {"pd.kv_error": times.kv_error}))
     if times.scheduled is not None and times.first_token is not None and times.first_token >= times.scheduled:
         out.append(("pd.prefill", times.scheduled, times.first_token, {}))
     if times.first_token is not None and times.finished is not None and output_tokens > 1:

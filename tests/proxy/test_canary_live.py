@@ -96,4 +96,4 @@ def test_a_broken_decode_server_is_caught_within_twenty_requests(tiny_models, tm
         log = front.log_tail(20000)
         assert "canary mismatch: request canaried-" in log and "-canary (alone on" in log
         assert wait_until(lambda: any(s.name == "proxy.canary" and s.attributes.get("pd.canary.result") == "mismatch"
-                                      for s in spans), 30)
+                                      and s.events == ("canary mismatch",) for s in spans), 30)

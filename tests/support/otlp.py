@@ -23,6 +23,7 @@ class Received:
     span_id: str
     parent_id: str
     attributes: dict
+    events: tuple[str, ...] = ()  # the names of its events
 
 
 @contextlib.contextmanager
@@ -39,7 +40,8 @@ def otlp_receiver() -> Iterator[tuple[str, list[Received]]]:
                 for scope in resource.scope_spans:
                     spans.extend(Received(labels["service.name"], labels.get("pd.role"), s.name, s.trace_id.hex(),
                                           s.span_id.hex(), s.parent_span_id.hex(),
-                                          {a.key: _value(a.value) for a in s.attributes}) for s in scope.spans)
+                                          {a.key: _value(a.value) for a in s.attributes},
+                                          tuple(e.name for e in s.events)) for s in scope.spans)
             answer = ExportTraceServiceResponse().SerializeToString()
             self.send_response(200)
             self.send_header("Content-Type", "application/x-protobuf")

@@ -150,6 +150,7 @@ def test_a_corrupted_tier_file_is_a_miss_per_block_and_the_tier_goes_on(tiny_mod
         still_serving(server, pid, expected, 0)
         metrics = server.metrics()
         assert metrics['pd_kv_offload_corrupt_blocks_total{tier="disk"}'] > 0 and metrics[ON] == 1
+        assert "its KV could not be loaded from the disk tier (" in server.log_tail(50000)  # with the request's id
         still_serving(server, pid, expected, 0)  # stored again, loaded again
         assert server.metrics()[FROM_DISK] > 0
 

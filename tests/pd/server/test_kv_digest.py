@@ -94,6 +94,8 @@ def test_a_bit_flipped_in_p_s_kv_is_caught_by_d_which_recomputes(servers) -> Non
     assert "not what the holder digested" in d.log_tail(20000) and "flipped" in d.log_tail(20000)
     assert wait_until(lambda: any(s.name == "pd.kv_read" and "not what the holder digested"
                                   in str(s.attributes.get("pd.kv_error")) for s in spans), 30)
+    (request,) = [s for s in spans if s.name == "pd.request" and s.attributes.get("pd.request_id") == "flipped"]
+    assert request.events == ("pd.kv_load_failed",)  # an event on the request's span too
     assert complete(d, body(text)).token_ids == expected  # from D's own cache: what it recomputed, not P's
     assert p.wait_for_metric("pd_kv_requests_held", lambda v: v == 0, timeout=LEASE_S + 10) == 0  # rejected
 

@@ -3,6 +3,8 @@ read from P) and a colocated server each did, never a span that ends before it s
 
 from __future__ import annotations
 
+import msgspec
+
 from pd.scheduling.request import RequestTimes
 from pd.server.spans import phases
 
@@ -28,6 +30,8 @@ def test_d_waits_for_the_kv_read_then_decodes_from_p_s_first_token() -> None:
     assert [(n, s, e) for n, s, e, _ in out] == [("pd.queue", 1.0, 1.25), ("pd.kv_read", 1.25, 2.0),
                                                   ("pd.decode", 2.5, 4.0)]
     assert out[1][3] == {"pd.kv_tokens": 48, "pd.kv_bytes": 4096, "pd.kv_descriptors": 3}
+    failed = phases(msgspec.structs.replace(times, kv_error="the read failed in transfer"), 6)
+    assert failed[1][3]["pd.kv_error"] == "the read failed in transfer"  # why the KV it waited for did not come
 
 
 def test_a_request_that_never_ran_only_queued() -> None:
