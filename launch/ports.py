@@ -125,8 +125,15 @@ def read_port(path: str | Path) -> int | None:
         return None
 
 
-def listen(host: str, port: int, backlog: int = 2048) -> socket.socket:
-    """A TCP socket listening on host:port (port 0: any free one, as the kernel picks it);
-    OSError if it cannot."""
+def listen(host: str, port: int, port_file: str | Path | None = None, backlog: int = 2048) -> socket.socket:
+    """A TCP socket listening on host:port (port 0: any free one, as the kernel picks it),
+    its port written to `port_file` at once if one is given; OSError if it cannot."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    return socket.create_server((host, port), family=family, backlog=backlog)
+    listener = socket.create_server((host, port), family=family, backlog=backlog)
+    if port_file is not None:
+        try:
+            write_port(port_file, listener.getsockname()[1])
+        except OSError:
+            listener.close()
+            raise
+    return listener

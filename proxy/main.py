@@ -6,7 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from launch.ports import listen, write_port
+from launch.ports import listen
 from proxy.disagg import DISAGG_POLICIES
 from proxy.instances import POLICIES
 from proxy.proxy_config import PROXY_DEFAULTS, ProxyConfig, tier_weights
@@ -30,6 +30,7 @@ def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
                              "way to learn it; a launcher waits for it) (default: none)")
     _add_routing_flags(parser)
     _add_fault_flags(parser)
+    _add_canary_flags(parser)
     add_telemetry_flags(parser)
 
 
@@ -117,6 +118,18 @@ def _add_fault_flags(parser: argparse.ArgumentParser) -> None:
                              "prefill server holding too many blocks for unread requests), served in order of "
                              "their body's priority (lower first) then arrival; past it the client gets 429 with "
                              "Retry-After; 0: no queue, no room is answered at once (default %(default)s)")
+    parser.add_argument("--max-client-priority", type=int, default=PROXY_DEFAULTS["max_client_priority"],
+                        metavar="P", help="the most urgent priority a client may ask in its body (lower is served "
+                                          "first); a lower one is refused with 400. The default lets a client "
+                                          "defer its own requests (priority > 0) but not go ahead of others; "
+                                          "-2147483648 lets any client ask anything (default %(default)s)")
+    parser.add_argument("--queue-timeout", type=float, default=PROXY_DEFAULTS["queue_timeout_s"], metavar="S",
+                        help="the longest a request waits in the queue; then 429 with Retry-After "
+                             "(default %(default)s)")
+
+
+def _add_canary_flags(parser: argparse.ArgumentParser) -> None:
+    """The canary: PD answers checked against colocated ones."""
     parser.add_argument("--canary-fraction", type=float, default=PROXY_DEFAULTS["canary_fraction"], metavar="F",
                         help="a fraction (0-1) of the greedy or seeded one-sequence requests that take a PD path "
                              "is also run alone on another server once its answer is sent, and the token ids "
@@ -130,14 +143,6 @@ def _add_fault_flags(parser: argparse.ArgumentParser) -> None:
                                             "answer's two most likely there, within EPS of its logprob, are a tie "
                                             "(arithmetic that differs in its last bits may pick either), not a "
                                             "mismatch (default %(default)s)")
-    parser.add_argument("--max-client-priority", type=int, default=PROXY_DEFAULTS["max_client_priority"],
-                        metavar="P", help="the most urgent priority a client may ask in its body (lower is served "
-                                          "first); a lower one is refused with 400. The default lets a client "
-                                          "defer its own requests (priority > 0) but not go ahead of others; "
-                                          "-2147483648 lets any client ask anything (default %(default)s)")
-    parser.add_argument("--queue-timeout", type=float, default=PROXY_DEFAULTS["queue_timeout_s"], metavar="S",
-                        help="the longest a request waits in the queue; then 429 with Retry-After "
-                             "(default %(default)s)")
 
 
 def proxy_config(args: argparse.Namespace) -> ProxyConfig:
@@ -169,12 +174,10 @@ def run_proxy(args: argparse.Namespace) -> int:
 
     config = proxy_config(args)
     try:
-        listener = listen(args.host, args.port)
-        args.port = listener.getsockname()[1]  # the one bound: --port 0 asks the kernel
-        if args.port_file is not None:
-            write_port(args.port_file, args.port)
+        listener = listen(args.host, args.port, args.port_file)
     except OSError as exc:
         raise SystemExit(f"pd proxy: cannot listen on {args.host}:{args.port}: {exc}") from None
+    args.port = listener.getsockname()[1]  # the one bound: --port 0 asks the kernel
     apply_telemetry_flags(args, "pd proxy", "pd-proxy", {"pd.instance": f"{args.host}:{args.port}"})
     logging.getLogger("uvicorn.access").addFilter(RedactKey())  # /dashboard?key=KEY
     app = build_proxy_app(config)

@@ -4,7 +4,7 @@ overlap routing expected and found."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -15,6 +15,7 @@ from proxy.disagg import PATHS
 from proxy.instances import InstancePool
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+ROLES = ("prefill", "decode")
 RELEASE_RESULTS = ("released", "unknown", "failed")  # P freed blocks / held none by that id / no answer
 OVERLAP_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 CACHED_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
@@ -80,12 +81,10 @@ class ProxyMetrics:
         self.request_latency = Histogram(
             "pd_proxy_request_latency_seconds", "Seconds from a request's arrival at the proxy to the end of its "
             "answer (a stream's last bytes), for requests answered 200.", buckets=E2E_BUCKETS, registry=self.registry)
-        self.kv_releases = Counter("pd_proxy_kv_releases",
-                                   "Prefill servers asked to free a request's blocks that no decode server will "
-                                   "read, by result: released, unknown (P held none by that id), failed.",
-                                   ["result"], registry=self.registry)
-        for result in RELEASE_RESULTS:
-            self.kv_releases.labels(result=result)
+        self.kv_releases = self._counter("pd_proxy_kv_releases",
+                                         "Prefill servers asked to free a request's blocks that no decode server "
+                                         "will read, by result: released, unknown (P held none by that id), failed.",
+                                         "result", RELEASE_RESULTS)
         self.routed_overlap = Histogram("pd_proxy_routed_overlap_blocks",
                                         "Blocks of the prompt the chosen instance was expected to hold (its KV "
                                         "events), per role.", ["role"], buckets=OVERLAP_BUCKETS, registry=self.registry)
@@ -96,40 +95,37 @@ class ProxyMetrics:
                                            "KV event batches or replays received from a server that were not "
                                            "ones (dropped).", ["url"], registry=self.registry)
 
-        self.paths = Counter("pd_proxy_requests_by_path", "Requests placed, by where their prompt is computed: "
-                             "disaggregated (a prefill server), local (the decode server, --disagg-policy "
-                             "conditional) or disaggregated+reuse (a prefill server, after reading the prefix the "
-                             "decode server holds).", ["path"], registry=self.registry)
-        for path in PATHS:
-            self.paths.labels(path=path)
-        self.reuse_fallbacks = Counter("pd_proxy_reuse_fallbacks", "Requests chosen for disaggregated+reuse that "
-                                       "were prefilled without the decode server's prefix, by reason: export (the "
-                                       "decode server did not export it) or refused (the prefill server refused "
-                                       "it).", ["reason"], registry=self.registry)
-        for reason in ("export", "refused"):
-            self.reuse_fallbacks.labels(reason=reason)
-        self.retries = Counter("pd_proxy_retries", "Requests sent again to another server after one failed, by "
-                               "role.", ["role"], registry=self.registry)
-        self.overloaded = Counter("pd_proxy_overloaded", "Requests answered 429: every instance of the role had "
-                                  "--max-outstanding requests in flight.", ["role"], registry=self.registry)
-        for role in ("prefill", "decode"):
-            self.retries.labels(role=role)
-            self.overloaded.labels(role=role)
+        self.paths = self._counter("pd_proxy_requests_by_path", "Requests placed, by where their prompt is "
+                                   "computed: disaggregated (a prefill server), local (the decode server, "
+                                   "--disagg-policy conditional) or disaggregated+reuse (a prefill server, after "
+                                   "reading the prefix the decode server holds).", "path", PATHS)
+        self.reuse_fallbacks = self._counter("pd_proxy_reuse_fallbacks", "Requests chosen for disaggregated+reuse "
+                                             "that were prefilled without the decode server's prefix, by reason: "
+                                             "export (the decode server did not export it) or refused (the prefill "
+                                             "server refused it).", "reason", ("export", "refused"))
+        self.retries = self._counter("pd_proxy_retries", "Requests sent again to another server after one failed, "
+                                     "by role.", "role", ROLES)
+        self.overloaded = self._counter("pd_proxy_overloaded", "Requests answered 429: every instance of the role "
+                                        "had --max-outstanding requests in flight.", "role", ROLES)
         self.queued = Counter("pd_proxy_queued", "Requests that waited in the proxy's queue for room (every "
                               "server full, or every prefill server holding too much).", registry=self.registry)
-        self.queue_refused = Counter("pd_proxy_queue_refused", "Requests answered 429 past the queue's bounds, by "
-                                     "reason: full (--max-queue) or timeout (--queue-timeout).", ["reason"],
-                                     registry=self.registry)
-        for reason in ("full", "timeout"):
-            self.queue_refused.labels(reason=reason)
+        self.queue_refused = self._counter("pd_proxy_queue_refused", "Requests answered 429 past the queue's "
+                                           "bounds, by reason: full (--max-queue) or timeout (--queue-timeout).",
+                                           "reason", ("full", "timeout"))
         self.queue_waiting = Gauge("pd_proxy_queue_waiting", "Requests waiting in the proxy's queue now.",
                                    registry=self.registry)
-        self.canary = Counter("pd_proxy_canary", "PD requests run again colocated (--canary-fraction), by result: "
-                              "match, tie (they differ first at a token whose two most likely were within "
-                              "--canary-tie-logprob), mismatch, error (no colocated answer), skipped (past "
-                              "--canary-max-inflight, or no server to run it).", ["result"], registry=self.registry)
-        for result in CANARY_RESULTS:
-            self.canary.labels(result=result)
+        self.canary = self._counter("pd_proxy_canary", "PD requests run again colocated (--canary-fraction), by "
+                                    "result: match, tie (they differ first at a token whose two most likely were "
+                                    "within --canary-tie-logprob), mismatch, error (no colocated answer), skipped "
+                                    "(past --canary-max-inflight, or no server to run it).", "result",
+                                    CANARY_RESULTS)
+
+    def _counter(self, name: str, documentation: str, label: str, values: Iterable[str]) -> Counter:
+        """A counter by one label, each of `values` exposed (at 0) before it is first counted."""
+        counter = Counter(name, documentation, [label], registry=self.registry)
+        for value in values:
+            counter.labels(value)
+        return counter
 
     def observe_answer(self, ttft_s: float | None, total_s: float) -> None:
         """A request answered 200: its time to first bytes (streamed) and to its end."""

@@ -16,7 +16,7 @@ import socket
 from pathlib import Path
 from typing import Any, NoReturn
 
-from launch.ports import listen, write_port
+from launch.ports import listen
 from pd.config import DEFAULT_MAX_REQUEST_BYTES, ROLES, EngineConfig, add_engine_flags
 from telemetry import logs, tracing
 from telemetry.flags import add_telemetry_flags, apply_telemetry_flags
@@ -131,12 +131,9 @@ def _listen(host: str, port: int, port_file: Path | None) -> socket.socket:
     another process's free-port pick, and a port in use fails at once. Its port is
     written to `port_file` now (port 0: the one the kernel picked)."""
     try:
-        listener = listen(host, port)
-        if port_file is not None:
-            write_port(port_file, listener.getsockname()[1])
+        return listen(host, port, port_file)
     except OSError as e:
         raise SystemExit(f"pd serve: cannot listen on {host}:{port}: {e}") from None
-    return listener
 
 
 async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, args: argparse.Namespace,

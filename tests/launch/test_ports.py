@@ -107,7 +107,7 @@ def test_real_picks_are_distinct_bindable_and_outside_the_kernels_range() -> Non
 
 SERVE_ON_ANY_PORT = """
 import http.server, sys
-from launch.ports import listen, write_port
+from launch.ports import listen
 
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -118,8 +118,7 @@ class Health(http.server.BaseHTTPRequestHandler):
         pass
 
 server = http.server.HTTPServer(("127.0.0.1", 0), Health, bind_and_activate=False)
-server.socket = listen("127.0.0.1", 0)
-write_port(sys.argv[1], server.socket.getsockname()[1])
+server.socket = listen("127.0.0.1", 0, sys.argv[1])
 server.serve_forever()
 """
 

@@ -34,11 +34,10 @@ class ServerProcess(Launched):
 
     @property
     def engine_pid(self) -> int:
-        """The PID of the server's engine process: its child started by multiprocessing's
-        spawn (the other child is multiprocessing's resource tracker)."""
-        children = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text().split()
-        (child,) = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-        return int(child)
+        """The PID of the server's engine process, as its /health says."""
+        health = self.health()
+        assert health.status_code == 200, health.text
+        return health.json()["engine_pid"]
 
     def wait_for_metric(self, name: str, predicate, timeout: float = METRIC_WAIT_S) -> float:
         """Poll /metrics until `predicate(value)`; the last value either way."""

@@ -52,19 +52,13 @@ def prefill_server(tiny_models, tmp_path_factory):
         yield _starter(stack, tiny_models, tmp_path_factory.mktemp("faults"))("p", "qwen3", "--role", "prefill")
 
 
-def engine_pid(server) -> int:
-    health = server.health()
-    assert health.status_code == 200, health.text
-    return health.json()["engine_pid"]
-
-
 def post(server, body: dict, path: str = "/v1/completions", **kwargs) -> httpx.Response:
     return http_client().post(f"{server.url}{path}", json=body, timeout=60, **kwargs)
 
 
 def assert_serving(server, pid: int) -> None:
     """The same engine process, answering a good request, its KV back to 0."""
-    assert engine_pid(server) == pid
+    assert server.engine_pid == pid
     response = post(server, BODY)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == BODY["max_tokens"]
@@ -104,14 +98,14 @@ BAD_PARAMS = {
 @pytest.mark.parametrize("arch", ["qwen3", "bamba"])
 def test_malformed_pd_parameters_get_a_400_naming_the_field_and_the_decode_engine_lives(start, arch) -> None:
     p, d = start("p", arch, "--role", "prefill"), start("d", arch, "--role", "decode")
-    pid = engine_pid(d)
+    pid = d.engine_pid
     for name, (spoil, field) in BAD_PARAMS.items():
         for stream in (False, True):
             response = post(d, BODY | {"stream": stream, "kv_transfer_params": spoil(prefill(p))})
             assert response.status_code == 400, (name, response.text)
             error = response.json()["error"]
             assert error["param"] == f"kv_transfer_params.{field}" and field in error["message"], (name, error)
-            assert engine_pid(d) == pid, name
+            assert d.engine_pid == pid, name
     assert_serving(d, pid)
     # P frees the blocks of the parameters nobody read when their leases end; nothing else leaked
     assert p.metrics()["pd_kv_requests_held"] == 2 * len(BAD_PARAMS)
@@ -119,7 +113,7 @@ def test_malformed_pd_parameters_get_a_400_naming_the_field_and_the_decode_engin
 
 def test_a_chat_template_kwarg_that_collides_is_a_400_and_huge_integers_are_refused_or_clamped(prefill_server) -> None:
     server = prefill_server  # serves requests of its own too
-    pid = engine_pid(server)
+    pid = server.engine_pid
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for kwargs in ({"messages": 1}, {"add_generation_prompt": "x"}):
         response = post(server, chat | {"chat_template_kwargs": kwargs}, "/v1/chat/completions")
@@ -140,7 +134,7 @@ def rss_bytes(pid: int) -> int:
 
 def test_oversized_bodies_are_refused_before_they_cost_cpu_or_memory(start) -> None:
     server = start("c", "qwen3", "--max-request-bytes", str(3 << 20))
-    pid = engine_pid(server)
+    pid = server.engine_pid
     post(server, BODY)  # warm: first-request allocations are not a leak
     baseline = rss_bytes(server.process.pid)
     big = "lorem ipsum " * ((20 << 20) // 12)  # 20 MB
@@ -161,7 +155,7 @@ def test_oversized_bodies_are_refused_before_they_cost_cpu_or_memory(start) -> N
 
 def test_p_caps_the_blocks_it_holds_for_decode_servers_and_releases_them_on_request(start) -> None:
     p = start("p", "bamba", "--role", "prefill", "--kv-cache-memory", str(48 << 20), "--kv-max-held-fraction", "0.3")
-    pid = engine_pid(p)
+    pid = p.engine_pid
     params = []
     for i in range(100):
         response = post(p, BODY | {"prompt": f"{i} {PROMPT}", "kv_transfer_params": {"do_remote_decode": True}})
@@ -201,7 +195,7 @@ def test_p_refuses_what_d_would_refuse_before_it_prefills(prefill_server, refuse
 def test_while_a_new_engine_starts_health_and_metrics_show_no_stale_figures(start) -> None:
     server = start("c", "qwen3", "--restart-engine", "1", "--kv-connector", "nixl")
     assert server.metrics()["pd_engine_alive"] == 1 and "pd_num_requests_running" in server.metrics()
-    os.kill(engine_pid(server), signal.SIGKILL)
+    os.kill(server.engine_pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while server.health().status_code == 200:
         assert time.monotonic() < deadline, "the server never noticed its engine died"
@@ -216,12 +210,12 @@ def test_while_a_new_engine_starts_health_and_metrics_show_no_stale_figures(star
             assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
             assert response.headers["retry-after"] == "1"
     assert wait_until(lambda: server.health().status_code == 200, 60)
-    assert_serving(server, engine_pid(server))
+    assert_serving(server, server.engine_pid)
 
 
 def test_one_both_server_is_p_and_d_of_the_same_request_id(start) -> None:
     server = start("pd", "qwen3", "--kv-connector", "nixl")
-    pid = engine_pid(server)
+    pid = server.engine_pid
     reference = post(server, BODY).json()["choices"][0]["text"]
     headers = {"X-Request-Id": "shared-id"}
     params = post(server, BODY | {"kv_transfer_params": {"do_remote_decode": True}}, headers=headers).json()
@@ -247,7 +241,7 @@ def test_any_bytes_to_the_kv_events_and_side_channel_ports_leave_the_engine_serv
     events, replay, side = free_port(), free_port(), free_port()
     server = start("p", "qwen3", "--role", "prefill", "--kv-events-port", str(events), "--kv-events-replay-port",
                    str(replay), "--kv-side-channel-port", str(side))
-    pid = engine_pid(server)
+    pid = server.engine_pid
     context = zmq.Context()
     try:
         for port, payloads in ((replay, [bytes.fromhex("81a1ff01"), b"\xc1", b"\x91" * 300]),
@@ -266,7 +260,7 @@ def test_any_bytes_to_the_kv_events_and_side_channel_ports_leave_the_engine_serv
     counted = lambda: server.metrics().get(label % "kv_events_replay", 0) + server.metrics().get(  # noqa: E731
         label % "side_channel", 0) == 5
     assert wait_until(lambda: server.health().status_code != 200 or counted())
-    assert engine_pid(server) == pid, "the engine died"
+    assert server.engine_pid == pid, "the engine died"
     assert server.metrics()[label % "kv_events_replay"] == 3 and server.metrics()[label % "side_channel"] == 2
     assert_serving(server, pid)
 
@@ -280,7 +274,7 @@ def test_everything_rendered_into_a_prompt_is_held_to_the_character_cap_before_i
     """Issue 31 row 5: a 3.99 MB tools schema (under the 4 MiB body cap) was rendered and
     tokenized in full (3.35 M tokens, seconds of CPU) before the prompt was refused."""
     server = prefill_server
-    pid = engine_pid(server)
+    pid = server.engine_pid
     schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "lorem ipsum " * 4}
                                                for i in range(40_000)}}
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
