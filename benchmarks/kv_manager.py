@@ -34,7 +34,7 @@ from pd.kv_cache.spec import (
     SlidingWindowSpec,
     cdiv,
 )
-from pd.scheduling.request import Request
+from pd.contracts.request import Request
 
 VOCAB_SIZE = 32000
 NUM_WARMUP = 20

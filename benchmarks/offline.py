@@ -23,7 +23,7 @@ import torch
 
 from pd.llm import LLM
 from pd.models.make_model import make_model
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.sampling_params import SamplingParams
 
 ARCHS = ("qwen3", "gemma3", "bamba", "granitehybrid")
 

@@ -29,8 +29,8 @@ from torch import nn
 
 from pd.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from pd.engine.core import EngineCore
-from pd.scheduling.request import Request
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.request import Request
+from pd.contracts.sampling_params import SamplingParams
 
 
 class PartTimer:

@@ -71,7 +71,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     from pd.config import EngineConfig
     from pd.llm import LLM
-    from pd.scheduling.sampling_params import SamplingParams
+    from pd.contracts.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,

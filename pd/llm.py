@@ -15,8 +15,8 @@ import torch
 from pd.config import EngineConfig
 from pd.engine.core import EngineCore
 from pd.logprobs import Logprobs, PromptLogprobs
-from pd.scheduling.request import Request, RequestOutput, sequence_id
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.request import Request, RequestOutput, sequence_id
+from pd.contracts.sampling_params import SamplingParams
 from pd.tokenizer import Tokenizer
 
 

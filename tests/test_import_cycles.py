@@ -202,3 +202,22 @@ def test_modules_under_tests_import_no_test_module() -> None:
             if (parts[0] == "tests" and parts[1:2] != ["support"]) or parts[0] in test_modules:
                 offenders.append(f"{path.relative_to(ROOT)}: {name}")
     assert offenders == []
+
+
+# What pd/contracts/ may import: the KV core and what lies under it (pd's bottom floor).
+BELOW_THE_CONTRACTS = {"pd.contracts", "pd.kv_cache", "pd.kv_transfer", "pd.structured", "pd.logprobs",
+                       "pd.errors", "pd.registry", "kv_events", "wire"}
+
+
+def test_the_contracts_depend_on_nothing_above_the_kv_core() -> None:
+    graph = package_graph(module_graph(modules()))
+    assert graph["pd.contracts"] - BELOW_THE_CONTRACTS == set()
+
+
+def test_only_the_engine_core_imports_the_scheduler() -> None:
+    """The types rooms share live in pd/contracts/: no worker, connector, server, offload
+    tier or benchmark reaches into the scheduler's room for them."""
+    graph = module_graph(modules())
+    importers = {source for source, targets in graph.items() if room(source) != "pd.scheduling"
+                 and any(room(target) == "pd.scheduling" for target in targets)}
+    assert importers == {"pd.engine.core"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 from connectors.nixl.peer_messages import RankAgent
 from connectors.nixl.scheduler import NixlConnectorMetadata, NixlConnectorScheduler
 from connectors.nixl.worker import NixlConnectorWorker, NixlWorkerConfig
-from pd.scheduling.connector_api import ConnectorContext, KVConnector
+from pd.contracts.connector_api import ConnectorContext, KVConnector
 
 
 class NixlConnector(KVConnector):

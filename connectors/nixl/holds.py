@@ -17,7 +17,7 @@ from collections.abc import Callable
 from connectors.nixl.leases import LeaseTable
 from connectors.nixl.peer_messages import KeepAlive, NotifDecodeError, Reject, decode_notif
 from connectors.nixl.stats import TransferStats
-from pd.scheduling.connector_api import KVConnectorOutput
+from pd.contracts.connector_api import KVConnectorOutput
 
 logger = logging.getLogger(__name__)
 

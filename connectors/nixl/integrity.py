@@ -17,7 +17,7 @@ from connectors.nixl.digest_book import DigestBook
 from connectors.nixl.scheduler import ReqToRecv
 from pd.kv_cache.canonical import CanonicalKVCaches
 from pd.kv_transfer.digests import BlockDigests, mismatch
-from pd.scheduling.connector_api import KVConnectorOutput
+from pd.contracts.connector_api import KVConnectorOutput
 
 PERTURB_ENV = "PD_TEST_PERTURB_LANDED_KV"  # tests: "1" garbles each read's first block after its checks
 UnitsRead = list[tuple[int, list[set]]]  # (the holder's rank read from, the unit keys read of each group)

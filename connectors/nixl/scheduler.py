@@ -47,9 +47,9 @@ from connectors.nixl.leases import LeaseTable
 from pd.kv_cache.spec import cdiv
 from pd.kv_transfer.params import PromptSources, RemotePrefillParams
 from pd.kv_transfer.signing import prompt_digest, sign
-from pd.scheduling.connector_api import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, KVHeldAlready,
+from pd.contracts.connector_api import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, KVHeldAlready,
                                          KVLoadRefused)
-from pd.scheduling.request import Request, RequestStatus
+from pd.contracts.request import Request, RequestStatus
 
 
 KEEP_ALIVE_MARGIN = 0.1  # of a lease: how much earlier than P's lease D counts its own view to end

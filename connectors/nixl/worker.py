@@ -55,7 +55,7 @@ from pd.kv_cache.canonical import CanonicalKVCaches
 from pd.kv_transfer.compat import COMPAT_DIFFERS
 from pd.kv_transfer.digests import WHOLE
 from pd.kv_transfer.params import RemotePrefillParams
-from pd.scheduling.connector_api import KVConnectorOutput, KVConnectorWorker
+from pd.contracts.connector_api import KVConnectorOutput, KVConnectorWorker
 from connectors.nixl.peer_messages import (HandshakeError, HandshakeRequest, HandshakeResponse, KeepAlive,
                                            RankAgent, ReadDone, Reject, encode_notif, rank_agent_name)
 from connectors.nixl.peer_agents import PeerAgents

@@ -54,7 +54,7 @@ from pd.engine.ipc_messages import (
 from pd.engine.ipc_dirs import new_ipc_dir
 from pd.engine.process import run_engine_core
 from pd.errors import ERROR_INVALID
-from pd.scheduling.request import sequence_id
+from pd.contracts.request import sequence_id
 
 logger = logging.getLogger(__name__)
 

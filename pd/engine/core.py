@@ -23,7 +23,7 @@ from pd.kv_cache.spec import KVCacheConfig, MambaSpec
 from pd.kv_offload.connector import (inner_worker, offload_description, offload_figures, offload_load_seconds,
                                      tiered_scheduler, with_tiers)
 from pd.kv_transfer.connectors import KV_CONNECTORS
-from pd.scheduling.request import Request, RequestOutput
+from pd.contracts.request import Request, RequestOutput
 from pd.scheduling.scheduler import Scheduler
 from pd.structured.matchers import GrammarMatchers
 from pd.tokenizer import Tokenizer

@@ -4,7 +4,7 @@ Every message is a msgspec Struct encoded as msgpack; nothing received is unpick
 Input (server -> core) is the tagged union `EngineInput`, output (core -> server) the
 tagged union `EngineOutput`. `EngineRequest` becomes the engine's `Request` (the `pd`
 modules that need torch are imported only inside its helpers, so the server side of the
-wire imports without torch); outputs (`pd.scheduling.request.RequestOutput`) and `EngineStats` are
+wire imports without torch); outputs (`pd.contracts.request.RequestOutput`) and `EngineStats` are
 the engine's own Structs, sent as they are.
 """
 
@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from pd.kv_transfer.params import TransferParams
-from pd.scheduling.request import RequestOutput
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.request import RequestOutput
+from pd.contracts.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pd.scheduling.request import Request
+    from pd.contracts.request import Request
 
 
 # ---- server -> core ---------------------------------------------------------------
@@ -45,7 +45,7 @@ class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
 
     def to_request(self) -> Request:
         """The engine's Request; ValueError for an empty prompt."""
-        from pd.scheduling.request import Request
+        from pd.contracts.request import Request
 
         return Request(self.request_id, list(self.prompt_token_ids), self.sampling_params,
                        kv_transfer_params=self.kv_transfer_params, cache_salt=self.cache_salt)

@@ -8,7 +8,7 @@ produced outputs or changed the stats. SIGTERM, SIGINT, a `Shutdown` message or 
 of the parent process end the loop after the current step; the process then exits 0.
 
 Faults: a request the core refuses, or whose admission or batch fails, is answered with
-an error output of its own (see `pd.scheduling.outputs` ERROR_*), and the loop goes on. An error
+an error output of its own (see `pd.contracts.outputs` ERROR_*), and the loop goes on. An error
 the core cannot pin on a request (the scheduler's or the KV cache's own state) stops
 it: the loop sends `EngineFailed` with the reason, and the process exits 1.
 """

@@ -1,4 +1,4 @@
-"""What the KV cache reads of a request: `pd.scheduling.request.Request` is one. The KV
+"""What the KV cache reads of a request: `pd.contracts.request.Request` is one. The KV
 core depends on this protocol, not on the request, so it sits below the request's
 lifecycle (the scheduler, its PD part) and knows nothing of sampling or PD fields."""
 

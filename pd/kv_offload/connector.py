@@ -30,8 +30,8 @@ from pd.kv_offload.lookup import tier_hit
 from pd.kv_offload.tier import TierBlock
 from pd.config import TierSettings
 from pd.kv_offload.worker import TieredMetadata, TieredWorker
-from pd.scheduling.connector_api import KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker, OffloadReport
-from pd.scheduling.request import Request
+from pd.contracts.connector_api import KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker, OffloadReport
+from pd.contracts.request import Request
 
 logger = logging.getLogger(__name__)
 

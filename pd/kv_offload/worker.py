@@ -16,7 +16,7 @@ from pd.config import TierSettings
 from pd.kv_offload.disk import DiskTier
 from pd.kv_offload.host import HostTier
 from pd.kv_offload.tier import Tier, TierBlock
-from pd.scheduling.connector_api import KVConnectorMetadata, KVConnectorOutput, KVConnectorWorker, OffloadReport
+from pd.contracts.connector_api import KVConnectorMetadata, KVConnectorOutput, KVConnectorWorker, OffloadReport
 
 
 def build_tiers(settings: TierSettings, caches: CanonicalKVCaches) -> list[Tier]:

@@ -1,5 +1,5 @@
 """The KV connectors by name (`--kv-connector NAME`), in the shape of every registry
-(pd/registry.py). An entry is a `pd.scheduling.connector_api.KVConnector`, which builds the
+(pd/registry.py). An entry is a `pd.contracts.connector_api.KVConnector`, which builds the
 connector's two halves, worker side then scheduler side, from a `ConnectorContext`:
 
 - `null`: `NullConnector`, for a server that serves alone (`--role both`); it is called
@@ -12,7 +12,7 @@ from __future__ import annotations
 from pd.registry import Registry
 
 KV_CONNECTORS = Registry("KV connector", {
-    "null": "pd.scheduling.connector_api:NullConnector",
+    "null": "pd.contracts.connector_api:NullConnector",
     "nixl": "connectors.nixl.connector:NixlConnector",
 })
 NULL_CONNECTOR = "null"

@@ -1,3 +1,3 @@
-"""A request's life in the engine: the request and its sampling parameters, the scheduler
-and its PD part, fair share, prompt sources, the scheduler-runner outputs, and the
-connector API."""
+"""The scheduler and its parts: its PD part (remote KV), fair share, prompt sources and
+the runner's view. The types it shares with other rooms are in pd/contracts/; only the
+engine core imports this room."""

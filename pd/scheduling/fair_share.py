@@ -37,7 +37,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from pd.kv_cache.kv_cache_manager import KVCacheManager
-from pd.scheduling.request import Request
+from pd.contracts.request import Request
 
 
 def group(request: Request) -> str:

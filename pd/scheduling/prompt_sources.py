@@ -5,13 +5,7 @@ totals and the request's own `prompt_sources`."""
 
 from __future__ import annotations
 
-from pd.scheduling.request import Request, RequestStatus
-
-
-def cached_tokens(sources: dict[str, int]) -> int:
-    """Prompt tokens whose KV was not computed for the request: found in a prefix cache,
-    loaded from an offload tier or read from another server's cache."""
-    return sum(tokens for source, tokens in sources.items() if source != "computed")
+from pd.contracts.request import Request, RequestStatus
 
 
 class PromptSources:

@@ -24,8 +24,8 @@ from pd.errors import HeldBlocksLimitError
 from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_transfer.params import RemotePrefillParams
 from pd.logprobs import Logprobs
-from pd.scheduling.connector_api import KVConnectorOutput, KVConnectorScheduler
-from pd.scheduling.request import Request, RequestStatus
+from pd.contracts.connector_api import KVConnectorOutput, KVConnectorScheduler
+from pd.contracts.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

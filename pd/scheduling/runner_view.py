@@ -10,8 +10,8 @@ is told to drop it.
 from __future__ import annotations
 
 from pd.kv_cache.kv_cache_manager import KVCacheManager
-from pd.scheduling.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from pd.scheduling.request import Request
+from pd.contracts.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from pd.contracts.request import Request
 
 
 class RunnerView:

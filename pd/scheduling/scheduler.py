@@ -37,11 +37,11 @@ from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_transfer.params import RemotePrefillParams
 from pd.logprobs import Logprobs
 from pd.scheduling import fair_share
-from pd.scheduling.connector_api import KVConnectorScheduler, KVHeldAlready, KVLoadRefused
-from pd.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
+from pd.contracts.connector_api import KVConnectorScheduler, KVHeldAlready, KVLoadRefused
+from pd.contracts.outputs import ModelRunnerOutput, SchedulerOutput
 from pd.scheduling.prompt_sources import PromptSources
 from pd.scheduling.remote_kv import RemoteKV
-from pd.scheduling.request import Request, RequestOutput, RequestStatus, sequence_id
+from pd.contracts.request import Request, RequestOutput, RequestStatus, sequence_id
 from pd.scheduling.runner_view import RunnerView
 from pd.structured.matchers import GrammarMatchers
 

@@ -14,8 +14,8 @@ import anyio
 
 from pd.kv_transfer.params import RemotePrefillParams
 from pd.logprobs import Logprobs, PromptLogprobs
-from pd.scheduling.prompt_sources import cached_tokens
-from pd.scheduling.request import RequestTimes, sequence_id
+from pd.contracts.request import cached_tokens
+from pd.contracts.request import RequestTimes, sequence_id
 from pd.server.detokenize import IncrementalDetokenizer
 from pd.server.metrics import ServerMetrics
 from pd.server.serving import Prepared

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pd.logprobs import MAX_LOGPROBS
-from pd.scheduling.sampling_params import MAX_LOGIT_BIAS, MAX_N, SamplingParams, SamplingParamsError
+from pd.contracts.sampling_params import MAX_LOGIT_BIAS, MAX_N, SamplingParams, SamplingParamsError
 from pd.server.protocol import ChatCompletionRequest, RequestError, SamplingFields
 from pd.structured.grammar import Grammar
 

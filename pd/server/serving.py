@@ -22,7 +22,7 @@ from pd.engine.ipc_messages import EngineRequest
 from pd.kv_transfer.connectors import NULL_CONNECTOR
 from pd.kv_transfer.params import RemoteDecodeParams, RemotePrefillParams, TransferParamsError, parse_transfer_params
 from pd.kv_transfer.signing import TransferParamsGuard, TransferParamsRefused, UntilExpiry
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.sampling_params import SamplingParams
 from pd.server.chat import ChatTemplate, ChatTemplateError
 from pd.server.off_loop import OffLoop, TooManyWaiting
 from pd.server.sampling import RequestLimits, SamplingChecker, check_vocab

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pd.scheduling.prompt_sources import cached_tokens
-from pd.scheduling.request import RequestTimes
+from pd.contracts.request import cached_tokens
+from pd.contracts.request import RequestTimes
 from telemetry import tracing
 
 

@@ -27,9 +27,9 @@ from pd.kv_cache.allocation import KVLayout, allocate_kv_caches
 from pd.kv_cache.spec import KVCacheConfig
 from pd.logprobs import Logprobs, PromptLogprobs
 from pd.models.base import CausalLM
-from pd.scheduling.connector_api import KVConnectorWorker
-from pd.scheduling.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.connector_api import KVConnectorWorker
+from pd.contracts.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pd.contracts.sampling_params import SamplingParams
 from pd.worker.block_table import MultiGroupBlockTable
 from pd.worker.sampler import adjust, choose, make_generator, mask_tokens
 from pd.worker.scoring import prompt_logprobs, sampled_logprobs

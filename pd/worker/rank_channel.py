@@ -27,8 +27,8 @@ import msgspec
 import numpy as np
 
 from pd.config import EngineConfig
-from pd.scheduling.connector_api import ConnectorContext, KVConnectorOutput
-from pd.scheduling.outputs import SchedulerOutput
+from pd.contracts.connector_api import ConnectorContext, KVConnectorOutput
+from pd.contracts.outputs import SchedulerOutput
 
 HEADER = struct.Struct("!I")
 MAX_FRAME = 1 << 30  # a step names every new request's tokens: large, but bounded

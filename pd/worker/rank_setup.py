@@ -22,7 +22,7 @@ from pd.models.fingerprint import weights_fingerprint
 from pd.models.gguf_linear import quantize_gguf_linears
 from pd.models.quantized import quantize_linears
 from pd.kv_transfer.compat import compat_hash
-from pd.scheduling.connector_api import ConnectorContext, KVConnectorWorker, NullConnectorWorker
+from pd.contracts.connector_api import ConnectorContext, KVConnectorWorker, NullConnectorWorker
 from pd.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

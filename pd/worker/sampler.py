@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.sampling_params import SamplingParams
 
 TOP_P_CANDIDATES = 1024  # top-p first looks for its nucleus among this many most likely tokens
 BLOCK = 1024  # tokens per block of the two-level inverse transform

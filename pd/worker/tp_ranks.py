@@ -42,8 +42,8 @@ from pd.distributed.collectives import RankLost
 from pd.distributed.shard import TPShard
 from pd.kv_transfer.connectors import KV_CONNECTORS
 from pd.kv_transfer.signing import SECRET_ENV, secret_from_env
-from pd.scheduling.connector_api import ConnectorContext, KVConnectorOutput
-from pd.scheduling.outputs import SchedulerOutput
+from pd.contracts.connector_api import ConnectorContext, KVConnectorOutput
+from pd.contracts.outputs import SchedulerOutput
 from pd.worker.memory import apply_memory_settings
 from pd.worker.model_runner import ModelRunner
 from pd.worker.rank_channel import (ENCODER, FROM_RANK, TO_RANK, ChannelError, Failed, RankChannel, Ready, Setup,

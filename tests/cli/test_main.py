@@ -38,7 +38,7 @@ def test_generate_prints_one_json_object_per_prompt(tmp_path: Path, capsys: pyte
     import json
 
     from pd.llm import LLM
-    from pd.scheduling.sampling_params import SamplingParams
+    from pd.contracts.sampling_params import SamplingParams
 
     model = tmp_path / "bamba"
     assert main(["make-model", "--arch", "bamba", "--out", str(model)]) == 0

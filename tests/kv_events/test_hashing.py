@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import kv_events.hashing as hashing
 from kv_events.hashing import extend_block_hashes, hash_block_tokens
-from pd.scheduling.request import Request
+from pd.contracts.request import Request
 
 BLOCK_SIZE = 4
 TOKENS = list(range(100, 123))  # 23 tokens: 5 full blocks of 4 and 3 left over
@@ -123,7 +123,7 @@ def test_extend_block_hashes_appends_to_the_given_list() -> None:
 
 
 _CHILD = (
-    "from pd.scheduling.request import Request; "
+    "from pd.contracts.request import Request; "
     "print(' '.join(h.hex() for h in Request('r', list(range(100, 123)), cache_salt='s').block_hashes(4)))"
 )
 

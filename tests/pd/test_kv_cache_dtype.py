@@ -16,7 +16,7 @@ from pd.engine.core import EngineCore
 from pd.kv_cache.spec import FullAttentionSpec, MambaSpec
 from pd.llm import LLM
 from pd.models.make_model import make_model
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.sampling_params import SamplingParams
 from pd.worker.rank_setup import connector_context, whole_kv_cache_config
 
 PROMPTS = [list(range(5, 75)), list(range(100, 140))]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pd.llm import LLM
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.sampling_params import SamplingParams
 from tests.support.hf_reference import ARCHS, checkpoints, hf_logits, hf_models, random_prompts  # noqa: F401 (fixtures)
 
 TOLERANCE = 1e-3
@@ -80,7 +80,7 @@ def test_layouts_and_prefix_hits_give_the_same_tokens(arch, checkpoints):
 
 def peak_bytes_held(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[list[int], int]:
     """Generate one prompt step by step; the most KV cache bytes held at any step."""
-    from pd.scheduling.request import Request
+    from pd.contracts.request import Request
 
     engine = llm.engine
     request = Request("peak", prompt, params)

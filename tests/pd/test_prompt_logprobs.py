@@ -9,8 +9,8 @@ import torch
 
 from pd.llm import LLM
 from pd.logprobs import PromptLogprobs
-from pd.scheduling.request import Request
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.request import Request
+from pd.contracts.sampling_params import SamplingParams
 from tests.support.hf_reference import checkpoints, hf_logits, hf_models, random_prompts  # noqa: F401 (fixtures)
 
 K = 5

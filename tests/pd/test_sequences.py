@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pd.llm import LLM
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.sampling_params import SamplingParams
 from tests.support.hf_reference import ARCHS, checkpoints, hf_logits, hf_models, random_prompts  # noqa: F401 (fixtures)
 from tests.support.sampling_reference import brute_force_penalized
 

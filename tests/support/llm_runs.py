@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from pd import LLM
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.sampling_params import SamplingParams
 
 Run = tuple[list[list[int]], list[list[torch.Tensor]]]
 

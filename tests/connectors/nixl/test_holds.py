@@ -10,7 +10,7 @@ from connectors.nixl.holds import LATE_READ_GRACE_S, Holds
 from connectors.nixl.leases import LeaseTable
 from connectors.nixl.peer_messages import KeepAlive, ReadDone, Reject, encode_notif
 from connectors.nixl.stats import TransferStats
-from pd.scheduling.connector_api import KVConnectorOutput
+from pd.contracts.connector_api import KVConnectorOutput
 
 
 class Clock:

@@ -17,10 +17,10 @@ from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from pd.kv_transfer.params import RemoteDecodeParams, RemotePrefillParams
-from pd.scheduling.connector_api import KVConnectorOutput
-from pd.scheduling.outputs import ModelRunnerOutput
-from pd.scheduling.request import Request, RequestStatus
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.connector_api import KVConnectorOutput
+from pd.contracts.outputs import ModelRunnerOutput
+from pd.contracts.request import Request, RequestStatus
+from pd.contracts.sampling_params import SamplingParams
 from pd.scheduling.scheduler import Scheduler
 
 BLOCK = 16

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.sampling_params import SamplingParams
 from tests.support.hf_reference import random_prompts
 from tests.support.llm_runs import Run, assert_logits_close, llm_run
 from tests.support.server_harness import ARCHS

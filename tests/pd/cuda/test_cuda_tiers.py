@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pd.llm import LLM
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 

@@ -16,7 +16,7 @@ import torch
 from launch import http_client
 from pd import LLM
 from pd.config import EngineConfig
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.sampling_params import SamplingParams
 from pd.worker.tp_ranks import rank_device
 from tests.support.hf_reference import random_prompts
 from tests.support.llm_runs import assert_logits_close

@@ -9,8 +9,8 @@ import torch
 from pd.config import EngineConfig
 from pd.engine.core import EngineCore
 from pd.models.make_model import make_model
-from pd.scheduling.request import Request
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.request import Request
+from pd.contracts.sampling_params import SamplingParams
 
 POISON = 4000  # a token id the patched model refuses
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -24,7 +24,7 @@ from pd.engine.client import EngineClient, EngineDeadError, EngineStartupError
 from pd.engine.ipc_messages import EngineRequest, RequestOutput
 from pd.llm import LLM
 from pd.models.make_model import make_model
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.sampling_params import SamplingParams
 
 ENGINE_ARGS = {"kv_cache_memory": 32 << 20, "max_model_len": 512}
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

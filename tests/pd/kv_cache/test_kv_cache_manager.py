@@ -29,7 +29,7 @@ from pd.kv_cache.spec import (
     SlidingWindowSpec,
     cdiv,
 )
-from pd.scheduling.request import Request
+from pd.contracts.request import Request
 
 BLOCK = 16
 

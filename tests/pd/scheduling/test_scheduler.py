@@ -19,10 +19,10 @@ from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from pd.kv_transfer.params import RemotePrefillParams
-from pd.scheduling.connector_api import KVConnectorScheduler, NullConnectorScheduler
-from pd.scheduling.outputs import ModelRunnerOutput, SchedulerOutput
-from pd.scheduling.request import Request, RequestStatus
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.connector_api import KVConnectorScheduler, NullConnectorScheduler
+from pd.contracts.outputs import ModelRunnerOutput, SchedulerOutput
+from pd.contracts.request import Request, RequestStatus
+from pd.contracts.sampling_params import SamplingParams
 from pd.scheduling.scheduler import Scheduler
 
 BLOCK = 16
@@ -245,7 +245,7 @@ class ToyRemoteConnector(KVConnectorScheduler):
     has_work = False  # nothing of its own to step for
 
     def __init__(self, num_external: int, delay_steps: int, fail: bool = False, verified: bool = True) -> None:
-        from pd.scheduling.connector_api import KVConnectorMetadata, KVConnectorOutput
+        from pd.contracts.connector_api import KVConnectorMetadata, KVConnectorOutput
 
         self.meta, self.output = KVConnectorMetadata, KVConnectorOutput
         self.num_external, self.delay, self.fail, self.verified = num_external, delay_steps, fail, verified

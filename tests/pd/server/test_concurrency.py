@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from pd.llm import LLM
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.sampling_params import SamplingParams
 from tests.support.server_harness import running_server
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import pytest
 from launch import http_client
 from pd.engine.core import group_names
 from pd.llm import LLM
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.sampling_params import SamplingParams
 from pd.server.chat import ChatTemplate
 from pd.tokenizer import Tokenizer
 from tests.support.server_harness import ARCHS, running_server

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pd.scheduling.request import RequestTimes
+from pd.contracts.request import RequestTimes
 from pd.server.spans import phases
 
 

@@ -9,8 +9,8 @@ import pytest
 
 from pd.llm import LLM
 from pd.models.make_model import make_model
-from pd.scheduling.request import Request
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.request import Request
+from pd.contracts.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,9 @@ import pytest
 from connectors.nixl.scheduler import NixlConnectorMetadata, ReqToRecv, ReqToSend
 from pd.config import EngineConfig
 from pd.kv_transfer.connector_config import ConnectorConfig
-from pd.scheduling.connector_api import ConnectorContext, KVConnectorOutput
-from pd.scheduling.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.connector_api import ConnectorContext, KVConnectorOutput
+from pd.contracts.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from pd.contracts.sampling_params import SamplingParams
 from pd.worker import rank_join
 from pd.worker.rank_channel import (ENCODER, FROM_RANK, HEADER, TO_RANK, Challenge, ChannelError, Hello,
                                     RankChannel, Refused, Step, StepDone, StoreAddress, decode, encode, mac,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.sampling_params import SamplingParams
 from pd.worker import sampler
 from pd.worker.sampler import first_max, make_generator, sample
 from tests.support.sampling_reference import brute_force_penalized

@@ -7,10 +7,10 @@ from pd.config import SchedulerConfig
 from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.spec import FullAttentionSpec
-from pd.scheduling.connector_api import NullConnectorScheduler
-from pd.scheduling.outputs import ModelRunnerOutput
-from pd.scheduling.request import Request
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.connector_api import NullConnectorScheduler
+from pd.contracts.outputs import ModelRunnerOutput
+from pd.contracts.request import Request
+from pd.contracts.sampling_params import SamplingParams
 from pd.scheduling.scheduler import Scheduler
 
 EOS, BLOCK = 2, 4

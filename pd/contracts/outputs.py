@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from pd.logprobs import Logprobs, PromptLogprobs
-from pd.scheduling.connector_api import KVConnectorMetadata, KVConnectorOutput
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.connector_api import KVConnectorMetadata, KVConnectorOutput
+from pd.contracts.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

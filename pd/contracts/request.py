@@ -11,7 +11,7 @@ import msgspec
 from kv_events.hashing import BlockHash, extend_block_hashes
 from pd.kv_transfer.params import RemoteDecodeParams, RemotePrefillParams, TransferParams
 from pd.logprobs import Logprobs, PromptLogprobs
-from pd.scheduling.sampling_params import SamplingParams
+from pd.contracts.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -215,6 +215,12 @@ class Request:
             salt = self.cache_salt.encode() if self.cache_salt else b""
             extend_block_hashes(hashes, self.all_token_ids, block_size, salt)
         return hashes
+
+
+def cached_tokens(sources: dict[str, int]) -> int:
+    """Prompt tokens whose KV was not computed for the request: found in a prefix cache,
+    loaded from an offload tier or read from another server's cache."""
+    return sum(tokens for source, tokens in sources.items() if source != "computed")
 
 
 def sequence_id(request_id: str, index: int) -> str:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from pd.kv_cache.canonical import CanonicalKVCaches
     from pd.kv_transfer.params import RemotePrefillParams
     from pd.kv_cache.kv_cache_manager import KVCacheBlocks
-    from pd.scheduling.request import Request
+    from pd.contracts.request import Request
 
 
 @dataclass(frozen=True)

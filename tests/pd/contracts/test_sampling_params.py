@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from pd.scheduling.sampling_params import SamplingParams, SamplingParamsError
+from pd.contracts.sampling_params import SamplingParams, SamplingParamsError
 
 OUT_OF_RANGE = {"max_tokens": 0, "temperature": -0.5, "top_k": 0, "top_p": 0.0, "prompt_logprobs": 21,
                 "logprobs": -1, "n": 0, "presence_penalty": 2.5, "frequency_penalty": -3.0,
