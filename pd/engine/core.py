@@ -15,7 +15,7 @@ import torch
 from pd.config import EngineConfig, SchedulerConfig
 from pd.distributed.shard import TPShard
 from pd.engine.ipc_messages import EngineInfo, EngineStats, HistogramSnapshot
-from pd.engine.kv_event_publisher import KVEventPublisher, NoKVEvents
+from pd.engine.kv_event_publisher import KVEventPublisher, KVEvents, NoKVEvents
 from pd.worker.memory import apply_memory_settings
 from pd.histogram import Histogram
 from pd.kv_cache.kv_cache_manager import KVCacheManager
@@ -94,7 +94,7 @@ class EngineCore:
         """Where KV events are published and replayed, as bound (None: they are not)."""
         return self.kv_events.endpoints
 
-    def _kv_events(self) -> NoKVEvents:
+    def _kv_events(self) -> KVEvents:
         if self.config.kv_events_port is None:
             return NoKVEvents()
         def held() -> list:  # every block held, in the KV cache and in the offload tiers

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
@@ -53,12 +54,34 @@ CLIENT_WINDOW_S = 10.0
 MAX_REQUESTS_PER_TURN = 64  # replay requests read per engine turn (answered or dropped)
 
 
-class NoKVEvents:
+class KVEvents(ABC):
+    """Where the engine's prefix-cache changes go. The core calls `publish` after each
+    step and the engine loop `serve_replays` every turn; neither ever blocks. `close` is
+    called once, at shutdown. Each instance keeps counters of its own."""
+
+    endpoints: dict[str, str] | None  # where events are published and replayed, as bound; None: they are not
+    malformed_requests: int  # requests received that were not replay requests (dropped)
+    dropped_replies: int  # replies not sent: to clients that do not read, or past MAX_REPLAY_CLIENTS
+
+    @abstractmethod
+    def publish(self, events: list[KVEvent]) -> None:
+        """Send one step's events (nothing when there are none)."""
+
+    @abstractmethod
+    def serve_replays(self) -> None:
+        """Answer the replay requests queued, within this turn's bounds."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class NoKVEvents(KVEvents):
     """An engine without `--kv-events-port`: publishes nothing."""
 
-    malformed_requests = 0
-    dropped_replies = 0
-    endpoints = None
+    def __init__(self) -> None:
+        self.endpoints = None
+        self.malformed_requests = 0
+        self.dropped_replies = 0
 
     def publish(self, events: list[KVEvent]) -> None:
         pass
@@ -70,7 +93,7 @@ class NoKVEvents:
         pass
 
 
-class KVEventPublisher(NoKVEvents):
+class KVEventPublisher(KVEvents):
     """`snapshot()` gives the events that store every block cached now."""
 
     def __init__(self, engine_id: str, host: str, port: int, replay_port: int,
@@ -82,7 +105,7 @@ class KVEventPublisher(NoKVEvents):
         self.seq = 0
         self.buffer: deque[tuple[EventBatch, int]] = deque(maxlen=buffer_steps)  # (batch, its encoded bytes)
         self.malformed_requests = 0
-        self.dropped_replies = 0  # to clients that do not read, or past MAX_REPLAY_CLIENTS
+        self.dropped_replies = 0
         self._clients: OrderedDict[bytes, float] = OrderedDict()  # routing id -> last answered
         self._snapshot: tuple[int, bytes] = (-1, b"")  # (seq, the encoded snapshot reply)
         self._context = zmq.Context()

@@ -152,3 +152,18 @@ def test_one_turn_answers_a_bounded_share_of_a_flood_and_builds_a_snapshot_once(
         dealer.recv()
         replies += 1
     assert replies + publisher.dropped_replies == 3 + kv_event_publisher.MAX_REQUESTS_PER_TURN and built == [1]
+
+
+def test_the_null_publisher_and_the_publisher_are_siblings_with_counters_of_their_own(publisher) -> None:
+    """Both are `KVEvents`, neither the other; a count kept by one instance is not seen by
+    another (they were class attributes of the null publisher, inherited)."""
+    from pd.engine.kv_event_publisher import KVEvents, NoKVEvents
+
+    publisher, _, _ = publisher
+    nothing = NoKVEvents()
+    assert isinstance(publisher, KVEvents) and isinstance(nothing, KVEvents)
+    assert not isinstance(publisher, NoKVEvents)
+    publisher.malformed_requests += 1
+    nothing.dropped_replies += 1
+    assert (nothing.malformed_requests, NoKVEvents().dropped_replies, nothing.endpoints) == (0, 0, None)
+    assert set(publisher.endpoints) == {"publisher", "replay"}
