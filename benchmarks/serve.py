@@ -37,6 +37,7 @@ import httpx
 from benchmarks.datasets import SampleRequest, add_dataset_args, load_samples
 from launch.progress import Progress
 from proxy.body import prefill_body
+from wire.kv_params import KV_TRANSFER_PARAMS
 from benchmarks.serve_metrics import (
     RequestRecord,
     Samples,
@@ -84,7 +85,7 @@ async def prefill_remotely(client: httpx.AsyncClient, prefill_url: str, payload:
     response = await client.post(prefill_url, json=prefill_body(payload))
     if response.status_code != 200:
         raise RuntimeError(f"prefill HTTP {response.status_code}: {response.text[:500]}")
-    return payload | {"kv_transfer_params": response.json()["kv_transfer_params"]}
+    return payload | {KV_TRANSFER_PARAMS: response.json()[KV_TRANSFER_PARAMS]}
 
 
 async def send_request(client: httpx.AsyncClient, url: str, payload: dict, prompt_len: int,

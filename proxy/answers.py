@@ -15,10 +15,9 @@ from fastapi.responses import JSONResponse, Response
 
 from proxy.errors import error_response
 from proxy.instances import Instance
+from wire.codes import ENGINE_DEAD, ENGINE_DIED, KV_HELD_LIMIT, OVERLOADED
+from wire.headers import RETRY_AFTER, retry_after
 
-ENGINE_DEAD = "engine_dead"  # the engine was dead before the request reached the server
-ENGINE_DIED = "engine_died"  # it died while serving the request
-KV_HELD_LIMIT = "kv_held_limit"
 GATEWAY_FAILURES = (502, 504)  # without a server's error code: a gateway in front of it failed
 DEFAULT_RETRY_AFTER_S = 1.0
 OVERLOADED_RETRY_AFTER_S = 1
@@ -44,7 +43,7 @@ def is_server_failure(response: httpx.Response) -> bool:
 
 def retry_after_s(response: httpx.Response) -> float:
     try:
-        seconds = float(response.headers.get("retry-after", ""))
+        seconds = float(response.headers.get(RETRY_AFTER, ""))
     except ValueError:
         return DEFAULT_RETRY_AFTER_S
     return seconds if math.isfinite(seconds) and seconds >= 0 else DEFAULT_RETRY_AFTER_S
@@ -52,7 +51,7 @@ def retry_after_s(response: httpx.Response) -> float:
 def passed_back(instance: Instance, response: httpx.Response) -> Response:
     """A server's answer (read already) for the client: its status and JSON body; a body
     that is not JSON is wrapped in an error object with the same status."""
-    headers = {"Retry-After": response.headers["retry-after"]} if "retry-after" in response.headers else None
+    headers = {RETRY_AFTER: response.headers[RETRY_AFTER]} if RETRY_AFTER in response.headers else None
     try:
         response.json()
     except ValueError:
@@ -74,8 +73,8 @@ def backoff_s(base_s: float, attempt: int) -> float:
 
 def overloaded_response(why: str) -> JSONResponse:
     return error_response(f"{why}: the proxy is at its --max-outstanding; retry later", 429, "rate_limit_error",
-                          "overloaded", {"Retry-After": str(OVERLOADED_RETRY_AFTER_S)})
+                          OVERLOADED, retry_after(OVERLOADED_RETRY_AFTER_S))
 
-def kv_held_response(retry_after: float) -> JSONResponse:
+def kv_held_response(wait_s: float) -> JSONResponse:
     return error_response("every prefill server holds too many KV blocks for requests not yet read; retry later",
-                          503, "service_unavailable", KV_HELD_LIMIT, {"Retry-After": str(math.ceil(retry_after))})
+                          503, "service_unavailable", KV_HELD_LIMIT, retry_after(wait_s))

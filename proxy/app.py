@@ -29,6 +29,8 @@ from proxy.metrics import CONTENT_TYPE
 from proxy.proxy_config import ProxyConfig
 from proxy.recent import RecentRequests
 from proxy.upstream import Upstream
+from wire.codes import INTERNAL_ERROR
+from wire.errors import ApiError
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +112,8 @@ def _lifespan(upstream: Upstream) -> Callable[[FastAPI], contextlib.AbstractAsyn
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ProxyError)
-    async def proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
+    @app.exception_handler(ApiError)  # ProxyError, and a body past the limit (wire/body.py)
+    async def proxy_error(request: Request, exc: ApiError) -> JSONResponse:
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)  # unknown route, wrong method
@@ -122,7 +124,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)  # a safety net: never Starlette's plain-text 500
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.error("unhandled error serving %s", request.url.path, exc_info=exc)
-        return error_response(f"internal error in the proxy: {type(exc).__name__}", 500, "internal_error")
+        return error_response(f"internal error in the proxy: {type(exc).__name__}", 500, INTERNAL_ERROR)
 
 
 def _key_check(api_key: str | None, in_query: bool = False) -> Callable[[Request], None]:
@@ -148,7 +150,7 @@ async def _forward(upstream: Upstream, recent: RecentRequests, request: Request,
     record = recent.start(endpoint, upstream.metrics.observe_answer)
     try:
         response = await forward(upstream, request, endpoint)
-    except ProxyError as exc:
+    except ApiError as exc:
         response = exc.response()
     except Exception:  # answered by the app's handler
         record.failed()

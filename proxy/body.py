@@ -20,9 +20,8 @@ import math
 import re
 from typing import Any
 
-from starlette.requests import Request
-
 from proxy.errors import ProxyError
+from wire.kv_params import DO_REMOTE_DECODE, KV_TRANSFER_PARAMS, PREFIX
 
 MAX_DEPTH = 64  # nested objects and arrays; the body itself is depth 1
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
@@ -43,25 +42,6 @@ class BodyError(ProxyError):
             self.param = ".".join(str(part) for part in self.path).encode("utf-8", "backslashreplace").decode()
             self.message = f"{self.message} (at {self.param})"
         return self
-
-
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The whole body; a 413 BodyError as soon as it is known to exceed `max_bytes`
-    (from Content-Length before reading, else while reading a chunked body)."""
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > max_bytes:
-        raise _too_large(max_bytes)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(max_bytes)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _too_large(max_bytes: int) -> BodyError:
-    return BodyError(f"the request body exceeds {max_bytes} bytes", "request_too_large", status=413)
 
 
 def parse_body(raw: bytes, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
@@ -139,8 +119,8 @@ def prefill_body(body: dict[str, Any], prefix: dict[str, Any] | None = None) -> 
     prefill) and itself stops after the first token of a do_remote_decode request, so
     max_tokens, min_tokens, stream_options and the rest are sent as they are. `prefix`:
     a decode server's parameters for a prefix of the prompt it exported, for P to read."""
-    params: dict[str, Any] = {"do_remote_decode": True} | ({"prefix": prefix} if prefix is not None else {})
-    return body | {"stream": False, "kv_transfer_params": params}
+    params: dict[str, Any] = {DO_REMOTE_DECODE: True} | ({PREFIX: prefix} if prefix is not None else {})
+    return body | {"stream": False, KV_TRANSFER_PARAMS: params}
 
 
 def export_body(body: dict[str, Any], prefix_ids: list[int]) -> dict[str, Any]:
@@ -150,7 +130,7 @@ def export_body(body: dict[str, Any], prefix_ids: list[int]) -> dict[str, Any]:
     cache_salt (the salt is part of the blocks' names)."""
     export = {key: body[key] for key in ("model", "cache_salt") if key in body}
     return export | {"prompt": prefix_ids, "max_tokens": 1, "temperature": 0, "stream": False,
-                     "kv_transfer_params": {"do_remote_decode": True}}
+                     KV_TRANSFER_PARAMS: {DO_REMOTE_DECODE: True}}
 
 
 def token_id_prompt(body: dict[str, Any]) -> list[int] | None:

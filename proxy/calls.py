@@ -11,6 +11,9 @@ import httpx
 from fastapi.responses import Response
 
 from proxy.instances import Instance, InstancePool, Route
+from wire.headers import PD_DECODE, PD_PREFILL
+
+ROUTE_HEADERS = {"prefill": PD_PREFILL, "decode": PD_DECODE}  # the instance picked for each role
 
 
 @dataclass
@@ -57,7 +60,7 @@ class Call:
         self.picked[instance.role] = (pool.instances.index(instance), held)
 
     def route_headers(self) -> dict[str, str]:
-        return {f"X-PD-{role.capitalize()}": f"{index}; overlap={held}" for role, (index, held) in self.picked.items()}
+        return {ROUTE_HEADERS[role]: f"{index}; overlap={held}" for role, (index, held) in self.picked.items()}
 
 
 @dataclass(frozen=True)

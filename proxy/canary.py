@@ -42,6 +42,8 @@ import httpx
 from proxy.calls import Call
 from proxy.instances import Instance
 from telemetry import tracing
+from wire.headers import REQUEST_ID
+from wire.kv_params import KV_TRANSFER_PARAMS
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +127,7 @@ def _strip(choice: dict[str, Any]) -> None:
 def reference_body(body: dict[str, Any]) -> dict[str, Any]:
     """The canary's request: the client's body, unstreamed, alone (no PD parameters),
     asking for token ids and at least the two most likely tokens' logprobs."""
-    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "kv_transfer_params")}
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", KV_TRANSFER_PARAMS)}
     out["return_token_ids"] = True
     if "messages" in out:
         out["logprobs"] = True
@@ -226,7 +228,7 @@ async def _reference(client: httpx.AsyncClient, call: Call, tap: Tap, target: In
     reference_id = f"{call.request_id}-canary"
     try:
         response = await client.post(target.url + call.endpoint, json=reference_body(call.body),
-                                     headers=headers | {"X-Request-Id": reference_id}, timeout=timeout)
+                                     headers=headers | {REQUEST_ID: reference_id}, timeout=timeout)
         choice = response.json()["choices"][0] if response.status_code == 200 else None
         ids, rows = list(choice["token_ids"]), choice.get("top_token_ids") or []
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:

@@ -39,13 +39,15 @@ from starlette.requests import ClientDisconnect
 from proxy import spans
 from proxy.admission import QueueFull, QueueTimeout
 from proxy.answers import overloaded_response
-from proxy.body import BodyError, parse_body, read_body
+from proxy.body import BodyError, parse_body
 from proxy.disagg import DISAGGREGATED, LOCAL, REUSE, choose_path, reuse_tokens
 from proxy.errors import error_body, error_response
 from proxy.instances import Instance, NoInstanceError, OverloadedError, Route
 from proxy.reuse import prefill_reusing
 from proxy.calls import Call, NoRoom, Opened, Prefilled, Unreached
 from proxy.upstream import Upstream
+from wire.body import read_body
+from wire.headers import PD_PATH, REQUEST_ID
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +99,7 @@ async def forward(upstream: Upstream, request: Request, endpoint: str) -> Respon
         return Response(status_code=CLIENT_CLOSED)
     rank = priority(body, config.max_client_priority)  # the queue's: taken out, as the servers do not take it
     body.pop("priority", None)
-    request_id = request.headers.get("x-request-id") or f"pdx-{uuid.uuid4().hex}"
+    request_id = request.headers.get(REQUEST_ID) or f"pdx-{uuid.uuid4().hex}"
     call = Call(endpoint, body, upstream.headers(request, request_id), Route(prefix_key(body)), request_id)
     spans.begin(call, request.headers)
     response = None
@@ -235,7 +237,7 @@ async def _decode_answer(upstream: Upstream, request: Request, call: Call, prefi
         await _release(upstream, prefilled, call)
         return opened
     path = LOCAL if prefilled is None else REUSE if prefilled.reused else DISAGGREGATED
-    headers = {"X-Request-Id": call.request_id, "X-PD-Path": path} | call.route_headers()
+    headers = {REQUEST_ID: call.request_id, PD_PATH: path} | call.route_headers()
     if call.stream:
         exclude = {opened.instance.url} | ({prefilled.instance.url} if prefilled is not None else set())
         return StreamingResponse(_relay(upstream, opened, call, path, exclude), media_type="text/event-stream",

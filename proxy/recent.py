@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.responses import Response, StreamingResponse
+from wire.headers import PD_DECODE, PD_PATH, PD_PREFILL, REQUEST_ID
 
 RECENT_REQUESTS = 50
 
@@ -43,10 +44,10 @@ class RequestRecord:
         """Note the response's status and route; a streamed one is timed as it is sent
         (its body wrapped), any other ends now."""
         self.status = response.status_code
-        self.request_id = response.headers.get("x-request-id")
-        self.path = response.headers.get("x-pd-path")
-        self.prefill = _picked(response.headers.get("x-pd-prefill"), prefill)
-        self.decode = _picked(response.headers.get("x-pd-decode"), decode)
+        self.request_id = response.headers.get(REQUEST_ID)
+        self.path = response.headers.get(PD_PATH)
+        self.prefill = _picked(response.headers.get(PD_PREFILL), prefill)
+        self.decode = _picked(response.headers.get(PD_DECODE), decode)
         if isinstance(response, StreamingResponse):
             response.body_iterator = self._timed(response.body_iterator)
         else:

@@ -32,6 +32,8 @@ from proxy.body import export_body
 from proxy.instances import Instance
 from proxy.calls import Call, NoRoom, Prefilled, Unreached
 from proxy.upstream import Upstream
+from wire.headers import REQUEST_ID
+from wire.kv_params import DO_REMOTE_PREFILL, KV_TRANSFER_PARAMS
 
 logger = logging.getLogger(__name__)
 
@@ -71,18 +73,18 @@ async def _export(upstream: Upstream, call: Call, decode: Instance, num_tokens: 
     """D's parameters for the first `num_tokens` of the prompt, kept for a reader; None
     when D did not export them (logged)."""
     body = export_body(call.body, call.route.tokens[:num_tokens])
-    headers = call.headers | {"X-Request-Id": f"{call.request_id}-export"}
+    headers = call.headers | {REQUEST_ID: f"{call.request_id}-export"}
     decode.outstanding += 1
     try:
         response = await upstream.client.post(decode.url + EXPORT_PATH, json=body, headers=headers,
                                               timeout=upstream.prefill_timeout)
-        params = response.json().get("kv_transfer_params") if response.status_code == 200 else None
+        params = response.json().get(KV_TRANSFER_PARAMS) if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError, AttributeError) as exc:
         logger.warning("the decode server %s did not export a prefix: %s: %s", decode.url, type(exc).__name__, exc)
         return None
     finally:
         decode.outstanding -= 1
-    if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
+    if not isinstance(params, dict) or params.get(DO_REMOTE_PREFILL) is not True:
         logger.warning("the decode server %s did not export a prefix: HTTP %d %s", decode.url,
                        response.status_code, response.text[:300])
         return None

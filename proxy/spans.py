@@ -16,6 +16,7 @@ from typing import Any
 from proxy.calls import Call
 from proxy.instances import Instance, InstancePool
 from telemetry import logs, tracing
+from wire.headers import PD_PATH
 
 
 def begin(call: Call, headers: Any) -> None:
@@ -39,7 +40,7 @@ def end(call: Call, status: int | None, path: str | None = None) -> None:
 def answered(call: Call, response: Any) -> None:
     """End `call`'s request span with the answer the client got (None: an exception)."""
     end(call, getattr(response, "status_code", None),
-        None if response is None else response.headers.get("x-pd-path"))
+        None if response is None else response.headers.get(PD_PATH))
 
 
 def routed(call: Call, pool: InstancePool, chosen: Instance) -> None:

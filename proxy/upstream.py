@@ -35,7 +35,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from proxy import spans
-from proxy.answers import (ENGINE_DEAD, KV_HELD_LIMIT, OVERLOADED_RETRY_AFTER_S, backoff_s, cached_tokens, error_code,
+from proxy.answers import (OVERLOADED_RETRY_AFTER_S, backoff_s, cached_tokens, error_code,
                            is_server_failure, kv_held_response, overloaded_response, passed_back, retry_after_s)
 from proxy.admission import Admission
 from proxy.body import BodyError, parse_body, prefill_body, token_id_prompt
@@ -46,6 +46,9 @@ from proxy.errors import error_response
 from proxy.instances import Instance, InstancePool, NoInstanceError, OverloadedError
 from proxy.metrics import ProxyMetrics
 from proxy.proxy_config import ProxyConfig
+from wire.codes import ENGINE_DEAD, KV_HELD_LIMIT
+from wire.headers import REQUEST_ID, retry_after
+from wire.kv_params import KV_TRANSFER_PARAMS, REMOTE_REQUEST_ID, SIGNATURE
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +92,7 @@ class Upstream:
 
     def headers(self, request: Request, request_id: str) -> dict[str, str]:
         auth = self.config.server_authorization or request.headers.get("authorization")
-        return {"X-Request-Id": request_id} | ({"Authorization": auth} if auth else {})
+        return {REQUEST_ID: request_id} | ({"Authorization": auth} if auth else {})
 
     async def tokenize(self, call: Call) -> list[int] | None:
         """The request's prompt tokens: a completion's token ids as they are (a server
@@ -123,7 +126,7 @@ class Upstream:
         """429 past the queue's bounds: full, or waited too long."""
         self.metrics.queue_refused.labels(reason=reason).inc()
         return error_response(f"{exc}; retry later", 429, "rate_limit_error", f"queue_{reason}",
-                              {"Retry-After": str(OVERLOADED_RETRY_AFTER_S)})
+                              retry_after(OVERLOADED_RETRY_AFTER_S))
 
     def refuse(self, no_room: NoRoom) -> Response:
         """The answer for a request that found no room and does not wait for it."""
@@ -220,7 +223,7 @@ class Upstream:
             answer = parse_body(response.content, self.config.max_depth)
         except BodyError as exc:
             return error_response(f"the prefill server {instance.url} answered 200, but {exc.message}", 502)
-        params = answer.get("kv_transfer_params")
+        params = answer.get(KV_TRANSFER_PARAMS)
         cached = cached_tokens(answer)
         if cached is not None:
             self.metrics.prefill_cached.observe(cached)
@@ -235,7 +238,7 @@ class Upstream:
         parameters; once also after a kept-alive connection closed unanswered); or the
         response for the client (D's verdict, 502, 503). Without P's `params`, D
         prefills the request itself."""
-        body = call.body if params is None else call.body | {"kv_transfer_params": params}
+        body = call.body if params is None else call.body | {KV_TRANSFER_PARAMS: params}
         if call.canary is not None:
             body = body | {"return_token_ids": True}  # what the canary compares (the tap takes them out)
         tried: set[str] = set()
@@ -312,13 +315,13 @@ class Upstream:
     async def release(self, prefilled: Prefilled, headers: dict[str, str]) -> None:
         """Ask P to free the blocks it keeps for this request now, as no D will read them
         (else they stay held until their lease ends). Errors are logged and ignored."""
-        remote_id = prefilled.params.get("remote_request_id")
+        remote_id = prefilled.params.get(REMOTE_REQUEST_ID)
         url = prefilled.instance.url + RELEASE_PATH
         try:
             if not isinstance(remote_id, str):
                 raise ValueError(f"P's kv_transfer_params name no remote_request_id: {prefilled.params}")
-            signature = prefilled.params.get("signature")  # proves the proxy holds the parameters
-            response = await self.client.post(url, json={"remote_request_id": remote_id, "signature": signature},
+            signature = prefilled.params.get(SIGNATURE)  # proves the proxy holds the parameters
+            response = await self.client.post(url, json={REMOTE_REQUEST_ID: remote_id, SIGNATURE: signature},
                                               headers=headers, timeout=self.config.release_timeout_s)
             response.raise_for_status()
             result = "released" if response.json().get("released") is True else "unknown"

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from wire.headers import TRACE_HEADERS
+
 SERVER, CLIENT, INTERNAL = "server", "client", "internal"
 _tracer: Any = None
 _provider: Any = None
@@ -108,7 +110,7 @@ def _kind(kind: str) -> Any:
 
 
 def _lower(headers: Mapping[str, str]) -> dict[str, str]:
-    return {k.lower(): v for k, v in headers.items() if k.lower() in ("traceparent", "tracestate")}
+    return {k.lower(): v for k, v in headers.items() if k.lower() in TRACE_HEADERS}
 
 
 def _clean(attributes: Mapping[str, Any] | None) -> dict[str, Any]:

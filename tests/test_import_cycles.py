@@ -148,7 +148,7 @@ def test_no_room_of_pd_imports_itself_back() -> None:
 
 def test_no_top_level_package_imports_itself_back() -> None:
     found = modules()
-    assert {"pd", "cli", "connectors", "proxy", "kv_events", "benchmarks", "launch", "deploy", "telemetry"} <= {
+    assert {"pd", "cli", "connectors", "proxy", "kv_events", "benchmarks", "launch", "deploy", "telemetry", "wire"} <= {
         top_level(name) for name in found}  # every package is read
     graph = package_graph(module_graph(found), unit=top_level)
     assert {c[0]: explain(c, graph) for c in cycles(graph)} == {}
@@ -159,10 +159,11 @@ def test_pd_imports_neither_the_cli_nor_the_proxy_nor_the_benchmarks() -> None:
     assert graph["pd"] & {"cli", "proxy", "benchmarks", "deploy", "connectors"} == set()
 
 
-def test_telemetry_imports_nothing_of_ours_and_the_proxy_only_what_lies_below_it() -> None:
+def test_telemetry_and_the_wire_import_nothing_of_ours_and_the_proxy_only_what_lies_below_it() -> None:
     graph = package_graph(module_graph(modules()), unit=top_level)
-    assert graph["telemetry"] - {"telemetry"} == set()
-    assert graph["proxy"] - {"proxy"} <= {"kv_events", "launch", "telemetry"}
+    assert graph["wire"] - {"wire"} == set()
+    assert graph["telemetry"] - {"telemetry"} <= {"wire"}  # the trace headers' names
+    assert graph["proxy"] - {"proxy"} <= {"kv_events", "launch", "telemetry", "wire"}
 
 
 def test_the_walk_finds_a_cycle_added_on_purpose(tmp_path) -> None:

@@ -53,8 +53,8 @@ from pd.engine.ipc_messages import (
 )
 from pd.engine.ipc_dirs import new_ipc_dir
 from pd.engine.process import run_engine_core
-from pd.errors import ERROR_INVALID
 from pd.contracts.request import sequence_id
+from wire.codes import INVALID_REQUEST
 
 logger = logging.getLogger(__name__)
 
@@ -296,7 +296,7 @@ class EngineClient:
         if self._closed or not self.is_alive:
             raise EngineNotRunningError(self.dead_error)
         if request_id in self._queues:
-            raise RequestRefusedError(f"request id {request_id!r} is already in flight", ERROR_INVALID)
+            raise RequestRefusedError(f"request id {request_id!r} is already in flight", INVALID_REQUEST)
         queue: asyncio.Queue[RequestOutput | _Dead] = asyncio.Queue()
         self._queues[request_id] = queue
         return queue

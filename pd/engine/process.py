@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, NoReturn
 import zmq
 
 from pd.config import EngineConfig
-from pd.errors import ERROR_INTERNAL, ERROR_INVALID, ERROR_KV_HELD_LIMIT, HeldBlocksLimitError
+from pd.errors import HeldBlocksLimitError
 from pd.engine.ipc_messages import (
     AbortRequests,
     EngineFailed,
@@ -46,6 +46,7 @@ from pd.engine.ipc_messages import (
     refused_request_id,
 )
 from telemetry import logs
+from wire.codes import INTERNAL_ERROR, INVALID_REQUEST, KV_HELD_LIMIT
 
 if TYPE_CHECKING:
     from pd.engine.core import EngineCore
@@ -182,7 +183,7 @@ class EngineLoop:
             if isinstance(message, EngineRequest):
                 outputs += self.add(message)
             elif isinstance(message, Refused):
-                outputs.append(RequestOutput.refused(message.request_id, message.reason, ERROR_INVALID))
+                outputs.append(RequestOutput.refused(message.request_id, message.reason, INVALID_REQUEST))
             elif isinstance(message, AbortRequests):
                 aborted = self.core.abort_requests(message.request_ids)
                 outputs += aborted
@@ -197,13 +198,13 @@ class EngineLoop:
         try:
             self.core.add_request(message.to_request())
         except HeldBlocksLimitError as e:
-            return [RequestOutput.refused(message.request_id, str(e), ERROR_KV_HELD_LIMIT)]
+            return [RequestOutput.refused(message.request_id, str(e), KV_HELD_LIMIT)]
         except ValueError as e:
-            return [RequestOutput.refused(message.request_id, str(e), ERROR_INVALID)]
+            return [RequestOutput.refused(message.request_id, str(e), INVALID_REQUEST)]
         except Exception as e:  # refused; nothing of it was kept
             logger.exception("adding request %s failed", message.request_id)
             return [RequestOutput.refused(message.request_id, f"internal error: {type(e).__name__}: {e}",
-                                             ERROR_INTERNAL)]
+                                             INTERNAL_ERROR)]
         return []
 
 

@@ -30,6 +30,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from pd.logprobs import Logprobs, PromptLogprobs
+from wire.kv_params import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, KV_TRANSFER_PARAMS
 
 INT32 = 2**31
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=INT32)]
@@ -79,7 +80,7 @@ class TransferParamsError(ValueError):
     """`kv_transfer_params` that are not a valid PD parameter set; `field` names the
     offending field (dotted, under `kv_transfer_params`)."""
 
-    def __init__(self, message: str, field: str = "kv_transfer_params") -> None:
+    def __init__(self, message: str, field: str = KV_TRANSFER_PARAMS) -> None:
         super().__init__(message)
         self.field = field
 
@@ -190,9 +191,9 @@ def parse_transfer_params(raw: Any) -> TransferParams | None:
         return None
     if not isinstance(raw, dict):
         raise TransferParamsError("kv_transfer_params must be an object")
-    if raw.get("do_remote_prefill") is True:
+    if raw.get(DO_REMOTE_PREFILL) is True:
         kind: type = RemotePrefillParams
-    elif raw.get("do_remote_decode") is True:
+    elif raw.get(DO_REMOTE_DECODE) is True:
         kind = RemoteDecodeParams
     else:
         kind = _NoPD
@@ -212,5 +213,5 @@ def _named(exc: msgspec.ValidationError) -> TransferParamsError:
         path = message.rpartition("at `$")[2].rstrip("`").split("[")[0]
     elif message.endswith("`") and " field `" in message:
         path = "." + message.rpartition(" field `")[2].rstrip("`")
-    field = "kv_transfer_params" + path
+    field = KV_TRANSFER_PARAMS + path
     return TransferParamsError(f"{field}: {message.partition(' - at ')[0]}", field)

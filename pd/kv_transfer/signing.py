@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from pd.kv_transfer.params import RemotePrefillParams
+from wire.kv_params import SIGNATURE
 
 SECRET_ENV = "PD_KV_TRANSFER_SECRET"
 DEFAULT_ALLOWED_PEERS = ("127.0.0.0/8", "::1/128")
@@ -83,7 +84,7 @@ def prompt_digest(prompt_token_ids: Sequence[int]) -> str:
 
 def _mac(params: RemotePrefillParams, secret: str) -> str:
     fields = msgspec.structs.asdict(params)
-    fields.pop("signature")
+    fields.pop(SIGNATURE)
     message = _encoder.encode(sorted(fields.items()))
     return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
 

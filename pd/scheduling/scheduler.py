@@ -32,7 +32,6 @@ import time
 from collections import deque
 
 from pd.config import SchedulerConfig
-from pd.errors import ERROR_INTERNAL, ERROR_INVALID, ERROR_KV_LOAD_FAILED
 from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_transfer.params import RemotePrefillParams
 from pd.logprobs import Logprobs
@@ -44,6 +43,7 @@ from pd.scheduling.remote_kv import RemoteKV
 from pd.contracts.request import Request, RequestOutput, RequestStatus, sequence_id
 from pd.scheduling.runner_view import RunnerView
 from pd.structured.matchers import GrammarMatchers
+from wire.codes import INTERNAL_ERROR, INVALID_REQUEST, KV_LOAD_FAILED
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class Scheduler:
             if request is None:
                 continue  # aborted meanwhile
             if error is not None:
-                self._fail(request, ERROR_INVALID, f"the request's grammar cannot be compiled: {error}")
+                self._fail(request, INVALID_REQUEST, f"the request's grammar cannot be compiled: {error}")
                 continue
             request.status = RequestStatus.WAITING
             self.waiting.append(request)
@@ -180,7 +180,7 @@ class Scheduler:
                 scheduled = self._admit(request, out, budget)
             except Exception as exc:  # a fault serving one request fails that request alone
                 logger.exception("admitting request %s failed", request.request_id)
-                self._fail(request, ERROR_INTERNAL, f"internal error admitting the request: {type(exc).__name__}: {exc}")
+                self._fail(request, INTERNAL_ERROR, f"internal error admitting the request: {type(exc).__name__}: {exc}")
                 continue
             if scheduled is None:
                 if self._displace_for(request, out):
@@ -285,7 +285,7 @@ class Scheduler:
         outputs = []
         for req_id, why in output.failed.items():
             if (request := self.requests.get(req_id)) is not None:
-                self._fail(request, ERROR_INTERNAL, f"internal error computing the request: {why}")
+                self._fail(request, INTERNAL_ERROR, f"internal error computing the request: {why}")
         for req_id, num_new in so.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -328,7 +328,7 @@ class Scheduler:
         the next update), as the load failure policy says. True if it failed."""
         if (error := self.remote_kv.load_fails(request)) is None:
             return False
-        self._fail(request, ERROR_KV_LOAD_FAILED, error)
+        self._fail(request, KV_LOAD_FAILED, error)
         return True
 
     def _append_token(self, request: Request, tokens: list[int], logprobs: Logprobs | None) -> list[RequestOutput]:
@@ -343,7 +343,7 @@ class Scheduler:
         forked = self._fork(request, tokens[1:], logprobs.rows(1) if logprobs is not None else None) \
             if len(tokens) > 1 else []
         if not self.grammars.accept(request.request_id, tokens[0]):  # a first token from elsewhere
-            self._fail(request, ERROR_INVALID, self._off_grammar(tokens[0]))
+            self._fail(request, INVALID_REQUEST, self._off_grammar(tokens[0]))
             return forked
         status = self._stop_status(request, tokens[0])
         params = self._finish(request, status) if status is not None else None
@@ -363,7 +363,7 @@ class Scheduler:
             if not self.grammars.accept(child.request_id, token):
                 self.grammars.remove(child.request_id)
                 outputs.append(RequestOutput(child.output_id, [], "error", error=self._off_grammar(token),
-                                             error_code=ERROR_INVALID, index=index))
+                                             error_code=INVALID_REQUEST, index=index))
                 continue
             status = self._stop_status(child, token)
             if status is None:

@@ -25,18 +25,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pd.config import DEFAULT_MAX_REQUEST_BYTES
 from pd.engine.client import EngineDeadError, EngineNotRunningError, RequestFailedError, RequestRefusedError
-from pd.errors import ERROR_INTERNAL, ERROR_INVALID, ERROR_KV_HELD_LIMIT, ERROR_KV_LOAD_FAILED
 from pd.kv_transfer.signing import TransferParamsGuard
 from pd.server.chat import ChatTemplate
 from pd.server.generation import Delta, Generation
 from pd.server.metrics import CONTENT_TYPE, ServerMetrics
-from pd.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body, parse_body
+from pd.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
 from pd.server.responses import CHAT, COMPLETION, Answer, Shape
 from pd.server.router_info import router_info_routes
 from pd.server.sampling import RequestLimits
 from pd.server.serving import Prepared, Server
 from pd.server.spans import RequestSpan
 from telemetry import logs, tracing
+from wire.body import read_body
+from wire.codes import ENGINE_DEAD, ENGINE_DIED, INTERNAL_ERROR, INVALID_REQUEST, KV_HELD_LIMIT, KV_LOAD_FAILED
+from wire.errors import ApiError, error_body
+from wire.headers import REQUEST_ID, retry_after
+from wire.kv_params import KV_TRANSFER_PARAMS, REMOTE_REQUEST_ID
 
 logger = logging.getLogger(__name__)
 
@@ -69,16 +73,16 @@ def build_app(client: Any, tokenizer: Any, served_model_name: str, api_key: str 
     app.state.metrics = metrics
     _add_error_handlers(app)
     app.include_router(_v1_router(server, metrics, api_key, max_request_bytes))
-    app.include_router(router_info_routes(server, read_body, max_request_bytes), prefix="/v1",
+    app.include_router(router_info_routes(server, max_request_bytes), prefix="/v1",
                        dependencies=[Depends(_api_key_check(api_key))])
     app.include_router(_open_router(server, metrics))
     return app
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(RequestError)
-    async def request_error(request: Request, exc: RequestError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    @app.exception_handler(ApiError)  # RequestError, and a body past the limit (wire/body.py)
+    async def request_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
 
     @app.exception_handler(RequestValidationError)  # a safety net: bodies are parsed by parse_body
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -90,7 +94,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error serving %s", request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_error"), status_code=500)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", INTERNAL_ERROR), status_code=500)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -109,23 +113,6 @@ def _api_key_check(api_key: str | None) -> Callable[[Request], None]:
                                code="invalid_api_key", status=401)
 
     return check
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body; RequestError 413 once it is past `limit` bytes (the declared
-    Content-Length is checked first, and a chunked body is not read past the limit)."""
-    declared = request.headers.get("content-length", "")
-    too_large = RequestError(f"the request body is larger than this server's limit of {limit} bytes",
-                             code="request_too_large", status=413)
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 class ReleaseBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -150,7 +137,7 @@ def _v1_router(server: Server, metrics: ServerMetrics, api_key: str | None, max_
     @router.post("/completions")
     async def completions(request: Request) -> Response:
         raw = await read_body(request, max_request_bytes)
-        request_id = server.request_id(request.headers.get("x-request-id"), "cmpl")
+        request_id = server.request_id(request.headers.get(REQUEST_ID), "cmpl")
         prepared = await server.off_loop(lambda: server.prepare_completion(parse_body(raw, CompletionRequest),
                                                                            request_id))
         return await _serve(server, metrics, request, prepared, COMPLETION)
@@ -158,7 +145,7 @@ def _v1_router(server: Server, metrics: ServerMetrics, api_key: str | None, max_
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         raw = await read_body(request, max_request_bytes)
-        request_id = server.request_id(request.headers.get("x-request-id"), "chatcmpl")
+        request_id = server.request_id(request.headers.get(REQUEST_ID), "chatcmpl")
         prepared = await server.off_loop(lambda: server.prepare_chat(parse_body(raw, ChatCompletionRequest),
                                                                      request_id))
         return await _serve(server, metrics, request, prepared, CHAT)
@@ -171,7 +158,7 @@ def _v1_router(server: Server, metrics: ServerMetrics, api_key: str | None, max_
             body = msgspec.json.decode(raw, type=ReleaseBody)
         except Exception as e:  # any decode failure (a string that is not UTF-8 raises UnicodeDecodeError)
             raise RequestError(f"the body must be {{\"remote_request_id\": <string>, \"signature\": <hex or "
-                               f"null>}}: {e}", param="remote_request_id") from None
+                               f"null>}}: {e}", param=REMOTE_REQUEST_ID) from None
         server.check_holder(body.remote_request_id, body.signature)
         return {"released": await server.release_held(body.remote_request_id)}
 
@@ -212,7 +199,7 @@ async def _serve(server: Server, metrics: ServerMetrics, request: Request, prepa
     logs.bind(prepared.request_id, None if span is None else span.trace_id)
     generation = Generation(server.client, server.tokenizer, prepared, metrics, span=span)
     answer = Answer(shape, generation, server.tokenizer.token_strings)
-    headers = {"X-Request-Id": prepared.request_id}
+    headers = {REQUEST_ID: prepared.request_id}
     if prepared.stream:
         def closed() -> None:
             server.in_flight.discard(prepared.request_id)
@@ -231,7 +218,7 @@ async def _serve(server: Server, metrics: ServerMetrics, request: Request, prepa
         server.note_held(generation.kv_transfer_params)
     body = _envelope(server, generation, shape.object_name)
     body |= {"choices": answer.choices(), "usage": generation.usage(),
-             "kv_transfer_params": generation.transfer_params_json}
+             KV_TRANSFER_PARAMS: generation.transfer_params_json}
     return JSONResponse(body, headers=headers)
 
 
@@ -243,18 +230,18 @@ def _envelope(server: Server, generation: Generation, object_name: str) -> dict[
 ENGINE_ERRORS = (EngineDeadError, RequestRefusedError, RequestFailedError)
 # error code from the engine -> (HTTP status, OpenAI error type)
 ENGINE_ERROR_STATUS = {
-    ERROR_INVALID: (400, "invalid_request_error"),
-    ERROR_KV_HELD_LIMIT: (503, "service_unavailable"),
-    ERROR_KV_LOAD_FAILED: (502, "bad_gateway"),
-    ERROR_INTERNAL: (500, "internal_error"),
+    INVALID_REQUEST: (400, "invalid_request_error"),
+    KV_HELD_LIMIT: (503, "service_unavailable"),
+    KV_LOAD_FAILED: (502, "bad_gateway"),
+    INTERNAL_ERROR: (500, INTERNAL_ERROR),
 }
 RETRY_AFTER_S = 1  # what a client refused for the held-blocks limit is told to wait
 
 
 def engine_not_running(why: str | None) -> RequestError:
     """503 engine_dead: nothing of the request reached the engine (another server may take it)."""
-    return RequestError(f"the engine is not running: {why}", type="service_unavailable", code="engine_dead",
-                        status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+    return RequestError(f"the engine is not running: {why}", type="service_unavailable", code=ENGINE_DEAD,
+                        status=503, headers=retry_after(RETRY_AFTER_S))
 
 
 def engine_error(exc: Exception) -> RequestError:
@@ -262,11 +249,11 @@ def engine_error(exc: Exception) -> RequestError:
     if isinstance(exc, EngineNotRunningError):
         return engine_not_running(str(exc))
     if isinstance(exc, EngineDeadError):  # while serving this request: it may be what killed it
-        return RequestError(f"the engine died while serving this request: {exc}", type="internal_error",
-                            code="engine_died", status=500)
-    code = getattr(exc, "code", None) or ERROR_INVALID
-    status, kind = ENGINE_ERROR_STATUS.get(code, (500, "internal_error"))
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if code == ERROR_KV_HELD_LIMIT else None
+        return RequestError(f"the engine died while serving this request: {exc}", type=INTERNAL_ERROR,
+                            code=ENGINE_DIED, status=500)
+    code = getattr(exc, "code", None) or INVALID_REQUEST
+    status, kind = ENGINE_ERROR_STATUS.get(code, (500, INTERNAL_ERROR))
+    headers = retry_after(RETRY_AFTER_S) if code == KV_HELD_LIMIT else None
     return RequestError(str(exc), type=kind, code=code, status=status, headers=headers)
 
 
@@ -329,7 +316,7 @@ def _chunk(server: Server, answer: Answer, delta: Delta, choice: dict[str, Any])
     if answer.prepared.continuous_usage:
         chunk["usage"] = answer.generation.usage()
     if delta.finish_reason is not None:
-        chunk["kv_transfer_params"] = answer.generation.transfer_params_json
+        chunk[KV_TRANSFER_PARAMS] = answer.generation.transfer_params_json
     return _event(chunk)
 
 

@@ -15,28 +15,16 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from wire.errors import INVALID_REQUEST_ERROR, ApiError
 
-class RequestError(Exception):
-    """A request this server refuses; rendered as OpenAI's `{"error": {...}}`."""
+
+class RequestError(ApiError):
+    """A request this server refuses; rendered as OpenAI's `{"error": {...}}` (wire/errors.py)."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None,
-                 status: int = 400, type: str = "invalid_request_error",
+                 status: int = 400, type: str = INVALID_REQUEST_ERROR,
                  headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-        self.status = status
-        self.type = type
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | int | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+        super().__init__(message, code=code, status=status, type=type, param=param, headers=headers)
 
 
 class _Strict(BaseModel):

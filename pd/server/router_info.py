@@ -17,9 +17,10 @@ from fastapi import APIRouter, Request
 from kv_events.hashing import HASH_NAME
 from pd.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from pd.server.serving import Server
+from wire.body import read_body
 
 
-def router_info_routes(server: Server, read_body: Any, max_request_bytes: int) -> APIRouter:
+def router_info_routes(server: Server, max_request_bytes: int) -> APIRouter:
     router = APIRouter()
 
     @router.get("/kv_config")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pd.logprobs import MAX_LOGPROBS
 from pd.contracts.sampling_params import MAX_LOGIT_BIAS, MAX_N, SamplingParams, SamplingParamsError
 from pd.server.protocol import ChatCompletionRequest, RequestError, SamplingFields
+from wire.codes import REQUEST_TOO_LARGE
 from pd.structured.grammar import Grammar
 
 MAX_SEED = 2**63
@@ -58,7 +59,7 @@ class SamplingChecker:
             raise RequestError(f"the request asks for {params.n} sequences of up to {num_prompt_tokens} + "
                                f"{params.max_tokens} tokens ({cost}), more than this server's limit of "
                                f"{self.limits.max_request_tokens} a request (--max-request-tokens): ask for fewer "
-                               "sequences or a lower max_tokens", param="max_tokens", code="request_too_large")
+                               "sequences or a lower max_tokens", param="max_tokens", code=REQUEST_TOO_LARGE)
 
     def _logit_bias(self, bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
         """OpenAI's {"token id": bias} as (id, bias) pairs: ids in the vocabulary, biases

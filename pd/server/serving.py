@@ -32,6 +32,8 @@ from pd.structured.checker import GrammarChecker
 from pd.structured.grammar import Grammar
 from pd.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, RequestError, SamplingFields,
                                 refuse_unsupported)
+from wire.headers import REQUEST_ID, retry_after
+from wire.kv_params import KV_TRANSFER_PARAMS, PREFIX, SIGNATURE
 
 # A token's text is at most `tokenizer.max_token_chars` characters, so a text longer than
 # that times the context cannot fit; the slack covers normalizers that merge characters.
@@ -113,7 +115,7 @@ class Server:
         except TooManyWaiting:
             raise RequestError(f"{GRAMMAR_WAITERS} requests wait for the grammar checker already; try again",
                                code="grammar_checker_busy", status=503, type="server_error",
-                               headers={"Retry-After": "1"}) from None
+                               headers=retry_after(1)) from None
 
     def close(self) -> None:
         self.grammars.close()
@@ -137,7 +139,7 @@ class Server:
             return  # held by no signed parameters (or not held: nothing to release)
         if signature is None or not hmac.compare_digest(signature, expected):
             raise RequestError("only the holder of the request's kv_transfer_params may release its blocks: send "
-                               "their signature", param="signature", code="not_the_holder", status=403,
+                               "their signature", param=SIGNATURE, code="not_the_holder", status=403,
                                type="permission_error")
 
     async def release_held(self, remote_request_id: str) -> bool:
@@ -161,7 +163,7 @@ class Server:
         if header is None:
             return f"{prefix}-{uuid.uuid4().hex}"
         if not header or len(header) > 256 or not header.isprintable():
-            raise RequestError("X-Request-Id must be 1 to 256 printable characters", param="X-Request-Id")
+            raise RequestError("X-Request-Id must be 1 to 256 printable characters", param=REQUEST_ID)
         self._check_not_in_flight(header)
         return header
 
@@ -172,7 +174,7 @@ class Server:
 
     def _check_not_in_flight(self, request_id: str) -> None:
         if request_id in self.in_flight:
-            raise RequestError(f"request id {request_id!r} is already in flight", param="X-Request-Id",
+            raise RequestError(f"request id {request_id!r} is already in flight", param=REQUEST_ID,
                                code="duplicate_request_id")
 
     def prepare_completion(self, body: CompletionRequest, request_id: str) -> Prepared:
@@ -310,7 +312,7 @@ class Server:
             if transfer is not None and self.client.info.kv_connector == NULL_CONNECTOR:
                 raise RequestError("this server has no KV connector, so it takes no part in prefill/decode "
                                    "disaggregation (start it with --kv-connector nixl, or a --role)",
-                                   param="kv_transfer_params", code="unsupported")
+                                   param=KV_TRANSFER_PARAMS, code="unsupported")
             if isinstance(transfer, RemotePrefillParams):
                 transfer.check_request(prompt_ids, params.n, params.logprobs, params.prompt_logprobs, self.vocab_size)
             if isinstance(transfer, RemoteDecodeParams):
@@ -318,9 +320,9 @@ class Server:
         except TransferParamsError as e:
             raise RequestError(str(e), param=e.field) from None
         if isinstance(transfer, RemotePrefillParams):
-            self._guard(transfer, prompt_ids, "kv_transfer_params")
+            self._guard(transfer, prompt_ids, KV_TRANSFER_PARAMS)
         elif isinstance(transfer, RemoteDecodeParams) and transfer.prefix is not None:  # read from a decode server
-            self._guard(transfer.prefix, prompt_ids[:transfer.prefix.num_prompt_tokens], "kv_transfer_params.prefix")
+            self._guard(transfer.prefix, prompt_ids[:transfer.prefix.num_prompt_tokens], f"{KV_TRANSFER_PARAMS}.{PREFIX}")
         return transfer
 
     def _guard(self, params: RemotePrefillParams, prompt_ids: list[int], field: str) -> None:
