@@ -11,7 +11,7 @@ than one output token; ITL percentiles are over all gaps of all requests; a requ
 towards goodput when it meets every given SLO (TPOT taken as 0 for one-token outputs).
 `/metrics` is scraped before and after for prefix-cache hit rates and KV transfer bytes.
 The requests done (and the time left) are shown on stderr as they end: a bar on a
-terminal, a few plain lines otherwise (`launch.progress`); stdout holds the result alone.
+terminal, a few plain lines otherwise (`telemetry.progress`); stdout holds the result alone.
 
     python -m benchmarks.serve --base-url http://127.0.0.1:8000 --num-prompts 200 \\
         --request-rate 4 --max-concurrency 32 --ignore-eos --save-result
@@ -35,7 +35,7 @@ from typing import Sequence
 import httpx
 
 from benchmarks.datasets import SampleRequest, add_dataset_args, load_samples
-from launch.progress import Progress
+from telemetry.progress import Progress
 from proxy.body import prefill_body
 from wire.kv_params import KV_TRANSFER_PARAMS
 from benchmarks.serve_metrics import (

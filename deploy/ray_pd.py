@@ -30,8 +30,8 @@ from launch import Launched, exited, free_port, health_status, log_tail, pd_comm
 from launch import start_logged, stop_process, wait_ready
 from launch.flags import port_number, positive_float, positive_int
 from launch.process import GROUP_GRACE_S, STOP_TIMEOUT_S, keep_running
-from launch.progress import Progress
 from launch.signals import ignore_stop_signals, install_signal_handlers, signals_deferred
+from telemetry.progress import Progress
 
 from pd.kv_transfer.signing import SECRET_ENV
 from pd.models.model_config import SUPPORTED_DTYPES

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from launch.progress import Progress
 from pd.models.gguf_weights import GGUFError, GGUFWeight
+from telemetry.progress import Progress
 
 if TYPE_CHECKING:
     import torch
@@ -225,7 +225,7 @@ class GGUFModel:
     def write_hf_folder(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
         """config.json, generation_config.json, model.safetensors (weights in `dtype`),
         tokenizer.json and tokenizer_config.json: an HF checkpoint transformers loads. The
-        progress per tensor dequantized goes to stderr (`launch.progress`)."""
+        progress per tensor dequantized goes to stderr (`telemetry.progress`)."""
         import torch
         from safetensors.torch import save_file
 

@@ -10,13 +10,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from launch.progress import Progress
 from pd.kv_cache.allocation import torch_dtype
 from pd.models.base import CausalLM
 from pd.models.files import safetensors_files
 from pd.models.gguf import is_gguf, open_gguf
 from pd.models.model_config import ModelConfig
 from pd.models.registry import model_class
+from telemetry.progress import Progress
 
 
 def iterate_weights(files: list[Path]) -> Iterator[tuple[str, Any]]:
@@ -77,7 +77,7 @@ def model_skeleton(config: ModelConfig, device: torch.device | str = "meta") -> 
 def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> CausalLM:
     """Build the model `config.architectures` names on `device` in `config.dtype` and
     load its weights; the model is in eval mode. Rank 0 shows the progress per tensor on
-    stderr (`launch.progress`: a bar on a terminal, a few lines in a server's log)."""
+    stderr (`telemetry.progress`: a bar on a terminal, a few lines in a server's log)."""
     if is_gguf(config.model_dir):
         weights = list(open_gguf(config.model_dir).lazy_weights())  # each read and dequantized when narrowed
         total = len(weights)

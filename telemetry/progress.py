@@ -12,8 +12,8 @@ In a process that logs JSON (`PD_LOG_FORMAT=json`, which `pd serve --log-format 
 for itself and its engine) the plain lines on stderr are log records instead (logger
 `pd.progress`, level info), so that each line there is one JSON object.
 
-Here, on the lowest floor, so that every package (`pd`, the benchmarks, the deploy
-scripts) may use it; tqdm is imported only when a bar is drawn.
+In telemetry, on the lowest floor, so that every package (`pd`, the benchmarks, the
+deploy scripts) may use it; tqdm is imported only when a bar is drawn.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any, TextIO, TypeVar
 
-JSON_LOGS = ("PD_LOG_FORMAT", "json")  # what telemetry.logs sets for the processes `pd serve` starts
+from telemetry.logs import ENV_FORMAT
+
+JSON_LOGS = (ENV_FORMAT, "json")  # what telemetry.logs sets for the processes `pd serve` starts
 MAX_LINES = 10  # plain lines of one piece of work, the final one included, whatever the total
 T = TypeVar("T")
 
