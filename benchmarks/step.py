@@ -27,7 +27,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from pd.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from pd.config import EngineConfig
+from pd.config.settings import KV_CACHE_DTYPES, QUANTIZATIONS
 from pd.engine.core import EngineCore
 from pd.contracts.request import Request
 from pd.contracts.sampling_params import SamplingParams
@@ -80,7 +81,7 @@ def instrument(engine: EngineCore) -> PartTimer:
     timer.wrap(engine.runner, "_sample", "sampling")
     timer.wrap(engine.scheduler, "schedule", "scheduler")
     timer.wrap(engine.scheduler, "update_from_output", "scheduler")
-    if engine.config.tensor_parallel_size > 1:  # inside the parts above: reported, not added
+    if engine.config.parallel.size > 1:  # inside the parts above: reported, not added
         timer.wrap(torch.distributed, "all_reduce", "collectives")
         timer.wrap(torch.distributed, "all_gather", "collectives")
     return timer
@@ -91,12 +92,12 @@ def minor_faults() -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
-    config = EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
-                          kv_cache_dtype=args.kv_cache_dtype,
-                          max_num_seqs=max(args.batch, 1),
-                          max_model_len=args.context + 2 * (args.steps + args.warmup) + 8,
-                          max_num_batched_tokens=max(2048, args.context), num_threads=args.num_threads,
-                          tensor_parallel_size=args.tensor_parallel_size)
+    config = EngineConfig.from_flat(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                                    kv_cache_dtype=args.kv_cache_dtype,
+                                    max_num_seqs=max(args.batch, 1),
+                                    max_model_len=args.context + 2 * (args.steps + args.warmup) + 8,
+                                    max_num_batched_tokens=max(2048, args.context), num_threads=args.num_threads,
+                                    tensor_parallel_size=args.tensor_parallel_size).resolve()
     engine = EngineCore(config)
     try:
         return _time_steps(args, engine)
@@ -140,7 +141,7 @@ def _time_steps(args: argparse.Namespace, engine: EngineCore) -> dict:
     medians = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in keys}
     medians["faults"] = statistics.median(s["faults"] for s in steps)
     medians["step_modules"], medians["step"] = medians["step"], statistics.median(served)
-    return {"model": args.model, "dtype": engine.config.dtype, "quantization": engine.config.quantization,
+    return {"model": args.model, "dtype": engine.config.model.dtype, "quantization": engine.config.model.quantization,
             "kv_cache_dtype": args.kv_cache_dtype, "batch": args.batch,
             "context": args.context,
             "steps": args.steps, "threads": torch.get_num_threads(), "tensor_parallel_size": args.tensor_parallel_size,

@@ -69,18 +69,18 @@ def _add_generate_flags(parser: argparse.ArgumentParser) -> None:
 def _run_generate(args: argparse.Namespace) -> int:
     import json
 
-    from pd.config import EngineConfig
+    from pd.config import config_from_args
     from pd.llm import LLM
     from pd.contracts.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
-        config = EngineConfig.from_args(args)
+        config = config_from_args(args).resolve()
         llm = LLM.from_config(config)
     except (ValueError, OSError) as exc:  # bad flags, or a model that cannot be read: one line, exit 1
         raise SystemExit(f"pd generate: {exc}") from None
-    print(f"pd generate: dtype {config.dtype} ({config.dtype_reason})", file=sys.stderr)
+    print(f"pd generate: dtype {config.model.dtype} ({config.model.dtype_reason})", file=sys.stderr)
     for prompt, out in zip(args.prompt, llm.generate(args.prompt, params)):
         print(json.dumps({"prompt": prompt, "token_ids": out.token_ids, "text": out.text,
                           "finish_reason": out.finish_reason}))

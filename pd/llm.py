@@ -7,7 +7,7 @@ batched continuously until every one finishes.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -38,9 +38,13 @@ class LLM:
     _ids = itertools.count()
 
     def __init__(self, model: str, keep_logits: bool = False, **engine_args: Any) -> None:
-        """`engine_args` are EngineConfig fields (dtype, block_size, kv_cache_memory, ...)."""
-        self.engine = EngineCore(EngineConfig(model=model, **engine_args), keep_logits=keep_logits)
-        self.tokenizer = Tokenizer(model)
+        """`engine_args` are the engine's settings by their flat names, `pd serve`'s flags
+        (dtype, block_size, kv_cache_memory, ...: EngineConfig.from_flat)."""
+        self._start(EngineConfig.from_flat(model=model, **engine_args).resolve(), keep_logits)
+
+    def _start(self, config: EngineConfig, keep_logits: bool) -> None:
+        self.engine = EngineCore(config, keep_logits=keep_logits)
+        self.tokenizer = Tokenizer(config.model.path)
 
     def shutdown(self) -> None:
         """Stop the engine: its grammar threads, its connector, its tensor-parallel ranks."""
@@ -54,7 +58,10 @@ class LLM:
 
     @classmethod
     def from_config(cls, config: EngineConfig, keep_logits: bool = False) -> "LLM":
-        return cls(**{f.name: getattr(config, f.name) for f in fields(config) if f.init}, keep_logits=keep_logits)
+        """An LLM on a resolved config."""
+        llm = cls.__new__(cls)
+        llm._start(config, keep_logits)
+        return llm
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:

@@ -24,7 +24,6 @@ from proxy.errors import ProxyError
 from wire.kv_params import DO_REMOTE_DECODE, KV_TRANSFER_PARAMS, PREFIX
 
 MAX_DEPTH = 64  # nested objects and arrays; the body itself is depth 1
-MAX_REQUEST_BYTES = 4 * 1024 * 1024
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _SCALARS = (int, float, bool, type(None))  # what json.loads makes besides str, dict and list
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field, fields
 
-from proxy.body import MAX_DEPTH, MAX_REQUEST_BYTES
+from proxy.body import MAX_DEPTH
+from wire.body import DEFAULT_LIMIT
 from proxy.canary import TIE_LOGPROB
 from proxy.disagg import DISAGG_POLICIES, LOCAL_PREFILL_MAX_TOKENS, REUSE_MIN_TOKENS
 from proxy.instances import LOAD_SLACK, POLICIES
@@ -38,7 +39,7 @@ class ProxyConfig:
     queue_timeout_s: float = 600.0  # the longest a request waits for room; then 429
     max_client_priority: int = 0  # the most urgent (lowest) `priority` a client may send; lower: 400
     release_timeout_s: float = 5.0  # one `/v1/kv/release` to a prefill server
-    max_request_bytes: int = MAX_REQUEST_BYTES
+    max_request_bytes: int = DEFAULT_LIMIT
     max_depth: int = MAX_DEPTH  # of a request body's nested objects and arrays
     disagg_policy: str = "always"  # or "conditional": D prefills itself what it lacks little of (disagg.py)
     local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS  # conditional: D computes at most this many itself

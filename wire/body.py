@@ -8,6 +8,8 @@ from starlette.requests import Request
 from wire.codes import REQUEST_TOO_LARGE
 from wire.errors import ApiError
 
+DEFAULT_LIMIT = 4 * 1024 * 1024  # what the proxy and the servers read of a body by default (--max-request-bytes)
+
 
 class BodyTooLarge(ApiError):
     def __init__(self, limit: int) -> None:

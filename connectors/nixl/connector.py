@@ -15,12 +15,8 @@ class NixlConnector(KVConnector):
 
     @staticmethod
     def build_worker(context: ConnectorContext) -> NixlConnectorWorker:
-        config = context.config
-        return NixlConnectorWorker(NixlWorkerConfig(context.engine_id, config.host, config.side_channel_port,
-                                                    context.compat_hash, lease_seconds=config.lease_seconds,
-                                                    read_timeout_s=config.read_timeout_s,
-                                                    ucx_transports=config.ucx_transports,
-                                                    rank=context.rank, tp_size=context.tp_size, digest=config.digest))
+        return NixlConnectorWorker(NixlWorkerConfig(context.engine_id, context.compat_hash, context.config,
+                                                    rank=context.rank, tp_size=context.tp_size))
 
     @staticmethod
     def build_scheduler(context: ConnectorContext, worker: NixlConnectorWorker) -> NixlConnectorScheduler:

@@ -55,6 +55,7 @@ from pd.kv_cache.canonical import CanonicalKVCaches
 from pd.kv_transfer.compat import COMPAT_DIFFERS
 from pd.kv_transfer.digests import WHOLE
 from pd.kv_transfer.params import RemotePrefillParams
+from pd.kv_transfer.connector_config import ConnectorConfig
 from pd.contracts.connector_api import KVConnectorOutput, KVConnectorWorker
 from connectors.nixl.peer_messages import (HandshakeError, HandshakeRequest, HandshakeResponse, KeepAlive,
                                            RankAgent, ReadDone, Reject, encode_notif, rank_agent_name)
@@ -88,22 +89,21 @@ class _Loading:
     units_read: list[tuple[int, list[set]]] = field(default_factory=list)  # (P rank, unit keys read per group)
 
 
-@dataclass
+@dataclass(frozen=True)
 class NixlWorkerConfig:
+    """A worker half's settings: the engine's transfer settings as a connector sees them
+    (`transfer`: side channel, lease, read timeout, UCX transports, digests), with which
+    engine and rank it serves and how it treats peers' handshakes."""
+
     engine_id: str
-    host: str
-    side_channel_port: int
     compat_hash: str
-    handshake_timeout_s: float = 5.0
-    handshake_backoff_s: float = 10.0  # a peer whose handshake failed is not tried again sooner
-    lease_seconds: float = 60.0  # P: what a KeepAlive extends a lease to, from its arrival
-    read_timeout_s: float = 30.0  # D: a read still under way after this long is cancelled and fails
-    ucx_transports: str = "auto"  # UCX_TLS, or auto (ucx.configure_ucx)
-    clock: Callable[[], float] = time.monotonic
-    wall_clock: Callable[[], float] = time.time
+    transfer: ConnectorConfig
     rank: int = 0  # the tensor-parallel rank whose KV memory this worker moves
     tp_size: int = 1
-    digest: bool = False  # P: digest the blocks held for readers (pd/kv_transfer/digests.py)
+    handshake_timeout_s: float = 5.0
+    handshake_backoff_s: float = 10.0  # a peer whose handshake failed is not tried again sooner
+    clock: Callable[[], float] = time.monotonic
+    wall_clock: Callable[[], float] = time.time
 
 
 class NixlConnectorWorker(KVConnectorWorker):
@@ -122,8 +122,8 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.loading: dict[str, _Loading] = {}
         self.failed: dict[str, str] = {}  # failed before a read could be posted -> why
         self.leases: LeaseTable | None = None  # lease words (P's slots, D's landing words), made with the transport
-        self.holds = Holds(config.lease_seconds, config.clock, self.stats, self._poll_for)  # P
-        self.digest_book = DigestBook(config.tp_size) if config.digest and config.rank == 0 else None  # P
+        self.holds = Holds(config.transfer.lease_seconds, config.clock, self.stats, self._poll_for)  # P
+        self.digest_book = DigestBook(config.tp_size) if config.transfer.digest and config.rank == 0 else None  # P
         self.integrity: Integrity | None = None  # --kv-digest's part, once the KV caches are registered
         self.rank_mismatches: dict[str, str] = {}  # rank 0: request -> a rank > 0's digest mismatch
         self._to_digest: list[tuple[str, list[list[int]]]] = []  # P: this step's prompts, once computed
@@ -134,7 +134,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         from connectors.nixl.transport import NixlTransport  # imports nixl: only when used
         from connectors.nixl.ucx import configure_ucx
 
-        configure_ucx(self.config.host, self.config.ucx_transports, cuda=torch.cuda.is_available(),
+        configure_ucx(self.config.transfer.host, self.config.transfer.ucx_transports, cuda=torch.cuda.is_available(),
                       kv_on_gpu=kv_caches.tensors[0].device.type == "cuda")
         self.integrity = Integrity(kv_caches, self.digest_book)
         if self.config.rank > 0:  # its reads only: leases and the side channel are rank 0's
@@ -144,7 +144,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.holds.leases = self.leases
         self.transport = self.peers.transport = NixlTransport(self.agent_name, kv_caches,
                                                               lease_words=self.leases.words)
-        self.side_channel = SideChannelServer(self.config.host, self.config.side_channel_port, self._respond)
+        self.side_channel = SideChannelServer(self.config.transfer.host, self.config.transfer.side_channel_port, self._respond)
 
     def rank_info(self) -> RankAgent:
         return RankAgent(self.transport.agent_metadata(), self.transport.local_layout(self.config.compat_hash))
@@ -323,7 +323,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         read timeout is cancelled); else DONE, ERR, TIMEOUT or "ERR: why"."""
         states = [self.transport.poll(handle) for handle in loading.handles]
         if "PROC" in states:
-            if self.config.clock() - loading.started < self.config.read_timeout_s:
+            if self.config.clock() - loading.started < self.config.transfer.read_timeout_s:
                 return None
             if not all([self.transport.cancel(handle) for handle in loading.handles]):
                 return None  # NIXL cannot stop one yet: the blocks stay its until it can
@@ -356,7 +356,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             if (why := self._digest_mismatch(loading)) is not None:
                 output.digest_mismatches[req_id] = why
             return
-        output.failed_recving[req_id] = _failure(loading.outcome, self.config.read_timeout_s)
+        output.failed_recving[req_id] = _failure(loading.outcome, self.config.transfer.read_timeout_s)
         self.stats.failures += 1
 
     def _read_ended(self, loading: _Loading, state: str, output: KVConnectorOutput) -> None:
@@ -387,7 +387,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             self.stats.read_done(self.config.clock() - loading.started, shares)
             return
         else:
-            why = _failure(state, self.config.read_timeout_s)
+            why = _failure(state, self.config.transfer.read_timeout_s)
             self._reject(remote, f"the read {why}")  # nothing retries it: P frees its blocks
         logger.warning("KV read for %s from %s %s", req_id, remote.remote_engine_id, why)
         output.failed_recving[req_id] = f"the read from {remote.remote_engine_id} {why}"

@@ -12,7 +12,7 @@ import uuid
 
 import torch
 
-from pd.config import EngineConfig, SchedulerConfig
+from pd.config import EngineConfig, SchedulerConfig, TierSettings
 from pd.distributed.shard import TPShard
 from pd.engine.ipc_messages import EngineInfo, EngineStats, HistogramSnapshot
 from pd.engine.kv_event_publisher import KVEventPublisher, KVEvents, NoKVEvents
@@ -43,17 +43,19 @@ def group_names(config: KVCacheConfig) -> list[str]:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, keep_logits: bool = False) -> None:
+        if not config.is_resolved:
+            raise ValueError("an engine is started with a resolved config (EngineConfig.resolve())")
         apply_memory_settings()
-        torch.manual_seed(config.seed)
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.model.seed)
+        if config.parallel.num_threads is not None:
+            torch.set_num_threads(config.parallel.num_threads)
         self.config = config
         self.num_steps = 0
         self.step_seconds = dict.fromkeys(STEP_PARTS, 0.0)
-        device = config.torch_device
+        device = config.model.torch_device
         self.engine_id = f"pd-{uuid.uuid4().hex[:12]}"
         self.connector_context = connector_context(config, self.engine_id)
-        self.tp_ranks = TensorParallelRanks(config, self.connector_context) if config.tensor_parallel_size > 1 else None
+        self.tp_ranks = TensorParallelRanks(config, self.connector_context) if config.parallel.size > 1 else None
         try:
             self._build(config, device, keep_logits)
         except BaseException:  # ranks already started must not outlive a failed start
@@ -63,28 +65,28 @@ class EngineCore:
         self.logits: dict[str, list[torch.Tensor]] = {}
         # Unseeded requests sample from the global generator: every tensor-parallel rank
         # starts serving from the same state (building may have drawn from it unequally).
-        torch.manual_seed(config.seed)
+        torch.manual_seed(config.model.seed)
 
     def _build(self, config: EngineConfig, device: str, keep_logits: bool) -> None:
         """Rank 0's model, KV cache and runner, the connector (given the other ranks'
         agents) and the scheduler."""
-        self.model_config, self.model = build_model(config, TPShard(0, config.tensor_parallel_size),
+        self.model_config, self.model = build_model(config, TPShard(0, config.parallel.size),
                                                     rank_device(device, 0))
         if self.tp_ranks is not None:
-            self.tp_ranks.wait_ready(deadline_seconds=max(600.0, config.tp_timeout))
+            self.tp_ranks.wait_ready(deadline_seconds=max(600.0, config.parallel.timeout))
         self.max_model_len = self.model_config.context_len
         self.kv_cache_config = kv_cache_config(config, self.model_config, self.model)
-        self.kv_cache_manager = KVCacheManager(self.kv_cache_config, config.enable_prefix_caching,
-                                               self.max_model_len, record_events=config.kv_events_port is not None)
+        self.kv_cache_manager = KVCacheManager(self.kv_cache_config, config.cache.enable_prefix_caching,
+                                               self.max_model_len, record_events=config.telemetry.events_port is not None)
         self.kv_events = self._kv_events()
-        connector, context = KV_CONNECTORS.get(config.kv_connector), self.connector_context
-        worker_connector = with_tiers(connector.build_worker(context), config.tier_settings(context.compat_hash,
-                                                                                            self.engine_id))
+        connector, context = KV_CONNECTORS.get(config.transfer.connector), self.connector_context
+        tiers = TierSettings(config.offload, context.compat_hash, self.engine_id)
+        worker_connector = with_tiers(connector.build_worker(context), tiers)
         self.runner = build_runner(config, self.model_config, self.model, rank_device(device, 0), worker_connector,
                                    keep_logits)
         if self.tp_ranks is not None:
             worker_connector.add_ranks(self.tp_ranks.rank_infos)
-        grammars = GrammarMatchers(lambda: Tokenizer(config.model).json(), self.model_config.eos_token_ids)
+        grammars = GrammarMatchers(lambda: Tokenizer(config.model.path).json(), self.model_config.eos_token_ids)
         scheduler_connector = tiered_scheduler(connector.build_scheduler(context, inner_worker(worker_connector)),
                                                self.kv_cache_manager, worker_connector)
         self.scheduler = Scheduler(self._scheduler_config(), self.kv_cache_manager, scheduler_connector, grammars)
@@ -95,13 +97,14 @@ class EngineCore:
         return self.kv_events.endpoints
 
     def _kv_events(self) -> KVEvents:
-        if self.config.kv_events_port is None:
+        telemetry = self.config.telemetry
+        if telemetry.events_port is None:
             return NoKVEvents()
         def held() -> list:  # every block held, in the KV cache and in the offload tiers
             return self.kv_cache_manager.pool.cached_events() + self.scheduler.connector.held_events()
 
-        return KVEventPublisher(self.engine_id, self.config.kv_events_host, self.config.kv_events_port,
-                                self.config.kv_events_replay_port, held)
+        return KVEventPublisher(self.engine_id, telemetry.events_host, telemetry.events_port, telemetry.replay_port,
+                                held)
 
     def compat_hash(self) -> str:
         """Equal for two engines whose KV blocks mean the same thing byte for byte, whatever
@@ -111,8 +114,8 @@ class EngineCore:
 
     def _scheduler_config(self) -> SchedulerConfig:
         mamba = [g.spec.block_size for g in self.kv_cache_config.groups if isinstance(g.spec, MambaSpec)]
-        return self.config.scheduler_config(self.max_model_len, self.model_config.eos_token_ids,
-                                            mamba[0] if mamba else None)
+        return SchedulerConfig(self.config.scheduler, self.max_model_len, self.model_config.eos_token_ids,
+                                mamba[0] if mamba else None)
 
     def add_request(self, request: Request) -> None:
         """Queue the request; ValueError if it cannot be served (HeldBlocksLimitError if
@@ -180,7 +183,7 @@ class EngineCore:
     def info(self) -> EngineInfo:
         """What the server is told of this engine once it is ready."""
         kv, model = self.kv_cache_config, self.model_config
-        return EngineInfo(engine_id=self.engine_id, kv_connector=self.config.kv_connector,
+        return EngineInfo(engine_id=self.engine_id, kv_connector=self.config.transfer.connector,
                           max_model_len=self.max_model_len, vocab_size=model.vocab_size,
                           eos_token_ids=sorted(model.eos_token_ids), group_names=group_names(kv),
                           num_blocks=kv.num_blocks, block_sizes=kv.block_sizes, architectures=model.architectures,

@@ -213,7 +213,7 @@ def _by_group(keys: list[Key]) -> dict[int, list[bytes]]:
 
 def with_tiers(worker: KVConnectorWorker, settings: TierSettings) -> KVConnectorWorker:
     """The engine's worker half, wrapped with the tiers when any is configured."""
-    return TieredWorker(worker, settings) if settings.any else worker
+    return TieredWorker(worker, settings) if settings.offload.any else worker
 
 
 def inner_worker(worker: KVConnectorWorker) -> KVConnectorWorker:

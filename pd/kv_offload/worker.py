@@ -22,10 +22,11 @@ from pd.contracts.connector_api import KVConnectorMetadata, KVConnectorOutput, K
 def build_tiers(settings: TierSettings, caches: CanonicalKVCaches) -> list[Tier]:
     """The tiers, fastest first."""
     tiers: list[Tier] = []
-    if settings.host_bytes is not None:
-        tiers.append(HostTier(settings.host_bytes, caches))
-    if settings.disk_path is not None:
-        tiers.append(DiskTier(settings.disk_path, settings.disk_bytes, caches, settings.compat_hash,
+    offload = settings.offload
+    if offload.host_bytes is not None:
+        tiers.append(HostTier(offload.host_bytes, caches))
+    if offload.disk_path is not None:
+        tiers.append(DiskTier(offload.disk_path, offload.disk_bytes, caches, settings.compat_hash,
                               f"{settings.engine_id}-disk"))
     return tiers
 

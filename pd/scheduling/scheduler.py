@@ -61,8 +61,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # to tell the runner next step
         self.runner_view = RunnerView(kv_cache_manager)
-        self.remote_kv = RemoteKV(kv_cache_manager, connector, config.kv_load_failure_policy,
-                                  config.kv_max_held_fraction)
+        self.remote_kv = RemoteKV(kv_cache_manager, connector, config.settings.kv_load_failure_policy,
+                                  config.settings.kv_max_held_fraction)
         self.num_preemptions = 0
         self.num_steps = 0  # schedule() calls
         self._failed_outputs: list[RequestOutput] = []  # failed between updates; sent with the next one
@@ -106,7 +106,7 @@ class Scheduler:
         self._queue_compiled()
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids, block_copies=self.block_copies)
         self.finished_req_ids, self.block_copies = set(), []
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.settings.max_num_batched_tokens
         preempted = False
         self.num_steps += 1
         share = fair_share.step_share(self.running, self.waiting)
@@ -172,7 +172,7 @@ class Scheduler:
         fair share (fair_share.py)."""
         while self.waiting and budget > 0:
             request = fair_share.next_waiting(self.waiting, fair_share.running_counts(self.running))
-            if len(self.running) >= self.config.max_num_seqs and not self._displace_for(request, out):
+            if len(self.running) >= self.config.settings.max_num_seqs and not self._displace_for(request, out):
                 return
             self.waiting.remove(request)
             self.waiting.appendleft(request)  # at the front: where _admit takes it from
@@ -245,14 +245,14 @@ class Scheduler:
         """Rule 4 of fair_share.py, for `request` about to take `num_blocks_now` blocks to
         hold `num_tokens_held` tokens."""
         return fair_share.room_to_grow(self.kv, [*self.running, *self.remote_kv.waiting.values()], request,
-                                       num_tokens_held, num_blocks_now, self.config.reserve_growth_tokens,
+                                       num_tokens_held, num_blocks_now, self.config.settings.reserve_growth_tokens,
                                        self.config.max_model_len)
 
     def _skipped_groups(self, request: Request) -> frozenset[int]:
         """The KV cache groups left out of the request's prefix-cache hit search: for a
         remote prefill (or a prefix read from D), the groups keeping part of a prefix
         (the read brings what they need)."""
-        if request.kv_source is not None and self.config.skip_partial_groups_on_remote_prefill:
+        if request.kv_source is not None and self.config.settings.skip_partial_groups_on_remote_prefill:
             return self.kv.partial_prefix_groups
         return frozenset()
 
@@ -376,7 +376,7 @@ class Scheduler:
 
     def _place_fork(self, parent: Request, child: Request) -> None:
         self.requests[child.request_id] = child
-        copies = self.kv.fork(parent, child) if len(self.running) < self.config.max_num_seqs else None
+        copies = self.kv.fork(parent, child) if len(self.running) < self.config.settings.max_num_seqs else None
         if copies is None:
             child.status = RequestStatus.PREEMPTED
             self.waiting.appendleft(child)

@@ -23,7 +23,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pd.config import DEFAULT_MAX_REQUEST_BYTES
 from pd.engine.client import EngineDeadError, EngineNotRunningError, RequestFailedError, RequestRefusedError
 from pd.kv_transfer.signing import TransferParamsGuard
 from pd.server.chat import ChatTemplate
@@ -36,7 +35,7 @@ from pd.server.sampling import RequestLimits
 from pd.server.serving import Prepared, Server
 from pd.server.spans import RequestSpan
 from telemetry import logs, tracing
-from wire.body import read_body
+from wire.body import DEFAULT_LIMIT, read_body
 from wire.codes import ENGINE_DEAD, ENGINE_DIED, INTERNAL_ERROR, INVALID_REQUEST, KV_HELD_LIMIT, KV_LOAD_FAILED
 from wire.errors import ApiError, error_body
 from wire.headers import REQUEST_ID, retry_after
@@ -49,7 +48,7 @@ DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its cli
 
 def build_app(client: Any, tokenizer: Any, served_model_name: str, api_key: str | None = None,
               chat_template: ChatTemplate | None = None, role: str = "both",
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              max_request_bytes: int = DEFAULT_LIMIT,
               transfer_guard: TransferParamsGuard | None = None, limits: RequestLimits = RequestLimits()) -> FastAPI:
     """The app serving `client`'s engine as `served_model_name`. `chat_template` defaults
     to the one in the tokenizer's config; `role` is reported by /health; a request body

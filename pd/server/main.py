@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from launch.ports import listen
-from pd.config import DEFAULT_MAX_REQUEST_BYTES, ROLES, EngineConfig, add_engine_flags
+from pd.config import ROLES, EngineConfig, add_engine_flags, config_from_args
+from pd.config.engine import flat_default
 from telemetry import logs, tracing
 from telemetry.flags import add_telemetry_flags, apply_telemetry_flags
+from wire.body import DEFAULT_LIMIT
 
 # Idle seconds before the server closes a kept-alive connection: longer than clients keep
 # them in their pools (httpx and the openai client: 5 s; the proxy: 2 s), so a client
@@ -37,16 +39,16 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port-file", type=Path, default=None, metavar="PATH",
                         help="write the port listened on to PATH as soon as it is bound, before the engine starts "
                              "(with --port 0, the only way to learn it; a launcher waits for it) (default: none)")
-    parser.add_argument("--role", choices=ROLES, default="both",
+    parser.add_argument("--role", choices=ROLES, default=flat_default("role"),
                         help="both: prefill and decode here; prefill / decode: one side of a "
                              "disaggregated pair behind the proxy (default both)")
     parser.add_argument("--served-model-name", default=None,
                         help="model name clients must use (default: the model directory's name)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_LIMIT,
                         help="largest request body accepted; a larger one is refused with 413 before it is "
-                             f"read whole (default {DEFAULT_MAX_REQUEST_BYTES})")
+                             f"read whole (default {DEFAULT_LIMIT})")
     parser.add_argument("--max-sequences-per-request", type=int, default=128, metavar="N",
                         help="the most sequences (n, best_of) one request may ask for (default 128)")
     parser.add_argument("--max-logprobs", type=int, default=20, metavar="K",
@@ -76,7 +78,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from pd.tokenizer import Tokenizer
 
     try:
-        config = EngineConfig.from_args(args)
+        config = config_from_args(args).resolve()
         if args.max_request_bytes <= 0:
             raise ValueError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
         if args.restart_engine < 0:
@@ -84,26 +86,26 @@ def run_serve(args: argparse.Namespace) -> int:
         from pd.server.sampling import RequestLimits
 
         limits = RequestLimits(args.max_sequences_per_request, args.max_logprobs, args.max_request_tokens)
-        check_model(config.model)
-        tokenizer = Tokenizer(config.model)
+        check_model(config.model.path)
+        tokenizer = Tokenizer(config.model.path)
     except (ValueError, OSError) as e:
         raise SystemExit(f"pd serve: {e}") from None
-    name = args.served_model_name or config.model.resolve().name
+    name = args.served_model_name or config.model.path.resolve().name
     from pd.engine.client import EngineClient, EngineStartupError
 
     listener = _listen(args.host, args.port, args.port_file)
     args.port = listener.getsockname()[1]  # the one bound: --port 0 asks the kernel
     apply_telemetry_flags(args, "pd serve", "pd-serve",
                           {"pd.role": config.role, "pd.instance": f"{args.host}:{args.port}"}, children=True)
-    logger.info("dtype %s (%s), quantization %s (%s)", config.dtype, config.dtype_reason, config.quantization,
-                config.quantization_reason)
+    logger.info("dtype %s (%s), quantization %s (%s)", config.model.dtype, config.model.dtype_reason,
+                config.model.quantization, config.model.quantization_reason)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     client = None
     try:
         client = EngineClient.start(config)
         info = client.info
         logger.info("KV cache %.2f GiB per rank (%s): %d blocks, %d tokens; KV compatibility hash %s",
-                    config.kv_cache_memory / 1024 ** 3, config.kv_cache_memory_reason, info.num_blocks,
+                    config.cache.memory / 1024 ** 3, config.cache.memory_reason, info.num_blocks,
                     info.num_blocks * max(info.block_sizes), info.compat_hash[:12])
         for line in client.info.kv_offload:
             logger.info("%s", line)
@@ -146,10 +148,10 @@ async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, a
     from pd.server.chat import ChatTemplate
     from pd.server.supervisor import supervise
 
-    template = ChatTemplate.from_model_dir(config.model, tokenizer.config)
+    template = ChatTemplate.from_model_dir(config.model.path, tokenizer.config)
     app = build_app(client, tokenizer, name, api_key=args.api_key, chat_template=template,
                     role=config.role, max_request_bytes=args.max_request_bytes,
-                    transfer_guard=TransferParamsGuard(config.kv_transfer_secret, config.kv_allowed_peers),
+                    transfer_guard=TransferParamsGuard(config.transfer.secret, config.transfer.allowed_peers),
                     limits=limits)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            log_config=logs.uvicorn_log_config(args.log_format),

@@ -31,13 +31,13 @@ logger = logging.getLogger(__name__)
 def build_model(config: EngineConfig, shard: TPShard, device: str) -> tuple[ModelConfig, CausalLM]:
     """The rank's shard of the model, loaded, quantized (int8, or computed from the GGUF's
     blocks: the linears left by gguf are packed) or packed."""
-    model_config = ModelConfig.from_dir(config.model, config.dtype, config.max_model_len, tp=shard,
-                                        kv_cache_dtype=config.attention_kv_dtype)
+    model_config = ModelConfig.from_dir(config.model.path, config.model.dtype, config.model.max_model_len, tp=shard,
+                                        kv_cache_dtype=config.cache.attention_kv_dtype)
     model = load_model(model_config, device)
-    if config.quantization == "int8":
+    if config.model.quantization == "int8":
         quantize_linears(model)
     else:
-        if config.quantization == "gguf":
+        if config.model.quantization == "gguf":
             used = quantize_gguf_linears(model)
             logger.info("gguf: linear layers computed from %s blocks", ", ".join(f"{k} ({n})" for k, n in used.items()))
         pack_linears(model)
@@ -63,9 +63,9 @@ def whole_kv_cache_config(config: EngineConfig) -> KVCacheConfig:
     """The KV cache groups of the whole (unsharded) model, from its skeleton on the meta
     device: what a block means whatever the tensor-parallel size (the compatibility hash
     is taken of it), and the block sizes every rank of every TP size uses."""
-    model_config = ModelConfig.from_dir(config.model, config.dtype, config.max_model_len,
-                                        kv_cache_dtype=config.attention_kv_dtype)
-    specs = model_skeleton(model_config).kv_cache_specs(config.block_size, hybrid=config.hybrid_kv_cache)
+    model_config = ModelConfig.from_dir(config.model.path, config.model.dtype, config.model.max_model_len,
+                                        kv_cache_dtype=config.cache.attention_kv_dtype)
+    specs = model_skeleton(model_config).kv_cache_specs(config.cache.block_size, hybrid=config.cache.hybrid)
     return make_kv_cache_config(specs, 1 << 62)  # the groups and block sizes; no memory is taken
 
 
@@ -73,14 +73,14 @@ def connector_context(config: EngineConfig, engine_id: str) -> ConnectorContext:
     """What every rank's connector half is built from (rank 0's; a rank > 0 replaces the
     rank): the compatibility hash and block sizes are the whole model's, equal on P and
     D whatever their tensor-parallel sizes."""
-    model_config = ModelConfig.from_dir(config.model, config.dtype, config.max_model_len)
+    model_config = ModelConfig.from_dir(config.model.path, config.model.dtype, config.model.max_model_len)
     whole = whole_kv_cache_config(config)
     model_id = json.dumps(model_config.hf_config, sort_keys=True, default=str)
     groups = [repr(g.spec) + repr(g.layer_names) for g in whole.groups]
-    hashed = compat_hash(model_id, weights_fingerprint(config.model), config.quantization, config.dtype,
-                         whole.block_sizes, config.kv_layout, groups)
-    return ConnectorContext(engine_id, config.connector_config(), hashed, whole.block_sizes,
-                            tp_size=config.tensor_parallel_size)
+    hashed = compat_hash(model_id, weights_fingerprint(config.model.path), config.model.quantization, config.model.dtype,
+                         whole.block_sizes, config.cache.layout, groups)
+    return ConnectorContext(engine_id, config.transfer.connector_config(), hashed, whole.block_sizes,
+                            tp_size=config.parallel.size)
 
 
 def kv_cache_config(config: EngineConfig, model_config: ModelConfig, model: CausalLM) -> KVCacheConfig:
@@ -90,10 +90,10 @@ def kv_cache_config(config: EngineConfig, model_config: ModelConfig, model: Caus
     page holds a Mamba state, and sharding changes the two unequally), so that servers
     of different TP sizes exchange blocks of the same tokens."""
     if model_config.tp.size == 1:
-        specs = model.kv_cache_specs(config.block_size, hybrid=config.hybrid_kv_cache)
+        specs = model.kv_cache_specs(config.cache.block_size, hybrid=config.cache.hybrid)
         return _capped(config, specs, model_config.context_len)
     block_sizes = whole_kv_cache_config(config).block_sizes
-    specs = model.kv_cache_specs(max(block_sizes), hybrid=config.hybrid_kv_cache)
+    specs = model.kv_cache_specs(max(block_sizes), hybrid=config.cache.hybrid)
     rank = _capped(config, specs, model_config.context_len)
     if rank.block_sizes != block_sizes:
         raise KVCacheLayoutError(
@@ -107,10 +107,10 @@ def _capped(config: EngineConfig, specs, context_len: int) -> KVCacheConfig:
     """`kv_cache_memory` bytes of blocks, fewer where they would hold more than
     `kv_cache_max_tokens` (an automatic size on a small model: blocks no workload reaches
     cost start-up time and memory)."""
-    kv = make_kv_cache_config(specs, config.kv_cache_memory, context_len)
-    cap = config.kv_cache_max_tokens
+    kv = make_kv_cache_config(specs, config.cache.memory, context_len)
+    cap = config.cache.max_tokens
     if cap is not None and kv.num_blocks * max(kv.block_sizes) > cap:
-        kv = make_kv_cache_config(specs, config.kv_cache_memory * cap // (kv.num_blocks * max(kv.block_sizes)),
+        kv = make_kv_cache_config(specs, config.cache.memory * cap // (kv.num_blocks * max(kv.block_sizes)),
                                   context_len)
     return kv
 
@@ -134,8 +134,8 @@ def first_heads(whole: KVCacheConfig, shard: TPShard) -> list[tuple[int, int]]:
 def build_runner(config: EngineConfig, model_config: ModelConfig, model: CausalLM, device: str | torch.device,
                  connector: KVConnectorWorker | None = None, keep_logits: bool = False) -> ModelRunner:
     heads = first_heads(whole_kv_cache_config(config), model_config.tp) if model_config.tp.size > 1 else None
-    return ModelRunner(model, kv_cache_config(config, model_config, model), max_num_reqs=config.max_num_seqs,
-                       max_model_len=model_config.context_len, device=device, layout=config.kv_layout,
+    return ModelRunner(model, kv_cache_config(config, model_config, model), max_num_reqs=config.scheduler.max_num_seqs,
+                       max_model_len=model_config.context_len, device=device, layout=config.cache.layout,
                        keep_logits=keep_logits, connector=connector or NullConnectorWorker(),
-                       eos_token_ids=frozenset(model_config.eos_token_ids), logprobs_mode=config.logprobs_mode,
+                       eos_token_ids=frozenset(model_config.eos_token_ids), logprobs_mode=config.model.logprobs_mode,
                        first_heads=heads)

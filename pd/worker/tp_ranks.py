@@ -74,25 +74,25 @@ class TensorParallelRanks:
     """Ranks 1..N-1 of an engine, and rank 0's membership of their group."""
 
     def __init__(self, config: EngineConfig, context: ConnectorContext) -> None:
-        self.size = config.tensor_parallel_size
-        self.timeout = timedelta(seconds=config.tp_timeout)
+        self.size = config.parallel.size
+        self.timeout = timedelta(seconds=config.parallel.timeout)
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine is already running in this process: one per process")
-        self.connector = KV_CONNECTORS.get(config.kv_connector)
+        self.connector = KV_CONNECTORS.get(config.transfer.connector)
         self.procs: dict[int, subprocess.Popen] = {}  # the ranks started here, by rank
         self.channels: dict[int, RankChannel] = {}  # ranks 1..N-1, in rank order once started
         self.rank_infos: list[object] = []  # each rank's connector `rank_info`, once ready
         self.kv_bytes: list[int] = []  # each rank's KV cache memory, once ready
         self.store_dir = tempfile.mkdtemp(prefix="pd-tp-store-")
         try:
-            self._start(config, context, timedelta(seconds=max(STARTUP_S, config.tp_timeout)))
+            self._start(config, context, timedelta(seconds=max(STARTUP_S, config.parallel.timeout)))
         except BaseException:
             self.shutdown()
             raise
 
     def _start(self, config: EngineConfig, context: ConnectorContext, startup: timedelta) -> None:
-        local = config.local_ranks
-        if local < self.size and not config.kv_transfer_secret:
+        local = config.parallel.ranks_here
+        if local < self.size and not config.transfer.secret:
             raise ValueError("tensor-parallel ranks on other nodes prove the deployment's secret when they join: "
                              "give this server one (PD_KV_TRANSFER_SECRET or --kv-transfer-secret)")
         self.store, address = self._store(config, startup)
@@ -100,7 +100,7 @@ class TensorParallelRanks:
             self.channels[rank] = self._spawn(rank)
             self.channels[rank].send(rank_setup(config, rank, address, context))
         if local < self.size:
-            listener = RankListener(config.tp_host, config.tp_port, config.kv_transfer_secret,
+            listener = RankListener(config.parallel.host, config.parallel.port, config.transfer.secret,
                                     set(range(local, self.size)))
             try:
                 joined = listener.wait(startup.total_seconds(), self.check_started)
@@ -110,17 +110,17 @@ class TensorParallelRanks:
                 self.channels[rank] = joined[rank]
                 joined[rank].send(rank_setup(config, rank, address, context, remote=True))
         self._wait_joined(startup.total_seconds())
-        dist.init_process_group(backend(config.torch_device), store=self.store, rank=0, world_size=self.size,
+        dist.init_process_group(backend(config.model.torch_device), store=self.store, rank=0, world_size=self.size,
                                 timeout=self.timeout)
 
     def _store(self, config: EngineConfig, startup: timedelta) -> tuple[dist.Store, StoreAddress]:
         """The ranks' rendezvous: a file store (no port) when they all run here, a TCP
         store at --tp-host when some run on other nodes."""
-        if config.local_ranks == self.size:
+        if config.parallel.ranks_here == self.size:
             path = os.path.join(self.store_dir, "store")
             return dist.FileStore(path, self.size), StoreAddress(path=path)
-        store = dist.TCPStore(config.tp_host, 0, self.size, is_master=True, timeout=startup, wait_for_workers=False)
-        return store, StoreAddress(host=config.tp_host, port=store.port)
+        store = dist.TCPStore(config.parallel.host, 0, self.size, is_master=True, timeout=startup, wait_for_workers=False)
+        return store, StoreAddress(host=config.parallel.host, port=store.port)
 
     def _spawn(self, rank: int) -> RankChannel:
         """A plain child process (the engine may itself be a daemonic multiprocessing
@@ -236,9 +236,10 @@ def rank_setup(config: EngineConfig, rank: int, store: StoreAddress, context: Co
     without the deployment's secret (a rank signs and verifies nothing; the secret never
     crosses the channel). A rank on another node is the only local rank of its node, on
     the engine's device type (`pd tp-rank --device` picks which device)."""
-    rank_copy = replace(config, kv_transfer_secret="", allow_unsigned_kv_params=True)
+    rank_copy = replace(config, transfer=replace(config.transfer, secret=None, allow_unsigned=True))
     if remote:
-        rank_copy = replace(rank_copy, device=config.torch_device.partition(":")[0], tp_local_ranks=1)
+        rank_copy = replace(rank_copy, model=replace(config.model, device=config.model.torch_device.partition(":")[0]),
+                            parallel=replace(config.parallel, local_ranks=1))
     return Setup(rank_copy, rank, store, replace(context, rank=rank, config=replace(context.config, secret=None)))
 
 
@@ -282,7 +283,7 @@ def rank_main(channel: RankChannel, pick_device: Callable[[EngineConfig, int], s
         channel.send(Failed(f"{type(exc).__name__}: {exc}"))
         raise
     channel.send(Ready(encode(runner.connector.rank_info()), runner.kv_allocation.nbytes))
-    metadata_type = KV_CONNECTORS.get(setup.config.kv_connector).metadata_type
+    metadata_type = KV_CONNECTORS.get(setup.config.transfer.connector).metadata_type
     try:
         while not isinstance(step := channel.recv(TO_RANK), Stop):
             if not isinstance(step, Step):
@@ -298,9 +299,9 @@ def rank_main(channel: RankChannel, pick_device: Callable[[EngineConfig, int], s
 
 def _build(setup: Setup, device: str) -> ModelRunner:
     config, rank = setup.config, setup.rank
-    if config.num_threads is not None:
-        torch.set_num_threads(config.num_threads)
-    size, timeout = config.tensor_parallel_size, timedelta(seconds=config.tp_timeout)
+    if config.parallel.num_threads is not None:
+        torch.set_num_threads(config.parallel.num_threads)
+    size, timeout = config.parallel.size, timedelta(seconds=config.parallel.timeout)
     if setup.store.path:
         store = dist.FileStore(setup.store.path, size)
     else:
@@ -310,9 +311,9 @@ def _build(setup: Setup, device: str) -> ModelRunner:
     dist.init_process_group(backend(device), store=store, rank=rank, world_size=size, timeout=timeout)
     shard = TPShard(rank, size)
     model_config, model = build_model(config, shard, device)
-    connector = KV_CONNECTORS.get(config.kv_connector).build_worker(setup.context)
+    connector = KV_CONNECTORS.get(config.transfer.connector).build_worker(setup.context)
     runner = build_runner(config, model_config, model, device, connector)
-    torch.manual_seed(config.seed)  # as rank 0 does once built: the same draws for unseeded requests
+    torch.manual_seed(config.model.seed)  # as rank 0 does once built: the same draws for unseeded requests
     return runner
 
 
@@ -327,11 +328,11 @@ def run_remote_rank(address: str, rank: int, device: str | None, timeout: float)
         channel = join(host.strip("[]"), int(port), rank, secret, timeout)
     except (ChannelError, ValueError) as exc:
         raise SystemExit(f"pd tp-rank: {exc}") from None
-    rank_main(channel, lambda config, _: device or config.torch_device)
+    rank_main(channel, lambda config, _: device or config.model.torch_device)
     return 0
 
 
 if __name__ == "__main__":
     _die_with_parent()
     rank_main(RankChannel(socket.socket(fileno=int(sys.argv[1]))),
-              lambda config, rank: rank_device(config.torch_device, rank))
+              lambda config, rank: rank_device(config.model.torch_device, rank))

@@ -1,13 +1,16 @@
-"""EngineConfig: role defaults, refused combinations, and settings the engine applies."""
+"""EngineConfig: role defaults, refused combinations, resolution, and settings the engine applies."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
 
-from pd.config import EngineConfig, add_engine_flags
+from pd.config import EngineConfig, TransferSettings, add_engine_flags, config_from_args
+from pd.config.engine import flat_default, flat_names
+from pd.engine.core import EngineCore
 from pd.kv_transfer.signing import DEFAULT_ALLOWED_PEERS
 from pd.llm import LLM
 from pd.models.make_model import make_model
@@ -15,8 +18,10 @@ from pd.models.make_model import make_model
 
 @pytest.mark.parametrize("role, connector", [("both", "null"), ("prefill", "nixl"), ("decode", "nixl")])
 def test_the_role_picks_the_default_connector(role: str, connector: str) -> None:
-    assert EngineConfig(model="m", role=role).kv_connector == connector
-    assert EngineConfig(model="m", role=role, kv_connector="nixl").kv_connector == "nixl"
+    unsigned = {"allow_unsigned_kv_params": True}
+    assert EngineConfig.from_flat(model="m", role=role, **unsigned).resolve().transfer.connector == connector
+    assert EngineConfig.from_flat(model="m", role=role, kv_connector="nixl", **unsigned).resolve().transfer.connector \
+        == "nixl"
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -37,7 +42,7 @@ def test_the_role_picks_the_default_connector(role: str, connector: str) -> None
 ])
 def test_bad_settings_are_refused_with_the_reason(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        EngineConfig(model="m", **kwargs)
+        EngineConfig.from_flat(model="m", **kwargs)
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode", "both"])
@@ -45,15 +50,17 @@ def test_a_nixl_server_needs_a_transfer_secret_unless_unsigned_parameters_are_al
     """Issue 31 row 6: secure by default. An empty secret means none, whatever the
     environment says."""
     monkeypatch.setenv("PD_KV_TRANSFER_SECRET", "from-the-environment")
-    assert EngineConfig(model="m", role=role, kv_connector="nixl").kv_transfer_secret == "from-the-environment"
+    def secret(**kwargs) -> str | None:
+        return EngineConfig.from_flat(model="m", kv_cache_memory=1 << 20, **kwargs).resolve().transfer.secret
+
+    assert secret(role=role, kv_connector="nixl") == "from-the-environment"
     with pytest.raises(ValueError, match="needs a transfer secret"):
-        EngineConfig(model="m", role=role, kv_connector="nixl", kv_transfer_secret="")
+        secret(role=role, kv_connector="nixl", kv_transfer_secret="")
     monkeypatch.delenv("PD_KV_TRANSFER_SECRET")
     with pytest.raises(ValueError, match="--allow-unsigned-kv-params"):
-        EngineConfig(model="m", role=role, kv_connector="nixl")
-    assert EngineConfig(model="m", role=role, kv_connector="nixl", allow_unsigned_kv_params=True).kv_transfer_secret \
-        is None
-    assert EngineConfig(model="m", role="both").kv_transfer_secret is None  # serving alone: nothing to sign
+        secret(role=role, kv_connector="nixl")
+    assert secret(role=role, kv_connector="nixl", allow_unsigned_kv_params=True) is None
+    assert secret(role="both") is None  # serving alone: nothing to sign
 
 
 def test_num_threads_sets_the_engines_torch_threads(tmp_path) -> None:
@@ -73,5 +80,48 @@ def test_repeated_allowed_peers_flags_add_and_none_keeps_loopback(tiny_models) -
     model = str(tiny_models["qwen3"])
     given = parser.parse_args(["--model", model, "--kv-allowed-peers", "10.0.0.0/8", "--kv-allowed-peers",
                                "192.168.1.2", "172.16.0.0/12"])
-    assert EngineConfig.from_args(given).kv_allowed_peers == ("10.0.0.0/8", "192.168.1.2", "172.16.0.0/12")
-    assert EngineConfig.from_args(parser.parse_args(["--model", model])).kv_allowed_peers == DEFAULT_ALLOWED_PEERS
+    assert config_from_args(given).transfer.allowed_peers == ("10.0.0.0/8", "192.168.1.2", "172.16.0.0/12")
+    assert config_from_args(parser.parse_args(["--model", model])).transfer.allowed_peers == DEFAULT_ALLOWED_PEERS
+
+
+def test_resolve_decides_what_was_left_to_the_machine_and_changes_nothing_asked(tiny_models, monkeypatch) -> None:
+    monkeypatch.setenv("PD_KV_CACHE_MEMORY", "12345678")
+    asked = EngineConfig.from_flat(model=tiny_models["qwen3"], role="decode", allow_unsigned_kv_params=True)
+    assert not asked.is_resolved and asked.model.dtype == "auto" and asked.cache.memory == "auto"
+    resolved = asked.resolve()
+    assert resolved.is_resolved and resolved is not asked
+    assert (resolved.model.dtype, resolved.cache.memory, resolved.transfer.connector) == ("float32", 12345678, "nixl")
+    assert "PD_KV_CACHE_MEMORY" in resolved.cache.memory_reason and resolved.model.dtype_reason != "as asked"
+    assert asked.model.dtype == "auto"  # the config asked is left as it was
+    with pytest.raises(ValueError, match="resolved config"):
+        EngineCore(asked)
+
+
+def test_every_flat_setting_is_one_field_of_one_group_with_its_flag() -> None:
+    """Each setting is declared once: its flat name (a flag's dest, pd.LLM's keyword) maps
+    to one field, and the flag's default is that field's default."""
+    names = flat_names()
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    dests = {action.dest: action.default for action in parser._actions if action.dest != "help"}
+    assert set(names) - {"role", "kv_cache_max_tokens"} == set(dests)  # role is pd serve's flag; max tokens: auto's
+    for name, default in dests.items():
+        if name not in ("model", "kv_allowed_peers"):  # required; repeatable (None: the field's default)
+            assert default == flat_default(name), name
+    assert len({target for target in names.values()}) == len(names)
+
+
+def test_an_unknown_setting_is_named() -> None:
+    with pytest.raises(TypeError, match="'kv_leese_seconds' is not an engine setting"):
+        EngineConfig.from_flat(model="m", kv_leese_seconds=5)
+
+
+def test_no_default_of_a_pd_setting_is_written_twice() -> None:
+    """The PD settings were once declared in three classes with their defaults; the
+    connector's and the NIXL worker's configs are now projections without defaults."""
+    from connectors.nixl.worker import NixlWorkerConfig
+    from pd.kv_transfer.connector_config import ConnectorConfig
+
+    transfer = {f.name for f in dataclasses.fields(TransferSettings)}
+    assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(ConnectorConfig))
+    assert transfer.isdisjoint(f.name for f in dataclasses.fields(NixlWorkerConfig))

@@ -48,7 +48,7 @@ def test_an_8_bit_cache_scores_prompts_close_to_the_model_dtype(model, kernels, 
 
 
 def test_the_attention_pages_are_8_bit_and_the_states_are_not(model) -> None:
-    specs = {c: whole_kv_cache_config(EngineConfig(model=model, dtype="bfloat16", kv_cache_dtype=c))
+    specs = {c: whole_kv_cache_config(EngineConfig.from_flat(model=model, dtype="bfloat16", kv_cache_dtype=c).resolve())
              for c in ("auto", "fp8_e4m3", "int8")}
     for auto, scaled in zip(specs["auto"].groups, specs["int8"].groups):
         if isinstance(auto.spec, FullAttentionSpec):  # int8 rows end in their float32 scale
@@ -65,7 +65,7 @@ def test_the_attention_pages_are_8_bit_and_the_states_are_not(model) -> None:
 
 
 def test_the_compatibility_hash_follows_the_kv_dtype(model) -> None:
-    hashes = {c: connector_context(EngineConfig(model=model, kv_cache_dtype=c), "e").compat_hash
+    hashes = {c: connector_context(EngineConfig.from_flat(model=model, kv_cache_dtype=c).resolve(), "e").compat_hash
               for c in ("auto", "fp8_e4m3", "int8")}
     assert len(set(hashes.values())) == 3
 
@@ -74,7 +74,7 @@ def test_twice_the_tokens_fit_the_same_memory(tmp_path) -> None:
     m = make_model("qwen3", tmp_path / "q", seed=1)
     blocks = {}
     for c in ("auto", "fp8_e4m3"):
-        core = EngineCore(EngineConfig(model=m, dtype="bfloat16", kv_cache_dtype=c, kv_cache_memory=32 << 20))
+        core = EngineCore(EngineConfig.from_flat(model=m, dtype="bfloat16", kv_cache_dtype=c, kv_cache_memory=32 << 20).resolve())
         blocks[c] = core.info().num_blocks
         core.shutdown()
     assert blocks["fp8_e4m3"] == 2 * blocks["auto"]
@@ -82,4 +82,4 @@ def test_twice_the_tokens_fit_the_same_memory(tmp_path) -> None:
 
 def test_an_unknown_kv_dtype_is_refused(tmp_path) -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3, int8"):
-        EngineConfig(model=make_model("qwen3", tmp_path / "q", seed=1), kv_cache_dtype="fp4")
+        EngineConfig.from_flat(model=make_model("qwen3", tmp_path / "q", seed=1), kv_cache_dtype="fp4").resolve()

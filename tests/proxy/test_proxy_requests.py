@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from launch import http_client
-from proxy.body import MAX_REQUEST_BYTES, prefill_body, token_id_prompt
+from proxy.body import prefill_body, token_id_prompt
+from wire.body import DEFAULT_LIMIT as MAX_REQUEST_BYTES
 from proxy.main import add_proxy_flags, proxy_config
 from tests.support.proxy_fakes import STREAM_CHUNKS, fake, proxy_in_front, proxy_metric
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from connectors.nixl.scheduler import ReqToRecv
 from connectors.nixl.worker import NixlConnectorWorker, NixlWorkerConfig
 from pd.kv_cache.allocation import allocate_kv_caches
 from pd.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
+from pd.kv_transfer.connector_config import TransferSettings
 from pd.kv_transfer.params import RemotePrefillParams
 
 SPEC = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float32")  # 256-byte pages
@@ -30,10 +32,15 @@ class Clock:
         return self.now
 
 
-def make_worker(engine_id: str, compat: str = "h", clock=None, wall_clock=time.time, **config):
+def make_worker(engine_id: str, compat: str = "h", clock=None, wall_clock=time.time, **settings):
+    """A worker on a KV cache of its own; `settings`: the worker config's (handshake_timeout_s,
+    ...) and the rest transfer settings (digest, lease_seconds, ...)."""
     alloc = allocate_kv_caches(CONFIG, "cpu", "canonical")
-    worker = NixlConnectorWorker(NixlWorkerConfig(engine_id, "127.0.0.1", 0, compat,
-                                                  clock=clock or time.monotonic, wall_clock=wall_clock, **config))
+    own = {f.name for f in dataclasses.fields(NixlWorkerConfig)}
+    transfer = TransferSettings(**{k: v for k, v in settings.items() if k not in own}).connector_config()
+    worker = NixlConnectorWorker(NixlWorkerConfig(engine_id, compat, transfer, clock=clock or time.monotonic,
+                                                  wall_clock=wall_clock,
+                                                  **{k: v for k, v in settings.items() if k in own}))
     worker.register_kv_caches(alloc.describe())
     return worker, alloc.buffers[0]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from connectors.nixl.scheduler import NixlConnectorScheduler, ReqToSend
-from pd.config import SchedulerConfig
+from pd.config import SchedulerConfig, SchedulerSettings
 from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
@@ -52,7 +52,7 @@ def make_side(model: str, engine_id: str, clock: Clock):
     kv = KVCacheManager(config, True, 1024)
     sizes = config.block_sizes
     connector = NixlConnectorScheduler(engine_id, "127.0.0.1", 5555, sizes, lease_seconds=30, clock=clock)
-    scheduler = Scheduler(SchedulerConfig(8, 64, 1024, frozenset(), kv_max_held_fraction=1.0, reserve_growth_tokens=0), kv,
+    scheduler = Scheduler(SchedulerConfig(SchedulerSettings(8, 64, kv_max_held_fraction=1.0, reserve_growth_tokens=0), 1024, frozenset()), kv,
                           connector)
     return scheduler, kv, connector
 
@@ -209,7 +209,7 @@ def test_p_refuses_prefills_for_decode_servers_past_its_held_share_and_a_release
     kv = KVCacheManager(config, True, 1024)
     connector = NixlConnectorScheduler("P", "127.0.0.1", 5555, [BLOCK], lease_seconds=30, clock=Clock())
     limit = 0.01
-    p = Scheduler(SchedulerConfig(8, 4096, 1024, frozenset(), kv_max_held_fraction=limit, reserve_growth_tokens=0), kv, connector)
+    p = Scheduler(SchedulerConfig(SchedulerSettings(8, 4096, kv_max_held_fraction=limit, reserve_growth_tokens=0), 1024, frozenset()), kv, connector)
     prompts = [list(range(100 + 200 * i, 100 + 200 * i + 8 * BLOCK)) for i in range(40)]
     held = 0
     for i, prompt in enumerate(prompts):

@@ -140,13 +140,14 @@ def test_an_incompatible_peer_or_unreachable_p_fails_the_request_only(pair) -> N
 TIMEOUT_SCENARIO = """
 import time
 import torch
+import dataclasses
 from tests.support.nixl_workers import Clock, Poller, make_worker, recv
 from connectors.nixl.scheduler import NixlConnectorMetadata, ReqToSend
 
 p, p_buf = make_worker("P")
 clock = Clock()
 d, d_buf = make_worker("D", clock=clock)
-d.config.read_timeout_s = 5.0
+d.config = dataclasses.replace(d.config, transfer=dataclasses.replace(d.config.transfer, read_timeout_s=5.0))
 p.start_load_kv(NixlConnectorMetadata(reqs_to_send=[ReqToSend("p1", deadline=time.monotonic() + 600)]))
 d.start_load_kv(NixlConnectorMetadata(reqs_to_recv=[recv(p, [list(range(1, 31)), [0] * 30],
                                                             [list(range(1, 31)), [0] * 30])]))

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from pd.config import SchedulerConfig
+from pd.config import SchedulerConfig, SchedulerSettings
 from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.spec import FullAttentionSpec
@@ -19,7 +19,7 @@ EOS, BLOCK = 2, 4
 def test_a_chunked_request_is_stamped_once_per_point_and_its_last_output_carries_the_times() -> None:
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype="float32")
     kv = KVCacheManager(make_kv_cache_config({"l0": spec}, 10**6, 64), True, 64)
-    scheduler = Scheduler(SchedulerConfig(4, 8, 64, frozenset({EOS}), reserve_growth_tokens=0), kv,
+    scheduler = Scheduler(SchedulerConfig(SchedulerSettings(4, 8, reserve_growth_tokens=0), 64, frozenset({EOS})), kv,
                           NullConnectorScheduler())
     request = Request("r", list(range(10, 30)), SamplingParams(max_tokens=3))  # 20 tokens: 3 chunks of 8
     scheduler.add_request(request)

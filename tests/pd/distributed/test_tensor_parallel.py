@@ -111,17 +111,17 @@ def test_every_tp_size_keeps_the_whole_models_block_size(checkpoints, arch: str)
     TP = 4 the tiny hybrids' KV heads are replicated and their Mamba heads split, so a
     rank alone would pick 80 tokens where TP = 1 picks 144, and servers of the two sizes
     could not exchange blocks."""
-    config = EngineConfig(model=str(checkpoints[arch]), dtype="float32", kv_cache_memory=1 << 26)
+    config = EngineConfig.from_flat(model=str(checkpoints[arch]), dtype="float32", kv_cache_memory=1 << 26).resolve()
     sizes = {}
     for tp in (1, 2, 4):
-        model_config = ModelConfig.from_dir(config.model, "float32", tp=TPShard(0, tp))
+        model_config = ModelConfig.from_dir(config.model.path, "float32", tp=TPShard(0, tp))
         sizes[tp] = kv_cache_config(config, model_config, load_model(model_config)).block_sizes
     assert sizes[1] == sizes[2] == sizes[4] == whole_kv_cache_config(config).block_sizes
 
 
 def test_a_rank_that_cannot_hold_the_whole_models_block_size_is_refused(checkpoints, monkeypatch) -> None:
-    config = EngineConfig(model=str(checkpoints["bamba"]), dtype="float32", kv_cache_memory=1 << 26)
-    model_config = ModelConfig.from_dir(config.model, "float32", tp=TPShard(0, 2))
+    config = EngineConfig.from_flat(model=str(checkpoints["bamba"]), dtype="float32", kv_cache_memory=1 << 26).resolve()
+    model_config = ModelConfig.from_dir(config.model.path, "float32", tp=TPShard(0, 2))
     model = load_model(model_config)
     monkeypatch.setattr(rank_setup, "whole_kv_cache_config", lambda _: SimpleNamespace(block_sizes=[16, 16, 16]))
     with pytest.raises(KVCacheLayoutError, match=r"raise --block-size to 144 on every server"):

@@ -115,7 +115,7 @@ def test_rank_devices_count_from_the_engines_own() -> None:
 def test_more_ranks_than_devices_is_refused_at_start(tiny_models) -> None:
     ranks = max(2, torch.cuda.device_count() + 1)
     with pytest.raises(ValueError, match=f"{ranks} tensor-parallel ranks on cuda need CUDA devices 0..{ranks - 1}"):
-        EngineConfig(model=str(tiny_models["qwen3"]), device="cuda", tensor_parallel_size=ranks)
+        EngineConfig.from_flat(model=str(tiny_models["qwen3"]), device="cuda", tensor_parallel_size=ranks).resolve()
 
 
 def test_a_start_that_fails_after_the_ranks_are_up_leaves_no_rank_behind(tiny_models) -> None:

@@ -19,7 +19,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def core(tmp_path_factory) -> EngineCore:
     model = make_model("qwen3", tmp_path_factory.mktemp("core_faults") / "qwen3")
-    core = EngineCore(EngineConfig(model=model, max_model_len=256, kv_cache_memory=8 << 20, num_threads=1))
+    core = EngineCore(EngineConfig.from_flat(model=model, max_model_len=256, kv_cache_memory=8 << 20, num_threads=1).resolve())
     yield core
     core.shutdown()
 

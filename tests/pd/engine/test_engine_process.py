@@ -39,7 +39,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def config(model_dir) -> EngineConfig:
-    return EngineConfig(model=model_dir, **ENGINE_ARGS)
+    return EngineConfig.from_flat(model=model_dir, **ENGINE_ARGS).resolve()
 
 
 @contextlib.contextmanager
@@ -102,7 +102,7 @@ def test_engine_info(engine, config):
     assert info.vocab_size == 4096
     assert info.architectures == ["Qwen3ForCausalLM"]
     assert info.group_names == ["0:full_attention"]
-    assert info.block_sizes == [config.block_size]
+    assert info.block_sizes == [config.cache.block_size]
     assert info.num_blocks > 1 and info.eos_token_ids
 
 
@@ -207,7 +207,7 @@ def test_refused_requests_raise_and_leave_the_engine_serving(engine, prompts, re
 def test_bad_model_dir_raises_startup_error(tmp_path):
     before = child_pids()
     with pytest.raises(EngineStartupError, match="no config.json"):
-        EngineClient.start(EngineConfig(model=tmp_path, **ENGINE_ARGS))
+        EngineClient.start(EngineConfig.from_flat(model=tmp_path, **ENGINE_ARGS).resolve())
     assert child_pids() <= before
 
 

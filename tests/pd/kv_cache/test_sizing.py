@@ -43,14 +43,14 @@ def test_the_size_is_bounded(model, unpinned, available, expected) -> None:
 
 def test_the_environment_replaces_auto_and_a_bad_value_is_refused(model, monkeypatch) -> None:
     monkeypatch.setenv(sizing.ENV, "123456789")
-    config = EngineConfig(model=model)
-    assert config.kv_cache_memory == 123456789 and "PD_KV_CACHE_MEMORY" in config.kv_cache_memory_reason
+    cache = EngineConfig.from_flat(model=model).resolve().cache
+    assert cache.memory == 123456789 and "PD_KV_CACHE_MEMORY" in cache.memory_reason
     monkeypatch.setenv(sizing.ENV, "lots")
     with pytest.raises(ValueError, match="number of bytes"):
-        EngineConfig(model=model)
-    assert EngineConfig(model=model, kv_cache_memory=5_000_000).kv_cache_memory_reason == "as asked"
+        EngineConfig.from_flat(model=model).resolve()
+    assert EngineConfig.from_flat(model=model, kv_cache_memory=5_000_000).resolve().cache.memory_reason == "as asked"
     with pytest.raises(ValueError, match="bytes or auto"):
-        EngineConfig(model=model, kv_cache_memory="big")
+        EngineConfig.from_flat(model=model, kv_cache_memory="big")
 
 
 def test_an_automatic_size_keeps_a_small_model_s_blocks_to_the_token_cap(model, unpinned) -> None:
@@ -58,12 +58,12 @@ def test_an_automatic_size_keeps_a_small_model_s_blocks_to_the_token_cap(model, 
     (here lowered), an explicit size is taken as given."""
     unpinned.setattr(sizing, "memory_available", lambda: 32 * GIB)
     unpinned.setattr(sizing, "MAX_TOKENS", 4096)
-    config = EngineConfig(model=model, max_model_len=256)
-    assert config.kv_cache_memory >= GIB and config.kv_cache_max_tokens == 4096
+    config = EngineConfig.from_flat(model=model, max_model_len=256).resolve()
+    assert config.cache.memory >= GIB and config.cache.max_tokens == 4096
     core = EngineCore(config)
     try:
         blocks = core.info().num_blocks
-        assert 0 < blocks * config.block_size <= 4096
-        assert blocks * config.block_size > 4096 // 2
+        assert 0 < blocks * config.cache.block_size <= 4096
+        assert blocks * config.cache.block_size > 4096 // 2
     finally:
         core.shutdown()

@@ -132,7 +132,7 @@ def test_a_gguf_model_computes_its_linears_from_the_blocks(q8_gguf, native, monk
         monkeypatch.setattr(gguf_linear, "_library", lambda plain=False: None)
     elif gguf_linear._library() is None:
         pytest.skip("no native kernels here")
-    _, model = build_model(EngineConfig(model=q8_gguf, dtype="bfloat16", quantization="gguf"), TPShard(), "cpu")
+    _, model = build_model(EngineConfig.from_flat(model=q8_gguf, dtype="bfloat16", quantization="gguf").resolve(), TPShard(), "cpu")
     reference = load_model(ModelConfig.from_dir(q8_gguf, "float32", 64))
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert {len(m.gguf_segments) for m in linears.values()} == {1, 2, 3}  # gate/up and q/k/v: a segment a part
@@ -147,15 +147,15 @@ def test_a_gguf_model_computes_its_linears_from_the_blocks(q8_gguf, native, monk
 
 def test_auto_chooses_gguf_only_where_it_is_fast_and_asked_for_bfloat16(q8_gguf, tmp_path) -> None:
     hf = make_model("qwen3", tmp_path / "hf", seed=2)
-    assert EngineConfig(model=hf).quantization == "none"
-    assert EngineConfig(model=q8_gguf, dtype="float32").quantization == "none"
-    config = EngineConfig(model=q8_gguf, dtype="bfloat16", device="cpu")
+    assert EngineConfig.from_flat(model=hf).resolve().model.quantization == "none"
+    assert EngineConfig.from_flat(model=q8_gguf, dtype="float32").resolve().model.quantization == "none"
+    config = EngineConfig.from_flat(model=q8_gguf, dtype="bfloat16", device="cpu").resolve()
     expected = "gguf" if native.cpu_has("avx512_vnni") and gguf_linear._library() is not None else "none"
-    assert config.quantization == expected, config.quantization_reason
+    assert config.model.quantization == expected, config.model.quantization_reason
     with pytest.raises(ValueError, match="not one"):
-        EngineConfig(model=hf, quantization="gguf")
+        EngineConfig.from_flat(model=hf, quantization="gguf").resolve()
     with pytest.raises(ValueError, match="one rank"):
-        EngineConfig(model=q8_gguf, quantization="gguf", tensor_parallel_size=2)
+        EngineConfig.from_flat(model=q8_gguf, quantization="gguf", tensor_parallel_size=2).resolve()
 
 
 @pytest.mark.parametrize("plain", [False, True], ids=["vnni", "plain"])

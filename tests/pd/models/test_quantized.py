@@ -137,5 +137,5 @@ def test_quantized_tiny_models_stay_close_to_their_logits(arch, dtype, tmp_path,
 def test_engine_config_refuses_an_unknown_quantization(tmp_path) -> None:
     model = make_model("qwen3", tmp_path / "q", seed=3)
     with pytest.raises(ValueError, match="quantization must be one of auto, none, int8, gguf"):
-        EngineConfig(model=model, quantization="int4")
-    assert EngineConfig(model=model, quantization="int8").quantization == "int8"
+        EngineConfig.from_flat(model=model, quantization="int4").resolve()
+    assert EngineConfig.from_flat(model=model, quantization="int8").resolve().model.quantization == "int8"

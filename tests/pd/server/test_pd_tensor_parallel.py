@@ -69,7 +69,7 @@ def test_p_then_d_of_other_tp_sizes_gives_the_colocated_tokens(servers, arch, pa
     rng = random.Random(f"tp-{arch}-{pair}")
     reads_before = counter(d, "pd_kv_transfer_reads_total")
     checked_before = counter(d, "pd_kv_transfer_digests_checked_total")
-    row_bytes = whole_kv_cache_config(EngineConfig(model=str(tiny_models[arch]))).cross_layer_page_bytes
+    row_bytes = whole_kv_cache_config(EngineConfig.from_flat(model=str(tiny_models[arch])).resolve()).cross_layer_page_bytes
     ranks = max(SIZES[name] for name in pair)
     for i, n in enumerate(PROMPT_LENGTHS):
         body = {"prompt": [rng.randrange(300, 3800) for _ in range(n)], "max_tokens": MAX_TOKENS,

@@ -16,7 +16,6 @@ import pytest
 
 from connectors.nixl.scheduler import NixlConnectorMetadata, ReqToRecv, ReqToSend
 from pd.config import EngineConfig
-from pd.kv_transfer.connector_config import ConnectorConfig
 from pd.contracts.connector_api import ConnectorContext, KVConnectorOutput
 from pd.contracts.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from pd.contracts.sampling_params import SamplingParams
@@ -64,16 +63,17 @@ def test_a_step_crosses_whole_with_its_connector_metadata(pair) -> None:
 
 
 def test_a_rank_is_set_up_without_the_secret(pair, tiny_models) -> None:
-    config = EngineConfig(model=tiny_models["qwen3"], dtype="float32", kv_connector="nixl", kv_transfer_secret=SECRET,
-                          tensor_parallel_size=2, tp_local_ranks=1, tp_port=1234)
-    context = ConnectorContext("pd-e", ConnectorConfig(secret=SECRET), "h" * 64, [16], tp_size=2)
+    config = EngineConfig.from_flat(model=tiny_models["qwen3"], dtype="float32", kv_connector="nixl",
+                                    kv_transfer_secret=SECRET, tensor_parallel_size=2, tp_local_ranks=1,
+                                    tp_port=1234).resolve()
+    context = ConnectorContext("pd-e", config.transfer.connector_config(), "h" * 64, [16], tp_size=2)
     setup = rank_setup(config, 1, StoreAddress(host="127.0.0.1", port=5), context, remote=True)
     assert SECRET.encode() not in ENCODER.encode(setup)
     ours, theirs = pair
     ours.send(setup)
     got = theirs.recv(TO_RANK, timeout=5)
-    assert got.config.model == Path(tiny_models["qwen3"]) and got.config.kv_transfer_secret != SECRET
-    assert (got.config.tp_local_ranks, got.config.device, got.rank, got.context.rank) == (1, "cpu", 1, 1)
+    assert got.config.model.path == Path(tiny_models["qwen3"]) and got.config.transfer.secret is None
+    assert (got.config.parallel.local_ranks, got.config.model.device, got.rank, got.context.rank) == (1, "cpu", 1, 1)
     assert got.store == StoreAddress(host="127.0.0.1", port=5)
 
 
