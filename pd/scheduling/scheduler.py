@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 
 from pd.config import SchedulerConfig
 from pd.kv_cache.kv_cache_manager import KVCacheManager
@@ -42,6 +41,8 @@ from pd.scheduling.prompt_sources import PromptSources
 from pd.scheduling.remote_kv import RemoteKV
 from pd.contracts.request import Request, RequestOutput, RequestStatus, sequence_id
 from pd.scheduling.runner_view import RunnerView
+from pd.scheduling.tokens import chunk_tokens, off_grammar, samples, stop_status
+from pd.scheduling.waiting import WaitingQueue
 from pd.structured.matchers import GrammarMatchers
 from wire.codes import INTERNAL_ERROR, INVALID_REQUEST, KV_LOAD_FAILED
 
@@ -56,8 +57,7 @@ class Scheduler:
         self.connector = connector  # NullConnectorScheduler when serving alone
         self.grammars = grammars or GrammarMatchers(None, config.eos_token_ids)
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        self.waiting_for_grammar: dict[str, Request] = {}
+        self.waiting = WaitingQueue(self.grammars)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # to tell the runner next step
         self.runner_view = RunnerView(kv_cache_manager)
@@ -77,20 +77,15 @@ class Scheduler:
                              f"max_model_len={self.config.max_model_len}")
         self.remote_kv.check_room_to_hold(request)
         self.requests[request.request_id] = request
-        if request.sampling_params.grammar is None:
-            self.waiting.append(request)
-            return
-        request.status = RequestStatus.WAITING_FOR_GRAMMAR
-        self.waiting_for_grammar[request.request_id] = request
-        self.grammars.compile(request.request_id, request.sampling_params.grammar)
+        self.waiting.add(request)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.waiting_for_grammar) + len(self.remote_kv.waiting)
+        return len(self.waiting) + len(self.waiting.for_grammar) + len(self.remote_kv.waiting)
 
     @property
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.waiting_for_grammar or self.remote_kv.waiting)
+        return bool(self.waiting or self.running or self.waiting.for_grammar or self.remote_kv.waiting)
 
     @property
     def has_compute_work(self) -> bool:
@@ -103,7 +98,8 @@ class Scheduler:
         return self.has_unfinished_requests or self.remote_kv.has_blocks_kept or self.connector.has_work
 
     def schedule(self) -> SchedulerOutput:
-        self._queue_compiled()
+        for request, error in self.waiting.compiled():
+            self._fail(request, INVALID_REQUEST, f"the request's grammar cannot be compiled: {error}")
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids, block_copies=self.block_copies)
         self.finished_req_ids, self.block_copies = set(), []
         budget = self.config.settings.max_num_batched_tokens
@@ -113,7 +109,7 @@ class Scheduler:
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or budget <= 0 or request.request_id not in share:
                 continue  # preempted earlier in this loop, no budget left, or past its request's share
-            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            num_new = chunk_tokens(request, request.num_computed_tokens, budget, self.config.mamba_block_size)
             while (blocks := self.kv.allocate_slots(request, num_new)) is None:
                 victim = fair_share.growth_victim(self.running, fair_share.running_counts(self.running))
                 self._preempt(victim, out)
@@ -134,37 +130,8 @@ class Scheduler:
         self.connector.requests_waiting(self.waiting)
         out.kv_connector_metadata = self.connector.build_connector_meta()
         out.grammar_masks = self.grammars.masks([r for r, n in out.num_scheduled_tokens.items() if r in self.grammars
-                                                 and self._samples(self.requests[r], n)])
+                                                 and samples(self.requests[r], n)])
         return out
-
-    def _queue_compiled(self) -> None:
-        """Requests whose grammar compiled join the queue; one that cannot be compiled fails."""
-        for req_id, error in self.grammars.ready():
-            request = self.waiting_for_grammar.pop(req_id, None)
-            if request is None:
-                continue  # aborted meanwhile
-            if error is not None:
-                self._fail(request, INVALID_REQUEST, f"the request's grammar cannot be compiled: {error}")
-                continue
-            request.status = RequestStatus.WAITING
-            self.waiting.append(request)
-
-    @staticmethod
-    def _samples(request: Request, num_new: int) -> bool:
-        """Whether the request samples a token after computing `num_new` more."""
-        return request.num_computed_tokens + num_new >= request.num_tokens
-
-    def _num_new_tokens(self, request: Request, computed: int, budget: int) -> int:
-        """Tokens to compute this step past `computed`; a partial chunk ends on a Mamba
-        block boundary when at least one boundary fits in the budget."""
-        remaining = request.num_tokens - computed
-        num_new = min(remaining, budget)
-        block = self.config.mamba_block_size
-        if block and num_new < remaining and not request.do_remote_prefill:
-            aligned = (computed + num_new) // block * block - computed
-            if aligned > 0:
-                return aligned
-        return num_new
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests, fairest first, while the budget lasts and the batch and
@@ -174,8 +141,6 @@ class Scheduler:
             request = fair_share.next_waiting(self.waiting, fair_share.running_counts(self.running))
             if len(self.running) >= self.config.settings.max_num_seqs and not self._displace_for(request, out):
                 return
-            self.waiting.remove(request)
-            self.waiting.appendleft(request)  # at the front: where _admit takes it from
             try:
                 scheduled = self._admit(request, out, budget)
             except Exception as exc:  # a fault serving one request fails that request alone
@@ -183,6 +148,7 @@ class Scheduler:
                 self._fail(request, INTERNAL_ERROR, f"internal error admitting the request: {type(exc).__name__}: {exc}")
                 continue
             if scheduled is None:
+                self.waiting.to_front(request)  # it keeps its turn
                 if self._displace_for(request, out):
                     continue  # its blocks may be enough now
                 return
@@ -198,8 +164,8 @@ class Scheduler:
         return True
 
     def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> int | None:
-        """Admit the request at the queue's front: the tokens scheduled for it (0 if it
-        was parked for remote KV or failed), or None when the pool cannot take it."""
+        """Admit the waiting request: the tokens scheduled for it (0 if it was parked for
+        remote KV or failed), or None when the pool cannot take it."""
         if request.num_computed_tokens == 0:  # new or preempted: look up what exists
             hit_blocks, num_hit = self.kv.get_computed_blocks(request, self._skipped_groups(request))
             try:
@@ -223,10 +189,10 @@ class Scheduler:
                 return None
             if not self.remote_kv.park(request, hit_blocks, num_hit, num_external):
                 return None
-            self.waiting.popleft()
+            self.waiting.discard(request)
             return 0
         computed = request.num_computed_tokens + num_hit + num_external
-        num_new = self._num_new_tokens(request, computed, budget)
+        num_new = chunk_tokens(request, computed, budget, self.config.mamba_block_size)
         if hit_blocks is not None and not self._room_to_grow(
                 request, computed + num_new, self.kv.num_blocks_to_allocate(request, num_new, num_hit, hit_blocks,
                                                                             num_external)):
@@ -236,7 +202,7 @@ class Scheduler:
             return None
         if num_external:
             self.connector.update_state_after_alloc(request, self.kv.get_blocks(request.request_id), num_external)
-        self.waiting.popleft()
+        self.waiting.discard(request)
         self.prompt_sources.count(request, num_hit, num_external)
         self._start_running(request, computed, num_hit, num_new, out)
         return num_new
@@ -277,7 +243,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         self.runner_view.forget(request.request_id)
         out.drop(request.request_id)
-        self.waiting.appendleft(request)
+        self.waiting.put_front(request)
 
     def update_from_output(self, so: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestOutput]:
         """Advance the scheduled requests; one RequestOutput per request that got a token
@@ -310,7 +276,7 @@ class Scheduler:
         as the load failure policy says. Their outputs."""
         outputs = []
         for request in self.remote_kv.update(output.kv_connector_output):
-            self.waiting.appendleft(request)
+            self.waiting.put_front(request)
             if request.kv_load_error is not None:
                 if not self._fails_on_load_error(request):  # computed here from scratch
                     self.kv.free(request)
@@ -343,7 +309,7 @@ class Scheduler:
         forked = self._fork(request, tokens[1:], logprobs.rows(1) if logprobs is not None else None) \
             if len(tokens) > 1 else []
         if not self.grammars.accept(request.request_id, tokens[0]):  # a first token from elsewhere
-            self._fail(request, INVALID_REQUEST, self._off_grammar(tokens[0]))
+            self._fail(request, INVALID_REQUEST, off_grammar(tokens[0]))
             return forked
         status = self._stop_status(request, tokens[0])
         params = self._finish(request, status) if status is not None else None
@@ -362,7 +328,7 @@ class Scheduler:
             child = parent.fork(index, token, rows)
             if not self.grammars.accept(child.request_id, token):
                 self.grammars.remove(child.request_id)
-                outputs.append(RequestOutput(child.output_id, [], "error", error=self._off_grammar(token),
+                outputs.append(RequestOutput(child.output_id, [], "error", error=off_grammar(token),
                                              error_code=INVALID_REQUEST, index=index))
                 continue
             status = self._stop_status(child, token)
@@ -379,16 +345,12 @@ class Scheduler:
         copies = self.kv.fork(parent, child) if len(self.running) < self.config.settings.max_num_seqs else None
         if copies is None:
             child.status = RequestStatus.PREEMPTED
-            self.waiting.appendleft(child)
+            self.waiting.put_front(child)
             return
         child.status = RequestStatus.RUNNING
         child.num_computed_tokens = parent.num_computed_tokens
         self.running.append(child)
         self.block_copies += copies
-
-    @staticmethod
-    def _off_grammar(token: int) -> str:
-        return f"token {token} does not follow the request's grammar"
 
     def _fail(self, request: Request, code: str, message: str) -> None:
         """End the request wherever it is with finish_reason "error" (its output goes
@@ -398,14 +360,8 @@ class Scheduler:
                                                   index=request.index))
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if (token in self.config.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if self.grammars.is_stopped(request.request_id):
-            return RequestStatus.FINISHED_STOPPED
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
+        return stop_status(request, token, self.config.eos_token_ids, self.config.max_model_len,
+                           self.grammars.is_stopped(request.request_id))
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         """Finish the requests as aborted wherever they are; unknown ids are ignored."""
@@ -426,9 +382,8 @@ class Scheduler:
         if previous is RequestStatus.RUNNING:
             self.running.remove(request)
             self.finished_req_ids.add(request.request_id)
-        elif previous in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            self.waiting.remove(request)
-        self.waiting_for_grammar.pop(request.request_id, None)
+        elif previous in (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.WAITING_FOR_GRAMMAR):
+            self.waiting.discard(request)
         self.grammars.remove(request.request_id)
         self.runner_view.forget(request.request_id)
         self.prompt_sources.forget(request.request_id)
