@@ -119,7 +119,8 @@ def latency(servers: tuple[str, str], logs: Path, args: argparse.Namespace) -> d
                   f"canary {args.fraction:g} p50 {figures['canary']['p50_ms']:.0f} "
                   f"p99 {figures['canary']['p99_ms']:.0f} ms")
         counts = outcomes(on.url)
-    ratios = {q: statistics.median(r["canary"][f"{q}_ms"] / r["off"][f"{q}_ms"] for r in rounds) for q in ("p50", "p99")}
+    ratios = {q: statistics.median(r["canary"][f"{q}_ms"] / r["off"][f"{q}_ms"] for r in rounds)
+              for q in ("p50", "p99")}
     print(f"median ratios canary / off: p50 {ratios['p50']:.3f}, p99 {ratios['p99']:.3f}; canaries: " +
           ", ".join(f"{k} {int(v)}" for k, v in counts.items()))
     return {"fraction": args.fraction, "rounds": rounds, "median_ratios": ratios, "outcomes": counts}

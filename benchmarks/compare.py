@@ -223,7 +223,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "pd bench compare") -> l
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown or not configs:
-        parser.error(f"unknown configuration(s) {', '.join(unknown) or '(none given)'}; choose among {', '.join(CONFIGS)}")
+        parser.error(f"unknown configuration(s) {', '.join(unknown) or '(none given)'}; "
+                     f"choose among {', '.join(CONFIGS)}")
     args.peers = {}
     for peer in args.peer:
         name, sep, url = peer.partition("=")

@@ -276,7 +276,8 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("dataset")
     group.add_argument("--dataset", choices=DATASETS, default="random",
                        help="where prompts come from (default: random)")
-    group.add_argument("--dataset-path", help="ShareGPT JSON file, or a Mooncake-format JSONL trace (required for --dataset sharegpt and trace)")
+    group.add_argument("--dataset-path", help="ShareGPT JSON file, or a Mooncake-format JSONL trace (required for "
+                                              "--dataset sharegpt and trace)")
     group.add_argument("--vocab-size", type=int, default=4096,
                        help=f"random token ids are drawn from [{LOW_TOKEN_ID}, V) (default: 4096)")
     group.add_argument("--random-input-len", type=int, default=1024,

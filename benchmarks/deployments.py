@@ -41,8 +41,8 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.serve_metrics import Samples, counter_deltas, parse_prometheus, server_metric_deltas
 import launch
+from benchmarks.serve_metrics import Samples, counter_deltas, parse_prometheus, server_metric_deltas
 from launch import free_port, pd_command, stop_process
 
 UNBOUNDED_CACHE = str(4 << 30)  # KV cache bytes: every prefix of the workloads compared (~230k Gemma 3 tokens)

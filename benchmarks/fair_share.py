@@ -102,9 +102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--short-tokens", type=int, default=4, help="max_tokens of each short request (default 4)")
     parser.add_argument("--requests", type=int, default=40, help="short requests beside each long one (default 40)")
     parser.add_argument("--clients", type=int, default=2, help="short requests at a time (default 2)")
-    parser.add_argument("--settle", type=float, default=3.0, help="seconds the long request runs alone first (default 3)")
+    parser.add_argument("--settle", type=float, default=3.0,
+                        help="seconds the long request runs alone first (default 3)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (default 3)")
-    parser.add_argument("--server-args", default="--num-threads 2", help="more flags for pd serve (default %(default)s)")
+    parser.add_argument("--server-args", default="--num-threads 2",
+                        help="more flags for pd serve (default %(default)s)")
     parser.add_argument("--output", type=Path, help="also write the figures here as JSON")
     args = parser.parse_args(argv)
     port = free_port()

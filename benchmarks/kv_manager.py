@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from pd.contracts.request import Request
 from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.kv_cache.spec import (
@@ -34,7 +35,6 @@ from pd.kv_cache.spec import (
     SlidingWindowSpec,
     cdiv,
 )
-from pd.contracts.request import Request
 
 VOCAB_SIZE = 32000
 NUM_WARMUP = 20

@@ -21,9 +21,9 @@ from typing import Sequence
 
 import torch
 
+from pd.contracts.sampling_params import SamplingParams
 from pd.llm import LLM
 from pd.models.make_model import make_model
-from pd.contracts.sampling_params import SamplingParams
 
 ARCHS = ("qwen3", "gemma3", "bamba", "granitehybrid")
 
@@ -64,7 +64,8 @@ def load_transformers(model: Path, dtype: str):
     from transformers import AutoModelForCausalLM
 
     if model.suffix == ".gguf":
-        return AutoModelForCausalLM.from_pretrained(model.parent, gguf_file=model.name, dtype=getattr(torch, dtype)).eval()
+        return AutoModelForCausalLM.from_pretrained(model.parent, gguf_file=model.name,
+                                                    dtype=getattr(torch, dtype)).eval()
     return AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
 
 
@@ -83,7 +84,8 @@ def bench_model(name: str, model: Path, args: argparse.Namespace) -> list[dict]:
             elapsed = run(prompts)
             rows.append({"arch": name, "engine": engine, "batch": batch, "seconds": elapsed,
                          "output_tokens_per_s": batch * args.output_len / elapsed})
-            print(f"  {name:14s} {engine:12s} batch {batch:3d}: {rows[-1]['output_tokens_per_s']:8.1f} tok/s", flush=True)
+            print(f"  {name:14s} {engine:12s} batch {batch:3d}: {rows[-1]['output_tokens_per_s']:8.1f} tok/s",
+                  flush=True)
     return rows
 
 

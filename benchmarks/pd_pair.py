@@ -119,7 +119,8 @@ def _idle(values: dict[str, float]) -> str:
 
 def format_table(rows: list[dict]) -> str:
     lines = ["| config | output tok/s | mean TTFT (ms) | mean TPOT (ms) | completed | failed | KV bytes read | "
-             "CPU s in the run (wall s) | idle CPU before | idle CPU after |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "CPU s in the run (wall s) | idle CPU before | idle CPU after |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         kv = f"{r['kv_bytes_read'] / 2**20:.1f} MiB" if r["kv_bytes_read"] else "-"
         lines.append(f"| {r['config']} | {r['output_throughput']:.1f} | {r['mean_ttft_ms']:.1f} | "
@@ -132,7 +133,8 @@ def format_table(rows: list[dict]) -> str:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.pd_pair", description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", choices=ARCHS, default="qwen3", help="tiny model to serve (default qwen3)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="model dtype (default bfloat16)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                   help="model dtype (default bfloat16)")
     p.add_argument("--num-prompts", type=int, default=64, help="requests per configuration (default 64)")
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens (default 256)")
     p.add_argument("--output-len", type=int, default=64, help="output tokens, EOS ignored (default 64)")

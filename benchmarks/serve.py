@@ -35,19 +35,19 @@ from typing import Sequence
 import httpx
 
 from benchmarks.datasets import SampleRequest, add_dataset_args, load_samples
-from telemetry.progress import Progress
-from proxy.body import prefill_body
-from wire.kv_params import KV_TRANSFER_PARAMS
 from benchmarks.serve_metrics import (
+    SLO_NAMES,
     RequestRecord,
     Samples,
-    SLO_NAMES,
     arrival_intervals,
     compute_metrics,
     parse_prometheus,
     send_offsets,
     server_metric_deltas,
 )
+from proxy.body import prefill_body
+from telemetry.progress import Progress
+from wire.kv_params import KV_TRANSFER_PARAMS
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 

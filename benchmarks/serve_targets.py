@@ -65,7 +65,8 @@ def format_table(rows: list[dict]) -> str:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--archs", nargs="+", choices=ARCHS, default=["qwen3", "gemma3", "granitehybrid"], help="tiny models to serve")
+    p.add_argument("--archs", nargs="+", choices=ARCHS, default=["qwen3", "gemma3", "granitehybrid"],
+                   help="tiny models to serve")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="model dtype")
     p.add_argument("--num-prompts", type=int, default=64, help="requests per model")
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens")
@@ -84,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
           f"concurrency {args.concurrency}, {os.cpu_count()} CPUs:")
     print(format_table(rows))
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"parameters": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2) + "\n")
+    parameters = {k: str(v) for k, v in vars(args).items()}
+    args.output.write_text(json.dumps({"parameters": parameters, "rows": rows}, indent=2) + "\n")
     print(f"Wrote {args.output}")
     return rows
 

@@ -29,9 +29,9 @@ from torch import nn
 
 from pd.config import EngineConfig
 from pd.config.settings import KV_CACHE_DTYPES, QUANTIZATIONS
-from pd.engine.core import EngineCore
 from pd.contracts.request import Request
 from pd.contracts.sampling_params import SamplingParams
+from pd.engine.core import EngineCore
 
 
 class PartTimer:
@@ -173,13 +173,16 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto", help="weights and KV dtype (auto, bfloat16, float32, ...)")
     parser.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPES), default="auto",
                         help="as pd serve --kv-cache-dtype (default auto)")
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="auto", help="as pd serve --quantization: auto (default), none, int8 or gguf")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
+                        help="as pd serve --quantization: auto (default), none, int8 or gguf")
     parser.add_argument("--batch", type=int, default=8, help="requests decoding together")
     parser.add_argument("--context", type=int, default=640, help="prompt tokens of each request")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed")
     parser.add_argument("--warmup", type=int, default=3, help="decode steps run before timing")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per rank (default: all cores)")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="shard the model over this many ranks (as pd serve --tensor-parallel-size); the parts are rank 0's (default %(default)s)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="shard the model over this many ranks (as pd serve --tensor-parallel-size); the parts "
+                             "are rank 0's (default %(default)s)")
     parser.add_argument("--output", type=Path, default=None, help="write the result as JSON here")
     return parser
 

@@ -114,8 +114,8 @@ def bench_block_size(block_bytes: int, args: argparse.Namespace) -> dict:
                 raise RuntimeError("process_vm_readv copied short")
 
         def memcpy() -> None:
-            for l, r in zip(local_ids, remote_ids):
-                copy_dst[l].copy_(source[r])
+            for lid, rid in zip(local_ids, remote_ids):
+                copy_dst[lid].copy_(source[rid])
 
         li, ri = torch.tensor(local_ids), torch.tensor(remote_ids)
         for fn in (nixl, cma):  # each lands P's bytes exactly where they belong
@@ -179,13 +179,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--num-blocks", type=int, default=256, help="blocks per KV cache group in the --arch request (default 256)")
     add("--ucx-transports", default="auto", metavar="UCX_TLS",
         help="UCX transports, as pd serve's --kv-ucx-transports (default auto: sm,self,tcp on one host)")
-    add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="KV dtype of the --arch configs (default float32)")
+    add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+        help="KV dtype of the --arch configs (default float32)")
     add("--repeats", type=int, default=10, help="timed repeats per figure; medians are reported (default 10)")
     add("--peer-poll-ms", type=float, default=1.0, help="how often P polls NIXL (its engine step)")
     add("--tp-pairs", nargs="*", default=[], metavar="PxD",
         help="also sweep reads between tensor-parallel sizes, e.g. 1x2 2x1 2x2 (P TP x D TP; default: none)")
     add("--skip-block-sweep", action="store_true", help="only the --arch and --tp-pairs parts")
-    add("--output", type=Path, default=Path("results/transfer.json"), help="where the JSON goes (default results/transfer.json)")
+    add("--output", type=Path, default=Path("results/transfer.json"),
+        help="where the JSON goes (default results/transfer.json)")
     args = p.parse_args(argv)
     try:
         args.tp_pairs = [tuple(int(x) for x in pair.split("x")) for pair in args.tp_pairs]

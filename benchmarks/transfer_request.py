@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.transfer_peer import D_SEED, P_SEED, start_peer, timed, timed_read
+from connectors.nixl.descriptors import paired_runs
 from connectors.nixl.handshake import SideChannelServer, fetch_remote_layout
 from connectors.nixl.peer_messages import HandshakeRequest, HandshakeResponse, ReadDone, encode_notif
-from connectors.nixl.descriptors import paired_runs
 from connectors.nixl.transport import NixlTransport
 from pd.kv_cache.allocation import KVCacheAllocation, allocate_kv_caches
 from pd.kv_cache.layout import make_kv_cache_config
@@ -106,8 +106,8 @@ def torch_copies(d_alloc: KVCacheAllocation, source: list[torch.Tensor], local, 
     plan = []  # (dst view, src view, local index, remote index, runs)
     for g, (lids, rids) in enumerate(zip(local, remote)):
         runs = paired_runs(lids, rids)
-        li = torch.tensor([l for l, r in zip(lids, rids) if l and r])
-        ri = torch.tensor([r for l, r in zip(lids, rids) if l and r])
+        li = torch.tensor([lid for lid, rid in zip(lids, rids) if lid and rid])
+        ri = torch.tensor([rid for lid, rid in zip(lids, rids) if lid and rid])
         for ref in caches.group_data_refs[g]:
             dst, src = d_alloc.buffers[ref.tensor_idx], source[ref.tensor_idx]
             if ref.page_size_bytes != dst.shape[1]:
@@ -121,8 +121,8 @@ def torch_copies(d_alloc: KVCacheAllocation, source: list[torch.Tensor], local, 
 
     def run_copy() -> None:
         for dst, src, _, _, runs in plan:
-            for l, r, n in runs:
-                dst[l:l + n].copy_(src[r:r + n])
+            for lid, rid, n in runs:
+                dst[lid:lid + n].copy_(src[rid:rid + n])
 
     return gather, run_copy
 
@@ -163,7 +163,7 @@ def bench_one(arch: str, layout: str, config: KVCacheConfig, args: argparse.Name
             d.close()
         peer.stop()
     gbps = lambda times: handle.num_bytes / statistics.median(times) / 1e9  # noqa: E731
-    runs_per_group = [len(paired_runs(l, r)) for l, r in zip(local, remote)]
+    runs_per_group = [len(paired_runs(lids, rids)) for lids, rids in zip(local, remote)]
     return {
         "arch": arch, "layout": layout, "dtype": args.dtype, "groups": len(config.groups),
         "layers_per_group": [len(g.layer_names) for g in config.groups],

@@ -77,7 +77,7 @@ def bench_pair(block_bytes: int, p_tp: int, d_tp: int, args: argparse.Namespace)
         dst = torch.ones((num_blocks, block_bytes // d_tp), dtype=torch.int8)  # pages touched before timing
         d = NixlTransport(f"D-tp{p_tp}x{d_tp}-{block_bytes}", rank_caches(dst, d_tp, 0))
         layouts = []
-        for name, peer in zip(names, peers):
+        for peer in peers:
             response = fetch_remote_layout("127.0.0.1", peer.info[0], HandshakeRequest(d.engine_id, HASH), 10.0)
             d.add_peer(response, expected_compat_hash=HASH)
             layouts.append(response.layout)

@@ -60,8 +60,10 @@ def _add_generate_flags(parser: argparse.ArgumentParser) -> None:
                         help="prompt text; repeat the flag for several prompts (batched together)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per prompt (default 16)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default 0)")
-    parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (default: no limit)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens reaching this mass (default 1.0)")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="sample among the k most likely tokens (default: no limit)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="sample among the most likely tokens reaching this mass (default 1.0)")
     parser.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed (default: none)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
 
@@ -70,8 +72,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     import json
 
     from pd.config import config_from_args
-    from pd.llm import LLM
     from pd.contracts.sampling_params import SamplingParams
+    from pd.llm import LLM
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -158,10 +160,18 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 def _add_tp_rank_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--join", required=True, metavar="HOST:PORT", help="the server's --tp-host:--tp-port; tried until the rank joins, the server refuses it (wrong secret, a rank it does not await), or --join-timeout passes")
-    parser.add_argument("--rank", type=int, required=True, help="this rank: one of the server's ranks past its --tp-local-ranks (K..N-1), each joined once")
-    parser.add_argument("--device", default=None, help="this rank's torch device, e.g. cuda:1 (default: the server's device type, first device: cuda or cpu)")
-    parser.add_argument("--join-timeout", type=float, default=300.0, help="seconds to keep trying to join the server (a connection it drops or that fails is tried again until then) (default %(default)s)")
+    parser.add_argument("--join", required=True, metavar="HOST:PORT",
+                        help="the server's --tp-host:--tp-port; tried until the rank joins, the server refuses it "
+                             "(wrong secret, a rank it does not await), or --join-timeout passes")
+    parser.add_argument("--rank", type=int, required=True,
+                        help="this rank: one of the server's ranks past its --tp-local-ranks (K..N-1), each joined "
+                             "once")
+    parser.add_argument("--device", default=None,
+                        help="this rank's torch device, e.g. cuda:1 (default: the server's device type, first "
+                             "device: cuda or cpu)")
+    parser.add_argument("--join-timeout", type=float, default=300.0,
+                        help="seconds to keep trying to join the server (a connection it drops or that fails is "
+                             "tried again until then) (default %(default)s)")
 
 
 def _run_tp_rank(args: argparse.Namespace) -> int:

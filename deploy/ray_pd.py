@@ -26,16 +26,24 @@ from ray._private import ray_constants
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from launch import Launched, exited, free_port, health_status, log_tail, pd_command
-from launch import start_logged, stop_process, wait_ready
+from launch import (
+    Launched,
+    exited,
+    free_port,
+    health_status,
+    log_tail,
+    pd_command,
+    start_logged,
+    stop_process,
+    wait_ready,
+)
 from launch.flags import port_number, positive_float, positive_int
 from launch.process import GROUP_GRACE_S, STOP_TIMEOUT_S, keep_running
 from launch.signals import ignore_stop_signals, install_signal_handlers, signals_deferred
-from telemetry.progress import Progress
-
 from pd.kv_transfer.signing import SECRET_ENV
 from pd.models.model_config import SUPPORTED_DTYPES
 from proxy.instances import POLICIES
+from telemetry.progress import Progress
 
 ROLES = ("prefill", "decode")
 PROXY_READY_TIMEOUT_S = 60.0
@@ -136,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--address", default=None, metavar="ADDR",
                         help="Ray cluster to join, e.g. auto or HOST:6379 (default: start a local one)")
     parser.add_argument("--host", default="127.0.0.1", help="address the proxy listens on (default 127.0.0.1)")
-    parser.add_argument("--port", type=port_number, default=8000, metavar="N", help="TCP port of the proxy (default 8000)")
+    parser.add_argument("--port", type=port_number, default=8000, metavar="N",
+                        help="TCP port of the proxy (default 8000)")
     parser.add_argument("--policy", choices=POLICIES, default="round_robin",
                         help="how the proxy picks a prefill and a decode server per request (default round_robin)")
     parser.add_argument("--num-threads", type=positive_int, default=None, metavar="T",
@@ -382,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         run(args, deployment)
     except (KeyboardInterrupt, SystemExit):
         pass
-    except (RuntimeError, OSError, ValueError, ray.exceptions.RayError) as e:  # LaunchError is a RuntimeError  # report it, then tear down
+    # LaunchError is a RuntimeError: report it, then tear down
+    except (RuntimeError, OSError, ValueError, ray.exceptions.RayError) as e:
         print(f"ray_pd: {describe(e)}", file=sys.stderr)
         return 1
     finally:

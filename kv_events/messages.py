@@ -3,7 +3,7 @@ structs, decoded into these types and checked once where they are received."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -79,7 +79,7 @@ def encode(message: EventBatch | ReplayRequest | ReplayReply) -> bytes:
     return _encoder.encode(message)
 
 
-def decode(decoder: msgspec.msgpack.Decoder, raw: bytes):
+def decode(decoder: msgspec.msgpack.Decoder, raw: bytes) -> Any:
     """`decoder.decode(raw)`; MalformedMessage for any failure to decode."""
     try:
         return decoder.decode(raw)

@@ -6,9 +6,25 @@ The launcher is `launch.process`; `free_port` is `launch.ports`'s.
 """
 
 from launch.ports import free_port
-from launch.process import (LaunchError, Launched, deployment_secret, end_group, exited, health_status, http_client,
-                            keep_running, log_tail, pd_command, running, start, start_logged, stop_process,
-                            terminate_all, wait_ready, wait_started)
+from launch.process import (
+                            Launched,
+                            LaunchError,
+                            deployment_secret,
+                            end_group,
+                            exited,
+                            health_status,
+                            http_client,
+                            keep_running,
+                            log_tail,
+                            pd_command,
+                            running,
+                            start,
+                            start_logged,
+                            stop_process,
+                            terminate_all,
+                            wait_ready,
+                            wait_started,
+)
 
 __all__ = ["LaunchError", "Launched", "deployment_secret", "end_group", "exited", "free_port", "health_status",
            "http_client", "keep_running", "log_tail", "pd_command", "running", "start", "start_logged", "stop_process",

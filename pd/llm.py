@@ -13,10 +13,10 @@ from typing import Any, Sequence
 import torch
 
 from pd.config import EngineConfig
-from pd.engine.core import EngineCore
-from pd.logprobs import Logprobs, PromptLogprobs
 from pd.contracts.request import Request, RequestOutput, sequence_id
 from pd.contracts.sampling_params import SamplingParams
+from pd.engine.core import EngineCore
+from pd.logprobs import Logprobs, PromptLogprobs
 from pd.tokenizer import Tokenizer
 
 

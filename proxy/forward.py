@@ -40,11 +40,11 @@ from proxy import spans
 from proxy.admission import QueueFull, QueueTimeout
 from proxy.answers import overloaded_response
 from proxy.body import BodyError, parse_body
+from proxy.calls import Call, NoRoom, Opened, Prefilled, Unreached
 from proxy.disagg import DISAGGREGATED, LOCAL, REUSE, choose_path, reuse_tokens
 from proxy.errors import error_body, error_response
 from proxy.instances import Instance, NoInstanceError, OverloadedError, Route
 from proxy.reuse import prefill_reusing
-from proxy.calls import Call, NoRoom, Opened, Prefilled, Unreached
 from proxy.upstream import Upstream
 from wire.body import read_body
 from wire.headers import PD_PATH, REQUEST_ID

@@ -41,7 +41,8 @@ from proxy.kv_index import DEFAULT_TIER_WEIGHTS, KVIndex
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
 VIRTUAL_NODES = 64  # points per instance on the hash ring
-LOAD_SLACK = 3  # prefix_aware and kv_aware pass over an instance with more requests in flight than the least loaded + this
+# prefix_aware and kv_aware pass over an instance with more requests in flight than the least loaded + this
+LOAD_SLACK = 3
 
 
 class NoInstanceError(Exception):

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kv_events.messages import AllBlocksCleared, BlockStored, EventBatch
+from kv_events.messages import AllBlocksCleared, BlockStored, EventBatch, KVEvent
 
 DEFAULT_TIER_WEIGHTS = {"device": 1.0, "host": 0.8, "disk": 0.5}  # what a block held in each medium is worth
 MAX_BLOCKS = 2_000_000  # per server: more than any cache this proxy fronts holds in its routing group
@@ -87,7 +87,7 @@ class KVIndex:
         self.last_seq = batch.seq
         return Applied.APPLIED
 
-    def _apply_event(self, event) -> None:
+    def _apply_event(self, event: KVEvent) -> None:
         if isinstance(event, AllBlocksCleared):
             self.blocks.clear()
             self.expected.clear()

@@ -21,8 +21,7 @@ import httpx
 import zmq
 import zmq.asyncio
 
-from kv_events.messages import (MalformedMessage, ReplayRequest, batch_decoder, decode, encode,
-                                replay_reply_decoder)
+from kv_events.messages import MalformedMessage, ReplayRequest, batch_decoder, decode, encode, replay_reply_decoder
 from proxy.instances import Instance
 from proxy.kv_index import Applied, KVIndex
 

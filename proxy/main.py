@@ -14,7 +14,6 @@ from telemetry import logs, tracing
 from telemetry.flags import add_telemetry_flags, apply_telemetry_flags
 
 
-
 def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", nargs="+", action="extend", required=True, metavar="URL",
                         help="prefill servers' base URLs, e.g. http://127.0.0.1:8100 (the flag may be repeated: "
@@ -89,7 +88,8 @@ def _add_fault_flags(parser: argparse.ArgumentParser) -> None:
                              "against Content-Length, and while reading a chunked body) (default %(default)s)")
     parser.add_argument("--probe-interval", type=float, default=PROXY_DEFAULTS["probe_interval_s"],
                         help="seconds between /health probes of every server; a server whose breaker is open "
-                             "is probed once its cool-down is over, and taken again when it answers (default %(default)s)")
+                             "is probed once its cool-down is over, and taken again when it answers "
+                             "(default %(default)s)")
     parser.add_argument("--timeout", type=float, default=PROXY_DEFAULTS["timeout_s"],
                         help="seconds a request to a server may take (default %(default)s)")
     parser.add_argument("--prefill-timeout", type=float, default=None, metavar="S",
@@ -106,7 +106,8 @@ def _add_fault_flags(parser: argparse.ArgumentParser) -> None:
                              "in [1, 2) (default %(default)s)")
     parser.add_argument("--breaker-failures", type=int, default=PROXY_DEFAULTS["breaker_failures"], metavar="N",
                         help="failures in a row (no connection, timeout, 502/504, dead engine) that open a "
-                             "server's circuit breaker: nothing is sent to it until a trial succeeds (default %(default)s)")
+                             "server's circuit breaker: nothing is sent to it until a trial succeeds "
+                             "(default %(default)s)")
     parser.add_argument("--breaker-cooldown", type=float, default=PROXY_DEFAULTS["breaker_cooldown_s"], metavar="S",
                         help="seconds an open breaker waits before one trial (a request, or the /health probe) "
                              "may go; success closes it (default %(default)s)")

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 
 from proxy.body import MAX_DEPTH
-from wire.body import DEFAULT_LIMIT
 from proxy.canary import TIE_LOGPROB
 from proxy.disagg import DISAGG_POLICIES, LOCAL_PREFILL_MAX_TOKENS, REUSE_MIN_TOKENS
 from proxy.instances import LOAD_SLACK, POLICIES
 from proxy.kv_index import DEFAULT_TIER_WEIGHTS
+from wire.body import DEFAULT_LIMIT
 
 MEDIA = tuple(DEFAULT_TIER_WEIGHTS)  # device, host, disk (kv_events/messages.py Medium)
 

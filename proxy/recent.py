@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.responses import Response, StreamingResponse
+
 from wire.headers import PD_DECODE, PD_PATH, PD_PREFILL, REQUEST_ID
 
 RECENT_REQUESTS = 50

@@ -29,8 +29,8 @@ import httpx
 from fastapi.responses import Response
 
 from proxy.body import export_body
-from proxy.instances import Instance
 from proxy.calls import Call, NoRoom, Prefilled, Unreached
+from proxy.instances import Instance
 from proxy.upstream import Upstream
 from wire.headers import REQUEST_ID
 from wire.kv_params import DO_REMOTE_PREFILL, KV_TRANSFER_PARAMS

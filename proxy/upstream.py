@@ -35,9 +35,18 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from proxy import spans
-from proxy.answers import (OVERLOADED_RETRY_AFTER_S, backoff_s, cached_tokens, error_code,
-                           is_server_failure, kv_held_response, overloaded_response, passed_back, retry_after_s)
 from proxy.admission import Admission
+from proxy.answers import (
+    OVERLOADED_RETRY_AFTER_S,
+    backoff_s,
+    cached_tokens,
+    error_code,
+    is_server_failure,
+    kv_held_response,
+    overloaded_response,
+    passed_back,
+    retry_after_s,
+)
 from proxy.body import BodyError, parse_body, prefill_body, token_id_prompt
 from proxy.calls import Call, NoRoom, Opened, Prefilled, TryAnother, Unreached
 from proxy.canary import Canaries, Tap, check

@@ -23,7 +23,8 @@ def test_every_path_the_layout_names_exists() -> None:
 
 
 def test_the_check_sees_a_path_that_does_not_exist() -> None:
-    doc = "# Title\n\n## Layout\n\n- `pd/` — here\n- `proxy/routing.py` — gone\n\n## Interfaces\n- `nope/` — not layout\n"
+    doc = ("# Title\n\n## Layout\n\n- `pd/` — here\n- `proxy/routing.py` — gone\n\n"
+           "## Interfaces\n- `nope/` — not layout\n")
     paths = layout_paths(doc)
     assert paths == ["pd/", "proxy/routing.py"]
     assert [p for p in paths if not (ROOT / p).exists()] == ["proxy/routing.py"]

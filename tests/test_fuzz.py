@@ -105,7 +105,10 @@ def assert_unharmed(deployment) -> None:
     assert answer(deployment["proxy"]) == deployment["reference"]
     for name in ("p", "d"):
         server = deployment[name]
-        drained = lambda s=server: s.metrics()["pd_kv_cache_usage"] == 0 and s.metrics()["pd_kv_requests_held"] == 0
+
+        def drained(s=server) -> bool:
+            return s.metrics()["pd_kv_cache_usage"] == 0 and s.metrics()["pd_kv_requests_held"] == 0
+
         assert wait_until(drained, 60), f"{name} keeps KV: {server.metrics()['pd_kv_cache_usage']}"
 
 
@@ -387,7 +390,8 @@ def test_nixl_notifications_to_the_prefill_server(deployment) -> None:
     p = deployment["p"]
     compat = http_client().get(f"{p.url}/v1/kv_config", timeout=10).json()["compat_hash"]
     sender = subprocess.Popen([sys.executable, "-c", NOTIFIER, str(deployment["ports"]["side"]), compat],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
         assert sender.stdout.readline().strip() == b"ready"
         # P polls NIXL while it holds blocks for a decode server (and for a while after): an idle P

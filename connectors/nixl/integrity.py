@@ -12,12 +12,13 @@ engine holds for readers, checking what it read, and a test hook that breaks the
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from connectors.nixl.digest_book import DigestBook
 from connectors.nixl.scheduler import ReqToRecv
+from pd.contracts.connector_api import KVConnectorOutput
 from pd.kv_cache.canonical import CanonicalKVCaches
 from pd.kv_transfer.digests import BlockDigests, mismatch
-from pd.contracts.connector_api import KVConnectorOutput
 
 PERTURB_ENV = "PD_TEST_PERTURB_LANDED_KV"  # tests: "1" garbles each read's first block after its checks
 UnitsRead = list[tuple[int, list[set]]]  # (the holder's rank read from, the unit keys read of each group)
@@ -39,7 +40,7 @@ class Integrity:
             else:
                 output.digests[req_id] = digests
 
-    def mismatch(self, recv: ReqToRecv, units_read: UnitsRead, peer_units) -> str | None:
+    def mismatch(self, recv: ReqToRecv, units_read: UnitsRead, peer_units: Callable[[int], list[set]]) -> str | None:
         """Why what this rank read for `recv` differs from the holder's digests (None: it
         matches, or the holder gave none). `peer_units(rank)`: that holder rank's unit keys."""
         blobs = recv.remote.kv_digests

@@ -44,13 +44,18 @@ import msgspec
 
 from connectors.nixl.digest_book import DigestBook
 from connectors.nixl.leases import LeaseTable
+from pd.contracts.connector_api import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorScheduler,
+    KVHeldAlready,
+    KVLoadRefused,
+)
+from pd.contracts.request import Request, RequestStatus
+from pd.kv_cache.kv_cache_manager import KVCacheBlocks
 from pd.kv_cache.spec import cdiv
 from pd.kv_transfer.params import PromptSources, RemotePrefillParams
 from pd.kv_transfer.signing import prompt_digest, sign
-from pd.contracts.connector_api import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, KVHeldAlready,
-                                         KVLoadRefused)
-from pd.contracts.request import Request, RequestStatus
-
 
 KEEP_ALIVE_MARGIN = 0.1  # of a lease: how much earlier than P's lease D counts its own view to end
 
@@ -95,7 +100,7 @@ class KVTransferParamsError(ValueError):
 
 class NixlConnectorScheduler(KVConnectorScheduler):
     def __init__(self, engine_id: str, host: str, side_channel_port: int, block_sizes: list[int],
-                 lease_seconds: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 lease_seconds: float, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, secret: str | None = None,
                  leases: LeaseTable | None = None, tp_size: int = 1, digests: DigestBook | None = None) -> None:
         if len(set(block_sizes)) != 1:
@@ -132,7 +137,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             raise KVHeldAlready(request.request_id, why)
         return params.num_prompt_tokens - num_computed_tokens, True
 
-    def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_source
         lease_end = self._lease_end.pop(request.request_id, None)
         if params is None or num_external_tokens == 0:

@@ -28,7 +28,14 @@ import numpy as np
 import torch
 
 from connectors.nixl.descriptors import piece_runs, read_descriptors
-from connectors.nixl.peer_messages import DataRefInfo, DeviceKind, HandshakeResponse, KVLayoutInfo, PieceInfo, TensorInfo
+from connectors.nixl.peer_messages import (
+    DataRefInfo,
+    DeviceKind,
+    HandshakeResponse,
+    KVLayoutInfo,
+    PieceInfo,
+    TensorInfo,
+)
 from pd.kv_cache.canonical import CanonicalKVCaches, KVCacheBlockTensor
 from pd.kv_transfer.compat import COMPAT_DIFFERS
 from pd.kv_transfer.digests import WHOLE
@@ -256,7 +263,8 @@ class NixlTransport:
         peer = self._peer(peer_engine_id)
         theirs, ours = peer.layout.lease_words, self._lease_words
         if theirs is None or ours is None:
-            raise ValueError(f"{'peer ' + repr(peer_engine_id) if theirs is None else 'this engine'} has no lease words")
+            whose = "peer " + repr(peer_engine_id) if theirs is None else "this engine"
+            raise ValueError(f"{whose} has no lease words")
         for index, words, whose in ((remote_index, theirs, "remote"), (local_index, ours, "local")):
             if not 0 <= index < words.num_blocks:
                 raise ValueError(f"{whose} lease word {index} out of range [0, {words.num_blocks})")

@@ -48,21 +48,30 @@ import torch
 
 from connectors.nixl.digest_book import DigestBook
 from connectors.nixl.handshake import SideChannelServer
-from connectors.nixl.integrity import Integrity
 from connectors.nixl.holds import Holds
+from connectors.nixl.integrity import Integrity
 from connectors.nixl.leases import LeaseTable
-from pd.kv_cache.canonical import CanonicalKVCaches
-from pd.kv_transfer.compat import COMPAT_DIFFERS
-from pd.kv_transfer.digests import WHOLE
-from pd.kv_transfer.params import RemotePrefillParams
-from pd.kv_transfer.connector_config import ConnectorConfig
-from pd.contracts.connector_api import KVConnectorOutput, KVConnectorWorker
-from connectors.nixl.peer_messages import (HandshakeError, HandshakeRequest, HandshakeResponse, KeepAlive,
-                                           RankAgent, ReadDone, Reject, encode_notif, rank_agent_name)
 from connectors.nixl.peer_agents import PeerAgents
+from connectors.nixl.peer_messages import (
+    HandshakeError,
+    HandshakeRequest,
+    HandshakeResponse,
+    KeepAlive,
+    RankAgent,
+    ReadDone,
+    Reject,
+    encode_notif,
+    rank_agent_name,
+)
 from connectors.nixl.peers import PeerHandshakes
 from connectors.nixl.scheduler import NixlConnectorMetadata, ReqToRecv
 from connectors.nixl.stats import TransferStats
+from pd.contracts.connector_api import KVConnectorOutput, KVConnectorWorker
+from pd.kv_cache.canonical import CanonicalKVCaches
+from pd.kv_transfer.compat import COMPAT_DIFFERS
+from pd.kv_transfer.connector_config import ConnectorConfig
+from pd.kv_transfer.digests import WHOLE
+from pd.kv_transfer.params import RemotePrefillParams
 
 if TYPE_CHECKING:
     from connectors.nixl.transport import TransferHandle
@@ -144,7 +153,8 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.holds.leases = self.leases
         self.transport = self.peers.transport = NixlTransport(self.agent_name, kv_caches,
                                                               lease_words=self.leases.words)
-        self.side_channel = SideChannelServer(self.config.transfer.host, self.config.transfer.side_channel_port, self._respond)
+        transfer = self.config.transfer
+        self.side_channel = SideChannelServer(transfer.host, transfer.side_channel_port, self._respond)
 
     def rank_info(self) -> RankAgent:
         return RankAgent(self.transport.agent_metadata(), self.transport.local_layout(self.config.compat_hash))
@@ -173,7 +183,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         """The port bound (the configured one, or a free one when it was 0)."""
         return self.side_channel.port
 
-    def _respond(self, request):
+    def _respond(self, request: HandshakeRequest) -> HandshakeResponse | HandshakeError:
         if request.compat_hash != self.config.compat_hash:
             return HandshakeError(f"incompatible KV layout: peer {request.engine_id!r} has "
                                   f"{request.compat_hash[:12]}, this engine {self.config.compat_hash[:12]} "
@@ -256,7 +266,8 @@ class NixlConnectorWorker(KVConnectorWorker):
         logger.warning("KV read for %s from %s failed to start: %s", recv.request_id, recv.remote.remote_engine_id, why)
         where = f"{recv.remote.remote_host}:{recv.remote.remote_port}"
         if self.config.rank == 0 and self.config.tp_size > 1:
-            self.loading[recv.request_id] = _Loading(recv, [], self.config.clock(), 0, 0, error=f"could not start: {why}")
+            self.loading[recv.request_id] = _Loading(recv, [], self.config.clock(), 0, 0,
+                                                     error=f"could not start: {why}")
             return
         self.failed[recv.request_id] = f"the read from {where} could not start: {why}"
         self.stats.failures += 1

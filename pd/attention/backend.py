@@ -67,7 +67,8 @@ class CommonAttentionMetadata:
             query_start_loc_cpu=starts, num_computed_tokens_cpu=list(num_computed), seq_lens_cpu=seq_lens,
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_table=torch.tensor([r + [0] * (width - len(r)) for r in block_rows], dtype=torch.int32, device=device),
+            block_table=torch.tensor([r + [0] * (width - len(r)) for r in block_rows], dtype=torch.int32,
+                                     device=device),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             block_size=block_size,
         )

@@ -46,15 +46,13 @@ def make_attention_groups(layers: dict[str, nn.Module], config: KVCacheConfig,
     groups: dict[tuple[int, str, int | None], AttentionGroup] = {}
     for name, layer in layers.items():
         group_id, _ = config.layer_slot(name)
-        if isinstance(config.groups[group_id].spec, MambaSpec):
-            key = (group_id, "mamba", None)
-            make_builder = lambda: MambaMetadataBuilder(device)  # noqa: E731
-        elif isinstance(layer, Attention):
-            key = (group_id, layer.backend.name, layer.sliding_window)
-            make_builder = lambda: layer.backend.builder_cls()(layer.sliding_window, device)  # noqa: E731
-        else:
+        mamba = isinstance(config.groups[group_id].spec, MambaSpec)
+        if not mamba and not isinstance(layer, Attention):
             raise TypeError(f"layer {name!r} ({type(layer).__name__}) has no attention backend")
+        key = (group_id, "mamba", None) if mamba else (group_id, layer.backend.name, layer.sliding_window)
         if key not in groups:
-            groups[key] = AttentionGroup(key[0], key[1], key[2], make_builder())
+            builder = MambaMetadataBuilder(device) if mamba else layer.backend.builder_cls()(layer.sliding_window,
+                                                                                             device)
+            groups[key] = AttentionGroup(key[0], key[1], key[2], builder)
         groups[key].layer_names.append(name)
     return list(groups.values())

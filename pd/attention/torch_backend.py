@@ -83,8 +83,8 @@ class Workspace:
     decode's gathered keys, values and scores. Every layer of a group takes the same
     buffers (layers run one after another), so a steady decode allocates nothing: a
     buffer grows to the largest batch seen (by half again, so a slowly growing context
-    does not reallocate each step) and is never handed back. Freeing and re-faulting multi-MB temporaries each step cost more
-    than the attention's arithmetic on CPU."""
+    does not reallocate each step) and is never handed back. Freeing and re-faulting
+    multi-MB temporaries each step cost more than the attention's arithmetic on CPU."""
 
     buffers: dict[tuple[str, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
@@ -349,7 +349,8 @@ class TorchAttentionImpl(AttentionImpl):
                 v = ws.take("v16", v.shape, query.dtype, device).copy_(v)
         v = v.view(kvh, n * keys, size).index_fill_(1, d.hidden_slots, 0).view(kvh, n, keys, size)
         q = query[d.token_indices].view(n, kvh, group, size).transpose(0, 1).float()
-        scores = torch.matmul(q, k32.transpose(2, 3), out=ws.take("scores", (kvh, n, group, keys), torch.float32, device))
+        scores_out = ws.take("scores", (kvh, n, group, keys), torch.float32, device)
+        scores = torch.matmul(q, k32.transpose(2, 3), out=scores_out)
         scores.mul_(self.scale).masked_fill_(d.hidden[None, :, None, :], float("-inf"))
         probs = scores.softmax(-1).to(v.dtype)
         out = torch.matmul(probs, v)  # (kvh, n, group, D)

@@ -8,8 +8,14 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from pd.config.settings import (AS_ASKED, CacheSettings, ModelSettings, OffloadSettings, ParallelSettings,
-                                SchedulerSettings, TelemetrySettings)
+from pd.config.settings import (
+    CacheSettings,
+    ModelSettings,
+    OffloadSettings,
+    ParallelSettings,
+    SchedulerSettings,
+    TelemetrySettings,
+)
 from pd.kv_transfer.connector_config import TransferSettings
 from pd.kv_transfer.connectors import AUTO_CONNECTOR, NULL_CONNECTOR
 from pd.kv_transfer.signing import SECRET_ENV, secret_from_env

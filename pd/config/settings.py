@@ -7,6 +7,7 @@ environment is left as asked (`auto`, None) for `EngineConfig.resolve`."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,7 @@ KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": "float8_e4m3fn", "int8": "int8"}  #
 AS_ASKED = "as asked"  # how a setting that `resolve` did not have to choose was chosen
 
 
-def _one_of(name: str, value: object, choices) -> None:
+def _one_of(name: str, value: object, choices: Sequence[str]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 

@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING
 from pd.kv_transfer.connector_config import ConnectorConfig
 
 if TYPE_CHECKING:
-    from pd.kv_cache.canonical import CanonicalKVCaches
-    from pd.kv_transfer.params import RemotePrefillParams
-    from pd.kv_cache.kv_cache_manager import KVCacheBlocks
     from pd.contracts.request import Request
+    from pd.kv_cache.canonical import CanonicalKVCaches
+    from pd.kv_cache.kv_cache_manager import KVCacheBlocks
+    from pd.kv_transfer.params import RemotePrefillParams
 
 
 @dataclass(frozen=True)
@@ -219,27 +219,28 @@ class KVConnectorWorker(ABC):
 class NullConnectorScheduler(KVConnectorScheduler):
     """Serving alone: nothing arrives from outside, nothing is kept for anyone."""
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         return 0, False
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         pass
 
-    def build_connector_meta(self):
+    def build_connector_meta(self) -> KVConnectorMetadata:
         return KVConnectorMetadata()
 
-    def request_finished(self, request, block_ids):
+    def request_finished(self, request: Request,
+                         block_ids: list[list[int]]) -> tuple[bool, RemotePrefillParams | None]:
         return False, None
 
 
 class NullConnectorWorker(KVConnectorWorker):
-    def register_kv_caches(self, kv_caches):
+    def register_kv_caches(self, kv_caches: CanonicalKVCaches) -> None:
         pass
 
-    def start_load_kv(self, metadata):
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         pass
 
-    def get_finished(self, finished_req_ids):
+    def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         return KVConnectorOutput()
 
 

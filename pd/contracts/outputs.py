@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pd.logprobs import Logprobs, PromptLogprobs
 from pd.contracts.connector_api import KVConnectorMetadata, KVConnectorOutput
 from pd.contracts.sampling_params import SamplingParams
+from pd.logprobs import Logprobs, PromptLogprobs
 
 
 @dataclass(frozen=True)

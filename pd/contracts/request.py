@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kv_events.hashing import BlockHash, extend_block_hashes
+from pd.contracts.sampling_params import SamplingParams
 from pd.kv_transfer.params import RemoteDecodeParams, RemotePrefillParams, TransferParams
 from pd.logprobs import Logprobs, PromptLogprobs
-from pd.contracts.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

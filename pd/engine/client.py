@@ -36,6 +36,8 @@ import zmq
 import zmq.asyncio
 
 from pd.config import EngineConfig
+from pd.contracts.request import sequence_id
+from pd.engine.ipc_dirs import new_ipc_dir
 from pd.engine.ipc_messages import (
     AbortRequests,
     EngineFailed,
@@ -51,9 +53,7 @@ from pd.engine.ipc_messages import (
     encode,
     output_decoder,
 )
-from pd.engine.ipc_dirs import new_ipc_dir
 from pd.engine.process import run_engine_core
-from pd.contracts.request import sequence_id
 from wire.codes import INVALID_REQUEST
 
 logger = logging.getLogger(__name__)

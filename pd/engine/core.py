@@ -13,23 +13,28 @@ import uuid
 import torch
 
 from pd.config import EngineConfig, SchedulerConfig, TierSettings
+from pd.contracts.request import Request, RequestOutput
 from pd.distributed.shard import TPShard
 from pd.engine.ipc_messages import EngineInfo, EngineStats, HistogramSnapshot
 from pd.engine.kv_event_publisher import KVEventPublisher, KVEvents, NoKVEvents
-from pd.worker.memory import apply_memory_settings
 from pd.histogram import Histogram
 from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_cache.spec import KVCacheConfig, MambaSpec
-from pd.kv_offload.connector import (inner_worker, offload_description, offload_figures, offload_load_seconds,
-                                     tiered_scheduler, with_tiers)
+from pd.kv_offload.connector import (
+    inner_worker,
+    offload_description,
+    offload_figures,
+    offload_load_seconds,
+    tiered_scheduler,
+    with_tiers,
+)
 from pd.kv_transfer.connectors import KV_CONNECTORS
-from pd.contracts.request import Request, RequestOutput
 from pd.scheduling.scheduler import Scheduler
 from pd.structured.matchers import GrammarMatchers
 from pd.tokenizer import Tokenizer
+from pd.worker.memory import apply_memory_settings
 from pd.worker.rank_setup import build_model, build_runner, connector_context, kv_cache_config
 from pd.worker.tp_ranks import TensorParallelRanks, rank_device
-
 
 STEP_PARTS = ("schedule", "execute", "update")  # where a step's wall time goes (`EngineCore.step`)
 
@@ -77,7 +82,8 @@ class EngineCore:
         self.max_model_len = self.model_config.context_len
         self.kv_cache_config = kv_cache_config(config, self.model_config, self.model)
         self.kv_cache_manager = KVCacheManager(self.kv_cache_config, config.cache.enable_prefix_caching,
-                                               self.max_model_len, record_events=config.telemetry.events_port is not None)
+                                               self.max_model_len,
+                                               record_events=config.telemetry.events_port is not None)
         self.kv_events = self._kv_events()
         connector, context = KV_CONNECTORS.get(config.transfer.connector), self.connector_context
         tiers = TierSettings(config.offload, context.compat_hash, self.engine_id)
@@ -131,7 +137,8 @@ class EngineCore:
         vocab = self.model_config.vocab_size
         first = list(request.remote_prefill.first_token_ids) if request.remote_prefill else []
         bias = [token for token, _ in request.sampling_params.logit_bias]
-        for what, ids in (("prompt", request.prompt_token_ids), ("stop_token_ids", request.sampling_params.stop_token_ids),
+        for what, ids in (("prompt", request.prompt_token_ids),
+                          ("stop_token_ids", request.sampling_params.stop_token_ids),
                           ("kv_transfer_params.first_token_ids", first), ("logit_bias", bias)):
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from pd.kv_transfer.params import TransferParams
 from pd.contracts.request import RequestOutput
 from pd.contracts.sampling_params import SamplingParams
+from pd.kv_transfer.params import TransferParams
 
 if TYPE_CHECKING:
     from pd.contracts.request import Request

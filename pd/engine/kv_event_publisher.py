@@ -110,7 +110,8 @@ class KVEventPublisher(KVEvents):
         self._snapshot: tuple[int, bytes] = (-1, b"")  # (seq, the encoded snapshot reply)
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, PUB_HWM)  # a slow subscriber loses batches (and asks again), never blocks a step
+        # a slow subscriber loses batches (and asks again), never blocks a step
+        self._pub.setsockopt(zmq.SNDHWM, PUB_HWM)
         self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)  # subscriptions only come in
         self._pub.bind(_endpoint(host, port))
         self._replay = self._context.socket(zmq.ROUTER)

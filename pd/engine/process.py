@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, NoReturn
 import zmq
 
 from pd.config import EngineConfig
-from pd.errors import HeldBlocksLimitError
 from pd.engine.ipc_messages import (
     AbortRequests,
     EngineFailed,
@@ -45,6 +44,7 @@ from pd.engine.ipc_messages import (
     input_decoder,
     refused_request_id,
 )
+from pd.errors import HeldBlocksLimitError
 from telemetry import logs
 from wire.codes import INTERNAL_ERROR, INVALID_REQUEST, KV_HELD_LIMIT
 

@@ -13,7 +13,6 @@ keep the block dimension leading, so block b of a layer is always inside row b.
 from __future__ import annotations
 
 import mmap
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal

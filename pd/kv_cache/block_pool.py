@@ -20,7 +20,7 @@ With `record_events`, every change to the prefix cache is recorded as a KV event
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable, NamedTuple, Sequence
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 from kv_events.hashing import BlockHash
 from kv_events.messages import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -85,7 +85,7 @@ class FreeBlockQueue:
         before.next_free = after.prev_free = block
         self.num_free_blocks += 1
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[KVCacheBlock]:
         block = self._head.next_free
         while block is not self._tail:
             yield block

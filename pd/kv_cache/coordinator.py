@@ -123,7 +123,8 @@ class NoPrefixCacheCoordinator(KVCacheCoordinator):
     def __init__(self, config: KVCacheConfig) -> None:
         super().__init__(config, enable_caching=False)
 
-    def find_longest_cache_hit(self, hashes, max_length, skip_group_ids):
+    def find_longest_cache_hit(self, hashes: HashesForBlockSize, max_length: int,
+                               skip_group_ids: frozenset[int]) -> CacheHit:
         return self.null_hit(0, skip_group_ids)
 
     def cache_blocks(self, request: CachedRequest, num_tokens: int) -> None:
@@ -136,7 +137,8 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             raise ValueError("the unitary coordinator serves exactly one KV cache group")
         super().__init__(config, enable_caching=True, record_events=record_events)
 
-    def find_longest_cache_hit(self, hashes, max_length, skip_group_ids):
+    def find_longest_cache_hit(self, hashes: HashesForBlockSize, max_length: int,
+                               skip_group_ids: frozenset[int]) -> CacheHit:
         if 0 in skip_group_ids:
             return self.null_hit(0, skip_group_ids)
         manager = self.managers[0]
@@ -181,7 +183,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         self.types = sorted(types, key=lambda t: not t.manager.downward_closed)
         self.lcm = math.lcm(*config.block_sizes)
 
-    def find_longest_cache_hit(self, hashes, max_length, skip_group_ids):
+    def find_longest_cache_hit(self, hashes: HashesForBlockSize, max_length: int,
+                               skip_group_ids: frozenset[int]) -> CacheHit:
         types = [t for t in (t.without(skip_group_ids) for t in self.types) if t]
         if not types:
             return self.null_hit(0, skip_group_ids)
@@ -200,7 +203,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     def _align(self, num_tokens: int) -> int:
         return num_tokens // self.lcm * self.lcm
 
-    def _assemble(self, types, found, own_hits, num_tokens: int, skip_group_ids) -> CacheHit:
+    def _assemble(self, types: list[_SpecType], found: list[tuple[GroupBlocks, int]], own_hits: list[int],
+                  num_tokens: int, skip_group_ids: frozenset[int]) -> CacheHit:
         """Per-group blocks trimmed to the hit; none for skipped groups."""
         hit = self.null_hit(num_tokens, skip_group_ids)
         blocks, group_hits = list(hit.blocks), list(hit.group_hit_tokens)

@@ -17,13 +17,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from pd.kv_cache.block_pool import KVCacheBlock
+from pd.kv_cache.cached_request import CachedRequest
 from pd.kv_cache.coordinator import (
     HybridKVCacheCoordinator,
     KVCacheCoordinator,
     NoPrefixCacheCoordinator,
     UnitaryKVCacheCoordinator,
 )
-from pd.kv_cache.cached_request import CachedRequest
 from pd.kv_cache.spec import FullAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec, cdiv
 
 

@@ -21,6 +21,7 @@ from typing import Sequence
 
 from kv_events.hashing import BlockHash
 from pd.kv_cache.block_pool import BlockPool, KVCacheBlock
+from pd.kv_cache.cached_request import CachedRequest
 from pd.kv_cache.spec import (
     FullAttentionSpec,
     KVCacheSpec,
@@ -28,7 +29,6 @@ from pd.kv_cache.spec import (
     SlidingWindowSpec,
     cdiv,
 )
-from pd.kv_cache.cached_request import CachedRequest
 
 GroupBlocks = tuple[list[KVCacheBlock], ...]  # one block list per group of a search
 
@@ -174,7 +174,8 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     downward_closed = True
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, group_ids, pool, spec):
+    def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int, group_ids: Sequence[int],
+                               pool: BlockPool, spec: KVCacheSpec) -> GroupBlocks:
         hit: GroupBlocks = tuple([] for _ in group_ids)
         for block_hash in block_hashes[: max_length // spec.block_size]:
             blocks = pool.get_cached_block(block_hash, group_ids)
@@ -190,7 +191,8 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, group_ids, pool, spec):
+    def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int, group_ids: Sequence[int],
+                               pool: BlockPool, spec: KVCacheSpec) -> GroupBlocks:
         """Scan right to left for the last run of `needed` cached blocks; a run that
         reaches block 0 is a hit even when shorter."""
         needed = cdiv(spec.sliding_window - 1, spec.block_size)
@@ -217,7 +219,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
 class MambaManager(SingleTypeKVCacheManager):
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, group_ids, pool, spec):
+    def find_longest_cache_hit(cls, block_hashes: Sequence[BlockHash], max_length: int, group_ids: Sequence[int],
+                               pool: BlockPool, spec: KVCacheSpec) -> GroupBlocks:
         max_blocks = min(max_length // spec.block_size, len(block_hashes))
         for i in range(max_blocks - 1, -1, -1):
             blocks = pool.get_cached_block(block_hashes[i], group_ids)

@@ -43,7 +43,8 @@ def auto_kv_cache_memory(model: Path, device: Callable[[], str], tp: int) -> tup
 
         free, total = torch.cuda.mem_get_info()
         budget = GPU_UTILIZATION * total - (total - free) - weights
-        why = f"{GPU_UTILIZATION:.0%} of the GPU's {_gib(total)} less {_gib(total - free)} in use and {_gib(weights)} of weights"
+        why = (f"{GPU_UTILIZATION:.0%} of the GPU's {_gib(total)} less {_gib(total - free)} in use and "
+               f"{_gib(weights)} of weights")
     else:
         available = memory_available()
         budget = CPU_FRACTION * (available - weights)

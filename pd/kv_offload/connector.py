@@ -20,18 +20,20 @@ half is worker.py; this is the scheduler half and the engine's doors to both.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from kv_events.messages import BlockRemoved, BlockStored, KVEvent
+from pd.config import TierSettings
+from pd.contracts.connector_api import KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker, OffloadReport
+from pd.contracts.request import Request
 from pd.histogram import Histogram
 from pd.kv_cache.block_pool import KVCacheBlock
 from pd.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from pd.kv_offload.index import Key, TierIndex
 from pd.kv_offload.lookup import tier_hit
 from pd.kv_offload.tier import TierBlock
-from pd.config import TierSettings
 from pd.kv_offload.worker import TieredMetadata, TieredWorker
-from pd.contracts.connector_api import KVConnectorOutput, KVConnectorScheduler, KVConnectorWorker, OffloadReport
-from pd.contracts.request import Request
+from pd.kv_transfer.params import RemotePrefillParams
 
 logger = logging.getLogger(__name__)
 
@@ -187,11 +189,12 @@ class TieredScheduler(KVConnectorScheduler):
         return bool(self.storing or self.to_store or self.loading or self.refused) or self.inner.has_work
 
     # --- the rest is the inner connector's ---
-    def request_finished(self, request: Request, block_ids: list[list[int]]):
+    def request_finished(self, request: Request,
+                         block_ids: list[list[int]]) -> tuple[bool, RemotePrefillParams | None]:
         self.planned.pop(request.request_id, None)
         return self.inner.request_finished(request, block_ids)
 
-    def requests_waiting(self, requests) -> None:
+    def requests_waiting(self, requests: Iterable[Request]) -> None:
         self.inner.requests_waiting(requests)
 
     def release(self, request_id: str) -> None:

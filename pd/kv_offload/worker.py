@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pd.config import TierSettings
+from pd.contracts.connector_api import KVConnectorMetadata, KVConnectorOutput, KVConnectorWorker, OffloadReport
 from pd.histogram import SECONDS_BUCKETS, Histogram
 from pd.kv_cache.canonical import CanonicalKVCaches
-from pd.config import TierSettings
 from pd.kv_offload.disk import DiskTier
 from pd.kv_offload.host import HostTier
 from pd.kv_offload.tier import Tier, TierBlock
-from pd.contracts.connector_api import KVConnectorMetadata, KVConnectorOutput, KVConnectorWorker, OffloadReport
 
 
 def build_tiers(settings: TierSettings, caches: CanonicalKVCaches) -> list[Tier]:
@@ -98,7 +98,7 @@ class TieredWorker(KVConnectorWorker):
         return self.inner.wants_polling or any(tier.busy for tier in self.tiers.values())
 
     @property
-    def stats(self):
+    def stats(self) -> object | None:
         return getattr(self.inner, "stats", None)
 
     @property

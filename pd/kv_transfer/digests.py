@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import xxhash
 
-from pd.kv_cache.canonical import CanonicalKVCaches
+from pd.kv_cache.canonical import CanonicalKVCaches, KVCacheBlockDataRef
 
 DIGEST_BYTES = 8
 WHOLE = ("page", 0)  # the key of the one unit of a group not described by piece
@@ -40,7 +40,8 @@ class BlockDigests:
         self.kv_caches = kv_caches
         pieces = kv_caches.group_pieces or [()] * len(kv_caches.group_data_refs)
         self.units: list[list[Unit]] = [
-            [(p.key, p.offset, p.nbytes) for p in group] if group else [(WHOLE, 0, min(r.page_size_bytes for r in refs))]
+            [(p.key, p.offset, p.nbytes) for p in group] if group
+            else [(WHOLE, 0, min(r.page_size_bytes for r in refs))]
             for refs, group in zip(kv_caches.group_data_refs, pieces)]
         self._rows = [_host_rows(t.tensor) for t in kv_caches.tensors]
 
@@ -68,7 +69,7 @@ class BlockDigests:
                 out.extend(self.digest(group, block, unit) if block else 0 for unit in units)
         return np.asarray(out, dtype="<u8").tobytes()
 
-    def _bytes(self, ref, block: int, offset: int, nbytes: int) -> memoryview | bytes:
+    def _bytes(self, ref: KVCacheBlockDataRef, block: int, offset: int, nbytes: int) -> memoryview | bytes:
         rows = self._rows[ref.tensor_idx]
         start = ref.offset_bytes + offset
         if isinstance(rows, np.ndarray):
@@ -77,7 +78,8 @@ class BlockDigests:
 
 
 def mismatch(ours: BlockDigests, local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]],
-             read: Sequence[set[tuple[str, int]]], blob: bytes, their_keys: Sequence[Sequence[tuple[str, int]]]) -> str | None:
+             read: Sequence[set[tuple[str, int]]], blob: bytes,
+             their_keys: Sequence[Sequence[tuple[str, int]]]) -> str | None:
     """Check what a read brought: at every position where both ids are blocks, every unit
     in `read[g]` of our block against the holder's digest of it (`blob`, the holder
     rank's, whose units are `their_keys[g]`). None when all match, else what did not."""
@@ -103,7 +105,8 @@ def expected(blob: bytes, remote_ids: Sequence[Sequence[int]], units_per_group: 
     units). ValueError when the blob does not hold as many as the block lists say."""
     sizes = [len(ids) * units for ids, units in zip(remote_ids, units_per_group)]
     if len(blob) != DIGEST_BYTES * sum(sizes):
-        raise ValueError(f"the holder's digests are {len(blob)} bytes where its blocks need {DIGEST_BYTES * sum(sizes)}")
+        raise ValueError(f"the holder's digests are {len(blob)} bytes where its blocks need "
+                         f"{DIGEST_BYTES * sum(sizes)}")
     words = np.frombuffer(blob, dtype="<u8")
     bounds = np.cumsum([0, *sizes])
     return [words[start:end].reshape(len(ids), units)

@@ -98,7 +98,7 @@ class TransferParamsGuard:
     them is used: signed by the deployment's secret (and not expired, replayed or moved
     to another prompt), or, without a secret, naming an allowed peer."""
 
-    def __init__(self, secret: str | None, allowed_peers: Sequence[str] = DEFAULT_ALLOWED_PEERS,
+    def __init__(self, secret: str | None, allowed_peers: Sequence[str],
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.secret = secret
         self.allowed = [ipaddress.ip_network(p, strict=False) for p in allowed_peers]

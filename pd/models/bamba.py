@@ -30,9 +30,9 @@ from pd.attention.layer import Attention
 from pd.kv_cache.spec import KVCacheSpec
 from pd.models.base import CausalLM
 from pd.models.layers import GatedMLP, RMSNorm, attention_projections, get_rope, rope_parameters
-from pd.models.parallel import ParallelLMHead, VocabParallelEmbedding, tp_reduce
 from pd.models.mamba2 import Mamba2Mixer
 from pd.models.model_config import ModelConfig
+from pd.models.parallel import ParallelLMHead, VocabParallelEmbedding, tp_reduce
 
 MAMBA, ATTENTION = "mamba", "attention"
 _KIND_NAMES = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}

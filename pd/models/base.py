@@ -9,8 +9,8 @@ from torch import nn
 
 from pd.kv_cache.spec import KVCacheSpec
 from pd.models.layers import MergedLinear
-from pd.models.parallel import Published, narrow_published
 from pd.models.model_config import ModelConfig
+from pd.models.parallel import Published, narrow_published
 
 # (fused parameter, published name, shard index): published q/k/v and gate/up weights
 # load into slices of one fused matmul.

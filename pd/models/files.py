@@ -10,6 +10,7 @@ from pd.models.gguf import is_gguf
 from pd.models.model_config import ModelConfig
 from pd.models.registry import supported_name
 
+
 def safetensors_files(model_dir: Path) -> list[Path]:
     """`model.safetensors`, or the shards a `model.safetensors.index.json` lists."""
     index = model_dir / "model.safetensors.index.json"

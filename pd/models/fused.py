@@ -85,7 +85,8 @@ def rms_norm_rows(rows: torch.Tensor, weight: torch.Tensor, eps: float, residual
 
 def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_size: int,
                  q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
-                 positions: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 positions: torch.Tensor, cos: torch.Tensor,
+                 signed_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """From the fused projection's output (tokens, (H + 2 KVH) * D), q (tokens, H * D) and
     k (tokens, KVH * D): each head RMS-normed with its float32 weight (None: not normed),
     then rotated by the float32 (positions, rotary_dim) tables (`RotaryEmbedding`'s)."""

@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from pd.attention.layer import Attention
-from pd.models.base import CausalLM
 from pd.models import fused
+from pd.models.base import CausalLM
 from pd.models.layers import GatedMLP, RMSNorm, attention_projections, get_rope
-from pd.models.parallel import ParallelLMHead, VocabParallelEmbedding, tp_reduce
 from pd.models.model_config import ModelConfig
 from pd.models.native_layers import LayerPlan
+from pd.models.parallel import ParallelLMHead, VocabParallelEmbedding, tp_reduce
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' Gemma3TextConfig defaults, for configs that leave a field out.

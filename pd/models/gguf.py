@@ -36,6 +36,7 @@ from telemetry.progress import Progress
 
 if TYPE_CHECKING:
     import torch
+    from tokenizers import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +165,7 @@ class GGUFModel:
                 yield name, GGUFWeight(self.path, tensor, transform)
 
     # --- tokenizer ------------------------------------------------------------------
-    def tokenizer(self):
+    def tokenizer(self) -> tuple[Tokenizer, dict[str, Any]]:
         """(tokenizers.Tokenizer, tokenizer_config dict) from the GGUF's vocabulary.
         Converting Gemma 3's 262k tokens takes ~3.7 s, so the result is kept twice: per
         GGUFModel (open_gguf keeps one per file and process), and on disk under

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -219,7 +220,7 @@ ACTIVATIONS = {
 }
 
 
-def activation(name: str):
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     try:
         return ACTIVATIONS[name]
     except KeyError:

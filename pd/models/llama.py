@@ -15,8 +15,8 @@ from torch import nn
 from pd.attention.layer import Attention
 from pd.models.base import CausalLM
 from pd.models.layers import GatedMLP, RMSNorm, attention_projections, get_rope, rope_parameters
-from pd.models.parallel import ParallelLMHead, VocabParallelEmbedding, tp_reduce
 from pd.models.model_config import ModelConfig
+from pd.models.parallel import ParallelLMHead, VocabParallelEmbedding, tp_reduce
 
 
 def layer_types(config: ModelConfig) -> list[str]:
@@ -44,7 +44,8 @@ class LlamaAttention(nn.Module):
         eps = config.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
-        self.rotary_emb = get_rope(self.head_dim, max(config.context_len, config.get("max_position_embeddings", 0)), rope)
+        max_positions = max(config.context_len, config.get("max_position_embeddings", 0))
+        self.rotary_emb = get_rope(self.head_dim, max_positions, rope)
         self.attn = Attention(f"layers.{index}", self.num_heads, self.num_kv_heads, self.head_dim,
                               scale=self.head_dim**-0.5, sliding_window=sliding_window)
 

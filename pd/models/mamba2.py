@@ -22,8 +22,8 @@ from pd.attention.mamba_metadata import MambaMetadata, MambaRequestSlice
 from pd.distributed.collectives import all_reduce
 from pd.distributed.shard import TPShard
 from pd.forward_context import get_forward_context
-from pd.kv_cache.spec import MambaSpec
 from pd.kv_cache.allocation import MambaCache
+from pd.kv_cache.spec import MambaSpec
 from pd.models.layers import MergedLinear
 from pd.models.parallel import RowParallelLinear, tp_reduce
 

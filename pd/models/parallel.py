@@ -24,7 +24,6 @@ from torch import nn
 from pd.distributed.collectives import all_gather, all_reduce
 from pd.distributed.shard import TPShard
 
-
 # A published weight: a tensor, or a lazy slice of a safetensors file (`safe_open(...).get_slice`)
 # that reads only the rows or columns it is indexed with, so a rank never reads all of a
 # sharded weight.

@@ -36,8 +36,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.contracts.request import Request
+from pd.kv_cache.kv_cache_manager import KVCacheManager
 
 
 def group(request: Request) -> str:

@@ -20,12 +20,12 @@ from __future__ import annotations
 import logging
 import time
 
-from pd.errors import HeldBlocksLimitError
-from pd.kv_cache.kv_cache_manager import KVCacheManager
-from pd.kv_transfer.params import RemotePrefillParams
-from pd.logprobs import Logprobs
 from pd.contracts.connector_api import KVConnectorOutput, KVConnectorScheduler
 from pd.contracts.request import Request, RequestStatus
+from pd.errors import HeldBlocksLimitError
+from pd.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from pd.kv_transfer.params import RemotePrefillParams
+from pd.logprobs import Logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class RemoteKV:
             self.connector.release(req_id)
         return held
 
-    def park(self, request: Request, hit_blocks, num_hit: int, num_external: int) -> bool:
+    def park(self, request: Request, hit_blocks: KVCacheBlocks, num_hit: int, num_external: int) -> bool:
         """Allocate blocks for the external tokens and wait for the connector to fill
         them; False when the pool cannot take them (nothing changed)."""
         blocks = self.kv.allocate_slots(request, 0, num_hit, hit_blocks, num_external)

@@ -9,9 +9,9 @@ is told to drop it.
 
 from __future__ import annotations
 
-from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.contracts.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from pd.contracts.request import Request
+from pd.kv_cache.kv_cache_manager import KVCacheManager
 
 
 class RunnerView:

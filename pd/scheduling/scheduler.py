@@ -11,8 +11,9 @@ fairly between requests, so that one request's n sequences cannot starve the oth
 request whose KV arrives asynchronously is parked until the connector reports it
 received (`RemoteKV`, remote_kv.py, is the scheduler's part in PD). A request with a
 grammar waits for it to compile first (WAITING_FOR_GRAMMAR); the masks of its next
-tokens go out with each step that samples it. After the step, `update_from_output` enters the newly written blocks in the
-prefix cache, appends sampled tokens and finishes requests that stop. A request asking
+tokens go out with each step that samples it. After the step, `update_from_output`
+enters the newly written blocks in the prefix cache, appends sampled tokens and finishes
+requests that stop. A request asking
 for n sequences forks at its first token into requests of its own that share its blocks
 copy on write (the copies of the blocks they do not share go out with the next step).
 
@@ -31,15 +32,15 @@ import logging
 import time
 
 from pd.config import SchedulerConfig
+from pd.contracts.connector_api import KVConnectorScheduler, KVHeldAlready, KVLoadRefused
+from pd.contracts.outputs import ModelRunnerOutput, SchedulerOutput
+from pd.contracts.request import Request, RequestOutput, RequestStatus, sequence_id
 from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_transfer.params import RemotePrefillParams
 from pd.logprobs import Logprobs
 from pd.scheduling import fair_share
-from pd.contracts.connector_api import KVConnectorScheduler, KVHeldAlready, KVLoadRefused
-from pd.contracts.outputs import ModelRunnerOutput, SchedulerOutput
 from pd.scheduling.prompt_sources import PromptSources
 from pd.scheduling.remote_kv import RemoteKV
-from pd.contracts.request import Request, RequestOutput, RequestStatus, sequence_id
 from pd.scheduling.runner_view import RunnerView
 from pd.scheduling.tokens import chunk_tokens, off_grammar, samples, stop_status
 from pd.scheduling.waiting import WaitingQueue
@@ -145,7 +146,8 @@ class Scheduler:
                 scheduled = self._admit(request, out, budget)
             except Exception as exc:  # a fault serving one request fails that request alone
                 logger.exception("admitting request %s failed", request.request_id)
-                self._fail(request, INTERNAL_ERROR, f"internal error admitting the request: {type(exc).__name__}: {exc}")
+                self._fail(request, INTERNAL_ERROR,
+                           f"internal error admitting the request: {type(exc).__name__}: {exc}")
                 continue
             if scheduled is None:
                 self.waiting.to_front(request)  # it keeps its turn

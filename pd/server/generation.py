@@ -12,10 +12,9 @@ from typing import Any
 
 import anyio
 
+from pd.contracts.request import RequestTimes, cached_tokens, sequence_id
 from pd.kv_transfer.params import RemotePrefillParams
 from pd.logprobs import Logprobs, PromptLogprobs
-from pd.contracts.request import cached_tokens
-from pd.contracts.request import RequestTimes, sequence_id
 from pd.server.detokenize import IncrementalDetokenizer
 from pd.server.metrics import ServerMetrics
 from pd.server.serving import Prepared

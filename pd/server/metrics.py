@@ -96,16 +96,20 @@ KV_TRANSFER_COUNTERS = {
     "reads": ("reads", "KV reads completed (decode side)."),
     "bytes": ("read_bytes", "Bytes of KV read from prefill servers (by every tensor-parallel rank)."),
     "seconds": ("read_seconds", "Seconds KV reads took, from post to completion."),
-    "descriptors": ("read_descriptors", "Transfer descriptors of completed reads (one per run of blocks per group; per block per prefill rank between tensor-parallel sizes)."),
+    "descriptors": ("read_descriptors", "Transfer descriptors of completed reads (one per run of blocks per group; "
+                                        "per block per prefill rank between tensor-parallel sizes)."),
     "failures": ("failures", "KV reads that failed or ended after the prefill server's lease."),
     "leases_expired": ("leases_expired", "Requests whose KV blocks a prefill server freed unread after the lease."),
     "rejects": ("rejects_received", "Requests a decode server rejected (their blocks freed at once)."),
     "released": ("released", "Requests whose kept blocks were released because their decode request failed."),
     "keep_alives": ("keep_alives_received", "Lease extensions asked by decode servers whose queue holds the request."),
-    "failed_notifications": ("failed_notifications", "Notifications (reject, keep-alive) that could not reach a prefill server."),
+    "failed_notifications": ("failed_notifications",
+                             "Notifications (reject, keep-alive) that could not reach a prefill server."),
     "handshakes": ("handshakes", "Side-channel handshakes with prefill servers that succeeded."),
-    "digests_checked": ("digests_checked", "KV reads whose every byte matched the holder's digests (--kv-digest on the holder)."),
-    "digest_mismatches": ("digest_mismatches", "KV reads whose bytes differed from the holder's digests: load failures (recomputed or failed by --kv-load-failure-policy)."),
+    "digests_checked": ("digests_checked",
+                        "KV reads whose every byte matched the holder's digests (--kv-digest on the holder)."),
+    "digest_mismatches": ("digest_mismatches", "KV reads whose bytes differed from the holder's digests: load "
+                                               "failures (recomputed or failed by --kv-load-failure-policy)."),
     "handshake_failures": ("handshake_failures", "Side-channel handshakes with prefill servers that failed."),
 }
 
@@ -152,8 +156,11 @@ def kv_transfer_rank_metrics(values: dict[str, dict[int, int]]) -> Iterator[Metr
 KV_TRANSFER_HISTOGRAMS = {
     "xfer_time": ("pd_kv_transfer_xfer_time_seconds", "Seconds a KV read took, from post to completion."),
     "post_time": ("pd_kv_transfer_post_time_seconds", "Seconds posting a KV read took."),
-    "bytes_per_read": ("pd_kv_transfer_bytes_per_read", "Bytes moved by one KV read (with tensor parallelism: one decode rank's share of a request)."),
-    "descriptors_per_read": ("pd_kv_transfer_descriptors_per_read", "Transfer descriptors of one KV read (with tensor parallelism: one decode rank's share of a request)."),
+    "bytes_per_read": ("pd_kv_transfer_bytes_per_read", "Bytes moved by one KV read (with tensor parallelism: one "
+                                                        "decode rank's share of a request)."),
+    "descriptors_per_read": ("pd_kv_transfer_descriptors_per_read",
+                             "Transfer descriptors of one KV read (with tensor parallelism: one decode rank's share "
+                             "of a request)."),
     "handshake_time": ("pd_kv_transfer_handshake_time_seconds", "Seconds a side-channel handshake took."),
 }
 

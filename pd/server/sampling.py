@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pd.logprobs import MAX_LOGPROBS
 from pd.contracts.sampling_params import MAX_LOGIT_BIAS, MAX_N, SamplingParams, SamplingParamsError
+from pd.logprobs import MAX_LOGPROBS
 from pd.server.protocol import ChatCompletionRequest, RequestError, SamplingFields
-from wire.codes import REQUEST_TOO_LARGE
 from pd.structured.grammar import Grammar
+from wire.codes import REQUEST_TOO_LARGE
 
 MAX_SEED = 2**63
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,8 @@ class SamplingChecker:
             if not key.isascii() or not key.isdigit() or len(key) > 12:
                 raise RequestError(f"logit_bias keys must be token ids, got {key[:32]!r}", param="logit_bias")
             if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-                raise RequestError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value} "
-                                   f"for token {key}",
-                                   param="logit_bias")
+                raise RequestError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                   f"got {value} for token {key}", param="logit_bias")
             pairs.append((int(key), float(value)))
         check_vocab(self.vocab_size, [token for token, _ in pairs], "logit_bias")
         return tuple(pairs)
@@ -126,13 +126,13 @@ class SamplingChecker:
         min_tokens = body.min_tokens or 0
         if not 0 <= min_tokens <= max_tokens:
             raise RequestError(f"min_tokens must be in [0, {param}={max_tokens}], got {min_tokens}", param="min_tokens")
-        penalties = {name: getattr(body, name) for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
-                     if getattr(body, name) is not None}
+        penalties = {name: getattr(body, name) for name in PENALTIES if getattr(body, name) is not None}
         logprobs, prompt_logprobs, n = self._logprobs_and_choices(body)
         try:
             return SamplingParams(logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=n, grammar=grammar,
                                   max_tokens=max_tokens, temperature=temperature,
-                                  top_k=body.top_k if body.top_k and 0 < body.top_k < self.vocab_size else None, top_p=top_p,
+                                  top_k=body.top_k if body.top_k and 0 < body.top_k < self.vocab_size else None,
+                                  top_p=top_p,
                                   seed=body.seed, stop_token_ids=tuple(stop_token_ids), ignore_eos=body.ignore_eos,
                                   logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens, **penalties)
         except SamplingParamsError as e:  # the ranges SamplingParams holds every request to

@@ -18,20 +18,26 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from pd.contracts.sampling_params import SamplingParams
 from pd.engine.ipc_messages import EngineRequest
 from pd.kv_transfer.connectors import NULL_CONNECTOR
 from pd.kv_transfer.params import RemoteDecodeParams, RemotePrefillParams, TransferParamsError, parse_transfer_params
-from pd.kv_transfer.signing import TransferParamsGuard, TransferParamsRefused, UntilExpiry
-from pd.contracts.sampling_params import SamplingParams
+from pd.kv_transfer.signing import DEFAULT_ALLOWED_PEERS, TransferParamsGuard, TransferParamsRefused, UntilExpiry
 from pd.server.chat import ChatTemplate, ChatTemplateError
 from pd.server.off_loop import OffLoop, TooManyWaiting
+from pd.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    RequestError,
+    SamplingFields,
+    refuse_unsupported,
+)
 from pd.server.sampling import RequestLimits, SamplingChecker, check_vocab
 from pd.server.structured import one_grammar, request_grammar
 from pd.server.tools import CLOSE, OPEN, ToolUse, request_tools
 from pd.structured.checker import GrammarChecker
 from pd.structured.grammar import Grammar
-from pd.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, RequestError, SamplingFields,
-                                refuse_unsupported)
 from wire.headers import REQUEST_ID, retry_after
 from wire.kv_params import KV_TRANSFER_PARAMS, PREFIX, SIGNATURE
 
@@ -91,7 +97,7 @@ class Server:
         self.limits = limits
         self.client = client
         self.role = role
-        self.transfer_guard = transfer_guard or TransferParamsGuard(None)
+        self.transfer_guard = transfer_guard or TransferParamsGuard(None, DEFAULT_ALLOWED_PEERS)
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.chat_template = chat_template
@@ -182,7 +188,8 @@ class Server:
         ids = self._completion_prompt(body.prompt)
         prepared = self._prepare(body, request_id, ids, "prompt")
         if body.echo:
-            prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
+            one_text = isinstance(body.prompt, list) and isinstance(body.prompt[0], str)
+            prompt = body.prompt[0] if one_text else body.prompt
             text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
             prepared.echo = Echo(text, ids)
         return prepared
@@ -322,7 +329,8 @@ class Server:
         if isinstance(transfer, RemotePrefillParams):
             self._guard(transfer, prompt_ids, KV_TRANSFER_PARAMS)
         elif isinstance(transfer, RemoteDecodeParams) and transfer.prefix is not None:  # read from a decode server
-            self._guard(transfer.prefix, prompt_ids[:transfer.prefix.num_prompt_tokens], f"{KV_TRANSFER_PARAMS}.{PREFIX}")
+            self._guard(transfer.prefix, prompt_ids[:transfer.prefix.num_prompt_tokens],
+                        f"{KV_TRANSFER_PARAMS}.{PREFIX}")
         return transfer
 
     def _guard(self, params: RemotePrefillParams, prompt_ids: list[int], field: str) -> None:

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pd.contracts.request import cached_tokens
-from pd.contracts.request import RequestTimes
+from pd.contracts.request import RequestTimes, cached_tokens
 from telemetry import tracing
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,7 +95,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     return text[:start] or None, calls
 
 
-def _leading_calls(blocks) -> list[dict[str, Any]]:
+def _leading_calls(blocks: Iterator[re.Match[str]]) -> list[dict[str, Any]]:
     calls = []
     for block in blocks:
         call = _call(block.group(1))

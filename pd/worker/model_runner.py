@@ -21,16 +21,16 @@ import torch
 
 from pd.attention.backend import CommonAttentionMetadata
 from pd.attention.group import AttentionGroup, make_attention_groups
+from pd.contracts.connector_api import KVConnectorWorker
+from pd.contracts.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pd.contracts.sampling_params import SamplingParams
 from pd.distributed.collectives import RankLost
 from pd.forward_context import ForwardContext, set_forward_context
 from pd.kv_cache.allocation import KVLayout, allocate_kv_caches
 from pd.kv_cache.spec import KVCacheConfig
 from pd.logprobs import Logprobs, PromptLogprobs
 from pd.models.base import CausalLM
-from pd.contracts.connector_api import KVConnectorWorker
-from pd.contracts.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from pd.contracts.sampling_params import SamplingParams
-from pd.worker.block_table import MultiGroupBlockTable
+from pd.worker.block_table import BlockTable, MultiGroupBlockTable
 from pd.worker.sampler import adjust, choose, make_generator, mask_tokens
 from pd.worker.scoring import prompt_logprobs, sampled_logprobs
 
@@ -174,7 +174,9 @@ class ModelRunner:
         return BatchInputs(req_ids, to_device(input_ids), to_device(positions), common, query_start, computed,
                            to_device(query_start[1:][samples] - 1), [req_ids[i] for i in samples])
 
-    def _common_metadata(self, table, rows, token_rows, positions, query_start, computed, seq_lens):
+    def _common_metadata(self, table: BlockTable, rows: np.ndarray, token_rows: np.ndarray, positions: np.ndarray,
+                         query_start: np.ndarray, computed: np.ndarray,
+                         seq_lens: np.ndarray) -> CommonAttentionMetadata:
         _, block_table = table.batch(rows)
         slots = table.slot_mapping(token_rows, positions)
         return CommonAttentionMetadata(

@@ -28,8 +28,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pd.worker.rank_channel import (JOIN_FROM_ENGINE, JOIN_FROM_RANK, MAX_FRAME, MAX_JOIN_FRAME, NONCE_BYTES,
-                                    Challenge, ChannelError, Hello, RankChannel, Refused, Welcome, mac, new_nonce)
+from pd.worker.rank_channel import (
+    JOIN_FROM_ENGINE,
+    JOIN_FROM_RANK,
+    MAX_FRAME,
+    MAX_JOIN_FRAME,
+    NONCE_BYTES,
+    Challenge,
+    ChannelError,
+    Hello,
+    RankChannel,
+    Refused,
+    Welcome,
+    mac,
+    new_nonce,
+)
 
 logger = logging.getLogger(__name__)
 

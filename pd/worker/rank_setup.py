@@ -11,18 +11,18 @@ import logging
 import torch
 
 from pd.config import EngineConfig
+from pd.contracts.connector_api import ConnectorContext, KVConnectorWorker, NullConnectorWorker
 from pd.distributed.shard import TPShard
 from pd.kv_cache.layout import KVCacheLayoutError, make_kv_cache_config
-from pd.kv_cache.spec import KVCacheConfig, MambaSpec
+from pd.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaSpec
+from pd.kv_transfer.compat import compat_hash
 from pd.models.base import CausalLM
+from pd.models.fingerprint import weights_fingerprint
+from pd.models.gguf_linear import quantize_gguf_linears
 from pd.models.loader import load_model, model_skeleton
 from pd.models.model_config import ModelConfig
 from pd.models.packed import pack_linears
-from pd.models.fingerprint import weights_fingerprint
-from pd.models.gguf_linear import quantize_gguf_linears
 from pd.models.quantized import quantize_linears
-from pd.kv_transfer.compat import compat_hash
-from pd.contracts.connector_api import ConnectorContext, KVConnectorWorker, NullConnectorWorker
 from pd.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -77,8 +77,8 @@ def connector_context(config: EngineConfig, engine_id: str) -> ConnectorContext:
     whole = whole_kv_cache_config(config)
     model_id = json.dumps(model_config.hf_config, sort_keys=True, default=str)
     groups = [repr(g.spec) + repr(g.layer_names) for g in whole.groups]
-    hashed = compat_hash(model_id, weights_fingerprint(config.model.path), config.model.quantization, config.model.dtype,
-                         whole.block_sizes, config.cache.layout, groups)
+    hashed = compat_hash(model_id, weights_fingerprint(config.model.path), config.model.quantization,
+                         config.model.dtype, whole.block_sizes, config.cache.layout, groups)
     return ConnectorContext(engine_id, config.transfer.connector_config(), hashed, whole.block_sizes,
                             tp_size=config.parallel.size)
 
@@ -103,7 +103,7 @@ def kv_cache_config(config: EngineConfig, model_config: ModelConfig, model: Caus
     return rank
 
 
-def _capped(config: EngineConfig, specs, context_len: int) -> KVCacheConfig:
+def _capped(config: EngineConfig, specs: dict[str, KVCacheSpec], context_len: int) -> KVCacheConfig:
     """`kv_cache_memory` bytes of blocks, fewer where they would hold more than
     `kv_cache_max_tokens` (an automatic size on a small model: blocks no workload reaches
     cost start-up time and memory)."""

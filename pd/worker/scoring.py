@@ -1,8 +1,9 @@
 """Log-probabilities of tokens, from a model's logits.
 
 Prompt tokens are scored from the model's logits; sampled tokens from the logits they
-were chosen from (pd/logprobs.py says which). Prompt positions are computed a few rows at a time, so a long prompt never holds a
-vocabulary-wide float32 row for every position at once.
+were chosen from (pd/logprobs.py says which). Prompt positions are computed a few rows
+at a time, so a long prompt never holds a vocabulary-wide float32 row for every position
+at once.
 """
 
 from __future__ import annotations

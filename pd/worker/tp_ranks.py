@@ -38,16 +38,30 @@ import torch
 import torch.distributed as dist
 
 from pd.config import EngineConfig
+from pd.contracts.connector_api import ConnectorContext, KVConnectorOutput
+from pd.contracts.outputs import SchedulerOutput
 from pd.distributed.collectives import RankLost
 from pd.distributed.shard import TPShard
 from pd.kv_transfer.connectors import KV_CONNECTORS
 from pd.kv_transfer.signing import SECRET_ENV, secret_from_env
-from pd.contracts.connector_api import ConnectorContext, KVConnectorOutput
-from pd.contracts.outputs import SchedulerOutput
 from pd.worker.memory import apply_memory_settings
 from pd.worker.model_runner import ModelRunner
-from pd.worker.rank_channel import (ENCODER, FROM_RANK, TO_RANK, ChannelError, Failed, RankChannel, Ready, Setup,
-                                    Step, StepDone, Stop, StoreAddress, decode, encode)
+from pd.worker.rank_channel import (
+    ENCODER,
+    FROM_RANK,
+    TO_RANK,
+    ChannelError,
+    Failed,
+    RankChannel,
+    Ready,
+    Setup,
+    Step,
+    StepDone,
+    Stop,
+    StoreAddress,
+    decode,
+    encode,
+)
 from pd.worker.rank_join import RankListener, join
 from pd.worker.rank_setup import build_model, build_runner
 
@@ -119,7 +133,8 @@ class TensorParallelRanks:
         if config.parallel.ranks_here == self.size:
             path = os.path.join(self.store_dir, "store")
             return dist.FileStore(path, self.size), StoreAddress(path=path)
-        store = dist.TCPStore(config.parallel.host, 0, self.size, is_master=True, timeout=startup, wait_for_workers=False)
+        store = dist.TCPStore(config.parallel.host, 0, self.size, is_master=True, timeout=startup,
+                              wait_for_workers=False)
         return store, StoreAddress(host=config.parallel.host, port=store.port)
 
     def _spawn(self, rank: int) -> RankChannel:

@@ -13,11 +13,25 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from benchmarks.datasets import (LOW_TOKEN_ID, SampleRequest, ids_to_text, multi_turn_dataset,
-                                 prefix_repetition_dataset, random_dataset, sharegpt_dataset)
+from benchmarks.datasets import (
+    LOW_TOKEN_ID,
+    SampleRequest,
+    ids_to_text,
+    multi_turn_dataset,
+    prefix_repetition_dataset,
+    random_dataset,
+    sharegpt_dataset,
+)
 from benchmarks.serve import build_payload, main, parse_goodput, run_conversations
-from benchmarks.serve_metrics import (RequestRecord, arrival_intervals, compute_metrics, parse_prometheus,
-                                      peak_concurrency, send_offsets, server_metric_deltas)
+from benchmarks.serve_metrics import (
+    RequestRecord,
+    arrival_intervals,
+    compute_metrics,
+    parse_prometheus,
+    peak_concurrency,
+    send_offsets,
+    server_metric_deltas,
+)
 
 
 def record(start: float, ttft: float, itl: list[float], output_len: int, prompt_len: int = 10,

@@ -37,8 +37,8 @@ def test_installed_console_script() -> None:
 def test_generate_prints_one_json_object_per_prompt(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from pd.llm import LLM
     from pd.contracts.sampling_params import SamplingParams
+    from pd.llm import LLM
 
     model = tmp_path / "bamba"
     assert main(["make-model", "--arch", "bamba", "--out", str(model)]) == 0

@@ -42,7 +42,8 @@ def test_prometheus_loads_the_rules_with_the_scrape_config() -> None:
 def test_each_alert_fires_on_what_should_fire_it(tmp_path) -> None:
     done = subprocess.run([PROMTOOL, "test", "rules", str(UNIT_TESTS)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "SUCCESS" in done.stdout, done.stdout + done.stderr
-    tested = {t["alertname"] for test in yaml.safe_load(UNIT_TESTS.read_text())["tests"] for t in test["alert_rule_test"]}
+    tested = {t["alertname"] for test in yaml.safe_load(UNIT_TESTS.read_text())["tests"]
+              for t in test["alert_rule_test"]}
     assert tested == {rule["alert"] for rule in rules()}  # every alert has its case
     broken = tmp_path / "alerts.yml"  # the unit tests catch an alert that no longer fires
     broken.write_text(ALERTS.read_text().replace('result="mismatch"', 'result="tie"'))

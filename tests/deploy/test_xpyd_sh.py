@@ -126,7 +126,8 @@ def test_local_sh_stops_everything_when_interrupted(tmp_path) -> None:
         try:
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:  # say what it was doing (seen once, under a full CI run)
-            logs = {p.name: p.read_text()[-2000:] for p in [tmp_path / "local.log", *(tmp_path / "state").glob("*.log")]}
+            logs = {p.name: p.read_text()[-2000:]
+                    for p in [tmp_path / "local.log", *(tmp_path / "state").glob("*.log")]}
             alive_now = {p: alive(p) for p in pids}
             pytest.fail(f"local.sh still running 60 s after SIGINT; alive: {alive_now}; logs: {logs}")
     finally:

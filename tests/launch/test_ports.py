@@ -6,11 +6,10 @@ port 0 (a TP rank port), each failing a server's start."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
-
-import socket
 
 import pytest
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,8 @@ from pd.engine.core import EngineCore
 from pd.kv_transfer.signing import DEFAULT_ALLOWED_PEERS
 from pd.llm import LLM
 from pd.models.make_model import make_model
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("role, connector", [("both", "null"), ("prefill", "nixl"), ("decode", "nixl")])
@@ -116,12 +120,41 @@ def test_an_unknown_setting_is_named() -> None:
         EngineConfig.from_flat(model="m", kv_leese_seconds=5)
 
 
-def test_no_default_of_a_pd_setting_is_written_twice() -> None:
+PD_SETTINGS = {"lease_seconds", "read_timeout_s", "ucx_transports", "side_channel_port", "kv_load_failure_policy",
+               "kv_max_held_fraction", "skip_partial_groups_on_remote_prefill", "allowed_peers", "allow_unsigned"}
+DECLARED_IN = {"pd/kv_transfer/connector_config.py", "pd/config/settings.py"}
+
+
+def _absent(default: ast.expr | None) -> bool:
+    """No default, or None (the setting absent): not a second declaration of its value."""
+    return default is None or (isinstance(default, ast.Constant) and default.value is None)
+
+
+def defaults_given(path: Path) -> list[str]:
+    """`name: type = default` fields and `name=default` parameters of a PD setting's name."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and not _absent(node.value):
+            found += [node.target.id] if node.target.id in PD_SETTINGS else []
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args.posonlyargs + node.args.args
+            pairs = list(zip(args[len(args) - len(node.args.defaults):], node.args.defaults))
+            pairs += list(zip(node.args.kwonlyargs, node.args.kw_defaults))
+            found += [a.arg for a, default in pairs if a.arg in PD_SETTINGS and not _absent(default)]
+    return [f"{path.relative_to(ROOT)}: {name}" for name in found]
+
+
+def test_each_pd_setting_has_its_default_in_one_place() -> None:
     """The PD settings were once declared in three classes with their defaults; the
-    connector's and the NIXL worker's configs are now projections without defaults."""
+    connector's, the NIXL worker's and the scheduler's configs are now projections."""
     from connectors.nixl.worker import NixlWorkerConfig
     from pd.kv_transfer.connector_config import ConnectorConfig
 
-    transfer = {f.name for f in dataclasses.fields(TransferSettings)}
     assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(ConnectorConfig))
-    assert transfer.isdisjoint(f.name for f in dataclasses.fields(NixlWorkerConfig))
+    assert {f.name for f in dataclasses.fields(TransferSettings)}.isdisjoint(
+        f.name for f in dataclasses.fields(NixlWorkerConfig))
+    paths = [p for package in ("pd", "connectors", "proxy") for p in sorted((ROOT / package).rglob("*.py"))]
+    elsewhere = [hit for p in paths if str(p.relative_to(ROOT)) not in DECLARED_IN for hit in defaults_given(p)]
+    assert elsewhere == []
+    assert len([hit for p in paths if str(p.relative_to(ROOT)) in DECLARED_IN for hit in defaults_given(p)]) \
+        == len(PD_SETTINGS)  # each declared once where it belongs, so the walk sees defaults

@@ -12,11 +12,11 @@ import torch
 
 from pd.attention import cpu_kernels
 from pd.config import EngineConfig
+from pd.contracts.sampling_params import SamplingParams
 from pd.engine.core import EngineCore
 from pd.kv_cache.spec import FullAttentionSpec, MambaSpec
 from pd.llm import LLM
 from pd.models.make_model import make_model
-from pd.contracts.sampling_params import SamplingParams
 from pd.worker.rank_setup import connector_context, whole_kv_cache_config
 
 PROMPTS = [list(range(5, 75)), list(range(100, 140))]
@@ -74,7 +74,8 @@ def test_twice_the_tokens_fit_the_same_memory(tmp_path) -> None:
     m = make_model("qwen3", tmp_path / "q", seed=1)
     blocks = {}
     for c in ("auto", "fp8_e4m3"):
-        core = EngineCore(EngineConfig.from_flat(model=m, dtype="bfloat16", kv_cache_dtype=c, kv_cache_memory=32 << 20).resolve())
+        core = EngineCore(EngineConfig.from_flat(model=m, dtype="bfloat16", kv_cache_dtype=c,
+                                                 kv_cache_memory=32 << 20).resolve())
         blocks[c] = core.info().num_blocks
         core.shutdown()
     assert blocks["fp8_e4m3"] == 2 * blocks["auto"]

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pd.llm import LLM
 from pd.contracts.sampling_params import SamplingParams
+from pd.llm import LLM
 from tests.support.hf_reference import ARCHS, checkpoints, hf_logits, hf_models, random_prompts  # noqa: F401 (fixtures)
 
 TOLERANCE = 1e-3

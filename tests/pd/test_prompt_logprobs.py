@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pd.llm import LLM
-from pd.logprobs import PromptLogprobs
 from pd.contracts.request import Request
 from pd.contracts.sampling_params import SamplingParams
+from pd.llm import LLM
+from pd.logprobs import PromptLogprobs
 from tests.support.hf_reference import checkpoints, hf_logits, hf_models, random_prompts  # noqa: F401 (fixtures)
 
 K = 5

@@ -8,10 +8,10 @@ import sys
 import pytest
 
 from pd.attention import ATTENTION_BACKENDS
+from pd.contracts.connector_api import KVConnector, NullConnector
 from pd.kv_transfer.connectors import KV_CONNECTORS
 from pd.models.registry import MODELS
 from pd.registry import Registry
-from pd.contracts.connector_api import KVConnector, NullConnector
 
 
 def test_an_entry_is_imported_only_when_asked_for() -> None:

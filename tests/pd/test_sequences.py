@@ -10,8 +10,8 @@ import msgspec
 import pytest
 import torch
 
-from pd.llm import LLM
 from pd.contracts.sampling_params import SamplingParams
+from pd.llm import LLM
 from tests.support.hf_reference import ARCHS, checkpoints, hf_logits, hf_models, random_prompts  # noqa: F401 (fixtures)
 from tests.support.sampling_reference import brute_force_penalized
 

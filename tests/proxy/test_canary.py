@@ -50,7 +50,8 @@ def test_a_client_that_asked_for_token_ids_gets_the_stream_byte_for_byte() -> No
 
 
 def test_an_answer_s_token_ids_are_read_and_taken_out() -> None:
-    answer = {"choices": [{"index": 0, "text": "ab", "token_ids": [5, 6], "top_token_ids": [], "finish_reason": "stop"}],
+    answer = {"choices": [{"index": 0, "text": "ab", "token_ids": [5, 6], "top_token_ids": [],
+                           "finish_reason": "stop"}],
               "usage": {"prompt_tokens": 3}}
     tap = Tap(keep=False)
     out = json.loads(tap.body(json.dumps(answer).encode()))

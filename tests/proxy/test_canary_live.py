@@ -33,7 +33,8 @@ def send(front, k: int, rng: random.Random) -> dict:
     chat = k % 4 == 3
     body = {"max_tokens": 8, "ignore_eos": True, **({"temperature": 0} if k % 3 else {"temperature": 0.8, "seed": k})}
     if chat:
-        body["messages"] = [{"role": "user", "content": f"Question {k}: " + " ".join(str(rng.randrange(99)) for _ in range(30))}]
+        body["messages"] = [{"role": "user",
+                             "content": f"Question {k}: " + " ".join(str(rng.randrange(99)) for _ in range(30))}]
     else:
         body["prompt"] = [rng.randrange(300, 3000) for _ in range(40 + 7 * k)]
     if k % 5 == 0:

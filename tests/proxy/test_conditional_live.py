@@ -77,7 +77,7 @@ def conversation(deployment, reference, seed: int, first: int, turns: list[tuple
         if k:
             held = (len(prompt) + len(answer) - 1) // block  # full blocks of the last turn D computed or read
             prompt = prompt + answer + words(new)
-            assert wait_until(lambda: decode_blocks(front) >= held, 30), (decode_blocks(front), held)
+            assert wait_until(lambda held=held: decode_blocks(front) >= held, 30), (decode_blocks(front), held)
         before = paths(front)
         body = {"prompt": prompt, "max_tokens": ANSWER, "temperature": 0, "ignore_eos": True}
         got = stream(front, body) if k == streamed else complete(front, body)
@@ -122,7 +122,7 @@ def test_a_next_turn_whose_prefix_p_prefilled_reads_nothing_and_is_no_load_failu
     arch, block, p, d, front = deployment
     before = p.metrics()
     turns = [("disaggregated", 0), ("disaggregated+reuse", local_max(block) + 2 * block)]
-    for k, _, held in conversation(deployment, colocated[arch], 13, 4 * block + 4, turns, streamed=1):
+    for _ in conversation(deployment, colocated[arch], 13, 4 * block + 4, turns, streamed=1):
         pass
     after = p.metrics()
     failures = 'pd_kv_load_failures_total{policy="recompute"}'

@@ -14,6 +14,7 @@ import pytest
 from fastapi.responses import Response
 
 from launch import http_client
+from proxy.calls import Call, Prefilled
 from proxy.disagg import DISAGGREGATED, LOCAL, REUSE, choose_path, reuse_tokens
 from proxy.instances import Instance, InstancePool, Route
 from proxy.kv_index import KVIndex
@@ -21,10 +22,18 @@ from proxy.main import add_proxy_flags, proxy_config
 from proxy.metrics import ProxyMetrics
 from proxy.proxy_config import ProxyConfig
 from proxy.reuse import prefill_reusing
-from proxy.calls import Call, Prefilled
 from proxy.upstream import Upstream
-from tests.support.proxy_fakes import (COMPLETION, FakeServer, Reply, fake, fake_tokens, proxy_health, proxy_in_front,
-                                       proxy_metric, refusing_port)
+from tests.support.proxy_fakes import (
+    COMPLETION,
+    FakeServer,
+    Reply,
+    fake,
+    fake_tokens,
+    proxy_health,
+    proxy_in_front,
+    proxy_metric,
+    refusing_port,
+)
 
 BLOCK = 4
 

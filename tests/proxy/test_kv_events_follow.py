@@ -11,9 +11,9 @@ import httpx
 import pytest
 import zmq
 
-from launch import free_port, http_client
 from kv_events.hashing import HASH_NAME, extend_block_hashes
 from kv_events.messages import BlockStored, EventBatch, ReplayReply, encode, replay_request_decoder
+from launch import free_port, http_client
 from proxy.instances import Instance
 from proxy.kv_subscriber import _learn
 from tests.support.proxy_fakes import fake, fake_tokens, proxy_health, proxy_in_front, proxy_metric, wait_until

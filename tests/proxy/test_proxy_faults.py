@@ -10,8 +10,20 @@ import httpx
 import pytest
 
 from launch import http_client
-from tests.support.proxy_fakes import (FakeServer, Reply, closing_kept_alive, error, fake, hanging_up, proxy_health,
-                                       proxy_in_front, proxy_metric, refusing_port, vanishing, wait_until)
+from tests.support.proxy_fakes import (
+    FakeServer,
+    Reply,
+    closing_kept_alive,
+    error,
+    fake,
+    hanging_up,
+    proxy_health,
+    proxy_in_front,
+    proxy_metric,
+    refusing_port,
+    vanishing,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow  # seconds per test of real sockets, servers and timeouts
 BODY = {"prompt": "Hello there", "max_tokens": 4}

@@ -13,9 +13,9 @@ import pytest
 
 from launch import http_client
 from proxy.body import prefill_body, token_id_prompt
-from wire.body import DEFAULT_LIMIT as MAX_REQUEST_BYTES
 from proxy.main import add_proxy_flags, proxy_config
 from tests.support.proxy_fakes import STREAM_CHUNKS, fake, proxy_in_front, proxy_metric
+from wire.body import DEFAULT_LIMIT as MAX_REQUEST_BYTES
 
 KEY, SERVER_KEY = "client-secret", "server-secret"
 pytestmark = pytest.mark.slow  # seconds per test of real sockets, servers and timeouts

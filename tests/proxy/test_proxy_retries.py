@@ -12,8 +12,16 @@ import pytest
 
 from launch import http_client
 from proxy.answers import MAX_BACKOFF_S, backoff_s
-from tests.support.proxy_fakes import (Reply, error, fake, proxy_health, proxy_in_front, proxy_metric,
-                                       vanishing, wait_until)
+from tests.support.proxy_fakes import (
+    Reply,
+    error,
+    fake,
+    proxy_health,
+    proxy_in_front,
+    proxy_metric,
+    vanishing,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow  # seconds per test of real sockets, servers and timeouts
 BODY = {"prompt": "Hello there", "max_tokens": 4}

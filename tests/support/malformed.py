@@ -117,7 +117,8 @@ BAD_REQUESTS = {
     "guided_json a number": completion(prompt="x", guided_json=5),
     "guided_json not JSON": completion(prompt="x", guided_json="{not json"),
     "guided_json an unknown type": completion(prompt="x", guided_json={"type": "foo"}),
-    "guided_json a keyword it cannot enforce": completion(prompt="x", guided_json={"type": "array", "uniqueItems": True}),
+    "guided_json a keyword it cannot enforce": completion(prompt="x", guided_json={
+        "type": "array", "uniqueItems": True}),
     "guided_regex unclosed": completion(prompt="x", guided_regex="(ab"),
     "guided_choice empty": completion(prompt="x", guided_choice=[]),
     "guided_choice of numbers": completion(prompt="x", guided_choice=[1, 2]),
@@ -134,7 +135,8 @@ BAD_REQUESTS = {
         "do_remote_decode": True}),
     "kv_transfer_params not a dict": completion(prompt="x", kv_transfer_params=[1]),
     "kv_transfer_params unknown field": completion(prompt="x", kv_transfer_params={"note": 1}),
-    "kv_transfer_params remote prefill incomplete": completion(prompt="x", kv_transfer_params={"do_remote_prefill": True}),
+    "kv_transfer_params remote prefill incomplete": completion(prompt="x", kv_transfer_params={
+        "do_remote_prefill": True}),
     "kv_transfer_params port not a number": completion(prompt="x", kv_transfer_params={
         "do_remote_prefill": True, "remote_engine_id": "e", "remote_host": "127.0.0.1", "remote_port": "abc",
         "remote_request_id": "r", "remote_block_ids": [[1]], "num_prompt_tokens": 1, "first_token_ids": [5],
@@ -148,7 +150,8 @@ BAD_REQUESTS = {
     "unknown role": chat(messages=[{"role": "wizard", "content": "hi"}]),
     "content wrong type": chat(messages=[{"role": "user", "content": 5}]),
     "content null": chat(messages=[{"role": "user", "content": None}]),
-    "content image part": chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+    "content image part": chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]),
     "content missing": chat(messages=[{"role": "user"}]),
     "content too many characters": chat(messages=[{"role": "user", "content": "x" * ((4 << 20) // 2)}]),
     "max_completion_tokens zero": chat(messages=USER, max_completion_tokens=0),

@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from launch import http_client
 from proxy.app import build_proxy_app
-from tests.support.server_harness import wait_until  # noqa: F401  (the proxy tests' too)
 from proxy.proxy_config import ProxyConfig
+from tests.support.server_harness import wait_until  # noqa: F401  (the proxy tests' too)
 
 START_TIMEOUT_S = 10.0
 STREAM_CHUNKS = [b'data: {"choices": [{"text": "caf\xc3\xa9"}]}\n\n', b'data: {"choices": [{"text": " ok"}]}\n\n',

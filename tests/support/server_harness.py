@@ -10,8 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from launch import (Launched, free_port, http_client, pd_command, running, stop_process,  # noqa: F401
-                    terminate_all, wait_started)
+from launch import Launched, free_port, http_client, pd_command, running, stop_process, terminate_all, wait_started  # noqa: F401
 
 ARCHS = ["qwen3", "gemma3", "bamba", "granitehybrid"]
 # A bound on waiting for a server to reach a state, generous: the suite runs on two
@@ -67,8 +66,8 @@ def _running(name: str, log_path: Path, ready: Callable[[int | None], bool], *ar
         yield launched
 
 
-def running_server(model_dir: Path, log_path: Path, *args: str, port: int | None = None,
-                   wait: bool = True, env: dict[str, str] | None = None) -> contextlib.AbstractContextManager[ServerProcess]:
+def running_server(model_dir: Path, log_path: Path, *args: str, port: int | None = None, wait: bool = True,
+                   env: dict[str, str] | None = None) -> contextlib.AbstractContextManager[ServerProcess]:
     """`pd serve --model model_dir *args`, yielded once healthy (on `port`, or a free
     one). One torch thread each: several servers share this machine's cores, and
     oversubscribed threads spin (the tests check behaviour, not speed)."""

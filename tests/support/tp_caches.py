@@ -39,7 +39,8 @@ def share(total: int, tp: int, rank: int) -> tuple[int, int]:
     return rank * total // tp, 1
 
 
-def rank_cache(tp: int, rank: int, layout: str, num_blocks: int = NUM_BLOCKS) -> tuple[KVCacheAllocation, CanonicalKVCaches]:
+def rank_cache(tp: int, rank: int, layout: str,
+               num_blocks: int = NUM_BLOCKS) -> tuple[KVCacheAllocation, CanonicalKVCaches]:
     """What rank `rank` of `tp` holds: its heads of every group, one page size."""
     full_first, full_n = share(KV_HEADS, tp, rank)
     sliding_first, sliding_n = share(SLIDING_HEADS, tp, rank)

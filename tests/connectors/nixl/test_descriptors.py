@@ -14,8 +14,8 @@ def test_paired_runs_matches_a_brute_force_split() -> None:
         local = [rng.choice([0, rng.randint(1, 20)]) for _ in range(n)]
         remote = [rng.choice([0, rng.randint(1, 20)]) for _ in range(n)]
         runs = paired_runs(local, remote)
-        expanded = [(l + i, r + i) for l, r, k in runs for i in range(k)]
-        assert expanded == [(l, r) for l, r in zip(local, remote) if l and r]
+        expanded = [(lb + i, rb + i) for lb, rb, k in runs for i in range(k)]
+        assert expanded == [(lb, rb) for lb, rb in zip(local, remote) if lb and rb]
         for (l0, r0, k0), (l1, r1, _) in zip(runs, runs[1:]):  # maximal: no two runs could merge
             assert (l0 + k0, r0 + k0) != (l1, r1)
 

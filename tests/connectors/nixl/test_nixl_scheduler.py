@@ -13,14 +13,14 @@ import pytest
 
 from connectors.nixl.scheduler import NixlConnectorScheduler, ReqToSend
 from pd.config import SchedulerConfig, SchedulerSettings
-from pd.kv_cache.kv_cache_manager import KVCacheManager
-from pd.kv_cache.layout import make_kv_cache_config
-from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
-from pd.kv_transfer.params import RemoteDecodeParams, RemotePrefillParams
 from pd.contracts.connector_api import KVConnectorOutput
 from pd.contracts.outputs import ModelRunnerOutput
 from pd.contracts.request import Request, RequestStatus
 from pd.contracts.sampling_params import SamplingParams
+from pd.kv_cache.kv_cache_manager import KVCacheManager
+from pd.kv_cache.layout import make_kv_cache_config
+from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from pd.kv_transfer.params import RemoteDecodeParams, RemotePrefillParams
 from pd.scheduling.scheduler import Scheduler
 
 BLOCK = 16
@@ -52,8 +52,8 @@ def make_side(model: str, engine_id: str, clock: Clock):
     kv = KVCacheManager(config, True, 1024)
     sizes = config.block_sizes
     connector = NixlConnectorScheduler(engine_id, "127.0.0.1", 5555, sizes, lease_seconds=30, clock=clock)
-    scheduler = Scheduler(SchedulerConfig(SchedulerSettings(8, 64, kv_max_held_fraction=1.0, reserve_growth_tokens=0), 1024, frozenset()), kv,
-                          connector)
+    scheduler = Scheduler(SchedulerConfig(SchedulerSettings(8, 64, kv_max_held_fraction=1.0, reserve_growth_tokens=0),
+                                          1024, frozenset()), kv, connector)
     return scheduler, kv, connector
 
 
@@ -90,7 +90,8 @@ def test_p_keeps_the_blocks_under_a_lease_and_hands_out_their_ids(model: str) ->
     lease = run_step(p)[0].kv_connector_metadata.reqs_to_send  # queued at finish, sent next step
     assert lease == [ReqToSend("p1", clock.now + 30)]
     run_step(p, connector_output=KVConnectorOutput(finished_sending={"p1"}))
-    assert "p1" not in p.remote_kv.delayed_free and p_kv.usage == 0.0 and held.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    assert "p1" not in p.remote_kv.delayed_free and p_kv.usage == 0.0 and \
+        held.status is RequestStatus.FINISHED_LENGTH_CAPPED
     p_kv.check_integrity()
 
 
@@ -209,7 +210,8 @@ def test_p_refuses_prefills_for_decode_servers_past_its_held_share_and_a_release
     kv = KVCacheManager(config, True, 1024)
     connector = NixlConnectorScheduler("P", "127.0.0.1", 5555, [BLOCK], lease_seconds=30, clock=Clock())
     limit = 0.01
-    p = Scheduler(SchedulerConfig(SchedulerSettings(8, 4096, kv_max_held_fraction=limit, reserve_growth_tokens=0), 1024, frozenset()), kv, connector)
+    p = Scheduler(SchedulerConfig(SchedulerSettings(8, 4096, kv_max_held_fraction=limit, reserve_growth_tokens=0),
+                                  1024, frozenset()), kv, connector)
     prompts = [list(range(100 + 200 * i, 100 + 200 * i + 8 * BLOCK)) for i in range(40)]
     held = 0
     for i, prompt in enumerate(prompts):

@@ -50,7 +50,7 @@ def test_d_reads_the_blocks_and_p_frees_on_the_notification(pair) -> None:
     poller = Poller(p, d)
     poller.until(lambda x: x.recved["D"] and x.sent["P"])
     assert poller.recved["D"] == {"d1"} and poller.sent["P"] == {"p1"}
-    for local_ids, remote_ids, group in zip(local, remote, (0, 1)):
+    for local_ids, remote_ids in zip(local, remote):
         for lb, rb in zip(local_ids, remote_ids):
             if lb:
                 page = CONFIG.page_size_bytes * 2  # two layers per group: one contiguous range

@@ -8,12 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connectors.nixl.peer_messages import (
+    MAX_RANKS,
     DataRefInfo,
     HandshakeError,
     HandshakeRequest,
     HandshakeResponse,
     KVLayoutInfo,
-    MAX_RANKS,
     MessageDecodeError,
     NotifDecodeError,
     PieceInfo,

@@ -91,7 +91,7 @@ def test_decode_ranks_read_their_heads_from_prefill_ranks(p_tp: int, d_tp: int) 
             taken = [set(), set(), set()]
             descriptors, moved = 0, 0
             try:
-                for p_rank, (_, _, port) in enumerate(peers):
+                for _, _, port in peers:
                     response = fetch_remote_layout("127.0.0.1", port, HandshakeRequest(transport.engine_id, HASH), 10.0)
                     peer = transport.add_peer(response, expected_compat_hash=HASH)
                     handle = transport.start_read(peer, [list(b) for b in BLOCKS], [list(b) for b in BLOCKS],

@@ -22,6 +22,7 @@ import msgspec
 import pytest
 import torch
 
+from connectors.nixl.descriptors import paired_runs
 from connectors.nixl.handshake import HandshakeFailed, SideChannelServer, fetch_remote_layout
 from connectors.nixl.peer_messages import (
     HandshakeError,
@@ -32,7 +33,6 @@ from connectors.nixl.peer_messages import (
     decode_notif,
     encode_notif,
 )
-from connectors.nixl.descriptors import paired_runs
 from connectors.nixl.transport import IncompatiblePeer, NixlTransport, TransferHandle, TransportError
 from connectors.nixl.ucx import configure_ucx
 from pd.kv_cache.allocation import KVCacheAllocation, allocate_kv_caches
@@ -203,14 +203,14 @@ def expected_after_read(s: Setup, before: list[torch.Tensor]) -> list[tuple[torc
     allowed = [b.clone() for b in before]
     caches = s.d_alloc.describe()
     for g, (lids, rids) in enumerate(zip(LOCAL, REMOTE)):
-        pairs = [(l, r) for l, r in zip(lids, rids) if l and r]
+        pairs = [(lb, rb) for lb, rb in zip(lids, rids) if lb and rb]
         for ref in caches.group_data_refs[g]:
             t, start, end = ref.tensor_idx, ref.offset_bytes, ref.offset_bytes + ref.page_size_bytes
-            for i, (l, r) in enumerate(pairs):
-                expected[t][l, start:end] = allowed[t][l, start:end] = source[t][r, start:end]
-                if i + 1 < len(pairs) and pairs[i + 1] == (l + 1, r + 1):  # inside a run
-                    allowed[t][l, end:] = source[t][r, end:]
-                    allowed[t][l + 1, :start] = source[t][r + 1, :start]
+            for i, (lb, rb) in enumerate(pairs):
+                expected[t][lb, start:end] = allowed[t][lb, start:end] = source[t][rb, start:end]
+                if i + 1 < len(pairs) and pairs[i + 1] == (lb + 1, rb + 1):  # inside a run
+                    allowed[t][lb, end:] = source[t][rb, end:]
+                    allowed[t][lb + 1, :start] = source[t][rb + 1, :start]
     return list(zip(expected, allowed))
 
 
@@ -295,7 +295,8 @@ def test_add_peer_rejects_other_shapes_and_hashes(setup: Setup) -> None:
     refs = [list(r) for r in renamed.group_data_refs]
     refs[2][0] = msgspec.structs.replace(refs[2][0], page_size_bytes=refs[2][0].page_size_bytes // 2)
     with pytest.raises(IncompatiblePeer, match="group 2"):  # a layout that names no heads: pages must match
-        setup.d.add_peer(HandshakeResponse(b"", msgspec.structs.replace(renamed, group_data_refs=refs, group_pieces=[])))
+        setup.d.add_peer(HandshakeResponse(b"", msgspec.structs.replace(renamed, group_data_refs=refs,
+                                                                        group_pieces=[])))
     assert "X" not in setup.d.peers
 
 

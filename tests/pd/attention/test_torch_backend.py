@@ -18,12 +18,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pd.attention import cpu_kernels, get_attention_backend
+from pd.attention import cpu_kernels, get_attention_backend, torch_backend
 from pd.attention.backend import CommonAttentionMetadata
-from pd.attention import torch_backend
 from pd.attention.torch_backend import TorchAttentionBackend, TorchAttentionImpl, TorchAttentionMetadata
-from pd.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
 from pd.kv_cache.allocation import allocate_kv_caches
+from pd.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup
 from tests.support.attention_builders import require_native_kernel, torch_threads
 
 SCALE = 0.37  # not 1/sqrt(D): the caller's scale must be the one used
@@ -192,7 +191,8 @@ class Harness:
         blocks = d.blocks.view(-1, d.blocks_per_req)
         slots = (blocks[:, :, None] * bs + torch.arange(bs, device=blocks.device)).flatten(1)
         seen = ~d.hidden
-        for row_blocks, row_slots, row_seen, (req, f) in zip(blocks.tolist(), slots.tolist(), seen.tolist(), decodes, strict=True):
+        for row_blocks, row_slots, row_seen, (req, f) in zip(blocks.tolist(), slots.tolist(), seen.tolist(), decodes,
+                                                             strict=True):
             assert set(row_blocks) <= set(req.blocks[f // bs : req.done // bs + 1])  # whole blocks, none outside
             visible = {req.blocks[q // bs] * bs + q % bs for q in range(f, req.done + 1)}
             assert {slot for slot, ok in zip(row_slots, row_seen) if ok} == visible

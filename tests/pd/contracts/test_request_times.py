@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 from pd.config import SchedulerConfig, SchedulerSettings
-from pd.kv_cache.kv_cache_manager import KVCacheManager
-from pd.kv_cache.layout import make_kv_cache_config
-from pd.kv_cache.spec import FullAttentionSpec
 from pd.contracts.connector_api import NullConnectorScheduler
 from pd.contracts.outputs import ModelRunnerOutput
 from pd.contracts.request import Request
 from pd.contracts.sampling_params import SamplingParams
+from pd.kv_cache.kv_cache_manager import KVCacheManager
+from pd.kv_cache.layout import make_kv_cache_config
+from pd.kv_cache.spec import FullAttentionSpec
 from pd.scheduling.scheduler import Scheduler
 
 EOS, BLOCK = 2, 4

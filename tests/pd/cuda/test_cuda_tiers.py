@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from pd.llm import LLM
 from pd.contracts.sampling_params import SamplingParams
+from pd.llm import LLM
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 

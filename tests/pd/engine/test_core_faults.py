@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from pd.config import EngineConfig
-from pd.engine.core import EngineCore
-from pd.models.make_model import make_model
 from pd.contracts.request import Request
 from pd.contracts.sampling_params import SamplingParams
+from pd.engine.core import EngineCore
+from pd.models.make_model import make_model
 
 POISON = 4000  # a token id the patched model refuses
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -19,7 +19,8 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def core(tmp_path_factory) -> EngineCore:
     model = make_model("qwen3", tmp_path_factory.mktemp("core_faults") / "qwen3")
-    core = EngineCore(EngineConfig.from_flat(model=model, max_model_len=256, kv_cache_memory=8 << 20, num_threads=1).resolve())
+    core = EngineCore(EngineConfig.from_flat(model=model, max_model_len=256, kv_cache_memory=8 << 20,
+                                             num_threads=1).resolve())
     yield core
     core.shutdown()
 

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from pd.config import EngineConfig
+from pd.contracts.sampling_params import SamplingParams
 from pd.engine.client import EngineClient, EngineDeadError, EngineStartupError
 from pd.engine.ipc_messages import EngineRequest, RequestOutput
 from pd.llm import LLM
 from pd.models.make_model import make_model
-from pd.contracts.sampling_params import SamplingParams
 
 ENGINE_ARGS = {"kv_cache_memory": 32 << 20, "max_model_len": 512}
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -261,8 +261,8 @@ def test_shutdown_stops_the_process(config, prompts):
 
 def test_token_ids_outside_the_vocabulary_are_refused_not_computed(engine, prompts, reference):
     """Before they were checked here, such a request reached the model and killed the core."""
-    from pd.kv_transfer.params import RemotePrefillParams
     from pd.engine.client import RequestRefusedError
+    from pd.kv_transfer.params import RemotePrefillParams
 
     vocab = engine.info.vocab_size
     first_out_of_vocab = RemotePrefillParams(True, "p", "127.0.0.1", 1, "p1", [[1]], len(prompts[0]), [vocab], 16)

@@ -9,9 +9,16 @@ import time
 import pytest
 import zmq
 
+from kv_events.messages import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ReplayRequest,
+    batch_decoder,
+    encode,
+    replay_reply_decoder,
+)
 from launch import free_port
-from kv_events.messages import (AllBlocksCleared, BlockRemoved, BlockStored, ReplayRequest, batch_decoder, encode,
-                                replay_reply_decoder)
 from pd.engine.kv_event_publisher import KVEventPublisher
 
 HASHES = [bytes([k]) * 32 for k in range(8)]
@@ -116,7 +123,7 @@ def test_a_reply_holds_a_bounded_run_of_batches_and_the_client_asks_on(publisher
 
     publisher, sub, dealer = publisher
     publisher.buffer = type(publisher.buffer)(maxlen=100)
-    for k in range(10):
+    for _ in range(10):
         publisher.publish([BlockStored(HASHES[:1], None, 16, 0)])
     size = len(encode(publisher.buffer[0][0]))
     monkeypatch.setattr(kv_event_publisher, "MAX_REPLY_BYTES", 3 * size)

@@ -9,10 +9,10 @@ import resource
 import pytest
 import torch
 
-from pd.llm import LLM
-from pd.models.make_model import make_model
 from pd.contracts.request import Request
 from pd.contracts.sampling_params import SamplingParams
+from pd.llm import LLM
+from pd.models.make_model import make_model
 
 
 def minor_faults() -> int:

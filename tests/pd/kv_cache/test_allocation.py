@@ -5,6 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pd.kv_cache.allocation import (
+    AttentionCache,
+    KVCacheAllocation,
+    MambaCache,
+    allocate_kv_caches,
+    torch_dtype,
+)
 from pd.kv_cache.spec import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -12,13 +19,6 @@ from pd.kv_cache.spec import (
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
-)
-from pd.kv_cache.allocation import (
-    AttentionCache,
-    KVCacheAllocation,
-    MambaCache,
-    allocate_kv_caches,
-    torch_dtype,
 )
 
 NUM_BLOCKS = 6
@@ -110,9 +110,10 @@ def test_a_blocks_views_tile_its_region_without_overlap(name: str, layout: str) 
                     base = alloc.buffers[buf_idx].data_ptr()
                     assert all(_in_ranges(base + o, ranges) for o in (offsets[0], offsets[-1]))
             row = alloc.buffers[0].shape[1]
-            for buf_idx, offsets in seen.items():
+            for offsets in seen.values():
                 layers = 1 if layout == "per-layer" else len(group.layer_names)
-                assert sorted(offsets) == list(range(block * row, block * row + layers * group.spec.real_page_size_bytes))
+                assert sorted(offsets) == list(range(block * row,
+                                                     block * row + layers * group.spec.real_page_size_bytes))
 
 
 def _head_slices(cache: AttentionCache | MambaCache, spec: KVCacheSpec, head: int) -> list[torch.Tensor]:

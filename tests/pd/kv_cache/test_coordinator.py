@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kv_events.hashing import extend_block_hashes
 from pd.kv_cache.block_pool import KVCacheBlock
 from pd.kv_cache.coordinator import (
     HybridKVCacheCoordinator,
     NoPrefixCacheCoordinator,
     UnitaryKVCacheCoordinator,
 )
-from kv_events.hashing import extend_block_hashes
 from pd.kv_cache.spec import (
     FullAttentionSpec,
     KVCacheConfig,

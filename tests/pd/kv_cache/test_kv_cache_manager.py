@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_events.messages import AllBlocksCleared, BlockStored
+from pd.contracts.request import Request
 from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_cache.layout import make_kv_cache_config
-from pd.kv_transfer.params import RemotePrefillParams
 from pd.kv_cache.spec import (
     FullAttentionSpec,
     KVCacheSpec,
@@ -29,7 +29,7 @@ from pd.kv_cache.spec import (
     SlidingWindowSpec,
     cdiv,
 )
-from pd.contracts.request import Request
+from pd.kv_transfer.params import RemotePrefillParams
 
 BLOCK = 16
 

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from pd.kv_cache.row_order import Piece, pieces, transfer_runs
-from tests.support.tp_caches import (FULL, LAYERS, MAMBA, SLIDING, copy_pieces, expected_views, fill, rank_cache,
-                                     views)
+from tests.support.tp_caches import FULL, LAYERS, MAMBA, SLIDING, copy_pieces, expected_views, fill, rank_cache, views
 
 BLOCKS = ([1, 2], [3], [4])  # per group: a block is one group's at a time, its row that group's region
 

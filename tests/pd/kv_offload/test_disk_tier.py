@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from pd.contracts.sampling_params import SamplingParams
 from pd.kv_offload import disk
 from pd.llm import LLM
 from pd.models.make_model import make_model
-from pd.contracts.sampling_params import SamplingParams
 from tests.support.server_harness import ARCHS
 
 # bytes of KV cache holding one 512-token request and little more, per family

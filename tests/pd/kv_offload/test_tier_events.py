@@ -10,8 +10,8 @@ import zmq
 
 from kv_events.messages import BlockRemoved, BlockStored, EventBatch, ReplayRequest, encode, replay_reply_decoder
 from launch import free_port
-from pd.llm import LLM
 from pd.contracts.sampling_params import SamplingParams
+from pd.llm import LLM
 from tests.support.pd_client import complete
 from tests.support.server_harness import running_server
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from pd.kv_transfer.compat import compat_hash
 
-
-
 HASH_ARGS = dict(model_id="tiny-qwen3", weights="0f" * 16, quantization="none", dtype="bfloat16",
                  block_sizes=[16, 16], layout="canonical",
                  group_specs_repr=["FullAttentionSpec(block_size=16)", "SlidingWindowSpec(window=8)"])

@@ -103,8 +103,8 @@ def test_params_that_are_not_an_object_are_refused(raw) -> None:
 
 def test_one_tagged_union_from_the_server_to_the_engine() -> None:
     """EngineRequest carries either kind in one field; the tag stays out of the JSON."""
-    from pd.engine.ipc_messages import EngineRequest, input_decoder
     from pd.contracts.sampling_params import SamplingParams
+    from pd.engine.ipc_messages import EngineRequest, input_decoder
 
     for params in (parse_transfer_params(GOOD), RemoteDecodeParams(True), None):
         request = EngineRequest.create("r", [1, 2], SamplingParams(), params)

@@ -6,7 +6,13 @@ import msgspec
 import pytest
 
 from pd.kv_transfer.params import RemotePrefillParams
-from pd.kv_transfer.signing import TransferParamsGuard, TransferParamsRefused, prompt_digest, sign
+from pd.kv_transfer.signing import (
+    DEFAULT_ALLOWED_PEERS,
+    TransferParamsGuard,
+    TransferParamsRefused,
+    prompt_digest,
+    sign,
+)
 
 SECRET = "s3cret"
 PROMPT = list(range(100, 140))
@@ -19,8 +25,9 @@ def params(**changes) -> RemotePrefillParams:
     return msgspec.structs.replace(base, **changes)
 
 
-def guard(secret: str | None = SECRET, **kwargs) -> TransferParamsGuard:
-    return TransferParamsGuard(secret, wall_clock=lambda: NOW, **kwargs)
+def guard(secret: str | None = SECRET, allowed_peers: tuple[str, ...] = DEFAULT_ALLOWED_PEERS,
+          **kwargs) -> TransferParamsGuard:
+    return TransferParamsGuard(secret, allowed_peers, wall_clock=lambda: NOW, **kwargs)
 
 
 def test_signed_parameters_pass_once() -> None:
@@ -31,9 +38,9 @@ def test_signed_parameters_pass_once() -> None:
         check.check(signed, PROMPT)
 
 
-@pytest.mark.parametrize("change", [{"remote_host": "127.0.0.9"}, {"remote_port": 5556}, {"remote_block_ids": [[1, 2, 4]]},
-                                    {"remote_request_id": "cmpl-2"}, {"first_token_ids": [8]},
-                                    {"lease_expires_at": NOW + 3600}])
+@pytest.mark.parametrize("change", [{"remote_host": "127.0.0.9"}, {"remote_port": 5556},
+                                    {"remote_block_ids": [[1, 2, 4]]}, {"remote_request_id": "cmpl-2"},
+                                    {"first_token_ids": [8]}, {"lease_expires_at": NOW + 3600}])
 def test_any_changed_field_breaks_the_signature(change) -> None:
     forged = msgspec.structs.replace(sign(params(), SECRET), **change)
     with pytest.raises(TransferParamsRefused, match="does not match"):
@@ -76,7 +83,7 @@ def test_the_digest_depends_on_every_token() -> None:
 
 def test_used_signatures_are_forgotten_once_their_lease_ended() -> None:
     clock = [NOW]
-    check = TransferParamsGuard(SECRET, wall_clock=lambda: clock[0])
+    check = TransferParamsGuard(SECRET, DEFAULT_ALLOWED_PEERS, wall_clock=lambda: clock[0])
     for i in range(5):
         check.check(sign(params(remote_request_id=f"cmpl-{i}", lease_expires_at=NOW + 10 + i), SECRET), PROMPT)
     assert len(check._seen) == 5

@@ -69,8 +69,8 @@ def test_auto_dtype_is_the_checkpoints_own_or_bfloat16_for_a_gguf(tmp_path, monk
 def test_a_qwen3_gguf_loads_the_same_model_as_its_hf_folder(tmp_path, quantized) -> None:
     import torch
 
-    from pd.models.model_config import ModelConfig
     from pd.models.loader import load_model
+    from pd.models.model_config import ModelConfig
 
     folder = make_model("qwen3", tmp_path / "qwen3", seed=1)
     path = tmp_path / "qwen3.gguf"

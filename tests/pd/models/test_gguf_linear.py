@@ -13,12 +13,12 @@ from torch import nn
 from pd import native
 from pd.config import EngineConfig
 from pd.distributed.shard import TPShard
-from pd.models.loader import load_model
-from pd.models.model_config import ModelConfig
-from pd.worker.rank_setup import build_model
 from pd.models import gguf_linear
 from pd.models.gguf_linear import TYPES, Blocks, pack, quantize_activations, unpack
+from pd.models.loader import load_model
 from pd.models.make_model import make_model
+from pd.models.model_config import ModelConfig
+from pd.worker.rank_setup import build_model
 from tests.support.gguf_files import write_qwen3_gguf
 
 # Where each type keeps its float16 scales, per block: (block bytes, offsets of float16 fields).
@@ -132,7 +132,8 @@ def test_a_gguf_model_computes_its_linears_from_the_blocks(q8_gguf, native, monk
         monkeypatch.setattr(gguf_linear, "_library", lambda plain=False: None)
     elif gguf_linear._library() is None:
         pytest.skip("no native kernels here")
-    _, model = build_model(EngineConfig.from_flat(model=q8_gguf, dtype="bfloat16", quantization="gguf").resolve(), TPShard(), "cpu")
+    _, model = build_model(EngineConfig.from_flat(model=q8_gguf, dtype="bfloat16", quantization="gguf").resolve(),
+                           TPShard(), "cpu")
     reference = load_model(ModelConfig.from_dir(q8_gguf, "float32", 64))
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert {len(m.gguf_segments) for m in linears.values()} == {1, 2, 3}  # gate/up and q/k/v: a segment a part

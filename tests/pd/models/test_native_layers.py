@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pd.contracts.sampling_params import SamplingParams
 from pd.llm import LLM
 from pd.models import fused
 from pd.models.make_model import make_model
 from pd.models.native_layers import LayerPlan
-from pd.contracts.sampling_params import SamplingParams
 
 PROMPTS = [list(range(5, 75)), list(range(100, 140)), [7, 8, 9]]
 

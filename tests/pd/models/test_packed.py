@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
+from pd.models import packed as packed_module
 from pd.models.loader import load_model
 from pd.models.make_model import make_model
 from pd.models.model_config import ModelConfig
-from pd.models import packed as packed_module
 from pd.models.packed import pack_linears, packing_supported
 from tests.support.model_runs import run_prompt
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pd.llm import LLM
-from pd.models.packed import widens
-from pd.models.gguf import GGUFModel
 from pd.contracts.sampling_params import SamplingParams
+from pd.llm import LLM
+from pd.models.gguf import GGUFModel
+from pd.models.packed import widens
 from pd.tokenizer import Tokenizer
 from tests.support.gguf_reference import assert_same_as_the_reference
 from tests.support.real_gemma import PROMPTS, gguf_reader, hf_gemma

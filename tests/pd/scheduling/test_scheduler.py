@@ -15,14 +15,14 @@ import random
 import pytest
 
 from pd.config import SchedulerConfig, SchedulerSettings
-from pd.kv_cache.kv_cache_manager import KVCacheManager
-from pd.kv_cache.layout import make_kv_cache_config
-from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
-from pd.kv_transfer.params import RemotePrefillParams
 from pd.contracts.connector_api import KVConnectorScheduler, NullConnectorScheduler
 from pd.contracts.outputs import ModelRunnerOutput, SchedulerOutput
 from pd.contracts.request import Request, RequestStatus
 from pd.contracts.sampling_params import SamplingParams
+from pd.kv_cache.kv_cache_manager import KVCacheManager
+from pd.kv_cache.layout import make_kv_cache_config
+from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from pd.kv_transfer.params import RemotePrefillParams
 from pd.scheduling.scheduler import Scheduler
 
 BLOCK = 16
@@ -83,7 +83,8 @@ def make_scheduler(specs, num_blocks_memory: int, max_num_seqs=8, max_tokens_per
                    max_model_len=512, caching=True):
     kv_config = make_kv_cache_config(specs, num_blocks_memory, max_model_len)
     kv = KVCacheManager(kv_config, caching, max_model_len)
-    config = SchedulerConfig(SchedulerSettings(max_num_seqs, max_tokens_per_step, reserve_growth_tokens=0), max_model_len, frozenset({EOS}))
+    config = SchedulerConfig(SchedulerSettings(max_num_seqs, max_tokens_per_step, reserve_growth_tokens=0),
+                             max_model_len, frozenset({EOS}))
     return Scheduler(config, kv, NullConnectorScheduler()), kv
 
 
@@ -166,7 +167,8 @@ def test_eos_and_stop_token_ids_finish_a_request() -> None:
 
 def test_eos_is_ignored_with_ignore_eos() -> None:
     scheduler, kv = make_scheduler({"l0": attn()}, 10**7)
-    scheduler.config = SchedulerConfig(SchedulerSettings(8, 64, reserve_growth_tokens=0), 512, frozenset({toy_next_token([1, 2])}))
+    scheduler.config = SchedulerConfig(SchedulerSettings(8, 64, reserve_growth_tokens=0), 512,
+                                       frozenset({toy_next_token([1, 2])}))
     a = Request("a", [1, 2], SamplingParams(max_tokens=3))
     b = Request("b", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
     run_all(scheduler, kv, [a, b])
@@ -202,7 +204,8 @@ def test_abort_frees_blocks_wherever_the_request_is() -> None:
     scheduler.update_from_output(so, runner.execute(so))
     assert a.status is RequestStatus.RUNNING and b.status is RequestStatus.WAITING
     outputs = scheduler.abort_requests(["b", "a", "unknown"])
-    assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in outputs] == [("b", "abort", []), ("a", "abort", [])]
+    assert [(o.request_id, o.finish_reason, o.new_token_ids) for o in outputs] == \
+        [("b", "abort", []), ("a", "abort", [])]
     assert a.status is RequestStatus.FINISHED_ABORTED and not scheduler.has_work
     assert kv.usage == 0.0
     kv.check_integrity()
@@ -212,7 +215,8 @@ def test_abort_frees_blocks_wherever_the_request_is() -> None:
 
 def prefill_chunks(request: Request, mamba_block_size: int | None) -> list[int]:
     scheduler, kv = make_scheduler({"m0": ssm(), "a0": attn()}, 10**7, max_tokens_per_step=40)
-    scheduler.config = SchedulerConfig(SchedulerSettings(8, 40, reserve_growth_tokens=0), 512, frozenset(), mamba_block_size=mamba_block_size)
+    scheduler.config = SchedulerConfig(SchedulerSettings(8, 40, reserve_growth_tokens=0), 512, frozenset(),
+                                       mamba_block_size=mamba_block_size)
     runner = ToyRunner(kv, scheduler.config)
     scheduler.add_request(request)
     chunks = []
@@ -287,7 +291,8 @@ def test_remote_kv_parks_the_request_until_it_lands(fail: bool) -> None:
     kv_config = make_kv_cache_config(specs, 10**7, 512)
     kv = KVCacheManager(kv_config, True, 512)
     connector = ToyRemoteConnector(num_external=40, delay_steps=2, fail=fail)
-    scheduler = Scheduler(SchedulerConfig(SchedulerSettings(8, 64, reserve_growth_tokens=0), 512, frozenset()), kv, connector)
+    scheduler = Scheduler(SchedulerConfig(SchedulerSettings(8, 64, reserve_growth_tokens=0), 512, frozenset()),
+                          kv, connector)
     runner = ToyRunner(kv, scheduler.config)
     prompt = list(range(10, 50)) + [99]
     params = remote_prefill(len(prompt), toy_next_token(prompt))  # P sampled the first token: D continues from it
@@ -314,7 +319,8 @@ def test_remote_kv_parks_the_request_until_it_lands(fail: bool) -> None:
 def test_remote_kv_not_verified_as_the_prompts_serves_its_request_but_enters_no_prefix_cache(verified) -> None:
     kv = KVCacheManager(make_kv_cache_config({"l0": attn()}, 10**7, 512), True, 512)
     connector = ToyRemoteConnector(num_external=40, delay_steps=1, verified=verified)
-    scheduler = Scheduler(SchedulerConfig(SchedulerSettings(8, 64, reserve_growth_tokens=0), 512, frozenset()), kv, connector)
+    scheduler = Scheduler(SchedulerConfig(SchedulerSettings(8, 64, reserve_growth_tokens=0), 512, frozenset()),
+                          kv, connector)
     runner = ToyRunner(kv, scheduler.config)
     prompt = list(range(10, 50)) + [99]
     request = Request("d", prompt, SamplingParams(max_tokens=3),
@@ -334,7 +340,8 @@ def test_fail_policy_ends_a_request_whose_remote_kv_failed_with_an_error() -> No
     kv_config = make_kv_cache_config({"l0": attn()}, 10**7, 512)
     kv = KVCacheManager(kv_config, True, 512)
     connector = ToyRemoteConnector(num_external=40, delay_steps=1, fail=True)
-    config = SchedulerConfig(SchedulerSettings(8, 64, kv_load_failure_policy="fail", reserve_growth_tokens=0), 512, frozenset())
+    config = SchedulerConfig(SchedulerSettings(8, 64, kv_load_failure_policy="fail", reserve_growth_tokens=0), 512,
+                             frozenset())
     scheduler = Scheduler(config, kv, connector)
     runner = ToyRunner(kv, scheduler.config)
     remote = Request("d", list(range(10, 51)), SamplingParams(max_tokens=3), kv_transfer_params=remote_prefill(41))
@@ -393,7 +400,8 @@ def test_a_preempted_remote_prefill_request_is_recomputed_here_and_never_reread(
     kv_config = make_kv_cache_config({"l0": attn()}, 9 * 1024, 128)  # 8 usable blocks of 16 tokens
     kv = KVCacheManager(kv_config, True, 128)
     connector = CountingRemoteConnector(num_external=40, delay_steps=1)
-    scheduler = Scheduler(SchedulerConfig(SchedulerSettings(8, 64, reserve_growth_tokens=0), 128, frozenset()), kv, connector)
+    scheduler = Scheduler(SchedulerConfig(SchedulerSettings(8, 64, reserve_growth_tokens=0), 128, frozenset()),
+                          kv, connector)
     prompts = [list(range(10, 51)), list(range(100, 141))]
     requests = [Request(f"d{i}", p, SamplingParams(max_tokens=40, ignore_eos=True),
                         kv_transfer_params=remote_prefill(len(p), toy_next_token(p))) for i, p in enumerate(prompts)]
@@ -448,7 +456,8 @@ def test_a_fault_admitting_one_request_fails_that_request_alone() -> None:
     kv_config = make_kv_cache_config({"l0": attn()}, 10**6, 512)
     kv = KVCacheManager(kv_config, True, 512)
     connector = ExplodingConnector(0, 1)
-    scheduler = Scheduler(SchedulerConfig(SchedulerSettings(8, 64, reserve_growth_tokens=0), 512, frozenset()), kv, connector)
+    scheduler = Scheduler(SchedulerConfig(SchedulerSettings(8, 64, reserve_growth_tokens=0), 512, frozenset()),
+                          kv, connector)
     bad, good = Request("bad", list(range(10, 30))), Request("good", list(range(30, 50)), SamplingParams(max_tokens=3))
     scheduler.add_request(bad)
     scheduler.add_request(good)

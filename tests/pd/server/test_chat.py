@@ -123,8 +123,8 @@ def test_the_qwen3_template_shows_tools_calls_and_results_like_transformers(tiny
     text = template.render(TOOL_CONVERSATION, True, tools=TOOLS)
     assert '{"name": "get_weather", "arguments": {"city": "Oslo"}}' in text
     assert text.count("<tool_response>") == 2 and text.count("<|im_start|>user") == 2  # results share a turn
-    assert template.render(CONVERSATIONS[1], True) == hf.apply_chat_template(CONVERSATIONS[1], add_generation_prompt=True,
-                                                                          tokenize=False)
+    assert template.render(CONVERSATIONS[1], True) == \
+        hf.apply_chat_template(CONVERSATIONS[1], add_generation_prompt=True, tokenize=False)
 
 
 def test_a_template_that_never_reads_tools_says_so(tiny_models) -> None:

@@ -10,8 +10,8 @@ import random
 import httpx
 import pytest
 
-from pd.llm import LLM
 from pd.contracts.sampling_params import SamplingParams
+from pd.llm import LLM
 from tests.support.server_harness import running_server
 
 pytestmark = pytest.mark.slow

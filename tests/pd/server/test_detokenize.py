@@ -7,7 +7,6 @@ import pytest
 
 from pd.server.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer
 from pd.tokenizer import Tokenizer
-
 from tests.support.server_harness import ARCHS
 
 

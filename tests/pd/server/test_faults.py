@@ -172,7 +172,8 @@ def test_p_caps_the_blocks_it_holds_for_decode_servers_and_releases_them_on_requ
         release = post(p, {"remote_request_id": held["remote_request_id"], "signature": held["signature"]},
                        "/v1/kv/release")
         assert release.status_code == 200 and release.json() == {"released": True}
-    assert post(p, {"remote_request_id": params[0]["remote_request_id"]}, "/v1/kv/release").json() == {"released": False}
+    assert post(p, {"remote_request_id": params[0]["remote_request_id"]}, "/v1/kv/release").json() == \
+        {"released": False}
     assert post(p, {"remote_request_id": 5}, "/v1/kv/release").status_code == 400
     assert p.wait_for_metric("pd_kv_requests_held", lambda v: v == 0) == 0
     assert p.metrics()["pd_kv_transfer_released_total"] == len(params)

@@ -5,13 +5,14 @@ sampling fields (seed, top_k, top_p, stop, ignore_eos) reach the engine."""
 from __future__ import annotations
 
 import json
+
 import openai
 import pytest
 
 from launch import http_client
+from pd.contracts.sampling_params import SamplingParams
 from pd.engine.core import group_names
 from pd.llm import LLM
-from pd.contracts.sampling_params import SamplingParams
 from pd.server.chat import ChatTemplate
 from pd.tokenizer import Tokenizer
 from tests.support.server_harness import ARCHS, running_server

@@ -113,7 +113,8 @@ def test_a_request_waiting_in_d_s_queue_past_the_lease_still_reads_p_s_kv(start)
     the request is served with P's KV, not recomputed, however long the queue."""
     import threading
 
-    p, d = start.all(("p", "--role", "prefill", "--kv-lease-seconds", "2"), ("d", "--role", "decode", "--max-num-seqs", "1"))
+    p, d = start.all(("p", "--role", "prefill", "--kv-lease-seconds", "2"),
+                     ("d", "--role", "decode", "--max-num-seqs", "1"))
     params = prefill(p)
     result = {}
     sender = threading.Thread(target=lambda: result.update(
@@ -175,7 +176,8 @@ def test_blocks_p_released_and_reused_before_d_read_them_are_never_answered_nor_
     release = {"remote_request_id": params["remote_request_id"], "signature": params["signature"]}
     released = http_client().post(f"{p.url}/v1/kv/release", json=release, timeout=10)
     if released.status_code == 400 and "signature" in released.text:  # a server from before the holder's proof
-        released = http_client().post(f"{p.url}/v1/kv/release", json={"remote_request_id": release["remote_request_id"]})
+        released = http_client().post(f"{p.url}/v1/kv/release",
+                                      json={"remote_request_id": release["remote_request_id"]})
     assert released.json() == {"released": True}
     for other in prompts[1:]:  # the third evicts and overwrites the released blocks
         complete(p, body | {"prompt": other})

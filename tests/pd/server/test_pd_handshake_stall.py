@@ -13,8 +13,8 @@ import time
 import pytest
 
 from launch import http_client
-from tests.support.server_harness import running_server
 from tests.support.listeners import ConnectionRecorder
+from tests.support.server_harness import running_server
 
 pytestmark = pytest.mark.slow
 PROMPT = "The keeper counted ships until the lamp went out. " * 3

@@ -12,8 +12,8 @@ import pytest
 
 from launch import http_client
 from proxy.body import export_body, prefill_body
-from tests.support.server_harness import wait_until
 from tests.support.listeners import ConnectionRecorder
+from tests.support.server_harness import wait_until
 
 pytestmark = pytest.mark.slow
 SECRET = "test-deployment-secret"

@@ -22,9 +22,9 @@ from launch import http_client
 from pd.config import EngineConfig
 from pd.kv_transfer.params import RemotePrefillParams
 from pd.kv_transfer.signing import secret_from_env, sign
+from pd.worker.rank_setup import whole_kv_cache_config
 from proxy.body import export_body, prefill_body
 from tests.support.pd_client import complete, p_then_d, prefill
-from pd.worker.rank_setup import whole_kv_cache_config
 from tests.support.server_harness import running_server, started_together
 
 pytestmark = pytest.mark.slow  # not heavy: its five ranks should not start beside the heavy Gemma modules
@@ -69,7 +69,8 @@ def test_p_then_d_of_other_tp_sizes_gives_the_colocated_tokens(servers, arch, pa
     rng = random.Random(f"tp-{arch}-{pair}")
     reads_before = counter(d, "pd_kv_transfer_reads_total")
     checked_before = counter(d, "pd_kv_transfer_digests_checked_total")
-    row_bytes = whole_kv_cache_config(EngineConfig.from_flat(model=str(tiny_models[arch])).resolve()).cross_layer_page_bytes
+    row_bytes = whole_kv_cache_config(
+        EngineConfig.from_flat(model=str(tiny_models[arch])).resolve()).cross_layer_page_bytes
     ranks = max(SIZES[name] for name in pair)
     for i, n in enumerate(PROMPT_LENGTHS):
         body = {"prompt": [rng.randrange(300, 3800) for _ in range(n)], "max_tokens": MAX_TOKENS,

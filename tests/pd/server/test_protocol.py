@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from pd.server.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, parse_body,
-                                refuse_unsupported)
+from pd.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse_body, refuse_unsupported
 
 
 def parse(body, model=CompletionRequest):

@@ -57,13 +57,15 @@ def test_a_json_schema_gives_json_that_validates(server, endpoint, constraint) -
 ])
 def test_regexes_choices_and_grammars_are_followed_to_their_end(server, constraint, check) -> None:
     body = BASE | {"prompt": "Answer:", "temperature": 0.7} | constraint
+    whole = None  # the non-streamed answer (the first iteration's), which the streamed one must match
     for streamed in (False, True):
         got = choices(server, body, streamed=streamed)
         for choice in got:
             assert check(choice["text"]) and choice["finish_reason"] == "stop", choice
         if streamed:
             assert_choices_close(got, whole, atol=0)
-        whole = got
+        else:
+            whole = got
     assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
 
 

@@ -54,7 +54,7 @@ def test_forced_calls_name_a_tool_and_follow_its_schema(server, tool_choice, fin
         if isinstance(tool_choice, dict):
             assert [name for name, _ in made] == ["get_time"]  # one call, of that function
     streamed = choices(server, body, "chat/completions", streamed=True)
-    for one, other in zip(streamed, whole):
+    for one, _other in zip(streamed, whole):
         deltas = one["message"]  # the merged deltas: content, and tool_calls gathered below
         assert deltas["content"] == "" and one["finish_reason"] == finish_reason
     assert [streamed_calls(server, body)] == [[calls(c) for c in whole]]

@@ -71,7 +71,8 @@ def test_a_grammar_that_takes_too_long_fails_alone(checker, monkeypatch) -> None
     checker.check(chain(3))  # started
     checker.timeout_s = 0.05
     properties = {f"p{i}": {"type": "string"} for i in range(40_000)}  # ~1 s to validate here
-    slow = Grammar("json_schema", json.dumps({"type": "object", "properties": properties, "required": list(properties)}))
+    slow = Grammar("json_schema", json.dumps({"type": "object", "properties": properties,
+                                              "required": list(properties)}))
     with pytest.raises(GrammarError, match="longer than 0.05 s"):
         checker.check(slow)
     assert checker.crashes == 1 and checker._process is None

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from pd.llm import LLM
-from pd.models.make_model import make_model
 from pd.contracts.request import Request
 from pd.contracts.sampling_params import SamplingParams
+from pd.llm import LLM
+from pd.models.make_model import make_model
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,24 @@ from pd.contracts.connector_api import ConnectorContext, KVConnectorOutput
 from pd.contracts.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from pd.contracts.sampling_params import SamplingParams
 from pd.worker import rank_join
-from pd.worker.rank_channel import (ENCODER, FROM_RANK, HEADER, TO_RANK, Challenge, ChannelError, Hello,
-                                    RankChannel, Refused, Step, StepDone, StoreAddress, decode, encode, mac,
-                                    new_nonce)
+from pd.worker.rank_channel import (
+    ENCODER,
+    FROM_RANK,
+    HEADER,
+    TO_RANK,
+    Challenge,
+    ChannelError,
+    Hello,
+    RankChannel,
+    Refused,
+    Step,
+    StepDone,
+    StoreAddress,
+    decode,
+    encode,
+    mac,
+    new_nonce,
+)
 from pd.worker.rank_join import RankListener, join
 from pd.worker.tp_ranks import rank_setup
 from tests.support.nixl_workers import remote_prefill

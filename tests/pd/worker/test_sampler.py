@@ -184,8 +184,8 @@ def test_min_p_keeps_only_tokens_near_the_most_likely() -> None:
 
 
 def test_bad_bias_and_min_p_are_refused() -> None:
-    for bad in (dict(min_p=1.5), dict(min_p=-0.1), dict(logit_bias=((1, 100.5),)), dict(logit_bias=((1, float("nan")),)),
-                dict(logit_bias=((1, 1.0), (1, 2.0)))):
+    for bad in (dict(min_p=1.5), dict(min_p=-0.1), dict(logit_bias=((1, 100.5),)),
+                dict(logit_bias=((1, float("nan")),)), dict(logit_bias=((1, 1.0), (1, 2.0)))):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
 
