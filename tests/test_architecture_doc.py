@@ -3,6 +3,7 @@ and the README links to it."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -32,3 +33,22 @@ def test_the_check_sees_a_path_that_does_not_exist() -> None:
 
 def test_the_readme_links_the_architecture_document() -> None:
     assert "docs/architecture.md" in (ROOT / "README.md").read_text()
+
+
+def imports_ours(path: Path) -> bool:
+    """Whether the module imports `pd` or `connectors` (anywhere in it: lazily too)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        if any(name.split(".")[0] in ("pd", "connectors") for name in names):
+            return True
+    return False
+
+
+def test_the_benchmarks_that_import_pd_are_the_ones_the_document_names() -> None:
+    """The Testing section lists the benchmarks that run a part of ours in-process (or use
+    `pd` as a tool); every other benchmark talks HTTP only."""
+    importers = {path.stem for path in (ROOT / "benchmarks").glob("*.py") if imports_ours(path)}
+    paragraph = DOC.read_text().split("`benchmarks/` talk to servers over HTTP", 1)[1].split("\n\n", 1)[0]
+    named = set(re.findall(r"`(?:benchmarks/)?(\w+)\.py`", paragraph))
+    assert importers == named

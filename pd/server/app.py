@@ -27,15 +27,15 @@ from pd.engine.client import EngineDeadError, EngineNotRunningError, RequestFail
 from pd.kv_transfer.signing import TransferParamsGuard
 from pd.server.chat import ChatTemplate
 from pd.server.generation import Delta, Generation
+from pd.server.limits import DEFAULT_LIMITS, RequestLimits
 from pd.server.metrics import CONTENT_TYPE, ServerMetrics
 from pd.server.protocol import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
 from pd.server.responses import CHAT, COMPLETION, Answer, Shape
 from pd.server.router_info import router_info_routes
-from pd.server.sampling import RequestLimits
 from pd.server.serving import Prepared, Server
 from pd.server.spans import RequestSpan
 from telemetry import logs, tracing
-from wire.body import DEFAULT_LIMIT, read_body
+from wire.body import read_body
 from wire.codes import ENGINE_DEAD, ENGINE_DIED, INTERNAL_ERROR, INVALID_REQUEST, KV_HELD_LIMIT, KV_LOAD_FAILED
 from wire.errors import ApiError, error_body
 from wire.headers import REQUEST_ID, retry_after
@@ -48,13 +48,12 @@ DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its cli
 
 def build_app(client: Any, tokenizer: Any, served_model_name: str, api_key: str | None = None,
               chat_template: ChatTemplate | None = None, role: str = "both",
-              max_request_bytes: int = DEFAULT_LIMIT,
-              transfer_guard: TransferParamsGuard | None = None, limits: RequestLimits = RequestLimits()) -> FastAPI:
+              transfer_guard: TransferParamsGuard | None = None, limits: RequestLimits = DEFAULT_LIMITS) -> FastAPI:
     """The app serving `client`'s engine as `served_model_name`. `chat_template` defaults
-    to the one in the tokenizer's config; `role` is reported by /health; a request body
-    over `max_request_bytes` is refused (413) before it is read whole; `transfer_guard`
+    to the one in the tokenizer's config; `role` is reported by /health; `transfer_guard`
     decides which remote-prefill parameters are acted on (default: unsigned ones naming a
-    loopback peer); `limits` bound what one request may cost."""
+    loopback peer); `limits` bound what one request may cost (a body past
+    `limits.max_request_bytes` is refused, 413, before it is read whole)."""
     template = chat_template or ChatTemplate.from_config(tokenizer.config)
     server = Server(client, tokenizer, served_model_name, template, role, transfer_guard, limits)
     metrics = ServerMetrics(lambda: client.stats, lambda: client.is_alive, lambda: client.restarts)
@@ -71,8 +70,8 @@ def build_app(client: Any, tokenizer: Any, served_model_name: str, api_key: str 
     app.state.server = server
     app.state.metrics = metrics
     _add_error_handlers(app)
-    app.include_router(_v1_router(server, metrics, api_key, max_request_bytes))
-    app.include_router(router_info_routes(server, max_request_bytes), prefix="/v1",
+    app.include_router(_v1_router(server, metrics, api_key))
+    app.include_router(router_info_routes(server), prefix="/v1",
                        dependencies=[Depends(_api_key_check(api_key))])
     app.include_router(_open_router(server, metrics))
     return app
@@ -123,7 +122,7 @@ class ReleaseBody(msgspec.Struct, forbid_unknown_fields=True):
     signature: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")] | None = None
 
 
-def _v1_router(server: Server, metrics: ServerMetrics, api_key: str | None, max_request_bytes: int) -> APIRouter:
+def _v1_router(server: Server, metrics: ServerMetrics, api_key: str | None) -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(api_key))])
     created = int(time.time())
 
@@ -135,7 +134,7 @@ def _v1_router(server: Server, metrics: ServerMetrics, api_key: str | None, max_
 
     @router.post("/completions")
     async def completions(request: Request) -> Response:
-        raw = await read_body(request, max_request_bytes)
+        raw = await read_body(request, server.limits.max_request_bytes)
         request_id = server.request_id(request.headers.get(REQUEST_ID), "cmpl")
         prepared = await server.off_loop(lambda: server.prepare_completion(parse_body(raw, CompletionRequest),
                                                                            request_id))
@@ -143,7 +142,7 @@ def _v1_router(server: Server, metrics: ServerMetrics, api_key: str | None, max_
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        raw = await read_body(request, max_request_bytes)
+        raw = await read_body(request, server.limits.max_request_bytes)
         request_id = server.request_id(request.headers.get(REQUEST_ID), "chatcmpl")
         prepared = await server.off_loop(lambda: server.prepare_chat(parse_body(raw, ChatCompletionRequest),
                                                                      request_id))

@@ -19,9 +19,9 @@ from typing import Any, NoReturn
 from launch.ports import listen
 from pd.config import ROLES, EngineConfig, add_engine_flags, config_from_args
 from pd.config.engine import flat_default
+from pd.server.limits import DEFAULT_LIMITS, RequestLimits
 from telemetry import logs, tracing
 from telemetry.flags import add_telemetry_flags, apply_telemetry_flags
-from wire.body import DEFAULT_LIMIT
 
 # Idle seconds before the server closes a kept-alive connection: longer than clients keep
 # them in their pools (httpx and the openai client: 5 s; the proxy: 2 s), so a client
@@ -46,15 +46,15 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         help="model name clients must use (default: the model directory's name)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: no key)")
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_LIMIT,
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_LIMITS.max_request_bytes,
                         help="largest request body accepted; a larger one is refused with 413 before it is "
-                             f"read whole (default {DEFAULT_LIMIT})")
-    parser.add_argument("--max-sequences-per-request", type=int, default=128, metavar="N",
-                        help="the most sequences (n, best_of) one request may ask for (default 128)")
-    parser.add_argument("--max-logprobs", type=int, default=20, metavar="K",
+                             "read whole (default %(default)s)")
+    parser.add_argument("--max-sequences-per-request", type=int, default=DEFAULT_LIMITS.max_sequences, metavar="N",
+                        help="the most sequences (n, best_of) one request may ask for (default %(default)s)")
+    parser.add_argument("--max-logprobs", type=int, default=DEFAULT_LIMITS.max_logprobs, metavar="K",
                         help="the most alternatives per position (logprobs, top_logprobs) a request may ask for "
-                             "(default 20)")
-    parser.add_argument("--max-request-tokens", type=int, default=1 << 20, metavar="T",
+                             "(default %(default)s)")
+    parser.add_argument("--max-request-tokens", type=int, default=DEFAULT_LIMITS.max_request_tokens, metavar="T",
                         help="the most tokens one request may claim: its sequences times (prompt + max_tokens); "
                              "past it, 400. However big a request, the batch is shared fairly between requests "
                              "(default %(default)s)")
@@ -79,13 +79,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args).resolve()
-        if args.max_request_bytes <= 0:
-            raise ValueError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
         if args.restart_engine < 0:
             raise ValueError(f"--restart-engine must be 0 or more, got {args.restart_engine}")
-        from pd.server.sampling import RequestLimits
-
-        limits = RequestLimits(args.max_sequences_per_request, args.max_logprobs, args.max_request_tokens)
+        limits = RequestLimits(args.max_sequences_per_request, args.max_logprobs, args.max_request_tokens,
+                               args.max_request_bytes)
         check_model(config.model.path)
         tokenizer = Tokenizer(config.model.path)
     except (ValueError, OSError) as e:
@@ -139,7 +136,7 @@ def _listen(host: str, port: int, port_file: Path | None) -> socket.socket:
 
 
 async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, args: argparse.Namespace,
-                 listener: socket.socket, limits: Any) -> bool:
+                 listener: socket.socket, limits: RequestLimits) -> bool:
     """Serve until stopped; False if stopped because the engine died past its restarts."""
     import uvicorn
 
@@ -150,7 +147,7 @@ async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, a
 
     template = ChatTemplate.from_model_dir(config.model.path, tokenizer.config)
     app = build_app(client, tokenizer, name, api_key=args.api_key, chat_template=template,
-                    role=config.role, max_request_bytes=args.max_request_bytes,
+                    role=config.role,
                     transfer_guard=TransferParamsGuard(config.transfer.secret, config.transfer.allowed_peers),
                     limits=limits)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

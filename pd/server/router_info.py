@@ -20,7 +20,7 @@ from pd.server.serving import Server
 from wire.body import read_body
 
 
-def router_info_routes(server: Server, max_request_bytes: int) -> APIRouter:
+def router_info_routes(server: Server) -> APIRouter:
     router = APIRouter()
 
     @router.get("/kv_config")
@@ -34,7 +34,7 @@ def router_info_routes(server: Server, max_request_bytes: int) -> APIRouter:
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        raw = await read_body(request, max_request_bytes)
+        raw = await read_body(request, server.limits.max_request_bytes)
 
         def tokens() -> list[int]:
             peeked = _peek(raw)

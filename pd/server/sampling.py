@@ -5,35 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pd.contracts.sampling_params import MAX_LOGIT_BIAS, MAX_N, SamplingParams, SamplingParamsError
-from pd.logprobs import MAX_LOGPROBS
+from pd.contracts.sampling_params import MAX_LOGIT_BIAS, SamplingParams, SamplingParamsError
+from pd.server.limits import RequestLimits
 from pd.server.protocol import ChatCompletionRequest, RequestError, SamplingFields
 from pd.structured.grammar import Grammar
 from wire.codes import REQUEST_TOO_LARGE
 
 MAX_SEED = 2**63
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What one request may cost, refused past it with a 400 naming the field:
-    `max_sequences` (n and best_of), `max_logprobs` (alternatives per position), and
-    `max_request_tokens`, its sequences times (prompt + max_tokens): the KV and the
-    decode steps it can claim. The scheduler shares the batch fairly however big a
-    request is (pd/scheduling/fair_share.py); these bound what one request may ask at all."""
-
-    max_sequences: int = MAX_N
-    max_logprobs: int = MAX_LOGPROBS
-    max_request_tokens: int = 1 << 20
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.max_sequences <= MAX_N:
-            raise ValueError(f"--max-sequences-per-request must be in [1, {MAX_N}], got {self.max_sequences}")
-        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
-        if self.max_request_tokens < 1:
-            raise ValueError(f"--max-request-tokens must be positive, got {self.max_request_tokens}")
 
 
 def check_vocab(vocab_size: int, token_ids: list[int], param: str) -> None:

@@ -24,6 +24,7 @@ from pd.kv_transfer.connectors import NULL_CONNECTOR
 from pd.kv_transfer.params import RemoteDecodeParams, RemotePrefillParams, TransferParamsError, parse_transfer_params
 from pd.kv_transfer.signing import DEFAULT_ALLOWED_PEERS, TransferParamsGuard, TransferParamsRefused, UntilExpiry
 from pd.server.chat import ChatTemplate, ChatTemplateError
+from pd.server.limits import DEFAULT_LIMITS, RequestLimits
 from pd.server.off_loop import OffLoop, TooManyWaiting
 from pd.server.protocol import (
     ChatCompletionRequest,
@@ -33,7 +34,7 @@ from pd.server.protocol import (
     SamplingFields,
     refuse_unsupported,
 )
-from pd.server.sampling import RequestLimits, SamplingChecker, check_vocab
+from pd.server.sampling import SamplingChecker, check_vocab
 from pd.server.structured import one_grammar, request_grammar
 from pd.server.tools import CLOSE, OPEN, ToolUse, request_tools
 from pd.structured.checker import GrammarChecker
@@ -93,7 +94,7 @@ class Server:
 
     def __init__(self, client: Any, tokenizer: Any, served_model_name: str, chat_template: ChatTemplate,
                  role: str = "both", transfer_guard: TransferParamsGuard | None = None,
-                 limits: RequestLimits = RequestLimits()) -> None:
+                 limits: RequestLimits = DEFAULT_LIMITS) -> None:
         self.limits = limits
         self.client = client
         self.role = role
