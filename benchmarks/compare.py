@@ -40,6 +40,7 @@ from pathlib import Path
 from benchmarks import serve
 from benchmarks.datasets import add_dataset_args
 from benchmarks.deployments import CONFIGS, Deployment, combined_deltas, deploy, path_share, scrape
+from launch.signals import install_signal_handlers
 
 WARMUP_SEED_OFFSET = 10_000
 FIGURES = {  # column -> (title, how to read it from one run's result)
@@ -255,4 +256,5 @@ def main(argv: Sequence[str] | None = None, prog: str = "pd bench compare") -> l
 
 
 if __name__ == "__main__":
+    install_signal_handlers()  # SIGTERM unwinds through the deployments' teardown
     main()

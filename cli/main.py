@@ -124,7 +124,9 @@ def _add_bench_flags(parser: argparse.ArgumentParser) -> None:
 def _run_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "compare":
         from benchmarks import compare
+        from launch.signals import install_signal_handlers
 
+        install_signal_handlers()  # SIGTERM unwinds through the deployments' teardown
         rows = compare.main(args.bench_args, prog="pd bench compare")
         return 0 if all(r["medians"]["failed"] == 0 for r in rows) else 1
     if args.bench_command == "step":

@@ -3,8 +3,13 @@ the plot are written, every figure is present and consistent."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -200,3 +205,47 @@ def test_a_peer_must_be_named_with_an_http_url(tmp_path, capsys) -> None:
         with pytest.raises(SystemExit):
             compare.main(["--model", str(tmp_path), "--configs", "colocated", "--peer", bad])
         assert "NAME=URL" in capsys.readouterr().err
+
+
+def children(pid: int) -> set[int]:
+    """The PIDs `pid` started that are still its children (Linux /proc)."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found.update(int(c) for c in (task / "children").read_text().split())
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]) != "Z"
+    except OSError:
+        return False
+
+
+def test_a_terminated_compare_stops_the_deployment_it_launched(bamba, tmp_path) -> None:
+    """SIGTERM (what a supervisor or `timeout` sends) unwinds `pd bench compare` through
+    its teardown: the servers it started in sessions of their own do not outlive it."""
+    bench = subprocess.Popen(pd_command("bench", "compare", "--model", str(bamba), "--configs", "colocated",
+                                        "--num-prompts", "400", "--warmup-prompts", "0", "--output-dir",
+                                        str(tmp_path / "out"), *SMALL),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    started: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while not (started := children(bench.pid)) and time.monotonic() < deadline and bench.poll() is None:
+            time.sleep(0.2)
+        assert started, "the benchmark started no deployment"
+        time.sleep(2)  # well into its start (or its run)
+        started |= children(bench.pid)
+        bench.send_signal(signal.SIGTERM)
+        bench.wait(timeout=60)
+        assert not (tmp_path / "out" / "compare.md").exists()  # cut short: no table
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in started) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [pid for pid in started if alive(pid)] == []
+    finally:  # whatever is left (each in a session of its own)
+        for pid in started | children(bench.pid) | {bench.pid}:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
