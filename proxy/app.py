@@ -81,7 +81,7 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
         prefills = any(i.healthy for i in upstream.prefill.instances) or config.disagg_policy == "conditional"
         ok = prefills and any(i.healthy for i in upstream.decode.instances)  # conditional: D prefills without P
         body = {"status": "ok" if ok else "unavailable", "policy": config.policy,
-                "prefill_policy": config.prefill_policy, "decode_policy": config.decode_policy,
+                "prefill_policy": config.role_policy("prefill"), "decode_policy": config.role_policy("decode"),
                 "disagg_policy": config.disagg_policy,
                 "prefill": [i.state() for i in upstream.prefill.instances],
                 "decode": [i.state() for i in upstream.decode.instances]}

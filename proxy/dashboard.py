@@ -95,7 +95,7 @@ class Dashboard:
     async def state(self) -> dict[str, Any]:
         await self._refresh()
         config = self.upstream.config
-        return {"prefill_policy": config.prefill_policy, "decode_policy": config.decode_policy,
+        return {"prefill_policy": config.role_policy("prefill"), "decode_policy": config.role_policy("decode"),
                 "disagg_policy": config.disagg_policy, "queue_waiting": self.upstream.admission.num_waiting,
                 "instances": [self._instance(i) for i in self.instances], "requests": self.recent.newest_first()}
 

@@ -183,8 +183,8 @@ def run_proxy(args: argparse.Namespace) -> int:
     logging.getLogger("uvicorn.access").addFilter(RedactKey())  # /dashboard?key=KEY
     app = build_proxy_app(config)
     logging.getLogger("pd.proxy").info("%d prefill (%s), %d decode (%s), disaggregation %s at http://%s:%d",
-                                       len(args.prefill), config.prefill_policy, len(args.decode),
-                                       config.decode_policy, config.disagg_policy, args.host, args.port)
+                                       len(args.prefill), config.role_policy("prefill"), len(args.decode),
+                                       config.role_policy("decode"), config.disagg_policy, args.host, args.port)
     try:
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                                log_config=logs.uvicorn_log_config(args.log_format),

@@ -56,23 +56,13 @@ class ProxyConfig:
             twice = sorted({url for url in urls if urls.count(url) > 1})
             if twice:
                 raise ValueError(f"{', '.join(twice)} given more than once as --{role}")
-        if self.decode_policy is None and self.disagg_policy == "conditional":
-            # the next turn goes to the decode server holding the last one, which it then
-            # prefills itself: round robin would send it where nothing is held
-            object.__setattr__(self, "decode_policy", "kv_aware")
-        for name in ("prefill_policy", "decode_policy"):
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, self.policy)
         for name in ("policy", "prefill_policy", "decode_policy"):
-            if getattr(self, name) not in POLICIES:
+            if getattr(self, name) not in (*POLICIES, *([None] if name != "policy" else [])):
                 raise ValueError(f"{name} must be one of {', '.join(POLICIES)}, got {getattr(self, name)!r}")
         if self.kv_overlap_weight < 0 or self.decode_load_tokens < 0 or self.load_slack < 0:
             raise ValueError("the kv_aware weights and the load slack must not be negative")
-        for name in ("prefill_timeout_s", "decode_timeout_s"):
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, self.timeout_s)
-        if min(self.probe_interval_s, self.timeout_s, self.release_timeout_s, self.prefill_timeout_s,
-               self.decode_timeout_s, self.breaker_cooldown_s) <= 0:
+        if min(self.probe_interval_s, self.timeout_s, self.release_timeout_s, self.phase_timeout_s("prefill"),
+               self.phase_timeout_s("decode"), self.breaker_cooldown_s) <= 0:
             raise ValueError("the probe interval, the timeouts and the breaker's cool-down must be positive")
         if self.max_retries < 0 or self.retry_backoff_s < 0 or self.max_outstanding < 0 or self.max_queue < 0:
             raise ValueError("max_retries, the retry backoff, max_outstanding and max_queue must not be negative")
@@ -103,11 +93,28 @@ class ProxyConfig:
         if "" in (self.api_key, self.server_api_key):
             raise ValueError("an API key must not be empty")
 
+    def role_policy(self, role: str) -> str:
+        """The policy picking `role`'s instances: its own, else `policy`; but decode servers
+        under conditional disaggregation are picked kv_aware unless told otherwise (the next
+        turn goes to the one holding the last, which prefills it itself: round robin would
+        send it where nothing is held)."""
+        asked = self.prefill_policy if role == "prefill" else self.decode_policy
+        if asked is None and role == "decode" and self.disagg_policy == "conditional":
+            return "kv_aware"
+        return asked or self.policy
+
+    def phase_timeout_s(self, phase: str) -> float:
+        """The prefill phase's timeout, or the decode phase's (between bytes of D's answer):
+        its own, else `timeout_s`."""
+        asked = self.prefill_timeout_s if phase == "prefill" else self.decode_timeout_s
+        return self.timeout_s if asked is None else asked
+
     @property
     def needs_tokens(self) -> bool:
         """Whether routing reads the servers' KV events (and so needs requests' tokens):
         a kv_aware policy, or conditional disaggregation (D's events)."""
-        return "kv_aware" in (self.prefill_policy, self.decode_policy) or self.disagg_policy == "conditional"
+        return "kv_aware" in (self.role_policy("prefill"), self.role_policy("decode")) \
+            or self.disagg_policy == "conditional"
 
     def follows_events(self, role: str) -> bool:
         """Whether the proxy follows the KV events of the servers of `role`: a kv_aware
@@ -116,8 +123,7 @@ class ProxyConfig:
         to hold would make its queue look shorter than the prompts it computes (measured:
         fewer first turns on D, TTFT of later turns 1.88x better than `always` where it is
         2.00x without)."""
-        policy = self.prefill_policy if role == "prefill" else self.decode_policy
-        return policy == "kv_aware" or (role == "decode" and self.disagg_policy == "conditional")
+        return self.role_policy(role) == "kv_aware" or (role == "decode" and self.disagg_policy == "conditional")
 
     @property
     def server_authorization(self) -> str | None:

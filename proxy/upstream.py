@@ -75,13 +75,13 @@ class Upstream:
         breaker = (config.breaker_failures, config.breaker_cooldown_s)
         common = dict(tier_weights=config.kv_tier_weights, overlap_weight=config.kv_overlap_weight,
                       max_outstanding=config.max_outstanding, load_slack=config.load_slack)
-        self.prefill = InstancePool.of(config.prefill_urls, "prefill", config.prefill_policy, breaker, **common)
-        self.decode = InstancePool.of(config.decode_urls, "decode", config.decode_policy, breaker,
+        self.prefill = InstancePool.of(config.prefill_urls, "prefill", config.role_policy("prefill"), breaker, **common)
+        self.decode = InstancePool.of(config.decode_urls, "decode", config.role_policy("decode"), breaker,
                                       decode_load_tokens=config.decode_load_tokens, **common)
         self.metrics = ProxyMetrics([self.prefill, self.decode])
         self.timeout, self.prefill_timeout, self.decode_timeout = (
             httpx.Timeout(s, connect=min(CONNECT_TIMEOUT_S, s))
-            for s in (config.timeout_s, config.prefill_timeout_s, config.decode_timeout_s))
+            for s in (config.timeout_s, config.phase_timeout_s("prefill"), config.phase_timeout_s("decode")))
         self.client: httpx.AsyncClient | None = None
         self.admission = Admission(config.max_queue, config.queue_timeout_s)
         self.metrics.queue_waiting.set_function(lambda: self.admission.num_waiting)

@@ -102,10 +102,11 @@ def test_conditional_routes_decode_by_what_the_servers_hold_unless_told_otherwis
     """The next turn is prefilled on D only where D holds the last one: under conditional
     the decode side defaults to kv_aware (it was --policy's round robin)."""
     conditional = ProxyConfig(("a",), ("b",), disagg_policy="conditional")
-    assert (conditional.decode_policy, conditional.prefill_policy) == ("kv_aware", "round_robin")
-    assert ProxyConfig(("a",), ("b",), disagg_policy="conditional", decode_policy="least_loaded").decode_policy == \
-        "least_loaded"
-    assert ProxyConfig(("a",), ("b",), policy="prefix_aware").decode_policy == "prefix_aware"
+    assert (conditional.role_policy("decode"), conditional.role_policy("prefill")) == ("kv_aware", "round_robin")
+    told = ProxyConfig(("a",), ("b",), disagg_policy="conditional", decode_policy="least_loaded")
+    assert told.role_policy("decode") == "least_loaded"
+    assert ProxyConfig(("a",), ("b",), policy="prefix_aware").role_policy("decode") == "prefix_aware"
+    assert conditional.decode_policy is None  # what was asked stays as asked
 
 
 @pytest.mark.slow

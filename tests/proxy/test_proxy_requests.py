@@ -14,6 +14,7 @@ import pytest
 from launch import http_client
 from proxy.body import prefill_body, token_id_prompt
 from proxy.main import add_proxy_flags, proxy_config
+from proxy.proxy_config import ProxyConfig
 from tests.support.proxy_fakes import STREAM_CHUNKS, fake, proxy_in_front, proxy_metric
 from wire.body import DEFAULT_LIMIT as MAX_REQUEST_BYTES
 
@@ -220,3 +221,12 @@ def test_a_token_id_prompt_is_routed_on_its_ids_without_asking_a_server() -> Non
     for body in ({"prompt": "text"}, {"prompt": []}, {"prompt": [5, True]}, {"prompt": [5.0]},
                  {"prompt": [[1], [2]]}, {"messages": [{"role": "user", "content": "hi"}]}):
         assert token_id_prompt(body) is None, body
+
+
+def test_the_proxy_config_keeps_what_was_asked_and_derives_the_rest() -> None:
+    """Unset phase timeouts and role policies are derived (no field rewritten after it was
+    given, as the engine's config does)."""
+    config = ProxyConfig(("http://p",), ("http://d",), timeout_s=30.0, decode_timeout_s=5.0, policy="least_loaded")
+    assert (config.prefill_timeout_s, config.phase_timeout_s("prefill"), config.phase_timeout_s("decode")) == \
+        (None, 30.0, 5.0)
+    assert (config.prefill_policy, config.role_policy("prefill")) == (None, "least_loaded")
