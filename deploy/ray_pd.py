@@ -26,19 +26,9 @@ from ray._private import ray_constants
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from launch import (
-    Launched,
-    exited,
-    free_port,
-    health_status,
-    log_tail,
-    pd_command,
-    start_logged,
-    stop_process,
-    wait_ready,
-)
+from launch import Launched, exited, free_port, health_status, log_tail, pd_command
 from launch.flags import port_number, positive_float, positive_int
-from launch.process import GROUP_GRACE_S, STOP_TIMEOUT_S, keep_running
+from launch.process import GROUP_GRACE_S, STOP_TIMEOUT_S, keep_running, start_logged, stop_process, wait_ready
 from launch.signals import ignore_stop_signals, install_signal_handlers, signals_deferred
 from pd.kv_transfer.signing import SECRET_ENV
 from pd.models.model_config import SUPPORTED_DTYPES

@@ -118,8 +118,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)  # unknown route, wrong method
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(str(exc.detail), exc.status_code, kind, headers=getattr(exc, "headers", None))
+        return ApiError.of_http(exc).response()
 
     @app.exception_handler(Exception)  # a safety net: never Starlette's plain-text 500
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

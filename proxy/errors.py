@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from wire.errors import ApiError, error_body
+from wire.errors import ApiError
 
 
 def error_response(message: str, status: int, type: str = "bad_gateway", code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type, code), status_code=status, headers=headers)
+    return ApiError(message, code=code, status=status, type=type, headers=headers).response()
 
 
 class ProxyError(ApiError):

@@ -42,11 +42,12 @@ from proxy.answers import overloaded_response
 from proxy.body import BodyError, parse_body
 from proxy.calls import Call, NoRoom, Opened, Prefilled, Unreached
 from proxy.disagg import DISAGGREGATED, LOCAL, REUSE, choose_path, reuse_tokens
-from proxy.errors import error_body, error_response
+from proxy.errors import error_response
 from proxy.instances import Instance, NoInstanceError, OverloadedError, Route
 from proxy.reuse import prefill_reusing
 from proxy.upstream import Upstream
 from wire.body import read_body
+from wire.errors import error_body
 from wire.headers import PD_PATH, REQUEST_ID
 
 logger = logging.getLogger(__name__)

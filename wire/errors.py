@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 
 INVALID_REQUEST_ERROR = "invalid_request_error"  # OpenAI's error type for a request refused as it is
@@ -33,6 +34,12 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, dict[str, Any]]:
         return error_body(self.message, self.type, self.code, self.param)
+
+    @classmethod
+    def of_http(cls, exc: HTTPException) -> ApiError:
+        """Starlette's own refusal (an unknown route, a wrong method) in OpenAI's shape."""
+        kind = "not_found_error" if exc.status_code == 404 else INVALID_REQUEST_ERROR
+        return cls(str(exc.detail), status=exc.status_code, type=kind, headers=getattr(exc, "headers", None))
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)

@@ -5,6 +5,7 @@ this step at the front. A request with a grammar waits apart until the grammar c
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Iterator
 
@@ -44,8 +45,9 @@ class WaitingQueue:
 
     def discard(self, request: Request) -> None:
         """The request leaves the queue (admitted, parked or finished), wherever it waits."""
-        if self.for_grammar.pop(request.request_id, None) is None and request in self._queue:
-            self._queue.remove(request)
+        if self.for_grammar.pop(request.request_id, None) is None:
+            with contextlib.suppress(ValueError):  # not waiting any more
+                self._queue.remove(request)
 
     def compiled(self) -> list[tuple[Request, str]]:
         """Requests whose grammar compiled join the back of the queue; those whose grammar

@@ -86,19 +86,16 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
-        return JSONResponse(error_body(f"{param}: {first.get('msg', 'invalid request')}", param=param),
-                            status_code=400)
+        return RequestError(f"{param}: {first.get('msg', 'invalid request')}", param=param).response()
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error serving %s", request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", INTERNAL_ERROR), status_code=500)
+        return RequestError(f"internal error: {type(exc).__name__}", type=INTERNAL_ERROR, status=500).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return ApiError.of_http(exc).response()
 
 
 def _api_key_check(api_key: str | None) -> Callable[[Request], None]:
