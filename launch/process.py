@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from launch.ports import read_port
+from wire.fleet import SECRET_ENV
 
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 20.0
@@ -90,7 +91,6 @@ def pd_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "cli.main", *args]
 
 
-SECRET_ENV = "PD_KV_TRANSFER_SECRET"  # as pd/kv_transfer/signing.py reads it
 
 
 def deployment_secret() -> str:

@@ -23,7 +23,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from proxy.dashboard import Dashboard, page_response
 from proxy.errors import ProxyError, error_response
+from proxy.fleet_api import add_fleet_routes
 from proxy.forward import forward
+from proxy.instances import Instance
 from proxy.kv_subscriber import follow_kv_events
 from proxy.metrics import CONTENT_TYPE
 from proxy.proxy_config import ProxyConfig
@@ -42,6 +44,7 @@ logger = logging.getLogger(__name__)
 # httpx and the openai package pool them for 5 s).
 UPSTREAM_KEEPALIVE_S = 2.0
 SERVER_KEEPALIVE_S = 30
+FLEET_TICK_S = 0.5  # how often leases that ended and drained removals are taken out of the fleet
 
 
 def build_proxy_app(config: ProxyConfig) -> FastAPI:
@@ -50,6 +53,7 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
     dashboard = Dashboard(upstream)
     app.state.upstream = upstream
     _add_error_handlers(app)
+    add_fleet_routes(app, upstream)
     keyed = [Depends(_key_check(config.api_key))]
 
     @app.post("/v1/completions", dependencies=keyed)
@@ -78,8 +82,8 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        prefills = any(i.healthy for i in upstream.prefill.instances) or config.disagg_policy == "conditional"
-        ok = prefills and any(i.healthy for i in upstream.decode.instances)  # conditional: D prefills without P
+        prefills = any(i.available for i in upstream.prefill.instances) or config.disagg_policy == "conditional"
+        ok = prefills and any(i.available for i in upstream.decode.instances)  # conditional: D prefills without P
         body = {"status": "ok" if ok else "unavailable", "policy": config.policy,
                 "prefill_policy": config.role_policy("prefill"), "decode_policy": config.role_policy("decode"),
                 "disagg_policy": config.disagg_policy,
@@ -98,10 +102,17 @@ def _lifespan(upstream: Upstream) -> Callable[[FastAPI], contextlib.AbstractAsyn
         async with httpx.AsyncClient(limits=limits, timeout=upstream.timeout) as client:
             upstream.client = client
             await _probe_all(upstream)  # what /health and routing say is known from the first request on
-            tasks = [asyncio.create_task(_probe_forever(upstream)), *_follow_kv_events(upstream)]
+            followers = _EventFollowers(upstream)
+            upstream.fleet.on_join, upstream.fleet.on_leave = followers.join, followers.leave
+            for instance in upstream.fleet.members():
+                followers.join(instance)
+            tasks = [asyncio.create_task(_probe_forever(upstream)),
+                     asyncio.create_task(upstream.fleet.run(FLEET_TICK_S))]
             try:
                 yield
             finally:
+                upstream.fleet.on_join = upstream.fleet.on_leave = lambda instance: None
+                tasks += followers.tasks.values()
                 for task in tasks:
                     task.cancel()
                 for task in tasks:
@@ -171,14 +182,28 @@ async def _models(upstream: Upstream, request: Request) -> Response:
     return error_response("no decode server answered /v1/models", 503, "service_unavailable")
 
 
-def _follow_kv_events(upstream: Upstream) -> list[asyncio.Task[None]]:
-    """A task following the KV events of each instance whose pool routes by them."""
-    headers = {"Authorization": upstream.config.server_authorization} if upstream.config.server_authorization else {}
-    return [asyncio.create_task(follow_kv_events(
-                instance, upstream.client, headers,
+class _EventFollowers:
+    """A task following the KV events of each instance whose role's pool routes by them,
+    from when it joins (or takes that role) until it leaves."""
+
+    def __init__(self, upstream: Upstream) -> None:
+        self.upstream = upstream
+        auth = upstream.config.server_authorization
+        self.headers = {"Authorization": auth} if auth else {}
+        self.tasks: dict[int, asyncio.Task[None]] = {}
+
+    def join(self, instance: Instance) -> None:
+        upstream = self.upstream
+        if upstream.config.follows_events(instance.role) and id(instance) not in self.tasks:
+            self.tasks[id(instance)] = asyncio.create_task(follow_kv_events(
+                instance, upstream.client, self.headers,
                 upstream.metrics.kv_events_malformed.labels(url=instance.url).inc, upstream.config.probe_interval_s))
-            for pool in (upstream.prefill, upstream.decode) if upstream.config.follows_events(pool.role)
-            for instance in pool.instances]
+
+    def leave(self, instance: Instance) -> None:
+        task = self.tasks.pop(id(instance), None)
+        if task is not None:
+            task.cancel()
+        instance.kv_index, instance.block_size = None, 0  # what it was known to hold is not followed now
 
 
 async def _probe_forever(upstream: Upstream) -> None:

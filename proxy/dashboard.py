@@ -37,6 +37,7 @@ from proxy.recent import RecentRequests
 from proxy.upstream import Upstream
 
 SAMPLE_MIN_INTERVAL_S = 0.5
+SHOWN_CHANGES = 20  # the latest fleet changes on the page
 SAMPLE_TIMEOUT_S = 1.0
 KV_USAGE, HIT_QUERIES, HITS = "pd_kv_cache_usage", "pd_prefix_cache_queries_total", "pd_prefix_cache_hits_total"
 TRANSFER_BYTES = "pd_kv_transfer_bytes_total"
@@ -97,11 +98,13 @@ class Dashboard:
         config = self.upstream.config
         return {"prefill_policy": config.role_policy("prefill"), "decode_policy": config.role_policy("decode"),
                 "disagg_policy": config.disagg_policy, "queue_waiting": self.upstream.admission.num_waiting,
-                "instances": [self._instance(i) for i in self.instances], "requests": self.recent.newest_first()}
+                "instances": [self._instance(i) for i in self.instances], "requests": self.recent.newest_first(),
+                "fleet_changes": [c.state() for c in reversed(self.upstream.fleet.changes)][:SHOWN_CHANGES]}
 
     def _instance(self, instance: Instance) -> dict[str, Any]:
         figures = self._samples.get(instance.url) if instance.healthy else None
-        return {"url": instance.url, "role": instance.role, "healthy": instance.healthy,
+        return {"url": instance.url, "role": instance.role, "source": instance.source, "draining": instance.draining,
+                "leaving": instance.url in self.upstream.fleet.leaving, "healthy": instance.healthy,
                 "breaker": instance.breaker.state, "in_flight": instance.in_flight, "requests": instance.requests,
                 "failures": instance.failures, "last_error": instance.last_error,
                 "kv_blocks": None if instance.kv_index is None else len(instance.kv_index.blocks),
@@ -119,6 +122,9 @@ class Dashboard:
         scraped = await asyncio.gather(*(self._scrape(i.url) for i in instances))
         for instance, samples in zip(instances, scraped):
             self._samples[instance.url] = sample(samples, now, self._samples.get(instance.url))
+        members = {i.url for i in self.instances}
+        for gone in [url for url in self._samples if url not in members]:  # it left the fleet
+            del self._samples[gone]
 
     async def _scrape(self, url: str) -> dict[str, float] | None:
         authorization = self.upstream.config.server_authorization

@@ -42,7 +42,7 @@ def choose_path(route: Route, decode: Instance, prefill: InstancePool, policy: s
         return DISAGGREGATED
     if lacking <= local_max_tokens:
         return LOCAL
-    available = [i for i in prefill.instances if i.healthy]
+    available = [i for i in prefill.instances if i.available]
     if not available or min(prefill.load_tokens(i) for i in available) > lacking:
         return LOCAL
     return REUSE if reuse_tokens(route, decode, prefill, reuse_min_tokens) else DISAGGREGATED
@@ -62,5 +62,5 @@ def reuse_tokens(route: Route, decode: Instance, prefill: InstancePool, min_toke
         return 0
     last_block = (len(route.tokens) - 1) // decode.block_size * decode.block_size
     held = min(decode.overlap_tokens(route), last_block)
-    on_prefill = max((i.overlap_tokens(route) for i in prefill.instances if i.healthy), default=0)
+    on_prefill = max((i.overlap_tokens(route) for i in prefill.instances if i.available), default=0)
     return held if held - on_prefill >= min_tokens else 0

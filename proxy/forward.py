@@ -43,10 +43,11 @@ from proxy.body import BodyError, parse_body
 from proxy.calls import Call, NoRoom, Opened, Prefilled, Unreached
 from proxy.disagg import DISAGGREGATED, LOCAL, REUSE, choose_path, reuse_tokens
 from proxy.errors import error_response
-from proxy.instances import Instance, NoInstanceError, OverloadedError, Route
+from proxy.instances import EmptyPoolError, Instance, NoInstanceError, OverloadedError, Route
 from proxy.reuse import prefill_reusing
 from proxy.upstream import Upstream
 from wire.body import read_body
+from wire.codes import NO_INSTANCE
 from wire.errors import error_body
 from wire.headers import PD_PATH, REQUEST_ID
 
@@ -169,7 +170,8 @@ async def _try_place(upstream: Upstream, request: Request,
     except OverloadedError as exc:
         return NoRoom(overloaded_response(str(exc)), overloaded="decode")
     except NoInstanceError as exc:
-        return error_response(f"{exc}: the request is not sent to a prefill server", 503, "service_unavailable")
+        return error_response(f"{exc}: the request is not sent to a prefill server", 503, "service_unavailable",
+                              NO_INSTANCE if isinstance(exc, EmptyPoolError) else None)
     call.bind(decode)  # counted against its --max-outstanding from now
     config = upstream.config
     path = choose_path(call.route, decode, upstream.prefill, config.disagg_policy, config.local_prefill_max_tokens,

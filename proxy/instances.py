@@ -49,6 +49,10 @@ class NoInstanceError(Exception):
     """No healthy instance is left for this request."""
 
 
+class EmptyPoolError(NoInstanceError):
+    """The role has no instance at all (none given, added or registered yet)."""
+
+
 class OverloadedError(NoInstanceError):
     """Every healthy instance has `max_outstanding` requests in flight."""
 
@@ -87,6 +91,14 @@ class Instance:
     engine_pid: int | None = None  # as its /health last said: another one means it restarted
     cache_epoch: int = 0  # counts the times what it held was forgotten (its events are followed anew)
     probed: bool = False  # its /health answered (or failed) the prober at least once
+    roles: tuple[str, ...] = ()  # the roles it may be given (a `--role both` server: both); (): `role` only
+    draining: bool = False  # takes no new request (fleet.py); what it holds finishes
+    source: str = "static"  # how it joined: static (--prefill/--decode), admin, registered (fleet.py)
+    lease_end: float | None = None  # registered: out of the fleet past this (monotonic s) without a renewal
+    info: dict = field(default_factory=dict)  # what it registered with: TP size, KV compatibility hash, ...
+
+    def __post_init__(self) -> None:
+        self.roles = self.roles or (self.role,)
 
     @property
     def in_flight(self) -> int:
@@ -97,6 +109,11 @@ class Instance:
     def healthy(self) -> bool:
         """Not shut out by its breaker (closed, or half-open: a trial may go)."""
         return self.breaker.state != "open"
+
+    @property
+    def available(self) -> bool:
+        """Healthy and not draining: new requests may go to it."""
+        return self.healthy and not self.draining
 
     def mark_failed(self, error: str) -> bool:
         """A failure counted against its breaker; True if the breaker opened now."""
@@ -138,8 +155,8 @@ class Instance:
         index = self.kv_index
         indexed = None if index is None else {"blocks": len(index.blocks), "events_seq": index.last_seq,
                                               "tiers": {m: len(held) for m, held in index.lower.items()}}
-        return {"url": self.url, "role": self.role, "healthy": self.healthy, "probed": self.probed,
-                "breaker": self.breaker.state,
+        return {"url": self.url, "role": self.role, "roles": list(self.roles), "healthy": self.healthy,
+                "probed": self.probed, "draining": self.draining, "source": self.source, "breaker": self.breaker.state,
                 "outstanding": self.outstanding, "bound": self.bound,
                 "requests": self.requests, "failures": self.failures, "last_error": self.last_error,
                 "kv_index": indexed}
@@ -151,9 +168,11 @@ def _point(key: str) -> int:
 
 @dataclass
 class InstancePool:
-    """The instances of one role and the policy that picks among them."""
+    """The instances of one role and the policy that picks among them. Instances join
+    (`add`) and leave (`remove`) at runtime (`fleet.py`); the pool may be empty."""
 
     instances: list[Instance]
+    role: str  # "prefill" or "decode"
     policy: str = "round_robin"
     overlap_weight: float = 1.0  # kv_aware: what a prompt token held is worth against a token of load
     decode_load_tokens: int = 0  # kv_aware: the load one request being decoded counts for
@@ -165,14 +184,25 @@ class InstancePool:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if not self.instances:
-            raise ValueError("an instance pool needs at least one instance")
+        self._build_ring()
+
+    def _build_ring(self) -> None:
         self._ring = sorted((_point(f"{inst.url}#{v}"), i) for i, inst in enumerate(self.instances)
                             for v in range(VIRTUAL_NODES))
 
-    @property
-    def role(self) -> str:
-        return self.instances[0].role
+    def add(self, instance: Instance) -> None:
+        """`instance` joins the pool (its role becomes the pool's)."""
+        instance.role = self.role
+        self.instances.append(instance)
+        self._build_ring()
+
+    def remove(self, instance: Instance) -> None:
+        """`instance` leaves the pool (requests in flight on it keep their reference)."""
+        self.instances.remove(instance)
+        self._build_ring()
+
+    def find(self, url: str) -> Instance | None:
+        return next((i for i in self.instances if i.url == url), None)
 
     @classmethod
     def of(cls, urls: Sequence[str], role: str, policy: str, breaker: tuple[int, float] = (1, 5.0),
@@ -181,12 +211,14 @@ class InstancePool:
         `tier_weights`: what a block held in each medium is worth (kv_index.py)."""
         weights = tier_weights or DEFAULT_TIER_WEIGHTS
         return cls([Instance(url.rstrip("/"), role, Breaker(*breaker), tier_weights=dict(weights)) for url in urls],
-                   policy, **settings)
+                   role, policy, **settings)
 
     def pick(self, route: Route, exclude: set[str] = frozenset()) -> Instance:
         """An instance for a request; NoInstanceError if every one is shut out by its
         breaker or excluded, OverloadedError if the others are all full."""
-        available = [i for i in self.instances if i.url not in exclude and i.breaker.allows()]
+        if not self.instances:
+            raise EmptyPoolError(f"no {self.role} instance is in the fleet (none was given, added or registered)")
+        available = [i for i in self.instances if i.url not in exclude and not i.draining and i.breaker.allows()]
         if not available:
             raise NoInstanceError(f"no healthy {self.role} instance left")
         candidates = [i for i in available if not self.max_outstanding or i.in_flight < self.max_outstanding]

@@ -4,23 +4,28 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 from launch.ports import listen
 from proxy.disagg import DISAGG_POLICIES
+from proxy.fleet import ADMIN_KEY_ENV, FLEET_ALLOW
 from proxy.instances import POLICIES
 from proxy.proxy_config import PROXY_DEFAULTS, ProxyConfig, tier_weights
 from telemetry import logs, tracing
 from telemetry.flags import add_telemetry_flags, apply_telemetry_flags
+from wire.fleet import SECRET_ENV
 
 
 def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prefill", nargs="+", action="extend", required=True, metavar="URL",
+    parser.add_argument("--prefill", nargs="+", action="extend", default=[], metavar="URL",
                         help="prefill servers' base URLs, e.g. http://127.0.0.1:8100 (the flag may be repeated: "
-                             "each adds its URLs; a URL given twice is refused)")
-    parser.add_argument("--decode", nargs="+", action="extend", required=True, metavar="URL",
+                             "each adds its URLs; a URL given twice is refused). With neither --prefill nor "
+                             "--decode the fleet starts empty (requests get 503 no_instance) and servers join "
+                             "through the admin API or --register (default: none)")
+    parser.add_argument("--decode", nargs="+", action="extend", default=[], metavar="URL",
                         help="decode servers' base URLs, e.g. http://127.0.0.1:8200 (the flag may be repeated: "
-                             "each adds its URLs; a URL given twice is refused)")
+                             "each adds its URLs; a URL given twice is refused) (default: none)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on; 0: any free one, as the kernel "
                                                                "picks it when the proxy binds (default 8000)")
@@ -28,6 +33,7 @@ def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
                         help="write the port listened on to PATH as soon as it is bound (with --port 0, the only "
                              "way to learn it; a launcher waits for it) (default: none)")
     _add_routing_flags(parser)
+    _add_fleet_flags(parser)
     _add_fault_flags(parser)
     _add_canary_flags(parser)
     add_telemetry_flags(parser)
@@ -73,6 +79,23 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
                              "least N more of the prompt than any prefill server is known to (an earlier turn and "
                              "its answer), the prefill server reads that prefix from the decode server instead of "
                              "computing it; 0 never (default %(default)s)")
+
+
+def _add_fleet_flags(parser: argparse.ArgumentParser) -> None:
+    """Instances joining and leaving at runtime (proxy/fleet.py, proxy/fleet_api.py)."""
+    group = parser.add_argument_group("fleet", "instances that join, drain, leave and switch roles at runtime")
+    group.add_argument("--admin-key", default=None, metavar="KEY",
+                       help="turns on the admin API (/admin/instances: list, add, drain, remove, switch roles), "
+                            "which then needs 'Authorization: Bearer KEY' (else 401); prefer the "
+                            f"{ADMIN_KEY_ENV} environment variable, which other users cannot read in the process "
+                            "list (default: the admin API is off, 403)")
+    group.add_argument("--fleet-secret", default=None, metavar="SECRET",
+                       help="the secret servers started with --register sign their registration with: the "
+                            f"deployment's, {SECRET_ENV}, which is also the default (default: that variable; "
+                            "without it registration is off, 403)")
+    group.add_argument("--fleet-allow", nargs="+", default=list(FLEET_ALLOW), metavar="CIDR",
+                       help="networks a registration may come from, and that an instance's address (registered "
+                            "or added) must be in; anything else is refused with 403 (default: %(default)s)")
 
 
 def _add_fault_flags(parser: argparse.ArgumentParser) -> None:
@@ -162,7 +185,10 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
                            canary_max_inflight=args.canary_max_inflight, canary_tie_logprob=args.canary_tie_logprob,
                            max_request_bytes=args.max_request_bytes, disagg_policy=args.disagg_policy,
                            local_prefill_max_tokens=args.local_prefill_max_tokens,
-                           reuse_min_tokens=args.reuse_min_tokens, kv_tier_weights=tier_weights(args.kv_tier_weights))
+                           reuse_min_tokens=args.reuse_min_tokens, kv_tier_weights=tier_weights(args.kv_tier_weights),
+                           admin_key=args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None,
+                           fleet_secret=args.fleet_secret or os.environ.get(SECRET_ENV) or None,
+                           fleet_allow=tuple(args.fleet_allow))
     except ValueError as exc:
         raise SystemExit(f"pd proxy: {exc}") from None
 
@@ -185,6 +211,10 @@ def run_proxy(args: argparse.Namespace) -> int:
     logging.getLogger("pd.proxy").info("%d prefill (%s), %d decode (%s), disaggregation %s at http://%s:%d",
                                        len(args.prefill), config.role_policy("prefill"), len(args.decode),
                                        config.role_policy("decode"), config.disagg_policy, args.host, args.port)
+    logging.getLogger("pd.proxy").info("admin API %s; registration %s (from %s)",
+                                       "on" if config.admin_key else "off (no --admin-key)",
+                                       "on" if config.fleet_secret else "off (no --fleet-secret)",
+                                       ", ".join(config.fleet_allow))
     try:
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                                log_config=logs.uvicorn_log_config(args.log_format),

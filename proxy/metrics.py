@@ -12,6 +12,7 @@ from prometheus_client.registry import Collector
 
 from proxy.canary import RESULTS as CANARY_RESULTS
 from proxy.disagg import PATHS
+from proxy.fleet import ACTIONS as FLEET_ACTIONS
 from proxy.instances import InstancePool
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -43,6 +44,8 @@ class InstanceCollector(Collector):
                                      labels=labels)
         breaker = GaugeMetricFamily("pd_proxy_instance_breaker_state", "The instance's circuit breaker: 0 closed, "
                                     "1 half-open (one trial may go), 2 open (nothing is sent to it).", labels=labels)
+        draining = GaugeMetricFamily("pd_proxy_instance_draining", "1 if the instance is draining: it takes no new "
+                                     "request (the admin API, its own registration, or its removal).", labels=labels)
         indexed = GaugeMetricFamily("pd_proxy_instance_kv_blocks", "Blocks the instance's KV events say it holds "
                                     "(kv_aware; absent for an instance whose events are not followed).",
                                     labels=labels)
@@ -53,9 +56,10 @@ class InstanceCollector(Collector):
                 sent.add_metric([i.url, i.role], i.requests)
                 failed.add_metric([i.url, i.role], i.failures)
                 breaker.add_metric([i.url, i.role], i.breaker.gauge)
+                draining.add_metric([i.url, i.role], int(i.draining))
                 if i.kv_index is not None:
                     indexed.add_metric([i.url, i.role], len(i.kv_index.blocks))
-        yield from (healthy, outstanding, sent, failed, breaker, indexed)
+        yield from (healthy, outstanding, sent, failed, breaker, draining, indexed)
         yield self._policies()
 
     def _policies(self) -> Metric:
@@ -107,6 +111,10 @@ class ProxyMetrics:
                                      "by role.", "role", ROLES)
         self.overloaded = self._counter("pd_proxy_overloaded", "Requests answered 429: every instance of the role "
                                         "had --max-outstanding requests in flight.", "role", ROLES)
+        self.fleet_changes = self._counter("pd_proxy_fleet_changes", "Changes of the fleet's membership, by action: "
+                                           "joined, renewed (a registration's lease), drained, undrained, removed, "
+                                           "expired (its lease ended), role (moved to the other role).", "action",
+                                           FLEET_ACTIONS)
         self.queued = Counter("pd_proxy_queued", "Requests that waited in the proxy's queue for room (every "
                               "server full, or every prefill server holding too much).", registry=self.registry)
         self.queue_refused = self._counter("pd_proxy_queue_refused", "Requests answered 429 past the queue's "

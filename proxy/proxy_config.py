@@ -7,6 +7,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from proxy.body import MAX_DEPTH
 from proxy.canary import TIE_LOGPROB
 from proxy.disagg import DISAGG_POLICIES, LOCAL_PREFILL_MAX_TOKENS, REUSE_MIN_TOKENS
+from proxy.fleet import FLEET_ALLOW, allowed_networks
 from proxy.instances import LOAD_SLACK, POLICIES
 from proxy.kv_index import DEFAULT_TIER_WEIGHTS
 from wire.body import DEFAULT_LIMIT
@@ -48,14 +49,23 @@ class ProxyConfig:
     canary_fraction: float = 0.0  # of greedy or seeded PD requests also run colocated and compared (canary.py)
     canary_max_inflight: int = 2  # canaries running at once at most; a request sampled past it is skipped
     canary_tie_logprob: float = TIE_LOGPROB  # a PD token this close to the reference's is a tie, not a mismatch
+    admin_key: str | None = None  # what the admin API (fleet_api.py) needs; None: the admin API is off
+    fleet_secret: str | None = None  # what registrations are signed with; None: registration is off
+    fleet_allow: tuple[str, ...] = FLEET_ALLOW  # networks registrations may come from and instances be in
 
     def __post_init__(self) -> None:
-        if not self.prefill_urls or not self.decode_urls:
-            raise ValueError("at least one prefill and one decode server are needed")
+        if not (self.prefill_urls and self.decode_urls) and self.admin_key is None and self.fleet_secret is None:
+            raise ValueError("at least one prefill and one decode server are needed, or a way for them to join "
+                             "later: --admin-key (the admin API) or --fleet-secret (servers started with --register)")
         for role, urls in (("prefill", self.prefill_urls), ("decode", self.decode_urls)):
             twice = sorted({url for url in urls if urls.count(url) > 1})
             if twice:
                 raise ValueError(f"{', '.join(twice)} given more than once as --{role}")
+        both = sorted(set(self.prefill_urls) & set(self.decode_urls))
+        if both:
+            raise ValueError(f"{', '.join(both)} given as --prefill and as --decode: an instance has one role at a "
+                             "time (start it --role both and switch its role with the admin API)")
+        allowed_networks(self.fleet_allow)  # ValueError naming a malformed one
         for name in ("policy", "prefill_policy", "decode_policy"):
             if getattr(self, name) not in (*POLICIES, *([None] if name != "policy" else [])):
                 raise ValueError(f"{name} must be one of {', '.join(POLICIES)}, got {getattr(self, name)!r}")
@@ -90,8 +100,8 @@ class ProxyConfig:
         if self.local_prefill_max_tokens < 0 or self.reuse_min_tokens < 0:
             raise ValueError("local_prefill_max_tokens and reuse_min_tokens must not be negative, got "
                              f"{self.local_prefill_max_tokens} and {self.reuse_min_tokens}")
-        if "" in (self.api_key, self.server_api_key):
-            raise ValueError("an API key must not be empty")
+        if "" in (self.api_key, self.server_api_key, self.admin_key, self.fleet_secret):
+            raise ValueError("an API key, the admin key and the fleet secret must not be empty")
 
     def role_policy(self, role: str) -> str:
         """The policy picking `role`'s instances: its own, else `policy`; but decode servers

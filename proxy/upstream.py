@@ -10,12 +10,14 @@ other answer is a success for the breaker.
 A request is sent to another P (at most `max_retries` times, each after an exponential
 backoff with jitter) only when the failure is known to be the instance's, not the
 request's: it could not be reached (nothing was sent), its engine was dead already
-(503 "engine_dead"), or it holds too many blocks for unread requests (503
-"kv_held_limit"); and once for a kept-alive connection closed unanswered
-(`connections.py`). A P that took the request and then dropped the connection, timed
-out, answered a 5xx of its own or died serving it may have been failed by the request
-itself (a poison request would otherwise walk the fleet): the client gets 502 or that
-answer. A 4xx is the server's verdict on this request, passed back as it is.
+(503 "engine_dead"), it holds too many blocks for unread requests (503
+"kv_held_limit") or it is draining (503 "server_draining": it did nothing of the
+request; a draining D is replaced the same way, by another D reading P's blocks); and
+once for a kept-alive connection closed unanswered (`connections.py`). A P that took
+the request and then dropped the connection, timed out, answered a 5xx of its own or
+died serving it may have been failed by the request itself (a poison request would
+otherwise walk the fleet): the client gets 502 or that answer. A 4xx is the server's
+verdict on this request, passed back as it is.
 
 No room (every instance of a role at `max_outstanding`, or every P answering
 kv_held_limit) is `NoRoom`: the request waits in the proxy's queue (`admission.py`) and
@@ -48,14 +50,16 @@ from proxy.answers import (
     retry_after_s,
 )
 from proxy.body import BodyError, parse_body, prefill_body, token_id_prompt
+from proxy.breaker import Breaker
 from proxy.calls import Call, NoRoom, Opened, Prefilled, TryAnother, Unreached
 from proxy.canary import Canaries, Tap, check
 from proxy.connections import ConnectionTrace
 from proxy.errors import error_response
-from proxy.instances import Instance, InstancePool, NoInstanceError, OverloadedError
+from proxy.fleet import Change, Fleet, allowed_networks
+from proxy.instances import EmptyPoolError, Instance, InstancePool, NoInstanceError, OverloadedError
 from proxy.metrics import ProxyMetrics
 from proxy.proxy_config import ProxyConfig
-from wire.codes import ENGINE_DEAD, KV_HELD_LIMIT
+from wire.codes import ENGINE_DEAD, KV_HELD_LIMIT, NO_INSTANCE, SERVER_DRAINING
 from wire.headers import REQUEST_ID, retry_after
 from wire.kv_params import KV_TRANSFER_PARAMS, REMOTE_REQUEST_ID, SIGNATURE
 
@@ -79,6 +83,11 @@ class Upstream:
         self.decode = InstancePool.of(config.decode_urls, "decode", config.role_policy("decode"), breaker,
                                       decode_load_tokens=config.decode_load_tokens, **common)
         self.metrics = ProxyMetrics([self.prefill, self.decode])
+        self.fleet = Fleet({"prefill": self.prefill, "decode": self.decode},
+                           lambda url, role: Instance(url, role, Breaker(*breaker),
+                                                      tier_weights=dict(config.kv_tier_weights)),
+                           allowed_networks(config.fleet_allow),
+                           on_change=self._fleet_changed)
         self.timeout, self.prefill_timeout, self.decode_timeout = (
             httpx.Timeout(s, connect=min(CONNECT_TIMEOUT_S, s))
             for s in (config.timeout_s, config.phase_timeout_s("prefill"), config.phase_timeout_s("decode")))
@@ -88,12 +97,16 @@ class Upstream:
         self.canaries = Canaries(config.canary_fraction, config.canary_max_inflight, config.canary_tie_logprob,
                                  lambda result: self.metrics.canary.labels(result=result).inc())
 
+    def _fleet_changed(self, change: Change) -> None:
+        self.metrics.fleet_changes.labels(action=change.action).inc()
+        self.admission.changed()  # a request waiting for room may find it on an instance that joined
+
     def canary(self, call: Call, tap: Tap, exclude: set[str]) -> Callable[[], Awaitable[str]]:
         """What runs `call`'s canary: alone on an instance (decode servers first) other than
         `exclude` (its P and D) where one is healthy and below --max-outstanding."""
         limit = self.config.max_outstanding
         fit = [i for i in self.decode.instances + self.prefill.instances
-               if i.healthy and (not limit or i.in_flight < limit)]
+               if i.available and (not limit or i.in_flight < limit)]
         target = next((i for i in fit if i.url not in exclude), fit[0] if fit else None)
         parent = call.span  # its request's span, ended by the time the canary runs
         return lambda: check(self.client, call, tap, target, call.headers, self.timeout,
@@ -111,7 +124,7 @@ class Upstream:
         ids = token_id_prompt(call.body)
         if ids is not None:
             return ids
-        for instance in [i for i in self.decode.instances + self.prefill.instances if i.healthy]:
+        for instance in [i for i in self.decode.instances + self.prefill.instances if i.available]:
             try:
                 response = await self.client.post(instance.url + TOKENIZE_PATH, json=call.body, headers=call.headers,
                                                   timeout=TOKENIZE_TIMEOUT_S)
@@ -163,6 +176,8 @@ class Upstream:
                 instance = self.prefill.pick(call.route, tried)
             except OverloadedError as exc:
                 return NoRoom(overloaded_response(str(exc)), overloaded="prefill")
+            except EmptyPoolError as exc:
+                return Unreached(error_response(str(exc), 503, "service_unavailable", NO_INSTANCE))
             except NoInstanceError:
                 break
             if attempt:
@@ -225,6 +240,8 @@ class Upstream:
         if response.status_code == 503 and error_code(response) == KV_HELD_LIMIT:
             logger.info("prefill server %s holds too many blocks; trying another", instance.url)
             return TryAnother(retry_after_s(response))
+        if response.status_code == 503 and error_code(response) == SERVER_DRAINING:
+            return TryAnother()  # it did nothing of the request
         return passed_back(instance, response)
 
     def _prefilled(self, instance: Instance, response: httpx.Response, call: Call) -> Prefilled | Response:
@@ -267,7 +284,8 @@ class Upstream:
             except OverloadedError as exc:
                 return self.refuse(NoRoom(overloaded_response(str(exc)), overloaded="decode"))
             except NoInstanceError as exc:
-                return error_response(f"{exc}: cannot decode the request", 503, "service_unavailable")
+                return error_response(f"{exc}: cannot decode the request", 503, "service_unavailable",
+                                      NO_INSTANCE if isinstance(exc, EmptyPoolError) else None)
 
     async def _open_at(self, instance: Instance, call: Call, body: dict[str, Any],
                        stale_retry: bool) -> Opened | Response | TryAnother:
@@ -310,11 +328,13 @@ class Upstream:
                 instance.outstanding_tokens -= work
                 self.admission.changed()
 
-    async def _refused_by_decode(self, instance: Instance, response: httpx.Response) -> Response:
+    async def _refused_by_decode(self, instance: Instance, response: httpx.Response) -> Response | TryAnother:
         try:
             await response.aread()
         finally:
             await response.aclose()
+        if response.status_code == 503 and error_code(response) == SERVER_DRAINING:
+            return TryAnother()  # it did nothing of the request: another D may read P's blocks
         if is_server_failure(response):
             self.failed(instance, f"HTTP {response.status_code}: {response.text[:200]}")
         else:

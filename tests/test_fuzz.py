@@ -39,15 +39,17 @@ from kv_events.messages import ReplayRequest, encode
 from launch import http_client
 from tests.support.otlp import otlp_receiver
 from tests.support.server_harness import running_proxy, running_server, wait_until
+from wire.fleet import REGISTER_PATH, SECRET_ENV, SIGNATURE_HEADER, sign
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
-BUDGET = {"server_http": 500, "proxy_http": 300, "replay": 400, "side_channel": 300, "tcp": 200, "nixl": 300,
-          "tp_join": 300, "tp_join_rank": 200}
+BUDGET = {"server_http": 500, "proxy_http": 300, "fleet_http": 300, "replay": 400, "side_channel": 300, "tcp": 200,
+          "nixl": 300, "tp_join": 300, "tp_join_rank": 200}
 FUZZ = settings(deadline=None, database=None, suppress_health_check=list(HealthCheck), derandomize=False)
 
 
 def budget(surface: str) -> settings:
     return settings(FUZZ, max_examples=BUDGET[surface])
+ADMIN_KEY = "fuzz-admin-key"
 PROMPT = "The keeper of the lighthouse wrote down every ship. "
 REFERENCE_BODY = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 SERVER_FLAGS = ("--max-model-len", "128", "--max-sequences-per-request", "4", "--kv-lease-seconds", "5",
@@ -67,7 +69,8 @@ def deployment(tiny_models, tmp_path_factory):
         d = stack.enter_context(running_server(tiny_models["qwen3"], logs / "d.log", "--role", "decode",
                                                *SERVER_FLAGS, *traced))
         proxy = stack.enter_context(running_proxy(logs / "proxy.log", "--prefill", p.url, "--decode", d.url,
-                                                  "--log-level", "warning", "--timeout", "30", *traced))
+                                                  "--log-level", "warning", "--timeout", "30", "--admin-key",
+                                                  ADMIN_KEY, *traced))
         reference = answer(proxy)
         pids = {name: engine_pid(server) for name, server in (("p", p), ("d", d))}
         ports = bound_ports(p)
@@ -214,6 +217,72 @@ def test_every_route_of_the_proxy(deployment) -> None:
             response.text[:500]
 
     fuzz()
+    assert_unharmed(deployment)
+
+
+FLEET_ROUTES = [("GET", "/admin/instances"), ("POST", "/admin/instances"), ("POST", "/admin/instances/drain"),
+                ("POST", "/admin/instances/remove"), ("POST", "/admin/instances/role"), ("POST", REGISTER_PATH)]
+STRANGER = "http://127.0.0.1:9"  # no server: what a valid body names (never the deployment's P or D)
+FLEET_VALID = {
+    "/admin/instances": {"url": STRANGER, "role": "decode", "roles": ["prefill", "decode"]},
+    "/admin/instances/drain": {"url": STRANGER, "draining": True},
+    "/admin/instances/remove": {"url": STRANGER, "force": True},
+    "/admin/instances/role": {"url": STRANGER, "role": "prefill"},
+    REGISTER_PATH: {"url": STRANGER, "roles": ["decode"], "role": "decode", "sent_at": 0.0, "lease_s": 10.0,
+                    "state": "serving", "tp": 1, "compat_hash": "", "engine_pid": 1},
+}
+FLEET_SPECIAL = st.sampled_from([STRANGER, "http://127.0.0.1:0", "http://[::1]:9", "http://10.0.0.1:9", "", "prefill",
+                                 "decode", "both", ["prefill", "prefill"], [], "leaving", "draining", 1e308, -1,
+                                 2**64, "\udcff", "http://127.0.0.1:9/v1?x#y"])
+
+
+@st.composite
+def fleet_body(draw, path: str) -> bytes:
+    """A fleet route's body: valid with fields mutated (a registration's sent_at now), random
+    JSON or random bytes."""
+    kind = draw(st.sampled_from(["mutated", "json", "bytes"]))
+    if kind == "bytes":
+        return draw(st.binary(max_size=300))
+    if kind == "json":
+        return json.dumps(draw(json_values)).encode()
+    body = dict(FLEET_VALID.get(path, {})) | ({"sent_at": time.time()} if path == REGISTER_PATH else {})
+    for _ in range(draw(st.integers(0, 3))):
+        body[draw(st.sampled_from([*body, "extra"] or ["url"]))] = draw(json_values | FLEET_SPECIAL)
+    return json.dumps(body).encode()
+
+
+def test_the_fleet_routes_of_the_proxy(deployment) -> None:
+    """The admin API (with its key, a wrong one or none) and registration (signed with the
+    deployment's secret or not): no 5xx; after, what joined is taken out and P and D serve."""
+    proxy, secret = deployment["proxy"], os.environ[SECRET_ENV]
+
+    @budget("fleet_http")
+    @given(data=st.data(), route=st.sampled_from(FLEET_ROUTES), key=st.sampled_from([ADMIN_KEY, None, "wrong"]),
+           signed=st.booleans())
+    def fuzz(data, route, key, signed) -> None:
+        method, path = route
+        content = data.draw(fleet_body(path))
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        if path == REGISTER_PATH and signed:
+            headers[SIGNATURE_HEADER] = sign(secret, content)
+        response = send(proxy.url, method, path, content, headers)
+        assert response.status_code < 500, response.text[:500]
+
+    fuzz()
+    joined = deployment["proxy"].metrics()['pd_proxy_fleet_changes_total{action="joined"}']
+    assert joined > 0  # the fuzzer's bodies went as far as changing the fleet
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    fleet = http_client().get(f"{proxy.url}/admin/instances", headers=admin, timeout=10).json()["instances"]
+    for instance in fleet:
+        if instance["url"] not in (deployment["p"].url, deployment["d"].url):
+            http_client().post(f"{proxy.url}/admin/instances/remove", json={"url": instance["url"], "force": True},
+                               headers=admin, timeout=10).raise_for_status()
+        else:
+            http_client().post(f"{proxy.url}/admin/instances/drain", json={"url": instance["url"], "draining": False},
+                               headers=admin, timeout=10).raise_for_status()
+    roles = {i["url"]: i["role"] for i in
+             http_client().get(f"{proxy.url}/admin/instances", headers=admin, timeout=10).json()["instances"]}
+    assert roles == {deployment["p"].url: "prefill", deployment["d"].url: "decode"}
     assert_unharmed(deployment)
 
 

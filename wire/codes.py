@@ -12,7 +12,9 @@ INTERNAL_ERROR = "internal_error"  # refused or failed: a fault in the engine wh
 # From the server: the engine itself failed, not the request (the proxy may try another).
 ENGINE_DEAD = "engine_dead"  # 503: the engine was dead before the request reached the server
 ENGINE_DIED = "engine_died"  # 500: it died while serving the request
+SERVER_DRAINING = "server_draining"  # 503: the server is draining (stopping): nothing of the request was done
 
 # Either side.
 REQUEST_TOO_LARGE = "request_too_large"  # 413: the body is past the receiver's limit
+NO_INSTANCE = "no_instance"  # 503 from the proxy: no server of a role is in its fleet (none joined yet)
 OVERLOADED = "overloaded"  # 429: no room for the request now; Retry-After says when to try again

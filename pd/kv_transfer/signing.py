@@ -31,9 +31,9 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from pd.kv_transfer.params import RemotePrefillParams
+from wire.fleet import SECRET_ENV
 from wire.kv_params import SIGNATURE
 
-SECRET_ENV = "PD_KV_TRANSFER_SECRET"
 DEFAULT_ALLOWED_PEERS = ("127.0.0.0/8", "::1/128")
 _encoder = msgspec.msgpack.Encoder()
 

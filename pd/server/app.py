@@ -36,7 +36,15 @@ from pd.server.serving import Prepared, Server
 from pd.server.spans import RequestSpan
 from telemetry import logs, tracing
 from wire.body import read_body
-from wire.codes import ENGINE_DEAD, ENGINE_DIED, INTERNAL_ERROR, INVALID_REQUEST, KV_HELD_LIMIT, KV_LOAD_FAILED
+from wire.codes import (
+    ENGINE_DEAD,
+    ENGINE_DIED,
+    INTERNAL_ERROR,
+    INVALID_REQUEST,
+    KV_HELD_LIMIT,
+    KV_LOAD_FAILED,
+    SERVER_DRAINING,
+)
 from wire.errors import ApiError, error_body
 from wire.headers import REQUEST_ID, retry_after
 from wire.kv_params import KV_TRANSFER_PARAMS, REMOTE_REQUEST_ID
@@ -167,7 +175,8 @@ def _open_router(server: Server, metrics: ServerMetrics) -> APIRouter:
     async def health() -> JSONResponse:
         client = server.client
         if client.is_alive:
-            return JSONResponse({"status": "ok", "role": server.role, "engine_pid": client.pid})
+            return JSONResponse({"status": "ok", "role": server.role, "engine_pid": client.pid,
+                                 "draining": server.draining})
         return JSONResponse({"status": "engine dead", "error": client.dead_error, "role": server.role,
                              "engine_pid": client.pid},
                             status_code=503)
@@ -186,6 +195,10 @@ async def _serve(server: Server, metrics: ServerMetrics, request: Request, prepa
                  shape: Shape) -> Response:
     if not server.client.is_alive:
         raise engine_not_running(server.client.dead_error)
+    if server.draining:
+        raise RequestError("the server is draining: it takes no new request (another server may take it)",
+                           type="service_unavailable", code=SERVER_DRAINING, status=503,
+                           headers=retry_after(RETRY_AFTER_S))
     server.claim(prepared.request_id)
     if prepared.release_first is not None:
         await server.release_held(prepared.release_first)

@@ -19,9 +19,12 @@ from typing import Any, NoReturn
 from launch.ports import listen
 from pd.config import ROLES, EngineConfig, add_engine_flags, config_from_args
 from pd.config.engine import flat_default
+from pd.kv_transfer.connectors import NULL_CONNECTOR
 from pd.server.limits import DEFAULT_LIMITS, RequestLimits
+from pd.server.registration import DEFAULT_LEASE_S, DRAIN_TIMEOUT_S, Registrar, roles_of
 from telemetry import logs, tracing
 from telemetry.flags import add_telemetry_flags, apply_telemetry_flags
+from wire.fleet import SECRET_ENV
 
 # Idle seconds before the server closes a kept-alive connection: longer than clients keep
 # them in their pools (httpx and the openai client: 5 s; the proxy: 2 s), so a client
@@ -62,7 +65,48 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         help="when the engine-core process dies (killed, or a crash in native code), start a new "
                              "one, at most N times over the server's life; past that, and with 0, the server "
                              "exits with code 1 so that its supervisor restarts it (default 0)")
+    _add_register_flags(parser)
     add_telemetry_flags(parser)
+
+
+def _add_register_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("fleet", "joining a proxy's fleet at runtime (pd/server/registration.py)")
+    group.add_argument("--register", default=None, metavar="PROXY_URL",
+                       help="join the fleet of the proxy at PROXY_URL once ready, signed with the deployment's "
+                            "secret ($PD_KV_TRANSFER_SECRET), and renew the lease while serving; the proxy takes the "
+                            "server out of routing when renewals stop for a lease (default: join no proxy)")
+    group.add_argument("--register-lease", type=float, default=DEFAULT_LEASE_S, metavar="S",
+                       help="seconds the proxy keeps the server without a renewal; renewed every S/3 "
+                            "(default %(default)s)")
+    group.add_argument("--register-role", choices=("prefill", "decode"), default=None,
+                       help="the role a --role both server asks for when it joins; the proxy's admin API and "
+                            "planner may switch it (default: decode; a prefill or decode server: its --role)")
+    group.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S, metavar="S",
+                       help="on SIGTERM the server drains before it exits: it takes no new request (503 "
+                            "server_draining, which the proxy sends elsewhere; a registered server tells its proxy "
+                            "at once), finishes those it has and keeps the blocks a decode server has yet to read, "
+                            "for at most S seconds; a second SIGTERM or SIGINT exits at once; 0: exit at once "
+                            "(default %(default)s)")
+    group.add_argument("--advertise-url", default=None, metavar="URL",
+                       help="the URL the proxy reaches this server at (default: http://--host:--port)")
+
+
+def _registrar(args: argparse.Namespace, config: EngineConfig) -> Registrar | None:
+    """What registers the server with a proxy (`--register`); ValueError for flags that
+    cannot (checked before the engine starts)."""
+    if args.register is None:
+        return None
+    roles = roles_of(config.role, config.transfer.connector != NULL_CONNECTOR)
+    role = args.register_role or ("decode" if len(roles) > 1 else roles[0])
+    if role not in roles:
+        raise ValueError(f"--register-role {role}: a --role {config.role} server serves only as {roles[0]}")
+    if not config.transfer.secret:
+        raise ValueError(f"--register signs the registration with the deployment's secret: set {SECRET_ENV}")
+    if args.advertise_url is None and args.host in ("0.0.0.0", "::"):
+        raise ValueError(f"--register with --host {args.host}: give --advertise-url, the address the proxy reaches "
+                         "this server at")
+    return Registrar(args.register.rstrip("/"), (args.advertise_url or "").rstrip("/"), roles, role,
+                     config.transfer.secret, args.register_lease, tp=config.parallel.size)
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> NoReturn:
@@ -81,6 +125,7 @@ def run_serve(args: argparse.Namespace) -> int:
         config = config_from_args(args).resolve()
         if args.restart_engine < 0:
             raise ValueError(f"--restart-engine must be 0 or more, got {args.restart_engine}")
+        registrar = _registrar(args, config)
         limits = RequestLimits(args.max_sequences_per_request, args.max_logprobs, args.max_request_tokens,
                                args.max_request_bytes)
         check_model(config.model.path)
@@ -92,6 +137,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     listener = _listen(args.host, args.port, args.port_file)
     args.port = listener.getsockname()[1]  # the one bound: --port 0 asks the kernel
+    if registrar is not None and not registrar.url:
+        registrar.url = f"http://{args.host}:{args.port}"
     apply_telemetry_flags(args, "pd serve", "pd-serve",
                           {"pd.role": config.role, "pd.instance": f"{args.host}:{args.port}"}, children=True)
     logger.info("dtype %s (%s), quantization %s (%s)", config.model.dtype, config.model.dtype_reason,
@@ -106,7 +153,9 @@ def run_serve(args: argparse.Namespace) -> int:
                     info.num_blocks * max(info.block_sizes), info.compat_hash[:12])
         for line in client.info.kv_offload:
             logger.info("%s", line)
-        if not asyncio.run(_serve(client, tokenizer, name, config, args, listener, limits)):
+        if registrar is not None:
+            registrar.compat_hash, registrar.engine_pid = info.compat_hash, lambda: client.pid
+        if not asyncio.run(_serve(client, tokenizer, name, config, args, listener, limits, registrar)):
             return 1
     except EngineStartupError as e:
         logger.error("%s", e)
@@ -136,13 +185,14 @@ def _listen(host: str, port: int, port_file: Path | None) -> socket.socket:
 
 
 async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, args: argparse.Namespace,
-                 listener: socket.socket, limits: RequestLimits) -> bool:
+                 listener: socket.socket, limits: RequestLimits, registrar: Registrar | None) -> bool:
     """Serve until stopped; False if stopped because the engine died past its restarts."""
     import uvicorn
 
     from pd.kv_transfer.signing import TransferParamsGuard
     from pd.server.app import build_app
     from pd.server.chat import ChatTemplate
+    from pd.server.drain import DrainingServer
     from pd.server.supervisor import supervise
 
     template = ChatTemplate.from_model_dir(config.model.path, tokenizer.config)
@@ -150,10 +200,13 @@ async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, a
                     role=config.role,
                     transfer_guard=TransferParamsGuard(config.transfer.secret, config.transfer.allowed_peers),
                     limits=limits)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           log_config=logs.uvicorn_log_config(args.log_format),
-                                           timeout_graceful_shutdown=5, timeout_keep_alive=KEEPALIVE_S))
-    announce = asyncio.create_task(_announce(server, f"http://{args.host}:{args.port}", name, config.role))
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                            log_config=logs.uvicorn_log_config(args.log_format),
+                                            timeout_graceful_shutdown=5, timeout_keep_alive=KEEPALIVE_S),
+                             app.state.server, registrar, args.drain_timeout)
+    ready = asyncio.Event()
+    announce = asyncio.create_task(_announce(server, f"http://{args.host}:{args.port}", name, config.role, ready))
+    register = asyncio.create_task(registrar.run(ready)) if registrar is not None else None
     engine_gone = []
 
     def stop() -> None:
@@ -166,11 +219,15 @@ async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, a
     finally:
         announce.cancel()
         supervisor.cancel()
+        if register is not None:
+            register.cancel()
+            await registrar.send_now("leaving")  # out of the proxy's fleet now, not a lease later
     return not engine_gone
 
 
-async def _announce(server: Any, url: str, name: str, role: str) -> None:
+async def _announce(server: Any, url: str, name: str, role: str, ready: asyncio.Event) -> None:
     while not server.started:
         await asyncio.sleep(0.05)
     logger.info("%s (%s) ready at %s (OpenAI API under %s/v1)", name, role, url, url)
+    ready.set()
 

@@ -103,6 +103,7 @@ class Server:
         self.served_model_name = served_model_name
         self.chat_template = chat_template
         self.in_flight: set[str] = set()
+        self.draining = False  # takes no new request (pd serve on SIGTERM, main.py)
         self.held = UntilExpiry()  # engine request ids of params answered, until their lease ends
         self.grammars = GrammarChecker()  # llguidance runs in a process of its own: a grammar may crash it
         self._off_loop = OffLoop(PREPARE_THREADS, GRAMMAR_WAITERS)
@@ -123,6 +124,12 @@ class Server:
             raise RequestError(f"{GRAMMAR_WAITERS} requests wait for the grammar checker already; try again",
                                code="grammar_checker_busy", status=503, type="server_error",
                                headers=retry_after(1)) from None
+
+    @property
+    def drained(self) -> bool:
+        """Nothing in flight here, and no blocks kept for a decode server to read."""
+        held = (self.client.stats.kv_transfer or {}).get("requests_held", 0)
+        return not self.in_flight and not held
 
     def close(self) -> None:
         self.grammars.close()

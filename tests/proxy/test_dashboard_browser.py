@@ -50,7 +50,7 @@ def browser():
 def health_shown(driver) -> dict[str, str]:
     """Each instance row's URL and the health it shows."""
     rows = driver.execute_script("return Array.from(document.querySelectorAll('#instances tbody tr'))"
-                                 ".map(row => [row.dataset.url, row.cells[2].innerText]);")
+                                 ".map(row => [row.dataset.url, row.cells[3].innerText]);")  # role, URL, fleet, health
     return dict(map(tuple, rows))
 
 

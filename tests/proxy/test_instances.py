@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from proxy.forward import prefix_key
-from proxy.instances import LOAD_SLACK, InstancePool, NoInstanceError, Route
+from proxy.instances import LOAD_SLACK, EmptyPoolError, Instance, InstancePool, NoInstanceError, Route
 
 URLS = [f"http://127.0.0.1:{8100 + i}" for i in range(4)]
 
@@ -55,11 +55,31 @@ def test_unhealthy_and_excluded_instances_are_skipped_until_none_is_left() -> No
     assert pool.instances[0].state()["last_error"] == "down" and pool.instances[0].failures == 1
 
 
-def test_a_pool_refuses_an_unknown_policy_or_no_instances() -> None:
+def test_a_pool_refuses_an_unknown_policy() -> None:
     with pytest.raises(ValueError, match="round_robin, least_loaded, prefix_aware"):
         InstancePool.of(URLS, "decode", "random")
-    with pytest.raises(ValueError, match="at least one"):
-        InstancePool.of([], "decode", "round_robin")
+
+
+def test_an_empty_pool_says_no_instance_and_takes_instances_that_join() -> None:
+    pool = InstancePool.of([], "decode", "prefix_aware")
+    with pytest.raises(EmptyPoolError, match="no decode instance"):
+        pool.pick(Route("k"))
+    joined = Instance(URLS[0], "prefill")
+    pool.add(joined)
+    assert joined.role == "decode" and pool.pick(Route("k")) is joined  # the ring has it
+    pool.add(Instance(URLS[1], "decode"))
+    pool.remove(joined)
+    assert {pool.pick(Route(f"k{i}")).url for i in range(20)} == {URLS[1]}
+
+
+def test_a_draining_instance_takes_no_new_request() -> None:
+    pool = InstancePool.of(URLS[:2], "prefill", "least_loaded")
+    pool.instances[1].outstanding = 5
+    pool.instances[0].draining = True
+    assert {pool.pick(Route(f"k{i}")).url for i in range(10)} == {URLS[1]}
+    pool.instances[1].draining = True
+    with pytest.raises(NoInstanceError, match="no healthy prefill instance"):
+        pool.pick(Route("k"))
 
 
 def test_prefix_key_reads_text_token_ids_and_chat() -> None:

@@ -16,6 +16,7 @@ ARCHS = ["qwen3", "gemma3", "bamba", "granitehybrid"]
 # A bound on waiting for a server to reach a state, generous: the suite runs on two
 # workers of a 2-core machine, and a state that holds is seen at once anyway.
 METRIC_WAIT_S = 30.0
+TEST_DRAIN_S = 2.0
 
 
 class ServerProcess(Launched):
@@ -70,9 +71,11 @@ def running_server(model_dir: Path, log_path: Path, *args: str, port: int | None
                    env: dict[str, str] | None = None) -> contextlib.AbstractContextManager[ServerProcess]:
     """`pd serve --model model_dir *args`, yielded once healthy (on `port`, or a free
     one). One torch thread each: several servers share this machine's cores, and
-    oversubscribed threads spin (the tests check behaviour, not speed)."""
-    return _running("serve", log_path, lambda status: status == 200,
-                    "--model", str(model_dir), "--num-threads", "1", *args, port=port, wait=wait, env=env)
+    oversubscribed threads spin (the tests check behaviour, not speed). Stopped, it drains
+    for at most TEST_DRAIN_S (a fault test may leave blocks held for a lease that is
+    longer; a test of the drain gives its own --drain-timeout)."""
+    return _running("serve", log_path, lambda status: status == 200, "--model", str(model_dir), "--num-threads",
+                    "1", "--drain-timeout", str(TEST_DRAIN_S), *args, port=port, wait=wait, env=env)
 
 
 def running_proxy(log_path: Path, *args: str) -> contextlib.AbstractContextManager[ServerProcess]:

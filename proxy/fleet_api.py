@@ -1,0 +1,140 @@
+"""The fleet's routes on the proxy: the admin API and servers' registration (`fleet.py`).
+
+The admin API is on with `--admin-key` (else every admin route answers 403 `admin_off`)
+and needs `Authorization: Bearer KEY` (else 401):
+
+- `GET /admin/instances`: every instance (role, roles, draining, leaving, source, lease
+  left, load, breaker) and the latest membership changes;
+- `POST /admin/instances` `{"url", "role", "roles"?}`: add one (201);
+- `POST /admin/instances/drain` `{"url", "draining"?: true}`: drain it, or take it back;
+- `POST /admin/instances/remove` `{"url", "force"?: false}`: drain it and take it out
+  once nothing is in flight on it (200 out now, 202 once drained);
+- `POST /admin/instances/role` `{"url", "role"}`: give it the other role (409 for a
+  server with one role).
+
+Registration (`POST /v1/fleet/register`, `wire/fleet.py`) is on with a fleet secret (else
+403 `registration_off`); it is refused with 403 from an address outside `--fleet-allow`,
+401 without a valid signature, 400 for a body that is not a registration. Bodies are
+read up to BODY_LIMIT and decoded into msgspec types; nothing else is accepted.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from proxy.errors import ProxyError
+from proxy.fleet import FleetError, in_networks
+from proxy.upstream import Upstream
+from wire.body import read_body
+from wire.codes import INVALID_REQUEST
+from wire.fleet import REGISTER_PATH, SIGNATURE_HEADER, Registration, signed_by
+
+T = TypeVar("T")
+BODY_LIMIT = 64 * 1024
+ADMIN = "/admin/instances"
+
+
+class AddInstance(msgspec.Struct, forbid_unknown_fields=True):
+    url: str
+    role: str
+    roles: list[str] = []
+
+
+class Drain(msgspec.Struct, forbid_unknown_fields=True):
+    url: str
+    draining: bool = True
+
+
+class Remove(msgspec.Struct, forbid_unknown_fields=True):
+    url: str
+    force: bool = False
+
+
+class SetRole(msgspec.Struct, forbid_unknown_fields=True):
+    url: str
+    role: str
+
+
+def add_fleet_routes(app: FastAPI, upstream: Upstream) -> None:
+    fleet, config = upstream.fleet, upstream.config
+
+    @app.get(ADMIN)
+    async def list_instances(request: Request) -> JSONResponse:
+        _admin(request, config.admin_key)
+        return JSONResponse(fleet.state(), headers={"Cache-Control": "no-store"})
+
+    @app.post(ADMIN)
+    async def add(request: Request) -> JSONResponse:
+        body = await _decode(request, AddInstance, config.admin_key)
+        instance = _changing(lambda: fleet.add(body.url, body.role, tuple(body.roles)))
+        return JSONResponse(instance.state(), status_code=201)
+
+    @app.post(f"{ADMIN}/drain")
+    async def drain(request: Request) -> JSONResponse:
+        body = await _decode(request, Drain, config.admin_key)
+        return JSONResponse(_changing(lambda: fleet.drain(body.url, body.draining)).state())
+
+    @app.post(f"{ADMIN}/remove")
+    async def remove(request: Request) -> JSONResponse:
+        body = await _decode(request, Remove, config.admin_key)
+        out = _changing(lambda: fleet.remove(body.url, body.force))
+        return JSONResponse({"url": body.url.rstrip("/"), "removed": out}, status_code=200 if out else 202)
+
+    @app.post(f"{ADMIN}/role")
+    async def set_role(request: Request) -> JSONResponse:
+        body = await _decode(request, SetRole, config.admin_key)
+        return JSONResponse(_changing(lambda: fleet.set_role(body.url, body.role)).state())
+
+    @app.post(REGISTER_PATH)
+    async def register(request: Request) -> JSONResponse:
+        if config.fleet_secret is None:
+            raise ProxyError("registration is off: start the proxy with --fleet-secret (or the deployment's "
+                             "secret in its environment)", "registration_off", status=403)
+        peer = request.client.host if request.client else ""
+        if not in_networks(peer, fleet.networks):
+            raise ProxyError(f"registration from {peer or 'an unknown address'} refused: not in the fleet's "
+                             "allowed networks (--fleet-allow)", "address_not_allowed", status=403)
+        raw = await read_body(request, BODY_LIMIT)
+        if not signed_by(config.fleet_secret, raw, request.headers.get(SIGNATURE_HEADER, "")):
+            raise ProxyError(f"the registration is not signed with the fleet's secret ({SIGNATURE_HEADER})",
+                             "invalid_signature", status=401)
+        registration = _parse(raw, Registration)
+        instance = _changing(lambda: fleet.register(registration, time.time()))
+        return JSONResponse({"url": instance.url, "role": instance.role, "draining": instance.draining,
+                             "leaving": instance.url in fleet.leaving})
+
+
+def _admin(request: Request, admin_key: str | None) -> None:
+    if admin_key is None:
+        raise ProxyError("the admin API is off: start the proxy with --admin-key", "admin_off", status=403)
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    given = token.strip() if scheme.lower() == "bearer" else ""
+    if not hmac.compare_digest(given.encode("utf-8", "replace"), admin_key.encode()):
+        raise ProxyError("missing or incorrect admin key (send Authorization: Bearer <admin key>)",
+                         "invalid_api_key", status=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+async def _decode(request: Request, kind: type[T], admin_key: str | None) -> T:
+    _admin(request, admin_key)
+    return _parse(await read_body(request, BODY_LIMIT), kind)
+
+
+def _parse(raw: bytes, kind: type[T]) -> T:
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except (msgspec.MsgspecError, ValueError, UnicodeError) as exc:
+        raise ProxyError(f"not a {kind.__name__} body: {exc}", INVALID_REQUEST) from None
+
+
+def _changing(change: Callable[[], T]) -> T:
+    try:
+        return change()
+    except FleetError as exc:
+        raise ProxyError(str(exc), exc.code, status=exc.status) from None
