@@ -113,6 +113,18 @@ def _run_proxy(args: argparse.Namespace) -> int:
     return run_proxy(args)
 
 
+def _add_planner_flags(parser: argparse.ArgumentParser) -> None:
+    from planner.main import add_planner_flags
+
+    add_planner_flags(parser)
+
+
+def _run_planner(args: argparse.Namespace) -> int:
+    from planner.main import run_planner
+
+    return run_planner(args)
+
+
 def _add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("bench_command", choices=["serve", "compare", "step"],
                         help="serve: load-test an OpenAI-compatible server; compare: launch several "
@@ -199,6 +211,10 @@ COMMANDS: dict[str, Command] = {
     "proxy": Command("front prefill and decode servers: P prefills and keeps the KV, then D decodes with P's "
                      "kv_transfer_params",
                      _add_proxy_flags, _run_proxy),
+    "planner": Command("size a proxy's prefill and decode pools by SLO: watch its fleet and the servers' "
+                       "figures, predict TTFT and TPOT of each split (queueing included), switch roles of "
+                       "--role both servers toward the best",
+                       _add_planner_flags, _run_planner),
     "bench": Command("benchmarks: `pd bench serve` load-tests a server (TTFT, TPOT, ITL, throughput); "
                      "`pd bench compare` runs it against several deployments",
                      _add_bench_flags, _run_bench),

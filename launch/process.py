@@ -91,8 +91,6 @@ def pd_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "cli.main", *args]
 
 
-
-
 def deployment_secret() -> str:
     """The secret the prefill and decode servers this process starts share (they inherit
     the environment): PD_KV_TRANSFER_SECRET if set, else a new random one, set now."""

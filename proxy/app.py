@@ -157,6 +157,7 @@ def _key_check(api_key: str | None, in_query: bool = False) -> Callable[[Request
 
 
 async def _forward(upstream: Upstream, recent: RecentRequests, request: Request, endpoint: str) -> Response:
+    upstream.arrivals += 1
     record = recent.start(endpoint, upstream.metrics.observe_answer)
     try:
         response = await forward(upstream, request, endpoint)

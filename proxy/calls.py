@@ -57,7 +57,9 @@ class Call:
 
     def note_pick(self, pool: InstancePool, instance: Instance) -> None:
         held = instance.overlap_tokens(self.route)
-        self.picked[instance.role] = (pool.instances.index(instance), held)
+        # its place in the pool now (-1: it left the pool meanwhile; the fleet changes at runtime)
+        index = next((k for k, member in enumerate(pool.instances) if member is instance), -1)
+        self.picked[pool.role] = (index, held)
 
     def route_headers(self) -> dict[str, str]:
         return {ROUTE_HEADERS[role]: f"{index}; overlap={held}" for role, (index, held) in self.picked.items()}

@@ -32,13 +32,13 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from proxy.instances import Instance, InstancePool
-from wire.fleet import FRESH_S, ROLES, Registration
+from wire.fleet import FRESH_S, MAX_REASON, ROLES, PlannerDecision, Registration
 
 logger = logging.getLogger(__name__)
 
-ADMIN_KEY_ENV = "PD_PROXY_ADMIN_KEY"  # --admin-key's default
 FLEET_ALLOW = ("127.0.0.0/8", "::1/128")  # --fleet-allow's default: this host
 KEPT_CHANGES = 200
+KEPT_DECISIONS = 50
 ACTIONS = ("joined", "renewed", "drained", "undrained", "removed", "expired", "role")  # pd_proxy_fleet_changes
 
 
@@ -107,6 +107,7 @@ class Fleet:
     on_join: Callable[[Instance], None] = lambda instance: None
     on_leave: Callable[[Instance], None] = lambda instance: None
     changes: deque = field(default_factory=lambda: deque(maxlen=KEPT_CHANGES))
+    decisions: deque = field(default_factory=lambda: deque(maxlen=KEPT_DECISIONS))  # a planner's, newest last
     leaving: set[str] = field(default_factory=set)  # URLs removed once nothing is in flight on them
     _last_sent_at: dict[str, float] = field(default_factory=dict)  # per URL: the newest registration taken
     clock: Callable[[], float] = time.monotonic
@@ -124,7 +125,8 @@ class Fleet:
             raise FleetError(f"no instance {url[:200]!r} is in the fleet", 404, "unknown_instance")
         return instance
 
-    def add(self, url: str, role: str, roles: tuple[str, ...] = (), source: str = "admin") -> Instance:
+    def add(self, url: str, role: str, roles: tuple[str, ...] = (), source: str = "admin",
+            reason: str = "admin") -> Instance:
         """A new instance in `role`'s pool; 409 if the URL is in the fleet already."""
         url = instance_url(url, self.networks)
         roles = roles or (role,)
@@ -136,7 +138,7 @@ class Fleet:
         instance = self.make_instance(url, role)
         instance.roles, instance.source = tuple(roles), source
         self.pools[role].add(instance)
-        self._record(instance, "joined", f"{source}, roles {'+'.join(roles)}")
+        self._record(instance, "joined", f"{reason}, roles {'+'.join(roles)}")
         self.on_join(instance)
         return instance
 
@@ -197,7 +199,7 @@ class Fleet:
         if instance is None:
             if registration.state == "leaving":
                 raise FleetError(f"{url} is not in the fleet", 404, "unknown_instance")
-            instance = self.add(url, registration.role, tuple(registration.roles), source="registered")
+            instance = self.add(url, registration.role, tuple(registration.roles), "registered", "registered")
         elif instance.source == "registered" and instance.url not in self.leaving:
             self._record(instance, "renewed", "registration", quiet=True)
         instance.source, instance.roles = "registered", tuple(registration.roles)
@@ -233,8 +235,16 @@ class Fleet:
         self.leaving.discard(instance.url)
         self._record(instance, action, reason)
 
+    def decided(self, decision: PlannerDecision) -> None:
+        """A planner's decision, kept for the dashboard and the admin API."""
+        try:
+            decision.check()
+        except ValueError as exc:
+            raise FleetError(str(exc), 400, "invalid_decision") from None
+        self.decisions.append((time.time(), decision))
+
     def _record(self, instance: Instance, action: str, reason: str, quiet: bool = False) -> None:
-        change = Change(time.time(), instance.url, action, instance.role, reason)
+        change = Change(time.time(), instance.url, action, instance.role, reason[:MAX_REASON])
         if not quiet:
             self.changes.append(change)
             logger.info("fleet: %s %s (%s): %s", instance.url, action, instance.role, reason)
@@ -245,5 +255,7 @@ class Fleet:
         return {"instances": [i.state() | {"leaving": i.url in self.leaving,
                                            "lease_left_s": None if i.lease_end is None else round(i.lease_end - now, 1)}
                               for i in self.members()],
-                "changes": [c.state() for c in reversed(self.changes)]}
+                "changes": [c.state() for c in reversed(self.changes)],
+                "decisions": [{"at": at, "action": d.action, "url": d.url, "role": d.role, "reason": d.reason,
+                               "inputs": d.inputs} for at, d in reversed(self.decisions)]}
 

@@ -10,7 +10,11 @@ and needs `Authorization: Bearer KEY` (else 401):
 - `POST /admin/instances/remove` `{"url", "force"?: false}`: drain it and take it out
   once nothing is in flight on it (200 out now, 202 once drained);
 - `POST /admin/instances/role` `{"url", "role"}`: give it the other role (409 for a
-  server with one role).
+  server with one role);
+- `POST /admin/planner/decisions`: a planner's decision (`wire/fleet.py`), kept for the
+  dashboard and counted (`pd_proxy_planner_decisions_total{action}`).
+
+Each change may carry a `reason` (kept with it, on the dashboard and in the list).
 
 Registration (`POST /v1/fleet/register`, `wire/fleet.py`) is on with a fleet secret (else
 403 `registration_off`); it is refused with 403 from an address outside `--fleet-allow`,
@@ -34,32 +38,44 @@ from proxy.fleet import FleetError, in_networks
 from proxy.upstream import Upstream
 from wire.body import read_body
 from wire.codes import INVALID_REQUEST
-from wire.fleet import REGISTER_PATH, SIGNATURE_HEADER, Registration, signed_by
+from wire.fleet import (
+    ADMIN_PATH,
+    DECISIONS_PATH,
+    REGISTER_PATH,
+    SIGNATURE_HEADER,
+    PlannerDecision,
+    Registration,
+    signed_by,
+)
 
 T = TypeVar("T")
 BODY_LIMIT = 64 * 1024
-ADMIN = "/admin/instances"
+ADMIN = ADMIN_PATH
 
 
 class AddInstance(msgspec.Struct, forbid_unknown_fields=True):
     url: str
     role: str
     roles: list[str] = []
+    reason: str = "admin"
 
 
 class Drain(msgspec.Struct, forbid_unknown_fields=True):
     url: str
     draining: bool = True
+    reason: str = "admin"
 
 
 class Remove(msgspec.Struct, forbid_unknown_fields=True):
     url: str
     force: bool = False
+    reason: str = "admin"
 
 
 class SetRole(msgspec.Struct, forbid_unknown_fields=True):
     url: str
     role: str
+    reason: str = "admin"
 
 
 def add_fleet_routes(app: FastAPI, upstream: Upstream) -> None:
@@ -68,29 +84,37 @@ def add_fleet_routes(app: FastAPI, upstream: Upstream) -> None:
     @app.get(ADMIN)
     async def list_instances(request: Request) -> JSONResponse:
         _admin(request, config.admin_key)
-        return JSONResponse(fleet.state(), headers={"Cache-Control": "no-store"})
+        state = fleet.state() | {"arrivals": upstream.arrivals, "queue_waiting": upstream.admission.num_waiting}
+        return JSONResponse(state, headers={"Cache-Control": "no-store"})
 
     @app.post(ADMIN)
     async def add(request: Request) -> JSONResponse:
         body = await _decode(request, AddInstance, config.admin_key)
-        instance = _changing(lambda: fleet.add(body.url, body.role, tuple(body.roles)))
+        instance = _changing(lambda: fleet.add(body.url, body.role, tuple(body.roles), reason=body.reason))
         return JSONResponse(instance.state(), status_code=201)
 
     @app.post(f"{ADMIN}/drain")
     async def drain(request: Request) -> JSONResponse:
         body = await _decode(request, Drain, config.admin_key)
-        return JSONResponse(_changing(lambda: fleet.drain(body.url, body.draining)).state())
+        return JSONResponse(_changing(lambda: fleet.drain(body.url, body.draining, body.reason)).state())
 
     @app.post(f"{ADMIN}/remove")
     async def remove(request: Request) -> JSONResponse:
         body = await _decode(request, Remove, config.admin_key)
-        out = _changing(lambda: fleet.remove(body.url, body.force))
+        out = _changing(lambda: fleet.remove(body.url, body.force, body.reason))
         return JSONResponse({"url": body.url.rstrip("/"), "removed": out}, status_code=200 if out else 202)
 
     @app.post(f"{ADMIN}/role")
     async def set_role(request: Request) -> JSONResponse:
         body = await _decode(request, SetRole, config.admin_key)
-        return JSONResponse(_changing(lambda: fleet.set_role(body.url, body.role)).state())
+        return JSONResponse(_changing(lambda: fleet.set_role(body.url, body.role, body.reason)).state())
+
+    @app.post(DECISIONS_PATH)
+    async def decided(request: Request) -> JSONResponse:
+        decision = await _decode(request, PlannerDecision, config.admin_key)
+        _changing(lambda: fleet.decided(decision))
+        upstream.metrics.planner_decisions.labels(action=decision.action).inc()
+        return JSONResponse({"kept": True})
 
     @app.post(REGISTER_PATH)
     async def register(request: Request) -> JSONResponse:

@@ -157,7 +157,7 @@ class Instance:
                                               "tiers": {m: len(held) for m, held in index.lower.items()}}
         return {"url": self.url, "role": self.role, "roles": list(self.roles), "healthy": self.healthy,
                 "probed": self.probed, "draining": self.draining, "source": self.source, "breaker": self.breaker.state,
-                "outstanding": self.outstanding, "bound": self.bound,
+                "outstanding": self.outstanding, "bound": self.bound, "outstanding_tokens": self.outstanding_tokens,
                 "requests": self.requests, "failures": self.failures, "last_error": self.last_error,
                 "kv_index": indexed}
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 from launch.ports import listen
 from proxy.disagg import DISAGG_POLICIES
-from proxy.fleet import ADMIN_KEY_ENV, FLEET_ALLOW
+from proxy.fleet import FLEET_ALLOW
 from proxy.instances import POLICIES
 from proxy.proxy_config import PROXY_DEFAULTS, ProxyConfig, tier_weights
 from telemetry import logs, tracing
 from telemetry.flags import add_telemetry_flags, apply_telemetry_flags
-from wire.fleet import SECRET_ENV
+from wire.fleet import ADMIN_KEY_ENV, SECRET_ENV
 
 
 def add_proxy_flags(parser: argparse.ArgumentParser) -> None:

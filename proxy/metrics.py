@@ -115,6 +115,10 @@ class ProxyMetrics:
                                            "joined, renewed (a registration's lease), drained, undrained, removed, "
                                            "expired (its lease ended), role (moved to the other role).", "action",
                                            FLEET_ACTIONS)
+        self.planner_decisions = self._counter("pd_proxy_planner_decisions", "Decisions a planner reported (pd "
+                                               "planner): switch (a server given the other role), hold (a move "
+                                               "wanted, not yet made: patience or cool-down).", "action",
+                                               ("switch", "hold", "keep"))
         self.queued = Counter("pd_proxy_queued", "Requests that waited in the proxy's queue for room (every "
                               "server full, or every prefill server holding too much).", registry=self.registry)
         self.queue_refused = self._counter("pd_proxy_queue_refused", "Requests answered 429 past the queue's "

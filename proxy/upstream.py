@@ -92,6 +92,7 @@ class Upstream:
             httpx.Timeout(s, connect=min(CONNECT_TIMEOUT_S, s))
             for s in (config.timeout_s, config.phase_timeout_s("prefill"), config.phase_timeout_s("decode")))
         self.client: httpx.AsyncClient | None = None
+        self.arrivals = 0  # requests that reached the proxy (the planner's arrival rate)
         self.admission = Admission(config.max_queue, config.queue_timeout_s)
         self.metrics.queue_waiting.set_function(lambda: self.admission.num_waiting)
         self.canaries = Canaries(config.canary_fraction, config.canary_max_inflight, config.canary_tie_logprob,
@@ -270,7 +271,8 @@ class Upstream:
         tried: set[str] = set()
         instance, stale_retry = first, True
         while True:
-            if instance.breaker.allows():  # it may have failed another request while this one prefilled
+            # it may have failed, begun to drain, or been given the prefill role while the request prefilled
+            if instance.role == "decode" and not instance.draining and instance.breaker.allows():
                 if tried:
                     self.metrics.retries.labels(role="decode").inc()
                 tried.add(instance.url)

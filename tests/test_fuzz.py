@@ -39,7 +39,7 @@ from kv_events.messages import ReplayRequest, encode
 from launch import http_client
 from tests.support.otlp import otlp_receiver
 from tests.support.server_harness import running_proxy, running_server, wait_until
-from wire.fleet import REGISTER_PATH, SECRET_ENV, SIGNATURE_HEADER, sign
+from wire.fleet import DECISIONS_PATH, REGISTER_PATH, SECRET_ENV, SIGNATURE_HEADER, sign
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 BUDGET = {"server_http": 500, "proxy_http": 300, "fleet_http": 300, "replay": 400, "side_channel": 300, "tcp": 200,
@@ -221,13 +221,15 @@ def test_every_route_of_the_proxy(deployment) -> None:
 
 
 FLEET_ROUTES = [("GET", "/admin/instances"), ("POST", "/admin/instances"), ("POST", "/admin/instances/drain"),
-                ("POST", "/admin/instances/remove"), ("POST", "/admin/instances/role"), ("POST", REGISTER_PATH)]
+                ("POST", "/admin/instances/remove"), ("POST", "/admin/instances/role"), ("POST", REGISTER_PATH),
+                ("POST", DECISIONS_PATH)]
 STRANGER = "http://127.0.0.1:9"  # no server: what a valid body names (never the deployment's P or D)
 FLEET_VALID = {
     "/admin/instances": {"url": STRANGER, "role": "decode", "roles": ["prefill", "decode"]},
     "/admin/instances/drain": {"url": STRANGER, "draining": True},
     "/admin/instances/remove": {"url": STRANGER, "force": True},
     "/admin/instances/role": {"url": STRANGER, "role": "prefill"},
+    DECISIONS_PATH: {"action": "hold", "reason": "fuzz", "url": STRANGER, "role": "prefill", "inputs": {"x": 1}},
     REGISTER_PATH: {"url": STRANGER, "roles": ["decode"], "role": "decode", "sent_at": 0.0, "lease_s": 10.0,
                     "state": "serving", "tp": 1, "compat_hash": "", "engine_pid": 1},
 }

@@ -148,8 +148,8 @@ def test_no_room_of_pd_imports_itself_back() -> None:
 
 def test_no_top_level_package_imports_itself_back() -> None:
     found = modules()
-    assert {"pd", "cli", "connectors", "proxy", "kv_events", "benchmarks", "launch", "deploy", "telemetry", "wire"} <= {
-        top_level(name) for name in found}  # every package is read
+    assert {"pd", "cli", "connectors", "proxy", "planner", "kv_events", "benchmarks", "launch", "deploy", "telemetry",
+            "wire"} <= {top_level(name) for name in found}  # every package is read
     graph = package_graph(module_graph(found), unit=top_level)
     assert {c[0]: explain(c, graph) for c in cycles(graph)} == {}
 
@@ -164,6 +164,7 @@ def test_telemetry_and_the_wire_import_nothing_of_ours_and_the_proxy_only_what_l
     assert graph["wire"] - {"wire"} == set()
     assert graph["telemetry"] - {"telemetry"} <= {"wire"}  # the trace headers' names
     assert graph["proxy"] - {"proxy"} <= {"kv_events", "launch", "telemetry", "wire"}
+    assert graph["planner"] - {"planner"} <= {"telemetry", "wire"}  # it talks to the proxy and servers over HTTP
 
 
 def test_the_walk_finds_a_cycle_added_on_purpose(tmp_path) -> None:

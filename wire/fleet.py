@@ -17,7 +17,12 @@ import hmac
 import msgspec
 
 SECRET_ENV = "PD_KV_TRANSFER_SECRET"  # the deployment's secret (pd/kv_transfer/signing.py, launch/process.py)
+ADMIN_KEY_ENV = "PD_PROXY_ADMIN_KEY"  # the proxy's admin key, for the proxy and the planner
 REGISTER_PATH = "/v1/fleet/register"
+ADMIN_PATH = "/admin/instances"
+DECISIONS_PATH = "/admin/planner/decisions"
+DECISION_ACTIONS = ("switch", "hold", "keep")  # a planner's (planner/policy.py)
+MAX_REASON = 2000  # characters of a change's or a decision's reason the proxy keeps
 SIGNATURE_HEADER = "X-PD-Fleet-Signature"
 ROLES = ("prefill", "decode")
 STATES = ("serving", "draining", "leaving")  # leaving: out of the fleet once what it holds has finished
@@ -56,3 +61,18 @@ def sign(secret: str, body: bytes) -> str:
 
 def signed_by(secret: str, body: bytes, signature: str) -> bool:
     return hmac.compare_digest(sign(secret, body).encode(), signature.encode("utf-8", "replace"))
+
+
+class PlannerDecision(msgspec.Struct, forbid_unknown_fields=True):
+    """A planner's decision, reported to the proxy (counted, and shown on its dashboard)."""
+
+    action: str
+    reason: str
+    url: str | None = None
+    role: str | None = None
+    inputs: dict = {}
+
+    def check(self) -> None:
+        if self.action not in DECISION_ACTIONS or len(self.reason) > MAX_REASON:
+            raise ValueError(f"action must be one of {', '.join(DECISION_ACTIONS)} and the reason at most "
+                             f"{MAX_REASON} characters")

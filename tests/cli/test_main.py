@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from cli.main import main, package_version
+from wire.fleet import ADMIN_KEY_ENV, SECRET_ENV
 
 
 def test_version_prints_package_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -90,10 +91,12 @@ def test_a_command_builds_only_its_own_flags(capsys: pytest.CaptureFixture[str])
     assert exc.value.code == 0 and "--kv-connector" in capsys.readouterr().out
 
 
-def test_proxy_needs_prefill_and_decode_servers(capsys: pytest.CaptureFixture[str]) -> None:
+def test_proxy_needs_servers_or_a_way_for_them_to_join(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SECRET_ENV, raising=False)  # with it, prefill servers could register: the proxy would serve
+    monkeypatch.delenv(ADMIN_KEY_ENV, raising=False)
     with pytest.raises(SystemExit) as exc:
         main(["proxy", "--decode", "http://127.0.0.1:1"])
-    assert exc.value.code == 2 and "--prefill" in capsys.readouterr().err
+    assert "--admin-key" in str(exc.value.code) and "--fleet-secret" in str(exc.value.code)
 
 
 def test_bench_serve_is_the_serving_benchmark(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,161 @@
+"""What the planner sees each tick: the proxy's fleet (`GET /admin/instances`) and what
+each server's /metrics says, turned into a `Load` and the servers' `Costs`.
+
+From the differences between two ticks:
+- load: requests arriving per second (the proxy counts them), prompt tokens computed per
+  prefilled request, output tokens per decoded request; now: the prompt tokens queued on prefill servers (the proxy's
+  count) and those waiting in its queue, and the sequences being decoded;
+- costs: a prefill server's prompt tokens per busy second; a decode step's time against
+  its batch (sequences per step), fitted `a + k x batch` over the last ticks once the
+  batches seen spread over `SPREAD` sequences, else with `k` as given; the KV read's mean
+  time. Every figure is an exponentially weighted mean (`ALPHA`), and the given priors
+  stand until something was measured. The servers are taken to be alike.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from planner.model import Costs, Load
+from planner.policy import Member
+from wire.fleet import ADMIN_PATH
+
+ALPHA = 0.5  # weight of the newest figure
+FIT_SAMPLES = 30  # decode steps' (batch, seconds) kept for the fit
+SPREAD = 2.0  # batches seen must spread over this many sequences before `k` is fitted
+MIN_TOKENS, MIN_STEPS = 32, 4  # a tick with fewer says nothing about a server's speed
+
+
+@dataclass
+class Counters:
+    at: float
+    computed: float = 0.0  # prompt tokens computed here
+    busy_s: float = 0.0  # engine busy seconds
+    steps: float = 0.0
+    generated: float = 0.0
+    finished: float = 0.0  # requests finished
+    xfer_s: float = 0.0  # KV reads: seconds, and how many
+    xfers: float = 0.0
+    running: float = 0.0
+
+    def minus(self, before: Counters) -> Counters:
+        return Counters(self.at - before.at, *(getattr(self, f) - getattr(before, f) for f in
+                                                ("computed", "busy_s", "steps", "generated", "finished", "xfer_s",
+                                                 "xfers")), self.running)
+
+
+def server_counters(text: str, at: float) -> Counters:
+    c = Counters(at)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            name, labels = s.name, s.labels
+            if name == "pd_prompt_tokens_by_source_total" and labels.get("source") == "computed":
+                c.computed = s.value
+            elif name == "pd_engine_step_seconds_total":
+                c.busy_s += s.value
+            elif name == "pd_engine_steps_total":
+                c.steps = s.value
+            elif name == "pd_generation_tokens_total":
+                c.generated = s.value
+            elif name == "pd_request_success_total":
+                c.finished += s.value
+            elif name == "pd_kv_transfer_xfer_time_seconds_sum":
+                c.xfer_s = s.value
+            elif name == "pd_kv_transfer_xfer_time_seconds_count":
+                c.xfers = s.value
+            elif name == "pd_num_requests_running":
+                c.running = s.value
+    return c
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else ALPHA * new + (1 - ALPHA) * old
+
+
+@dataclass
+class Observer:
+    proxy_url: str
+    admin_key: str
+    priors: Costs
+    client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=5))
+    _servers: dict[str, Counters] = field(default_factory=dict)
+    _proxy: tuple[float, int] | None = None  # (at, requests that had arrived at the proxy)
+    _estimates: dict[str, float] = field(default_factory=dict)
+    _steps: deque = field(default_factory=lambda: deque(maxlen=FIT_SAMPLES))
+
+    def observe(self) -> tuple[list[Member], Load, Costs]:
+        fleet = self._admin(ADMIN_PATH)
+        members = [Member(i["url"], i["role"], tuple(i["roles"]), i["outstanding"] + i["bound"],
+                          i["draining"] or i["leaving"]) for i in fleet["instances"]]
+        queued = sum(i["outstanding_tokens"] for i in fleet["instances"] if i["role"] == "prefill")
+        now = time.monotonic()
+        self._observe_proxy(fleet, now)
+        running = 0.0
+        for instance in fleet["instances"]:
+            delta = self._observe_server(instance["url"], now)
+            if delta is not None:
+                self._learn(instance["role"], delta)
+                running += delta.running if instance["role"] == "decode" else 0.0
+        est = self._estimates
+        prompt = est.get("prompt_tokens", 0.0)
+        load = Load(est.get("arrival_rate", 0.0), prompt, est.get("output_tokens", 0.0),
+                    queued + fleet.get("queue_waiting", 0) * prompt, running)
+        return members, load, self.costs()
+
+    def costs(self) -> Costs:
+        costs = replace(self.priors, **{k: self._estimates[k] for k in ("prefill_tokens_per_s", "transfer_s")
+                                        if k in self._estimates})
+        if self._steps:
+            batches, seconds = zip(*self._steps)
+            k = costs.decode_step_per_seq_s
+            if max(batches) - min(batches) >= SPREAD:
+                mb, ms = sum(batches) / len(batches), sum(seconds) / len(seconds)
+                var = sum((b - mb) ** 2 for b in batches)
+                k = max(0.0, sum((b - mb) * (s - ms) for b, s in zip(batches, seconds)) / var)
+            a = sum(s - k * b for b, s in self._steps) / len(self._steps)
+            costs = replace(costs, decode_step_s=max(a, 1e-4), decode_step_per_seq_s=k)
+        return costs
+
+    def _admin(self, path: str) -> dict:
+        response = self.client.get(self.proxy_url + path, headers={"Authorization": f"Bearer {self.admin_key}"})
+        response.raise_for_status()
+        return response.json()
+
+    def _observe_proxy(self, fleet: dict, now: float) -> None:
+        arrivals = fleet["arrivals"]
+        if self._proxy is not None and now > self._proxy[0]:
+            at, before = self._proxy
+            rate = max(0.0, arrivals - before) / (now - at)
+            self._estimates["arrival_rate"] = _ewma(self._estimates.get("arrival_rate"), rate)
+        self._proxy = (now, arrivals)
+
+    def _metrics(self, url: str) -> str:
+        response = self.client.get(f"{url}/metrics")
+        response.raise_for_status()
+        return response.text
+
+    def _observe_server(self, url: str, now: float) -> Counters | None:
+        try:
+            counters = server_counters(self._metrics(url), now)
+        except (httpx.HTTPError, ValueError):
+            return None
+        before, self._servers[url] = self._servers.get(url), counters
+        return None if before is None else counters.minus(before)
+
+    def _learn(self, role: str, d: Counters) -> None:
+        est = self._estimates
+        if role == "prefill" and d.computed >= MIN_TOKENS and d.busy_s > 0:
+            est["prefill_tokens_per_s"] = _ewma(est.get("prefill_tokens_per_s"), d.computed / d.busy_s)
+        if role == "prefill" and d.finished > 0:
+            est["prompt_tokens"] = _ewma(est.get("prompt_tokens"), d.computed / d.finished)
+        if role == "decode" and d.steps >= MIN_STEPS:
+            self._steps.append((d.generated / d.steps, d.busy_s / d.steps))
+        if role == "decode" and d.finished > 0:
+            est["output_tokens"] = _ewma(est.get("output_tokens"), d.generated / d.finished)
+        if role == "decode" and d.xfers > 0:
+            est["transfer_s"] = _ewma(est.get("transfer_s"), d.xfer_s / d.xfers)

@@ -1,0 +1,87 @@
+"""The planner's decisions (planner/policy.py): toward the best split, one server at a
+time, after `patience` ticks and a cool-down, never flapping on a split meeting the SLO."""
+
+from __future__ import annotations
+
+from planner.model import Costs, Load
+from planner.policy import Member, Planner, Slo
+
+COSTS = Costs(prefill_tokens_per_s=1000.0, decode_step_s=0.02, decode_step_per_seq_s=0.002)
+SLO = Slo(ttft_s=2.0, tpot_s=0.06, percentile=0.9)
+PREFILL_HEAVY = Load(3.0, 500, 20)  # 1 500 prompt tokens/s: more than one prefill server computes
+DECODE_HEAVY = Load(2.0, 50, 300)  # 600 sequences' tokens/s: step time doubles on one decode server
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def fleet(roles: str, switchable: str = "yyyy", in_flight=(0, 0, 0, 0)) -> list[Member]:
+    return [Member(f"http://127.0.0.1:{8000 + i}", "prefill" if r == "p" else "decode",
+                   ("prefill", "decode") if s == "y" else ("prefill" if r == "p" else "decode",), n)
+            for i, (r, s, n) in enumerate(zip(roles, switchable, in_flight))]
+
+
+def test_a_prefill_heavy_load_moves_the_least_loaded_decode_server_after_patience() -> None:
+    clock = Clock()
+    planner = Planner(SLO, patience=2, cooldown_s=10, clock=clock)
+    members = fleet("pdd", in_flight=(0, 3, 1))
+    first = planner.decide(members, PREFILL_HEAVY, COSTS)
+    assert first.action == "hold" and "1 of 2" in first.reason and "1P2D" in first.reason
+    second = planner.decide(members, PREFILL_HEAVY, COSTS)
+    assert (second.action, second.url, second.role) == ("switch", members[2].url, "prefill")
+    assert second.inputs["now"] == "1P2D" and second.inputs["splits"]["1P2D"]["ttft_s"] == "inf"
+    assert second.inputs["splits"]["2P1D"]["ttft_s"] < 3.0  # rho 0.75: p90 waits ln(7.5) / (0.25 x 4) s
+
+
+def test_a_move_waits_for_the_cool_down_and_never_takes_a_role_empty() -> None:
+    clock = Clock()
+    planner = Planner(SLO, patience=1, cooldown_s=10, clock=clock)
+    assert planner.decide(fleet("pddd"), PREFILL_HEAVY, COSTS).action == "switch"
+    clock.t = 5
+    held = planner.decide(fleet("ppdd"), Load(6.0, 500, 20), COSTS)  # wants a third prefill server
+    assert held.action == "hold" and "cooling down" in held.reason
+    clock.t = 11
+    moved = planner.decide(fleet("ppdd"), Load(6.0, 500, 20), COSTS)
+    assert moved.action == "switch" and moved.role == "prefill"
+    assert planner.decide(fleet("pppd"), Load(60.0, 500, 20), COSTS).action == "keep"  # one D is left, always
+
+
+def test_a_decode_heavy_load_moves_a_prefill_server_to_decode() -> None:
+    planner = Planner(SLO, patience=1, cooldown_s=0)
+    decision = planner.decide(fleet("ppd"), DECODE_HEAVY, COSTS)
+    assert (decision.action, decision.role) == ("switch", "decode")
+
+
+def test_a_split_meeting_the_slo_is_kept_unless_another_is_much_better() -> None:
+    planner = Planner(SLO, patience=1, cooldown_s=0, margin=0.2)
+    light = Load(0.2, 200, 20)
+    for roles in ("pdd", "ppd"):
+        assert planner.decide(fleet(roles), light, COSTS).action == "keep"
+
+
+def test_alternating_wishes_never_reach_patience() -> None:
+    planner = Planner(SLO, patience=2, cooldown_s=0)
+    for _ in range(5):
+        assert planner.decide(fleet("pdd"), PREFILL_HEAVY, COSTS).action == "hold"
+        assert planner.decide(fleet("ppd"), DECODE_HEAVY, COSTS).action == "hold"
+
+
+def test_servers_with_one_role_are_never_moved() -> None:
+    planner = Planner(SLO, patience=1, cooldown_s=0)
+    fixed = fleet("pdd", switchable="nnn")
+    assert planner.decide(fixed, PREFILL_HEAVY, COSTS).action == "keep"
+    mixed = fleet("pdd", switchable="nny")
+    decision = planner.decide(mixed, PREFILL_HEAVY, COSTS)
+    assert (decision.action, decision.url) == ("switch", mixed[2].url)
+
+
+def test_draining_servers_are_neither_counted_nor_moved() -> None:
+    planner = Planner(SLO, patience=1, cooldown_s=0)
+    members = fleet("pdd")
+    members[2] = Member(members[2].url, "decode", ("prefill", "decode"), 0, draining=True)
+    assert planner.decide(members, PREFILL_HEAVY, COSTS).action == "keep"  # 1P1D is all that takes requests
