@@ -58,6 +58,7 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
 
 def run_planner(args: argparse.Namespace) -> int:
     apply_telemetry_flags(args, "pd planner", "pd-planner", {})
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request to each server, every tick
     admin_key = args.admin_key or os.environ.get(ADMIN_KEY_ENV)
     if not admin_key:
         raise SystemExit(f"pd planner: the proxy's admin key is needed (--admin-key or ${ADMIN_KEY_ENV})")
