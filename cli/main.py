@@ -126,10 +126,12 @@ def _run_planner(args: argparse.Namespace) -> int:
 
 
 def _add_bench_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("bench_command", choices=["serve", "compare", "step"],
+    parser.add_argument("bench_command", choices=["serve", "compare", "step", "fleet"],
                         help="serve: load-test an OpenAI-compatible server; compare: launch several "
                              "deployments of one model and run the same load on each; step: time one "
-                             "engine's decode step part by part, in process (see --help of each)")
+                             "engine's decode step part by part, in process; fleet: a load changing phase by "
+                             "phase on every static split of a fleet, colocated, and under pd planner "
+                             "(see --help of each)")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
 
 
@@ -141,6 +143,13 @@ def _run_bench(args: argparse.Namespace) -> int:
         install_signal_handlers()  # SIGTERM unwinds through the deployments' teardown
         rows = compare.main(args.bench_args, prog="pd bench compare")
         return 0 if all(r["medians"]["failed"] == 0 for r in rows) else 1
+    if args.bench_command == "fleet":
+        from benchmarks import fleet
+        from launch.signals import install_signal_handlers
+
+        install_signal_handlers()  # SIGTERM unwinds through the deployments' teardown
+        results = fleet.main(args.bench_args, prog="pd bench fleet")
+        return 0 if all(r["all"]["failed"] == 0 for r in results.values()) else 1
     if args.bench_command == "step":
         from benchmarks import step
 

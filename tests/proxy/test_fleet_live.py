@@ -186,3 +186,27 @@ def test_every_server_holds_no_kv_after(fleet) -> None:
         server = fleet[name]
         assert wait_until(lambda s=server: s.metrics()["pd_kv_cache_usage"] == 0
                           and s.metrics()["pd_kv_requests_held"] == 0, 60), name
+
+
+def test_kv_events_are_followed_from_a_join_and_not_after_a_leave(tiny_models, tmp_path) -> None:
+    """kv_aware routing reads what a server holds from its KV events: a server added at
+    runtime is followed from then on (its index fills as it serves), and one removed is not
+    (its index is gone; added again, it is followed anew)."""
+    events = ("--kv-events-port", "0")
+    with contextlib.ExitStack() as stack:
+        front = stack.enter_context(running_proxy(tmp_path / "proxy.log", "--admin-key", KEY, "--policy", "kv_aware"))
+        p = stack.enter_context(running_server(tiny_models["qwen3"], tmp_path / "p.log", "--role", "prefill", *events))
+        d = stack.enter_context(running_server(tiny_models["qwen3"], tmp_path / "d.log", "--role", "decode", *events))
+        for server, role in ((p, "prefill"), (d, "decode")):
+            assert admin(front, "POST", url=server.url, role=role).status_code == 201
+
+        def held(url: str) -> int | None:
+            index = members(front).get(url, {}).get("kv_index")
+            return None if index is None else index["blocks"]
+
+        long = BODY | {"prompt": BODY["prompt"] * 8}
+        assert complete(front, long).token_ids
+        assert wait_until(lambda: (held(p.url) or 0) > 0 and (held(d.url) or 0) > 0, 30), members(front)
+        assert admin(front, "POST", "/remove", url=p.url).json()["removed"] is True
+        assert admin(front, "POST", "", url=p.url, role="prefill").status_code == 201
+        assert wait_until(lambda: (held(p.url) or 0) > 0, 30)  # a replay of what it holds, followed anew

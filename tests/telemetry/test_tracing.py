@@ -90,6 +90,6 @@ def test_an_endpoint_that_is_not_an_http_url_is_refused_at_start(endpoint) -> No
         tracing.configure("pd-test", endpoint)
     assert not tracing.enabled()
     result = subprocess.run([sys.executable, "-m", "cli.main", "proxy", "--prefill", "http://127.0.0.1:9",
-                             "--decode", "http://127.0.0.1:9", "--otlp-traces-endpoint", endpoint],
+                             "--decode", "http://127.0.0.1:10", "--otlp-traces-endpoint", endpoint],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "pd proxy: the OTLP traces endpoint must be an http://" in result.stderr
