@@ -123,13 +123,14 @@ class Fleet:
         return f"{server.url} joined as {fewest}"
 
 
-def bodies(n: int, max_tokens: int) -> list[tuple[str, dict]]:
-    """Request i: (endpoint, body), greedy, every other one streamed, completions and chat in turn."""
+def bodies(n: int, max_tokens: int, chat: bool = True) -> list[tuple[str, dict]]:
+    """Request i: (endpoint, body), greedy, every other one streamed, completions and (with
+    `chat`) chat in turn."""
     out = []
     for i in range(n):
         text = f"Entry {i % 24}: the keeper of the lighthouse wrote down every ship that passed. " * (1 + i % 3)
         body = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-        if i % 4 < 2:
+        if i % 4 < 2 or not chat:
             out.append(("completions", body | {"prompt": text, "stream": i % 2 == 1}))
         else:
             out.append(("chat/completions", body | {"messages": [{"role": "user", "content": text}],
@@ -174,14 +175,16 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
         deadline = time.monotonic() + 60
         while sum(map(len, fleet.roles().values())) < args.servers and time.monotonic() < deadline:
             time.sleep(0.2)
-        work = bodies(args.requests, args.max_tokens)
+        chat = token_ids(servers[0].url, "chat/completions", bodies(3, 1)[2][1] | {"stream": False})[0] == 200
+        work = bodies(args.requests, args.max_tokens, chat)  # a model without a chat template: completions only
         reference = {}
         for endpoint, body in work:  # each distinct request once, alone, on the first server (colocated)
             if _key(endpoint, body) not in reference:
                 reference[_key(endpoint, body)] = token_ids(servers[0].url, endpoint, body | {"stream": False})[1]
 
         results, changes, elapsed = churned_load(args, fleet, proxy.url, work)
-        return summary(work, results, reference, changes, elapsed, {url: kv_left(url) for url in fleet.servers})
+        return summary(work, results, reference, changes, elapsed,
+                       {url: kv_left(url) for url in fleet.servers}) | {"chat": chat}
 
 
 def churned_load(args: argparse.Namespace, fleet: Fleet, proxy: str,

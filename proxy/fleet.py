@@ -207,12 +207,12 @@ class Fleet:
         instance.info = {"tp": registration.tp, "compat_hash": registration.compat_hash,
                          "engine_pid": registration.engine_pid, "lease_s": registration.lease_s}
         self._last_sent_at[url] = registration.sent_at
+        if instance.role not in instance.roles:  # it restarted with other roles
+            self.set_role(url, registration.role, reason="registered without its role")
         if registration.state == "draining":
             self.drain(url, reason="the server is draining")
         elif registration.state == "leaving":
             self.remove(url, reason="the server is leaving")
-        if instance.role not in instance.roles:  # it restarted with other roles
-            self.set_role(url, registration.role, reason="registered without its role")
         return instance
 
     def tick(self) -> None:

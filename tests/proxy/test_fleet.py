@@ -143,3 +143,10 @@ def test_a_server_registering_again_without_its_current_role_is_moved() -> None:
     fleet.register(registration(role="prefill"), NOW)
     moved = fleet.register(registration(roles=["decode"], role="decode", sent_at=NOW + 1), NOW + 1)
     assert moved.role == "decode" and moved in fleet.pools["decode"].instances
+
+
+def test_a_server_leaving_with_other_roles_than_it_had_is_moved_then_taken_out() -> None:
+    fleet, _, _ = make_fleet()
+    fleet.register(registration(role="prefill"), NOW)
+    fleet.register(registration(roles=["decode"], role="decode", sent_at=NOW + 1, state="leaving"), NOW + 1)
+    assert fleet.find(BOTH) is None and [c.action for c in fleet.changes][-2:] == ["drained", "removed"]
