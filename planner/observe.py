@@ -49,27 +49,21 @@ class Counters:
                                                  "xfers")), self.running)
 
 
+# a server's sample -> the Counters field it adds to (those with a label: that label's value only)
+SAMPLES = {"pd_prompt_tokens_by_source_total": ("computed", ("source", "computed")),
+           "pd_engine_step_seconds_total": ("busy_s", None), "pd_engine_steps_total": ("steps", None),
+           "pd_generation_tokens_total": ("generated", None), "pd_request_success_total": ("finished", None),
+           "pd_kv_transfer_xfer_time_seconds_sum": ("xfer_s", None),
+           "pd_kv_transfer_xfer_time_seconds_count": ("xfers", None), "pd_num_requests_running": ("running", None)}
+
+
 def server_counters(text: str, at: float) -> Counters:
     c = Counters(at)
     for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            name, labels = s.name, s.labels
-            if name == "pd_prompt_tokens_by_source_total" and labels.get("source") == "computed":
-                c.computed = s.value
-            elif name == "pd_engine_step_seconds_total":
-                c.busy_s += s.value
-            elif name == "pd_engine_steps_total":
-                c.steps = s.value
-            elif name == "pd_generation_tokens_total":
-                c.generated = s.value
-            elif name == "pd_request_success_total":
-                c.finished += s.value
-            elif name == "pd_kv_transfer_xfer_time_seconds_sum":
-                c.xfer_s = s.value
-            elif name == "pd_kv_transfer_xfer_time_seconds_count":
-                c.xfers = s.value
-            elif name == "pd_num_requests_running":
-                c.running = s.value
+        for sample in family.samples:
+            name, only = SAMPLES.get(sample.name, (None, None))
+            if name is not None and (only is None or sample.labels.get(only[0]) == only[1]):
+                setattr(c, name, getattr(c, name) + sample.value)
     return c
 
 
