@@ -263,7 +263,9 @@ def test_with_no_decode_server_reachable_p_releases_and_the_next_request_skips_p
 def test_with_no_healthy_decode_server_nothing_is_sent_to_p(servers) -> None:
     p1, _, d = servers
     d.health_status = 503
-    with proxy_in_front([p1.url], [d.url], probe_interval_s=0.05, breaker_cooldown_s=0.2) as proxy:
+    # The cool-down outlasts the checks below on a loaded machine (at 0.2 s, the request
+    # itself was once D's half-open trial: sent to it).
+    with proxy_in_front([p1.url], [d.url], probe_interval_s=0.05, breaker_cooldown_s=2.0) as proxy:
         assert wait_until(lambda: not proxy_health(proxy)[d.url]["healthy"])
         response = post(proxy)
         assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable"
