@@ -27,6 +27,7 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 KEY = f"key-{uuid.uuid4().hex}"
+ADMIN = f"admin-{uuid.uuid4().hex}"
 WAIT_S = 30  # a bound on waiting for the page (it polls every second), not a measurement
 INJECTED = '<img id="injected" src="x">'
 
@@ -54,10 +55,15 @@ def health_shown(driver) -> dict[str, str]:
     return dict(map(tuple, rows))
 
 
+def table_cells(driver, table: str) -> list[str]:
+    """The text of every cell of a table's body (`table`: its id)."""
+    return driver.execute_script(f"return Array.from(document.querySelectorAll('#{table} tbody td'))"
+                                 ".map(cell => cell.innerText);")
+
+
 def request_cells(driver) -> list[str]:
     """The text of every cell of the last requests' table."""
-    return driver.execute_script("return Array.from(document.querySelectorAll('#requests tbody td'))"
-                                 ".map(cell => cell.innerText);")
+    return table_cells(driver, "requests")
 
 
 def test_the_page_shows_every_instance_and_one_going_down(browser, tmp_path) -> None:
@@ -67,7 +73,7 @@ def test_the_page_shows_every_instance_and_one_going_down(browser, tmp_path) -> 
         d2 = stopping.enter_context(fake("decode"))  # the one stopped below
         proxy = stack.enter_context(running_proxy(
             tmp_path / "proxy.log", "--prefill", p.url, "--decode", d1.url, d2.url, "--api-key", KEY,
-            "--probe-interval", "0.2", "--breaker-cooldown", "600", "--log-level", "info"))
+            "--admin-key", ADMIN, "--probe-interval", "0.2", "--breaker-cooldown", "600", "--log-level", "info"))
         wait = WebDriverWait(browser, WAIT_S)
         browser.get(f"{proxy.url}/dashboard?key={KEY}")
         every = {p.url: "up", d1.url: "up", d2.url: "up"}
@@ -79,6 +85,13 @@ def test_the_page_shows_every_instance_and_one_going_down(browser, tmp_path) -> 
         wait.until(lambda driver: INJECTED in request_cells(driver))
         assert browser.find_elements(By.ID, "injected") == []  # shown as text, never made an element
         assert "disaggregated" in request_cells(browser) and p.url in request_cells(browser)
+
+        drained = http_client().post(f"{proxy.url}/admin/instances/drain", timeout=10, json={
+            "url": d1.url, "reason": "<b id='reason'>maintenance</b>"}, headers={"Authorization": f"Bearer {ADMIN}"})
+        assert drained.status_code == 200
+        wait.until(lambda driver: "<b id='reason'>maintenance</b>" in table_cells(driver, "changes"))
+        assert "static, draining" in table_cells(browser, "instances")  # its fleet column
+        assert browser.find_elements(By.ID, "reason") == []  # the reason shown as text, never made an element
 
         stopping.close()  # d2's server stops: the prober finds it gone, its breaker opens
         wait.until(lambda driver: health_shown(driver) == every | {d2.url: "down"})
