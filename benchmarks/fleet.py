@@ -136,7 +136,7 @@ def deployment(config: str, args: argparse.Namespace, logs: Path) -> Iterator[st
                 "--log-level", "warning", *shlex.split(args.server_args)), f"http://127.0.0.1:{server_port}",
                 wait=False))
         launch.wait_started(*servers)
-        _wait_registered(proxy.url, args.servers)
+        wait_registered(proxy.url, args.servers, ADMIN_KEY)
         if config == "planner":
             start("planner", pd_command("planner", "--proxy", proxy.url, "--admin-key", ADMIN_KEY, "--ttft-slo",
                                         str(args.ttft_slo), "--tpot-slo", str(args.tpot_slo),
@@ -144,10 +144,11 @@ def deployment(config: str, args: argparse.Namespace, logs: Path) -> Iterator[st
         yield proxy.url
 
 
-def _wait_registered(proxy: str, n: int) -> None:
+def wait_registered(proxy: str, n: int, admin_key: str) -> None:
+    """Until `n` servers are in the proxy's fleet; RuntimeError past REGISTERED_WAIT_S."""
     deadline = time.monotonic() + REGISTERED_WAIT_S
     while time.monotonic() < deadline:
-        listed = http_client().get(f"{proxy}/admin/instances", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+        listed = http_client().get(f"{proxy}/admin/instances", headers={"Authorization": f"Bearer {admin_key}"},
                                    timeout=5).json()["instances"]
         if len(listed) == n:
             return

@@ -36,6 +36,7 @@ from collections import Counter
 from pathlib import Path
 
 import launch
+from benchmarks.fleet import wait_registered
 from launch import free_port, http_client, pd_command, stop_process
 
 ADMIN_KEY = "fleet-churn"
@@ -172,9 +173,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
         fleet = Fleet(args, workdir, proxy.url, stack)
         servers = [fleet.start("prefill" if i == 0 else "decode", wait=False) for i in range(args.servers)]
         launch.wait_started(*servers)
-        deadline = time.monotonic() + 60
-        while sum(map(len, fleet.roles().values())) < args.servers and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_registered(proxy.url, args.servers, ADMIN_KEY)
         chat = token_ids(servers[0].url, "chat/completions", bodies(3, 1)[2][1] | {"stream": False})[0] == 200
         work = bodies(args.requests, args.max_tokens, chat)  # a model without a chat template: completions only
         reference = {}

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from proxy.errors import error_response
 from proxy.instances import Instance
-from wire.codes import ENGINE_DEAD, ENGINE_DIED, KV_HELD_LIMIT, OVERLOADED
+from wire.codes import ENGINE_DEAD, ENGINE_DIED, KV_HELD_LIMIT, OVERLOADED, SERVER_DRAINING
 from wire.headers import RETRY_AFTER, retry_after
 
 GATEWAY_FAILURES = (502, 504)  # without a server's error code: a gateway in front of it failed
@@ -39,6 +39,12 @@ def is_server_failure(response: httpx.Response) -> bool:
     (a server's own 502, e.g. "kv_load_failed", names its error code)."""
     code = error_code(response)
     return code in (ENGINE_DEAD, ENGINE_DIED) or (response.status_code in GATEWAY_FAILURES and code is None)
+
+
+def is_draining(response: httpx.Response) -> bool:
+    """Whether an answer (read already) says the server is draining: it did nothing of the
+    request, which another server may take."""
+    return response.status_code == 503 and error_code(response) == SERVER_DRAINING
 
 
 def retry_after_s(response: httpx.Response) -> float:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -21,8 +20,9 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from proxy.auth import require_key
 from proxy.dashboard import Dashboard, page_response
-from proxy.errors import ProxyError, error_response
+from proxy.errors import error_response
 from proxy.fleet_api import add_fleet_routes
 from proxy.forward import forward
 from proxy.instances import Instance
@@ -140,18 +140,10 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _key_check(api_key: str | None, in_query: bool = False) -> Callable[[Request], None]:
     """A dependency refusing (401) a client without `Authorization: Bearer api_key`
     (`in_query`: or without `?key=api_key`, for a page a browser opens)."""
-    expected = api_key.encode() if api_key is not None else None
 
     def check(request: Request) -> None:
-        if expected is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        given = token.strip() if scheme.lower() == "bearer" else None
-        if given is None and in_query:
-            given = request.query_params.get("key")
-        if given is None or not hmac.compare_digest(given.encode("utf-8", "replace"), expected):
-            raise ProxyError("missing or incorrect API key (send Authorization: Bearer <key>)", "invalid_api_key",
-                             status=401, headers={"WWW-Authenticate": "Bearer"})
+        if api_key is not None:
+            require_key(request, api_key, in_query=in_query)
 
     return check
 

@@ -100,8 +100,7 @@ class Dashboard:
                 "disagg_policy": config.disagg_policy, "queue_waiting": self.upstream.admission.num_waiting,
                 "instances": [self._instance(i) for i in self.instances], "requests": self.recent.newest_first(),
                 "fleet_changes": [c.state() for c in reversed(self.upstream.fleet.changes)][:SHOWN_CHANGES],
-                "planner_decisions": [{"at": at, "action": d.action, "url": d.url, "role": d.role, "reason": d.reason}
-                                      for at, d in reversed(self.upstream.fleet.decisions)][:SHOWN_CHANGES]}
+                "planner_decisions": self.upstream.fleet.recent_decisions(SHOWN_CHANGES, inputs=False)}
 
     def _instance(self, instance: Instance) -> dict[str, Any]:
         figures = self._samples.get(instance.url) if instance.healthy else None

@@ -28,7 +28,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 
 from proxy.instances import Instance, InstancePool
@@ -59,7 +59,7 @@ class Change:
     reason: str
 
     def state(self) -> dict:
-        return {"at": self.at, "url": self.url, "action": self.action, "role": self.role, "reason": self.reason}
+        return asdict(self)
 
 
 def allowed_networks(cidrs: tuple[str, ...]) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
@@ -256,6 +256,10 @@ class Fleet:
                                            "lease_left_s": None if i.lease_end is None else round(i.lease_end - now, 1)}
                               for i in self.members()],
                 "changes": [c.state() for c in reversed(self.changes)],
-                "decisions": [{"at": at, "action": d.action, "url": d.url, "role": d.role, "reason": d.reason,
-                               "inputs": d.inputs} for at, d in reversed(self.decisions)]}
+                "decisions": self.recent_decisions()}
+
+    def recent_decisions(self, limit: int = KEPT_DECISIONS, inputs: bool = True) -> list[dict]:
+        """The planner's decisions, newest first (`inputs`: with what each was decided on)."""
+        return [{"at": at, "action": d.action, "url": d.url, "role": d.role, "reason": d.reason}
+                | ({"inputs": d.inputs} if inputs else {}) for at, d in list(reversed(self.decisions))[:limit]]
 

@@ -24,7 +24,6 @@ read up to BODY_LIMIT and decoded into msgspec types; nothing else is accepted.
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -33,6 +32,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from proxy.auth import require_key
 from proxy.errors import ProxyError
 from proxy.fleet import FleetError, in_networks
 from proxy.upstream import Upstream
@@ -138,11 +138,7 @@ def add_fleet_routes(app: FastAPI, upstream: Upstream) -> None:
 def _admin(request: Request, admin_key: str | None) -> None:
     if admin_key is None:
         raise ProxyError("the admin API is off: start the proxy with --admin-key", "admin_off", status=403)
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    given = token.strip() if scheme.lower() == "bearer" else ""
-    if not hmac.compare_digest(given.encode("utf-8", "replace"), admin_key.encode()):
-        raise ProxyError("missing or incorrect admin key (send Authorization: Bearer <admin key>)",
-                         "invalid_api_key", status=401, headers={"WWW-Authenticate": "Bearer"})
+    require_key(request, admin_key, "admin key", "admin key")
 
 
 async def _decode(request: Request, kind: type[T], admin_key: str | None) -> T:

@@ -14,6 +14,7 @@ from proxy.canary import RESULTS as CANARY_RESULTS
 from proxy.disagg import PATHS
 from proxy.fleet import ACTIONS as FLEET_ACTIONS
 from proxy.instances import InstancePool
+from wire.fleet import DECISION_ACTIONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ROLES = ("prefill", "decode")
@@ -118,7 +119,7 @@ class ProxyMetrics:
         self.planner_decisions = self._counter("pd_proxy_planner_decisions", "Decisions a planner reported (pd "
                                                "planner): switch (a server given the other role), hold (a move "
                                                "wanted, not yet made: patience or cool-down).", "action",
-                                               ("switch", "hold", "keep"))
+                                               DECISION_ACTIONS)
         self.queued = Counter("pd_proxy_queued", "Requests that waited in the proxy's queue for room (every "
                               "server full, or every prefill server holding too much).", registry=self.registry)
         self.queue_refused = self._counter("pd_proxy_queue_refused", "Requests answered 429 past the queue's "

@@ -43,6 +43,7 @@ from proxy.answers import (
     backoff_s,
     cached_tokens,
     error_code,
+    is_draining,
     is_server_failure,
     kv_held_response,
     overloaded_response,
@@ -59,7 +60,7 @@ from proxy.fleet import Change, Fleet, allowed_networks
 from proxy.instances import EmptyPoolError, Instance, InstancePool, NoInstanceError, OverloadedError
 from proxy.metrics import ProxyMetrics
 from proxy.proxy_config import ProxyConfig
-from wire.codes import ENGINE_DEAD, KV_HELD_LIMIT, NO_INSTANCE, SERVER_DRAINING
+from wire.codes import ENGINE_DEAD, KV_HELD_LIMIT, NO_INSTANCE
 from wire.headers import REQUEST_ID, retry_after
 from wire.kv_params import KV_TRANSFER_PARAMS, REMOTE_REQUEST_ID, SIGNATURE
 
@@ -241,7 +242,7 @@ class Upstream:
         if response.status_code == 503 and error_code(response) == KV_HELD_LIMIT:
             logger.info("prefill server %s holds too many blocks; trying another", instance.url)
             return TryAnother(retry_after_s(response))
-        if response.status_code == 503 and error_code(response) == SERVER_DRAINING:
+        if is_draining(response):
             return TryAnother()  # it did nothing of the request
         return passed_back(instance, response)
 
@@ -335,7 +336,7 @@ class Upstream:
             await response.aread()
         finally:
             await response.aclose()
-        if response.status_code == 503 and error_code(response) == SERVER_DRAINING:
+        if is_draining(response):
             return TryAnother()  # it did nothing of the request: another D may read P's blocks
         if is_server_failure(response):
             self.failed(instance, f"HTTP {response.status_code}: {response.text[:200]}")
