@@ -2,7 +2,9 @@
 route) are started, health-waited and stopped by PID here, for deploy/, benchmarks/ and
 the tests alike. Standard library and httpx only; nothing of `pd` is imported.
 
-The launcher is `launch.process`; `free_port` is `launch.ports`'s.
+The launcher is `launch.process`; `free_port` is `launch.ports`'s. `launch.ray_actors`
+starts the same servers as Ray actors; it needs Ray, and is imported only where Ray is
+used (it is not imported here).
 """
 
 from launch.ports import free_port

@@ -12,6 +12,16 @@ now. It moves toward the best only when
 - `cooldown_s` has passed since its last move (the move's effect shows first);
 and then it moves one server, the least loaded of the role it takes from: one step at a
 time, each re-judged. Every decision says why, with its inputs.
+
+With `Scaling` (a launcher to start and stop servers, `pd planner --launcher`) the fleet
+may also grow or shrink by one server, within `min_instances` and `max_instances`:
+- a fleet missing the SLO takes the split, of its size or one more, that meets it
+  (switching before adding: a switch costs nothing) or, when none does, scores best, the
+  smaller fleet on a tie: so it adds a server of the role that split has more of;
+- a fleet meeting the SLO gives back a server it started (`Member.stoppable`) when one
+  fewer still scores `margin` under the SLO: the least loaded of the role whose removal
+  scores best. Its drain comes first (planner/launchers.py).
+The same patience and cool-down apply; each move is one server.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ class Member:
     roles: tuple[str, ...]
     in_flight: int = 0
     draining: bool = False
+    stoppable: bool = False  # the planner's launcher started it, and may stop it
 
     @property
     def switchable(self) -> bool:
@@ -52,12 +63,30 @@ class Slo:
 
 
 @dataclass(frozen=True)
+class Scaling:
+    """How far the planner may grow and shrink the fleet (it counts every server taking
+    requests, those it did not start included)."""
+
+    min_instances: int
+    max_instances: int
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.min_instances <= self.max_instances:
+            raise ValueError(f"the fleet needs 2 <= min instances <= max instances, got {self.min_instances} and "
+                             f"{self.max_instances}")
+
+
+@dataclass(frozen=True)
 class Decision:
-    action: str  # "switch" (move `url` to `role`), "hold" (wants to, not yet), "keep"
+    action: str  # "switch" (move `url` to `role`), "add" (start a server for `role`), "remove" (stop `url`),
+    #              "hold" (wants to, not yet), "keep"
     reason: str
     url: str | None = None
     role: str | None = None
     inputs: dict = field(default_factory=dict)
+
+
+Split = tuple[int, int]  # (servers, prefill servers among them)
 
 
 @dataclass
@@ -67,39 +96,74 @@ class Planner:
     cooldown_s: float = 10.0  # after a move, before the next
     margin: float = 0.2  # a split meeting the SLO is left only for one scoring this much better
     clock: Callable[[], float] = time.monotonic
-    _wanted: int = 0  # +1 more prefill, -1 more decode
+    scaling: Scaling | None = None  # None: the fleet's size is not the planner's to change
+    _wanted: tuple[str, str] | None = None  # (action, role) of the move wanted lately
     _streak: int = 0
     _moved_at: float = float("-inf")
 
     def decide(self, members: list[Member], load: Load, costs: Costs) -> Decision:
         taking = [m for m in members if not m.draining]
-        now_p = sum(m.role == "prefill" for m in taking)
+        n, now_p = len(taking), sum(m.role == "prefill" for m in taking)
         splits = self._splits(taking)
         if not splits or now_p not in splits:
             self._streak = 0
             return Decision("keep", "no split to choose from (no server that switches, or a role without any)")
-        scored = {p: predict(p, len(taking) - p, load, costs, self.slo.percentile) for p in splits}
-        score = {p: prediction.score(self.slo.ttft_s, self.slo.tpot_s) for p, prediction in scored.items()}
-        best = min(splits, key=lambda p: (score[p], abs(p - now_p)))
-        inputs = self._inputs(load, costs, scored, now_p, len(taking))
-        worth = score[best] < score[now_p] if score[now_p] > 1 else score[best] < score[now_p] * (1 - self.margin)
-        if best == now_p or not worth:
+        options = [(n, p) for p in splits] + self._resized(taking, now_p)
+        scored = {k: predict(k[1], k[0] - k[1], load, costs, self.slo.percentile) for k in options}
+        score = {k: prediction.score(self.slo.ttft_s, self.slo.tpot_s) for k, prediction in scored.items()}
+        now = (n, now_p)
+        target, worth = self._target(now, score)
+        inputs = self._inputs(load, costs, scored, now)
+        if target == now or not worth:
             self._streak = 0
-            return Decision("keep", f"{_split(now_p, len(taking))} scores {score[now_p]:.2f} against the SLO; "
+            return Decision("keep", f"{_split(*now)} scores {score[now]:.2f} against the SLO; "
                                     f"no split is better enough", inputs=inputs)
-        direction = 1 if best > now_p else -1
-        self._streak = self._streak + 1 if direction == self._wanted else 1
-        self._wanted = direction
-        why = (f"{_split(now_p, len(taking))} scores {score[now_p]:.2f} ({_figures(scored[now_p], self.slo)}); "
-               f"{_split(best, len(taking))} scores {score[best]:.2f} ({_figures(scored[best], self.slo)})")
+        move = _move(now, target)
+        self._streak = self._streak + 1 if move == self._wanted else 1
+        self._wanted = move
+        why = (f"{_split(*now)} scores {score[now]:.2f} ({_figures(scored[now], self.slo)}); "
+               f"{_split(*target)} scores {score[target]:.2f} ({_figures(scored[target], self.slo)})")
         if self._streak < self.patience:
             return Decision("hold", f"{why}; wanted {self._streak} of {self.patience} ticks", inputs=inputs)
         if self.clock() - self._moved_at < self.cooldown_s:
             return Decision("hold", f"{why}; cooling down after the last move", inputs=inputs)
-        giving = "decode" if direction > 0 else "prefill"
-        moved = min((m for m in taking if m.role == giving and m.switchable), key=lambda m: m.in_flight)
         self._moved_at, self._streak = self.clock(), 0
-        return Decision("switch", why, moved.url, "prefill" if direction > 0 else "decode", inputs)
+        action, role = move
+        if action == "add":
+            return Decision("add", why, None, role, inputs)
+        if action == "remove":
+            stopped = min((m for m in taking if m.role == role and m.stoppable), key=lambda m: m.in_flight)
+            return Decision("remove", why, stopped.url, role, inputs)
+        giving = "decode" if role == "prefill" else "prefill"
+        moved = min((m for m in taking if m.role == giving and m.switchable), key=lambda m: m.in_flight)
+        return Decision("switch", why, moved.url, role, inputs)
+
+    def _target(self, now: Split, score: dict[Split, float]) -> tuple[Split, bool]:
+        """The split to move toward, and whether it is worth a move."""
+        if score[now] > 1:  # missing the SLO: the split meeting it with the fewest servers and moves, else the best
+            target = min((k for k in score if k[0] >= now[0]),
+                         key=lambda k: (max(score[k], 1.0), k[0], score[k], abs(k[1] - now[1])))
+            return target, score[target] < score[now]
+        fewer = [k for k in score if k[0] < now[0] and score[k] <= 1 - self.margin]
+        if fewer:  # meeting it with room to spare: one server fewer would still meet it
+            return min(fewer, key=lambda k: score[k]), True
+        target = min((k for k in score if k[0] == now[0]), key=lambda k: (score[k], abs(k[1] - now[1])))
+        return target, score[target] < score[now] * (1 - self.margin)
+
+    def _resized(self, taking: list[Member], now_p: int) -> list[Split]:
+        """The splits one server more (of either role) or one fewer (one the planner
+        started) reach, within the scaling bounds; none without scaling."""
+        if self.scaling is None:
+            return []
+        n, out = len(taking), []
+        if n < self.scaling.max_instances:
+            out += [(n + 1, now_p + 1), (n + 1, now_p)]
+        if n > self.scaling.min_instances:
+            for role in {m.role for m in taking if m.stoppable}:
+                p = now_p - (role == "prefill")
+                if p >= 1 and n - 1 - p >= 1:
+                    out.append((n - 1, p))
+        return out
 
     @staticmethod
     def _splits(taking: list[Member]) -> list[int]:
@@ -110,13 +174,22 @@ class Planner:
         return [p for p in range(fixed_p, fixed_p + free + 1) if p >= 1 and len(taking) - p >= 1 and
                 len(taking) - p >= fixed_d]
 
-    def _inputs(self, load: Load, costs: Costs, scored: dict[int, Prediction], now_p: int, n: int) -> dict:
+    def _inputs(self, load: Load, costs: Costs, scored: dict[Split, Prediction], now: Split) -> dict:
         return {"load": {k: round(v, 4) for k, v in vars(load).items()},
                 "costs": {k: round(v, 6) for k, v in vars(costs).items()},
-                "now": _split(now_p, n), "splits": {_split(p, n): pred.inputs() for p, pred in scored.items()}}
+                "now": _split(*now), "splits": {_split(*k): pred.inputs() for k, pred in scored.items()}}
 
 
-def _split(p: int, n: int) -> str:
+def _move(now: Split, target: Split) -> tuple[str, str]:
+    """The one-server move from `now` toward `target`: (action, role)."""
+    if target[0] > now[0]:
+        return "add", "prefill" if target[1] > now[1] else "decode"
+    if target[0] < now[0]:
+        return "remove", "prefill" if target[1] < now[1] else "decode"
+    return "switch", "prefill" if target[1] > now[1] else "decode"
+
+
+def _split(n: int, p: int) -> str:
     return f"{p}P{n - p}D"
 
 

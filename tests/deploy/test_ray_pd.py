@@ -4,88 +4,40 @@ leaves none of the servers (nor the processes under them) running."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
 
-import httpx
 import pytest
 
 from launch import free_port, http_client
 from pd.models.make_model import make_model
+from tests.support.processes import (
+    EXIT_TIMEOUT_S,
+    accepts,
+    alive,
+    argv,
+    descendants,
+    pids,
+    serving_port,
+    stop,
+    wait_until_gone,
+)
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
 READY_TIMEOUT_S = 240.0
-EXIT_TIMEOUT_S = 120.0
 
 
 
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model("qwen3", tmp_path_factory.mktemp("ray-pd-model") / "qwen3", seed=1)
-
-
-def read_proc(pid: int, name: str) -> str:
-    return Path(f"/proc/{pid}/{name}").read_bytes().decode(errors="replace")
-
-
-def pids() -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
-
-
-def alive(pid: int) -> bool:
-    """Running, and not a zombie (this container's init may be slow to reap orphans)."""
-    try:
-        return read_proc(pid, "stat").rpartition(") ")[2][0] != "Z"
-    except OSError:
-        return False
-
-
-def parent(pid: int) -> int | None:
-    try:
-        return int(read_proc(pid, "stat").rpartition(") ")[2].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def descendants(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for pid in pids():
-        children.setdefault(parent(pid), []).append(pid)
-    found, todo = set(), [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def argv(pid: int) -> list[str]:
-    try:
-        return read_proc(pid, "cmdline").split("\0")
-    except OSError:
-        return []
-
-
-def serving_port(pid: int, port: int) -> bool:
-    """Whether `pid`'s command line has `--port PORT` (a `pd serve` of ours)."""
-    args = argv(pid)
-    return any(a == "--port" and b == str(port) for a, b in itertools.pairwise(args))
-
-
-def accepts(url: str) -> bool:
-    host, port = httpx.URL(url).host, httpx.URL(url).port
-    with socket.socket() as s:
-        s.settimeout(2)
-        return s.connect_ex((host, port)) == 0
 
 
 def wait_for_urls(process: subprocess.Popen, urls_file: Path, log_path: Path) -> dict:
@@ -98,24 +50,6 @@ def wait_for_urls(process: subprocess.Popen, urls_file: Path, log_path: Path) ->
     nodes = {entry["node_ip"] for entry in urls["servers"] + urls.get("ranks", [])}
     assert nodes == {"127.0.0.1"}, f"Ray put servers on {nodes}: the suite's traffic stays on loopback"
     return urls
-
-
-def wait_until_gone(pids_: set[int], timeout: float) -> set[int]:
-    deadline = time.monotonic() + timeout
-    while (left := {p for p in pids_ if alive(p)}) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
-
-
-def stop(process: subprocess.Popen) -> None:
-    """SIGTERM first (its teardown stops the servers), SIGKILL only if that hangs."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=EXIT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def test_ray_pd_refuses_fewer_than_one_server(tiny_qwen3) -> None:

@@ -3,8 +3,12 @@ time, after `patience` ticks and a cool-down, never flapping on a split meeting 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+
 from planner.model import Costs, Load
-from planner.policy import Member, Planner, Slo
+from planner.policy import Member, Planner, Scaling, Slo
 
 COSTS = Costs(prefill_tokens_per_s=1000.0, decode_step_s=0.02, decode_step_per_seq_s=0.002)
 SLO = Slo(ttft_s=2.0, tpot_s=0.06, percentile=0.9)
@@ -85,3 +89,57 @@ def test_draining_servers_are_neither_counted_nor_moved() -> None:
     members = fleet("pdd")
     members[2] = Member(members[2].url, "decode", ("prefill", "decode"), 0, draining=True)
     assert planner.decide(members, PREFILL_HEAVY, COSTS).action == "keep"  # 1P1D is all that takes requests
+
+
+PREFILL_BOUND = Load(1.5, 500, 20)  # 750 prompt tokens/s: one prefill server at 0.75, its p90 wait past the SLO
+LIGHT = Load(0.2, 100, 20)
+
+
+def test_without_scaling_the_fleet_never_grows_or_shrinks() -> None:
+    planner = Planner(SLO, patience=1, cooldown_s=0)
+    assert planner.decide(fleet("pd"), PREFILL_BOUND, COSTS).action == "keep"  # 1P1D misses; nothing to switch
+    stoppable = [replace(m, stoppable=True) for m in fleet("ppdd")]
+    assert planner.decide(stoppable, LIGHT, COSTS).action == "keep"
+
+
+def test_a_fleet_missing_the_slo_with_nothing_to_switch_adds_a_server_of_the_role_it_lacks() -> None:
+    planner = Planner(SLO, patience=2, cooldown_s=0, scaling=Scaling(2, 3))
+    assert planner.decide(fleet("pd"), PREFILL_BOUND, COSTS).action == "hold"
+    added = planner.decide(fleet("pd"), PREFILL_BOUND, COSTS)
+    assert (added.action, added.url, added.role) == ("add", None, "prefill")
+    assert added.inputs["now"] == "1P1D" and added.inputs["splits"]["2P1D"]["ttft_s"] < SLO.ttft_s
+    # at the bound it adds nothing more, however far the load goes
+    assert Planner(SLO, patience=1, cooldown_s=0, scaling=Scaling(2, 3)).decide(
+        fleet("ppd"), Load(30.0, 500, 20), COSTS).action == "keep"
+
+
+def test_a_switch_that_meets_the_slo_is_taken_before_a_server_is_added() -> None:
+    planner = Planner(SLO, patience=1, cooldown_s=0, scaling=Scaling(2, 8))
+    decision = planner.decide(fleet("pdd"), PREFILL_BOUND, COSTS)
+    assert (decision.action, decision.role) == ("switch", "prefill")
+
+
+def test_a_fleet_with_room_to_spare_stops_a_server_it_started_never_one_it_did_not_nor_below_the_minimum() -> None:
+    members = fleet("ppdd", in_flight=(2, 0, 0, 0))
+    started = [replace(m, stoppable=True) for m in members[:3]] + members[3:]
+    removed = Planner(SLO, patience=1, cooldown_s=0, scaling=Scaling(2, 4)).decide(started, LIGHT, COSTS)
+    assert (removed.action, removed.url, removed.role) == ("remove", members[1].url, "prefill")
+    only_decode = [replace(members[0]), replace(members[1]), replace(members[2], stoppable=True), members[3]]
+    removed = Planner(SLO, patience=1, cooldown_s=0, scaling=Scaling(2, 4)).decide(only_decode, LIGHT, COSTS)
+    assert (removed.action, removed.url) == ("remove", members[2].url)
+    assert Planner(SLO, patience=1, cooldown_s=0, scaling=Scaling(2, 4)).decide(members, LIGHT, COSTS).action == "keep"
+    assert Planner(SLO, patience=1, cooldown_s=0, scaling=Scaling(4, 6)).decide(started, LIGHT, COSTS).action == "keep"
+
+
+def test_a_fleet_that_just_meets_the_slo_keeps_its_servers() -> None:
+    # 2P1D meets PREFILL_BOUND at 0.51 of the SLO; 1P1D (one fewer) misses it: no removal, no flapping back
+    started = [replace(m, stoppable=True) for m in fleet("ppd")]
+    planner = Planner(SLO, patience=1, cooldown_s=0, scaling=Scaling(2, 3))
+    assert planner.decide(started, PREFILL_BOUND, COSTS).action == "keep"
+
+
+def test_the_scaling_bounds_are_checked() -> None:
+    with pytest.raises(ValueError, match="min instances"):
+        Scaling(1, 3)
+    with pytest.raises(ValueError, match="min instances"):
+        Scaling(4, 3)
