@@ -11,6 +11,9 @@ for every configuration (`--seed`). The servers: `--servers` `pd serve --role bo
 - `KpMd`: K prefill and M decode servers, fixed (every split by default);
 - `colocated`: every server prefills and decodes its own requests (the proxy's
   conditional disaggregation with no limit on what a decode server computes itself);
+- `conditional`: 1P(N-1)D under the proxy's conditional disaggregation with its default
+  limit (a decode server computes a prompt itself when it lacks at most
+  `--local-prefill-max-tokens` of it, or when the prefill servers have more queued);
 - `planner`: starting from 1P(N-1)D, `pd planner` with the SLOs switches roles as it sees fit
   (its decisions are saved beside the results).
 
@@ -98,16 +101,17 @@ def configs_of(args: argparse.Namespace) -> list[str]:
     statics = [f"{k}p{args.servers - k}d" for k in range(1, args.servers)]
     asked = [c.strip() for c in args.configs.split(",") if c.strip()] if args.configs else \
         ["planner", "colocated", *statics]
-    unknown = [c for c in asked if c not in ("planner", "colocated", *statics)]
+    unknown = [c for c in asked if c not in ("planner", "colocated", "conditional", *statics)]
     if unknown:
-        raise ValueError(f"unknown configuration(s) {', '.join(unknown)}: planner, colocated, {', '.join(statics)}")
+        raise ValueError(f"unknown configuration(s) {', '.join(unknown)}: planner, colocated, conditional, "
+                         f"{', '.join(statics)}")
     return asked
 
 
 def initial_roles(config: str, n: int) -> list[str]:
     if config == "colocated":
         return ["decode"] * n
-    prefill = 1 if config == "planner" else int(config.split("p")[0])
+    prefill = 1 if config in ("planner", "conditional") else int(config.split("p")[0])
     return ["prefill"] * prefill + ["decode"] * (n - prefill)
 
 
@@ -122,8 +126,8 @@ def deployment(config: str, args: argparse.Namespace, logs: Path) -> Iterator[st
             return launched
 
         port = free_port()
-        conditional = ["--disagg-policy", "conditional", "--local-prefill-max-tokens", str(1 << 30)] \
-            if config == "colocated" else []
+        conditional = {"colocated": ["--disagg-policy", "conditional", "--local-prefill-max-tokens", str(1 << 30)],
+                       "conditional": ["--disagg-policy", "conditional"]}.get(config, [])
         proxy = start("proxy", pd_command("proxy", "--host", "127.0.0.1", "--port", str(port), "--admin-key",
                                           ADMIN_KEY, *conditional), f"http://127.0.0.1:{port}",
                       ready=lambda status: status in (200, 503))
@@ -256,7 +260,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     add("--model", required=True, type=Path, help="model directory or .gguf file")
     add("--servers", type=int, default=3, help="servers in the fleet, at least 2 (default 3)")
     add("--phases", default=DEFAULT_PHASES, help=f"the load, phase by phase (default {DEFAULT_PHASES!r})")
-    add("--configs", default=None, help="comma-separated: planner, colocated, KpMd (default: all of them)")
+    add("--configs", default=None, help="comma-separated: planner, colocated, conditional, KpMd (default: planner, "
+                                        "colocated and every KpMd)")
     add("--ttft-slo", type=float, default=2.0, metavar="S", help="TTFT a request must get (default %(default)s)")
     add("--tpot-slo", type=float, default=0.1, metavar="S", help="TPOT a request must get (default %(default)s)")
     add("--repetitions", type=int, default=3, help="runs of each configuration, ABBA order (default 3)")

@@ -126,12 +126,13 @@ def _run_planner(args: argparse.Namespace) -> int:
 
 
 def _add_bench_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("bench_command", choices=["serve", "compare", "step", "fleet"],
+    parser.add_argument("bench_command", choices=["serve", "compare", "step", "fleet", "simulate"],
                         help="serve: load-test an OpenAI-compatible server; compare: launch several "
                              "deployments of one model and run the same load on each; step: time one "
                              "engine's decode step part by part, in process; fleet: a load changing phase by "
-                             "phase on every static split of a fleet, colocated, and under pd planner "
-                             "(see --help of each)")
+                             "phase on every static split of a fleet, colocated, and under pd planner; "
+                             "simulate: a discrete-event model of a fleet with costs fitted from the engine "
+                             "(fit, run, validate, trace) (see --help of each)")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
 
 
@@ -150,6 +151,11 @@ def _run_bench(args: argparse.Namespace) -> int:
         install_signal_handlers()  # SIGTERM unwinds through the deployments' teardown
         results = fleet.main(args.bench_args, prog="pd bench fleet")
         return 0 if all(r["all"]["failed"] == 0 for r in results.values()) else 1
+    if args.bench_command == "simulate":
+        from benchmarks import simulate
+
+        simulate.main(args.bench_args, prog="pd bench simulate")
+        return 0
     if args.bench_command == "step":
         from benchmarks import step
 

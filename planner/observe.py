@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import httpx
@@ -77,6 +78,7 @@ class Observer:
     admin_key: str
     priors: Costs
     client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=5))
+    clock: Callable[[], float] = time.monotonic  # the simulator's (benchmarks/sim) runs on its own
     _servers: dict[str, Counters] = field(default_factory=dict)
     _proxy: tuple[float, int] | None = None  # (at, requests that had arrived at the proxy)
     _estimates: dict[str, float] = field(default_factory=dict)
@@ -87,7 +89,7 @@ class Observer:
         members = [Member(i["url"], i["role"], tuple(i["roles"]), i["outstanding"] + i["bound"],
                           i["draining"] or i["leaving"]) for i in fleet["instances"]]
         queued = sum(i["outstanding_tokens"] for i in fleet["instances"] if i["role"] == "prefill")
-        now = time.monotonic()
+        now = self.clock()
         self._observe_proxy(fleet, now)
         running = 0.0
         for instance in fleet["instances"]:

@@ -164,7 +164,7 @@ def test_telemetry_and_the_wire_import_nothing_of_ours_and_the_proxy_only_what_l
     assert graph["wire"] - {"wire"} == set()
     assert graph["telemetry"] - {"telemetry"} <= {"wire"}  # the trace headers' names
     assert graph["proxy"] - {"proxy"} <= {"kv_events", "launch", "telemetry", "wire"}
-    assert graph["planner"] - {"planner"} <= {"launch", "telemetry", "wire"}  # HTTP to the proxy and servers; launch: its launchers
+    assert graph["planner"] - {"planner"} <= {"launch", "telemetry", "wire"}  # HTTP; launch: its launchers
 
 
 def test_the_walk_finds_a_cycle_added_on_purpose(tmp_path) -> None:

@@ -1,0 +1,181 @@
+"""One simulated `pd serve` engine: a waiting queue, a running batch and the requests
+whose KV is being read, stepped as the real scheduler steps them (pd/scheduling).
+
+Each step the running requests come first, oldest first: one decoding takes one token, one
+still prefilling the next chunk of its prompt, while the step's token budget
+(`max_num_batched_tokens`) lasts; then waiting requests are admitted in order while the
+budget and `max_num_seqs` allow. A request whose prompt's KV comes from a prefill server
+is parked when admitted (no tokens) and its read starts; once read, it rejoins the
+queue's front with P's first token, which goes out at once, and decodes from there. The
+step's time is the costs' (`costs.py`) of what it computes. After the step every
+request that sampled gets its token; one that has all of its tokens finishes.
+
+Not modelled: preemption (the KV cache is taken to hold every request), the prefix cache
+(every prompt is computed whole), and the max-min fair share between a request's
+sequences (every request has one).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from benchmarks.sim.costs import StepCosts, attention_of
+
+
+class Work(Enum):
+    PREFILL = "prefill"  # a prefill server's part: compute the prompt, sample one token, keep the KV for D
+    LOCAL = "local"  # compute the prompt and decode every token here (colocated, or D prefilling itself)
+    REMOTE = "remote"  # read the prompt's KV from P, then decode from P's first token
+
+
+@dataclass
+class Job:
+    """A request's part on one engine."""
+
+    request: object  # the simulation's request: the engine only hands it back
+    work: Work
+    prompt: int  # prompt tokens
+    outputs: int  # tokens this engine's part ends with (P: its one token)
+    computed: int = 0
+    generated: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt + self.generated
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.prompt
+
+
+@dataclass
+class Counters:
+    """What the engine's /metrics counts (planner/observe.py's SAMPLES)."""
+
+    computed: float = 0.0  # prompt tokens computed
+    busy_s: float = 0.0
+    steps: float = 0.0
+    generated: float = 0.0
+    finished: float = 0.0
+    xfer_s: float = 0.0
+    xfers: float = 0.0
+
+
+@dataclass
+class Step:
+    """One step scheduled: what each request computes, its time, and the reads it starts."""
+
+    scheduled: list[tuple[Job, int]]
+    seconds: float
+    reads: list[Job]
+
+
+@dataclass
+class Token:
+    """A token that went out (first of its request here, or not) and whether it ends the job."""
+
+    job: Job
+    finished: bool
+
+
+@dataclass
+class SimEngine:
+    costs: StepCosts
+    waiting: deque[Job] = field(default_factory=deque)
+    running: list[Job] = field(default_factory=list)
+    reading: list[Job] = field(default_factory=list)  # parked for their KV read
+    stepping: Step | None = None  # the step under way
+    counters: Counters = field(default_factory=Counters)
+
+    @property
+    def busy(self) -> bool:
+        return self.stepping is not None
+
+    @property
+    def has_compute_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, job: Job) -> None:
+        self.waiting.append(job)
+
+    def schedule(self) -> Step | None:
+        """The next step (None when there is nothing to compute); it is under way until `finish`."""
+        if self.stepping is not None:
+            raise RuntimeError("a step is under way")
+        if not self.has_compute_work:
+            return None
+        budget = self.costs.max_num_batched_tokens
+        scheduled: list[tuple[Job, int]] = []
+        for job in self.running:
+            if budget <= 0:
+                break
+            n = min(job.num_tokens - job.computed, budget)
+            scheduled.append((job, n))
+            budget -= n
+        reads = self._admit(scheduled, budget)
+        tokens = sum(n for _, n in scheduled)
+        attention = sum(attention_of(n, job.computed) for job, n in scheduled)
+        samples = sum(job.computed + n >= job.num_tokens for job, n in scheduled)
+        seconds = self.costs.step_s(tokens, attention, samples) if scheduled else 0.0
+        self.stepping = Step(scheduled, seconds, reads)
+        return self.stepping
+
+    def _admit(self, scheduled: list[tuple[Job, int]], budget: int) -> list[Job]:
+        reads = []
+        while self.waiting and budget > 0:
+            job = self.waiting[0]
+            if len(self.running) >= self.costs.max_num_seqs:
+                break
+            if job.work is Work.REMOTE and job.prefilling:  # its KV is read first
+                self.waiting.popleft()
+                self.reading.append(job)
+                reads.append(job)
+                continue
+            self.waiting.popleft()
+            self.running.append(job)
+            n = min(job.num_tokens - job.computed, budget)
+            scheduled.append((job, n))
+            budget -= n
+        return reads
+
+    def finish(self) -> list[Token]:
+        """The step under way ends: the tokens it sampled."""
+        step, self.stepping = self.stepping, None
+        if step is None:
+            raise RuntimeError("no step is under way")
+        c = self.counters
+        c.busy_s += step.seconds
+        c.steps += 1 if step.scheduled else 0
+        tokens = []
+        for job, n in step.scheduled:
+            c.computed += max(0, min(job.prompt, job.computed + n) - job.computed)
+            job.computed += n
+            if job.computed >= job.num_tokens:
+                tokens.append(self._sampled(job))
+        return tokens
+
+    def _sampled(self, job: Job) -> Token:
+        job.generated += 1
+        self.counters.generated += 1
+        done = job.generated >= job.outputs
+        if done:
+            self.running.remove(job)
+            self.counters.finished += 1
+        return Token(job, done)
+
+    def landed(self, job: Job, seconds: float) -> Token:
+        """The job's KV read (of `seconds`) is done: P's first token goes out now; the job
+        decodes the rest from the queue's front."""
+        self.reading.remove(job)
+        self.counters.xfer_s += seconds
+        self.counters.xfers += 1
+        job.computed = job.prompt
+        job.generated += 1
+        self.counters.generated += 1
+        if job.generated >= job.outputs:
+            self.counters.finished += 1
+            return Token(job, True)
+        self.waiting.appendleft(job)
+        return Token(job, False)

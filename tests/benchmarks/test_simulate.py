@@ -1,0 +1,180 @@
+"""pd bench simulate: the engine model's steps, the fleet's timings against hand-worked
+figures, queueing against M/D/1, the real planner switching on a phase change,
+determinism, the cost fit, and the CLI end to end on a tiny costs file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks import simulate
+from benchmarks.datasets import read_trace
+from benchmarks.fleet import Phase
+from benchmarks.sim import fit, trace
+from benchmarks.sim.costs import StepCosts, attention_of
+from benchmarks.sim.engine import Job, SimEngine, Work
+from benchmarks.sim.fleet import SimRequest
+from benchmarks.sim.planning import metrics_text
+from planner.observe import server_counters
+
+# 10 ms a step plus 1 ms a token: nothing else, so every figure below can be worked by hand
+SIMPLE = StepCosts(fixed_s=0.01, per_token_s=0.001, per_attention_s=0.0, per_sample_s=0.0, kv_bytes_per_token=1000.0,
+                   transfer_bytes_per_s=1e6, transfer_fixed_s=0.002, max_num_batched_tokens=1024)
+
+
+def args_for(servers: int, **more) -> argparse.Namespace:
+    base = {"servers": servers, "ttft_slo": 2.0, "tpot_slo": 0.1, "request_timeout": 300.0, "switch_delay": 0.0,
+            "planner_args": "--interval 1 --patience 2 --cooldown 5"}
+    return argparse.Namespace(**(base | more))
+
+
+def one_run(config: str, requests: list[SimRequest], servers: int, costs: StepCosts = SIMPLE, **more) -> dict:
+    return simulate.simulate(config, requests, costs, args_for(servers, **more))
+
+
+def test_a_colocated_request_alone_takes_its_steps_exactly() -> None:
+    out = one_run("colocated", [SimRequest(1.0, 100, 3, "p")], 1)
+    record = out["records"][0]
+    assert record.ttft == pytest.approx(0.01 + 0.100)  # one step computing the prompt, sampling the first token
+    assert record.tpot == pytest.approx(0.01 + 0.001)  # then one decode token a step
+    assert record.end == pytest.approx(1.0 + 0.110 + 2 * 0.011)
+
+
+def test_a_disaggregated_request_pays_the_prefill_the_read_and_then_decode_steps() -> None:
+    out = one_run("1p1d", [SimRequest(0.0, 500, 4, "p")], 2)
+    record = out["records"][0]
+    read = 0.002 + 500 * 1000 / 1e6
+    assert record.ttft == pytest.approx(0.01 + 0.5 + read)  # P's token goes out once D has read the KV
+    assert record.tpot == pytest.approx(0.011)
+
+
+def test_a_read_that_lands_while_d_steps_sends_its_first_token_at_the_steps_end() -> None:
+    """D hears of a finished read from its step's connector output: B's first token goes
+    out at the end of one of the decode steps A is in, after the prefill and the read."""
+    out = one_run("1p1d", [SimRequest(0.0, 10, 400, "a"), SimRequest(1.0, 500, 4, "b")], 2)
+    a, b = out["records"]
+    first_b = b.start + b.ttft
+    assert first_b > 1.0 + 0.51 + 0.002 + 0.5
+    steps = (first_b - (a.start + a.ttft)) / 0.011  # A's tokens come one a step of 11 ms, D idle otherwise
+    assert steps == pytest.approx(round(steps), abs=1e-6)
+
+
+def test_a_long_prompt_is_computed_in_budget_sized_chunks_beside_running_decodes() -> None:
+    engine = SimEngine(SIMPLE)
+    decoding = Job("d", Work.LOCAL, 10, 50)
+    engine.add(decoding)
+    engine.schedule()
+    engine.finish()
+    engine.add(Job("p", Work.LOCAL, 2500, 1))
+    step = engine.schedule()
+    assert [(job.request, n) for job, n in step.scheduled] == [("d", 1), ("p", 1023)]
+    assert step.seconds == pytest.approx(0.01 + 0.001 * 1024)
+    engine.finish()
+    step = engine.schedule()
+    assert [n for _, n in step.scheduled] == [1, 1023]
+    engine.finish()
+    step = engine.schedule()
+    assert [n for _, n in step.scheduled] == [1, 454]
+    tokens = engine.finish()
+    assert [(t.job.request, t.finished) for t in tokens] == [("d", False), ("p", True)]
+    assert engine.counters.computed == 10 + 2500
+
+
+def test_attention_counts_each_new_token_against_what_precedes_it() -> None:
+    assert attention_of(1, 99) == 100  # a decode token over its context and itself
+    assert attention_of(4, 0) == 1 + 2 + 3 + 4
+
+
+def test_poisson_arrivals_on_one_server_queue_as_m_d_1_says() -> None:
+    """Prompts of exactly the step budget, one token answers: each request is one step of
+    service time S, so one server is an M/D/1 queue whose mean wait is rho S / (2 (1 - rho))."""
+    service = 0.01 + 1.024
+    rho, n = 0.8, 4000
+    times = np.cumsum(np.random.default_rng(7).exponential(service / rho, n))
+    out = one_run("colocated", [SimRequest(float(t), 1024, 1, "p") for t in times], 1)
+    waits = [r.ttft - service for r in out["records"]]
+    assert np.mean(waits) == pytest.approx(rho * service / (2 * (1 - rho)), rel=0.1)
+    assert min(waits) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_the_planner_moves_a_server_to_prefill_and_back_as_the_load_changes_phase() -> None:
+    costs = StepCosts(fixed_s=0.01, per_token_s=0.001, per_attention_s=0.0, per_sample_s=0.0, kv_bytes_per_token=0.0,
+                      transfer_bytes_per_s=1e9)
+    rng = np.random.default_rng(1)
+    long = [SimRequest(float(t), 1000, 4, "long") for t in np.cumsum(rng.exponential(1 / 1.4, 60))]
+    start = long[-1].arrival + 1
+    chat = [SimRequest(start + float(t), 20, 200, "chat") for t in np.cumsum(rng.exponential(1 / 4.0, 240))]
+    out = one_run("planner", long + chat, 3, costs, ttft_slo=3.0, tpot_slo=0.03)
+    roles = [s["role"] for s in out["switches"]]
+    assert roles[:1] == ["prefill"] and "decode" in roles  # 1P2D -> 2P1D under long prompts, back for chat
+    first_back = next(s for s in out["switches"] if s["role"] == "decode")
+    assert out["switches"][0]["at_s"] < start < first_back["at_s"]
+    assert all(d["action"] in ("switch", "hold") for d in out["decisions"])
+
+
+def test_a_run_is_the_same_for_the_same_inputs_and_differs_for_other_arrivals() -> None:
+    phases = [Phase("a", 3.0, 300, 20, 20.0), Phase("b", 6.0, 40, 60, 20.0)]
+
+    def figures(seed: int) -> list[tuple]:
+        out = one_run("planner", simulate.fleet_requests(phases, seed), 3)
+        return [(r.ttft, r.end) for r in out["records"]] + [tuple(s.values()) for s in out["switches"]]
+
+    assert figures(3) == figures(3)
+    assert figures(3) != figures(4)
+
+
+def test_the_fit_recovers_the_coefficients_of_exact_steps_and_drops_a_negative_one() -> None:
+    true = {"fixed_s": 0.012, "per_token_s": 8e-4, "per_attention_s": 2e-7, "per_sample_s": 1e-3}
+    points = [(t, a, s) for t, a, s in [(16, 200, 1), (512, 1e5, 1), (1024, 5e5, 1), (1, 100, 1), (8, 4000, 8),
+                                        (24, 3e4, 24), (128, 3e4, 1)]]
+    rows = [fit.features(*p) for p in points]
+    seconds = [sum(c * f for c, f in zip(true.values(), row)) for row in rows]
+    assert fit.fit_linear(rows, seconds) == pytest.approx(true, rel=1e-6)
+    falling = [0.02 - 1e-6 * p[0] for p in points]  # more tokens, less time: no cost can say that
+    assert min(fit.fit_linear(rows, falling).values()) >= 0.0
+
+
+def test_the_metrics_the_planner_reads_are_the_engines_counters() -> None:
+    engine = SimEngine(SIMPLE)
+    engine.add(Job("a", Work.LOCAL, 300, 5))
+    engine.schedule()
+    engine.finish()
+    counters = server_counters(metrics_text(engine), 0.0)
+    assert (counters.computed, counters.steps, counters.generated, counters.running) == (300, 1, 1, 1)
+    assert counters.busy_s == pytest.approx(0.01 + 0.3)
+
+
+def test_capacity_is_the_best_static_splits() -> None:
+    rate, prefill = trace.capacity(SIMPLE, 4, 990, 10, 0.03)
+    per_p = 1 / (0.01 + 0.99)  # one request a second per P
+    batch = 20  # the largest with 10 + 1 x batch ms <= 30 ms
+    per_d = batch / (10 * 0.03)
+    assert (rate, prefill) == pytest.approx((min(3 * per_p, 1 * per_d), 3))
+
+
+def test_the_cli_simulates_a_generated_trace_and_validates_a_result_against_itself(tmp_path) -> None:
+    costs = tmp_path / "costs.json"
+    SIMPLE.save(costs)
+    path = tmp_path / "t.jsonl"
+    made = simulate.main(["trace", "--costs", str(costs), "--servers", "3", "--phases",
+                          "a:seconds=20,load=0.6,input=300,output=20;b:seconds=20,load=1.2,input=40,output=80",
+                          "--tpot-slo", "0.05", "--output", str(path)])
+    records = read_trace(path)
+    assert len(records) == made["records"] > 0 and all(len(r.hash_ids) == -(-r.input_length // 512) for r in records)
+    out = tmp_path / "run"
+    results = simulate.main(["run", "--costs", str(costs), "--servers", "3", "--trace", str(path), "--trace-phases",
+                             made["trace_phases"], "--tpot-slo", "0.05", "--output-dir", str(out)])
+    assert set(results) == {"planner", "colocated", "conditional", "1p2d", "2p1d"}
+    assert set(results["planner"]) == {"a", "b", "all"}
+    saved = json.loads((out / "simulate.json").read_text())
+    assert saved["medians"]["colocated"]["a"]["requests"] == sum(r.timestamp < 20000 for r in records)
+    phased = tmp_path / "phased"
+    simulate.main(["run", "--costs", str(costs), "--servers", "2", "--configs", "colocated,1p1d,conditional",
+                   "--phases", "x:rate=2,input=200,output=10,seconds=10", "--output-dir", str(phased)])
+    rows = simulate.main(["validate", "--costs", str(costs), "--fleet", str(phased / "simulate.json"),
+                          "--output-dir", str(tmp_path)])
+    assert {r["config"] for r in rows} == {"colocated", "1p1d", "conditional"}
+    assert all(r["ttft_p50_s"][2] == 0 and r["tpot_p50_s"][2] == 0 for r in rows)  # the same run, to the digit
