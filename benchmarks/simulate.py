@@ -72,12 +72,12 @@ def simulate(config: str, requests: list[SimRequest], costs: StepCosts, args: ar
         pargs = planning.planner_args(args.planner_args, args.ttft_slo, args.tpot_slo)
         observer, planner = planning.build(pargs, proxy, engines, lambda: sim.now)
 
-        def decide(now: float) -> tuple[str, str] | None:
+        def decide(now: float) -> list[tuple[str, str]]:
             decision = planner.decide(*observer.observe())
             if decision.action != "keep":
-                decisions.append({"at_s": round(now, 3), "action": decision.action, "url": decision.url,
+                decisions.append({"at_s": round(now, 3), "action": decision.action, "urls": list(decision.urls),
                                   "role": decision.role, "reason": decision.reason})
-            return (decision.url, decision.role) if decision.action == "switch" else None
+            return [(url, decision.role) for url in decision.urls] if decision.action == "switch" else []
 
         sim.tick = Tick(pargs.interval, decide, args.switch_delay)
     sim.run(max(r.arrival for r in fresh) + args.request_timeout)
@@ -209,6 +209,8 @@ def add_trace_flags(parser: argparse.ArgumentParser) -> None:
     add("--servers", type=int, required=True, help="instances the capacity is of")
     add("--phases", required=True, metavar="NAME:seconds=S,load=L,input=I,output=O;...",
         help="the trace's phases: load is a share of the best static split's capacity for the phase's mix")
+    add("--ttft-slo", type=float, default=2.0, metavar="S",
+        help="the TTFT (p90) the capacity keeps, queueing included (default %(default)s)")
     add("--tpot-slo", type=float, default=0.1, metavar="S", help="the TPOT the capacity keeps (default 0.1)")
     add("--burst", type=float, default=0.3, help="the rate swings +- this share around each phase's (default 0.3)")
     add("--burst-seconds", type=float, default=10.0, help="seconds of each swing (default 10)")
@@ -266,7 +268,8 @@ def _validate(args: argparse.Namespace) -> list:
 def _trace(args: argparse.Namespace) -> dict:
     costs = StepCosts.load(args.costs)
     phases = trace.parse_trace_phases(args.phases)
-    records = trace.generate(phases, costs, args.servers, args.tpot_slo, args.burst, args.burst_seconds, args.seed)
+    records = trace.generate(phases, costs, args.servers, args.ttft_slo, args.tpot_slo, args.burst,
+                             args.burst_seconds, args.seed)
     trace.write_trace(records, args.output)
     cut = ";".join(f"{p.name}:seconds={p.seconds:g}" for p in phases)
     print(f"{len(records)} requests written to {args.output}; replay with --trace {args.output} --trace-phases '{cut}'")

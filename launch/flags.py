@@ -19,6 +19,13 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value:g}")
+    return value
+
+
 def positive_float(text: str) -> float:
     value = float(text)
     if value <= 0:

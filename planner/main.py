@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from launch.flags import non_negative_int, positive_float, positive_int
+from launch.flags import non_negative_float, non_negative_int, positive_float, positive_int
 from launch.signals import ignore_stop_signals, install_signal_handlers
 from planner.launchers import Launcher, LauncherError, LocalLauncher, RayLauncher, with_launched
 from planner.model import Costs
@@ -66,6 +66,9 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-step-per-seq", type=float, default=0.002, metavar="S",
                         help="seconds each sequence adds to a decode step, until batches spread enough to fit it "
                              "(default %(default)s)")
+    parser.add_argument("--max-move", type=positive_int, default=None, metavar="N",
+                        help="the most servers one switch moves (it moves half the way to the best split; "
+                             "default: a quarter of the fleet, at least 1)")
     parser.add_argument("--dry-run", action="store_true", help="decide and log, change nothing")
     group = parser.add_argument_group("scaling", "servers the planner starts and stops (planner/launchers.py)")
     group.add_argument("--launcher", choices=LAUNCHERS, default="none",
@@ -84,6 +87,9 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-instances", type=positive_int, default=None, metavar="N",
                        help="the most servers it grows the fleet to; without it the planner neither adds nor "
                             "stops servers")
+    group.add_argument("--scale-down-after", type=non_negative_float, default=30.0, metavar="S",
+                       help="seconds a smaller fleet must have been enough, without a break, before a server is "
+                            "stopped (default %(default)s)")
     group.add_argument("--cpus-per-server", type=positive_float, default=1.0, metavar="N",
                        help="CPUs a server takes, per tensor-parallel rank: what Ray reserves for it, and what "
                             "--budget-cpus counts (default %(default)s)")
@@ -153,7 +159,8 @@ def run_planner(args: argparse.Namespace) -> int:
         raise SystemExit(f"pd planner: {exc}") from None
     observer = Observer(proxy, admin_key, Costs(args.prefill_tokens_per_s, args.decode_step,
                                                 args.decode_step_per_seq))
-    planner = Planner(slo, args.patience, args.cooldown, args.margin, scaling=scaling)
+    planner = Planner(slo, args.patience, args.cooldown, args.margin, scaling=scaling, max_move=args.max_move,
+                      scale_down_after_s=args.scale_down_after)
     headers = {"Authorization": f"Bearer {admin_key}"}
     logger.info("planning %s: TTFT p%g <= %g s, TPOT <= %g s, every %g s%s", proxy, args.percentile, args.ttft_slo,
                 args.tpot_slo, args.interval, "" if scaling is None else
@@ -188,7 +195,7 @@ def tick(observer: Observer, planner: Planner, proxy: str, headers: dict[str, st
     for line in launcher.reap() if launcher is not None else ():
         logger.warning("%s", line)
     decision = planner.decide(with_launched(members, launcher), load, costs)
-    logger.info("%s", json.dumps({"action": decision.action, "url": decision.url, "role": decision.role,
+    logger.info("%s", json.dumps({"action": decision.action, "urls": decision.urls, "role": decision.role,
                                   "reason": decision.reason, "inputs": decision.inputs}))
     if dry_run or decision.action == "keep":
         return decision
@@ -196,7 +203,7 @@ def tick(observer: Observer, planner: Planner, proxy: str, headers: dict[str, st
         act(decision, proxy, headers, launcher)
         httpx.post(proxy + DECISIONS_PATH, headers=headers, timeout=10,
                    json={"action": decision.action, "url": decision.url, "role": decision.role,
-                         "reason": decision.reason, "inputs": decision.inputs}).raise_for_status()
+                         "reason": _reported(decision), "inputs": decision.inputs}).raise_for_status()
     except httpx.HTTPError as exc:
         logger.warning("the proxy did not take the decision: %s: %s", type(exc).__name__, exc)
     except LauncherError as exc:
@@ -207,11 +214,19 @@ def tick(observer: Observer, planner: Planner, proxy: str, headers: dict[str, st
 def act(decision: Decision, proxy: str, headers: dict[str, str], launcher: Launcher | None) -> None:
     reason = f"planner: {decision.reason}"
     if decision.action == "switch":
-        httpx.post(f"{proxy}{ADMIN_PATH}/role", headers=headers, timeout=10,
-                   json={"url": decision.url, "role": decision.role, "reason": reason}).raise_for_status()
+        for url in decision.urls:
+            httpx.post(f"{proxy}{ADMIN_PATH}/role", headers=headers, timeout=10,
+                       json={"url": url, "role": decision.role, "reason": reason}).raise_for_status()
     elif decision.action == "add" and launcher is not None:
         launcher.start(decision.role)
     elif decision.action == "remove" and launcher is not None:
-        httpx.post(f"{proxy}{ADMIN_PATH}/drain", headers=headers, timeout=10,
-                   json={"url": decision.url, "reason": reason}).raise_for_status()
-        launcher.stop(decision.url)
+        for url in decision.urls:
+            httpx.post(f"{proxy}{ADMIN_PATH}/drain", headers=headers, timeout=10,
+                       json={"url": url, "reason": reason}).raise_for_status()
+            launcher.stop(url)
+
+
+def _reported(decision: Decision) -> str:
+    """The reason as the proxy keeps it (a decision names one URL there: the others here)."""
+    more = decision.urls[1:]
+    return decision.reason if not more else f"{decision.reason}; moves {len(more) + 1} servers, also {', '.join(more)}"

@@ -10,8 +10,11 @@ now. It moves toward the best only when
 - it has wanted the same direction for `patience` ticks in a row (a burst that is over
   in a tick moves nothing);
 - `cooldown_s` has passed since its last move (the move's effect shows first);
-and then it moves one server, the least loaded of the role it takes from: one step at a
-time, each re-judged. Every decision says why, with its inputs.
+and then it moves half the way to the best split (rounded up; at most `max_move` servers,
+a quarter of the fleet by default): the least loaded servers of the role it takes from.
+A small fleet moves one server at a time, each move re-judged; a large one crosses ten
+servers' distance in four moves rather than ten cool-downs. Every decision says why, with
+its inputs.
 
 With `Scaling` (a launcher to start and stop servers, `pd planner --launcher`) the fleet
 may also grow or shrink by one server, within `min_instances` and `max_instances`:
@@ -19,9 +22,11 @@ may also grow or shrink by one server, within `min_instances` and `max_instances
   (switching before adding: a switch costs nothing) or, when none does, scores best, the
   smaller fleet on a tie: so it adds a server of the role that split has more of;
 - a fleet meeting the SLO gives back a server it started (`Member.stoppable`) when one
-  fewer still scores `margin` under the SLO: the least loaded of the role whose removal
-  scores best. Its drain comes first (planner/launchers.py).
-The same patience and cool-down apply; each move is one server.
+  fewer still scores `margin` under the SLO, and has for `scale_down_after_s` without a
+  break (a lull between arrivals is no reason to stop a server it will want back a
+  second later): the least loaded of the role whose removal scores best. Its drain comes
+  first (planner/launchers.py).
+The same patience and cool-down apply; an add or a remove is one server.
 """
 
 from __future__ import annotations
@@ -78,12 +83,17 @@ class Scaling:
 
 @dataclass(frozen=True)
 class Decision:
-    action: str  # "switch" (move `url` to `role`), "add" (start a server for `role`), "remove" (stop `url`),
+    action: str  # "switch" (move `urls` to `role`), "add" (start a server for `role`), "remove" (stop `urls`),
     #              "hold" (wants to, not yet), "keep"
     reason: str
-    url: str | None = None
+    urls: tuple[str, ...] = ()
     role: str | None = None
     inputs: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str | None:
+        """The first server moved (the only one, but for a switch of several)."""
+        return self.urls[0] if self.urls else None
 
 
 Split = tuple[int, int]  # (servers, prefill servers among them)
@@ -97,8 +107,11 @@ class Planner:
     margin: float = 0.2  # a split meeting the SLO is left only for one scoring this much better
     clock: Callable[[], float] = time.monotonic
     scaling: Scaling | None = None  # None: the fleet's size is not the planner's to change
+    max_move: int | None = None  # servers one switch may move; None: a quarter of the fleet, at least 1
+    scale_down_after_s: float = 30.0  # a remove must have been wanted this long without a break
     _wanted: tuple[str, str] | None = None  # (action, role) of the move wanted lately
     _streak: int = 0
+    _wanted_since: float = 0.0  # when the streak began
     _moved_at: float = float("-inf")
 
     def decide(self, members: list[Member], load: Load, costs: Costs) -> Decision:
@@ -120,6 +133,8 @@ class Planner:
                                     f"no split is better enough", inputs=inputs)
         move = _move(now, target)
         self._streak = self._streak + 1 if move == self._wanted else 1
+        if self._streak == 1:
+            self._wanted_since = self.clock()
         self._wanted = move
         why = (f"{_split(*now)} scores {score[now]:.2f} ({_figures(scored[now], self.slo)}); "
                f"{_split(*target)} scores {score[target]:.2f} ({_figures(scored[target], self.slo)})")
@@ -127,16 +142,20 @@ class Planner:
             return Decision("hold", f"{why}; wanted {self._streak} of {self.patience} ticks", inputs=inputs)
         if self.clock() - self._moved_at < self.cooldown_s:
             return Decision("hold", f"{why}; cooling down after the last move", inputs=inputs)
+        if move[0] == "remove" and self.clock() - self._wanted_since < self.scale_down_after_s:
+            return Decision("hold", f"{why}; a server is stopped only once fewer have been enough for "
+                                    f"{self.scale_down_after_s:g} s", inputs=inputs)
         self._moved_at, self._streak = self.clock(), 0
         action, role = move
         if action == "add":
-            return Decision("add", why, None, role, inputs)
+            return Decision("add", why, (), role, inputs)
         if action == "remove":
             stopped = min((m for m in taking if m.role == role and m.stoppable), key=lambda m: m.in_flight)
-            return Decision("remove", why, stopped.url, role, inputs)
+            return Decision("remove", why, (stopped.url,), role, inputs)
         giving = "decode" if role == "prefill" else "prefill"
-        moved = min((m for m in taking if m.role == giving and m.switchable), key=lambda m: m.in_flight)
-        return Decision("switch", why, moved.url, role, inputs)
+        count = min(-(-abs(target[1] - now[1]) // 2), self.max_move or max(1, n // 4))
+        moved = sorted((m for m in taking if m.role == giving and m.switchable), key=lambda m: m.in_flight)[:count]
+        return Decision("switch", why, tuple(m.url for m in moved), role, inputs)
 
     def _target(self, now: Split, score: dict[Split, float]) -> tuple[Split, bool]:
         """The split to move toward, and whether it is worth a move."""

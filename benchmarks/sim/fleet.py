@@ -45,10 +45,10 @@ class SimRequest:
 
 @dataclass
 class Tick:
-    """The planner's part: `decide(now)` -> a switch to make, (url, role), or None."""
+    """The planner's part: `decide(now)` -> the switches to make, each (url, role)."""
 
     interval_s: float
-    decide: Callable[[float], tuple[str, str] | None]
+    decide: Callable[[float], list[tuple[str, str]]]
     switch_delay_s: float = 0.0
 
 
@@ -151,8 +151,7 @@ class Simulation:
         self._open -= 1
 
     def _tick(self) -> None:
-        switch = self.tick.decide(self.now)
-        if switch is not None:
+        for switch in self.tick.decide(self.now):
             self.at(self.now + self.tick.switch_delay_s, self._switch, *switch)
         self.at(self.now + self.tick.interval_s, self._tick)
 

@@ -64,5 +64,5 @@ def build(args: argparse.Namespace, proxy: SimProxy, engines: dict[str, SimEngin
     priors = Costs(args.prefill_tokens_per_s, args.decode_step, args.decode_step_per_seq)
     observer = SimObserver("simulated", "simulated", priors, clock=clock, proxy=proxy, engines=engines)
     planner = Planner(Slo(args.ttft_slo, args.tpot_slo, args.percentile / 100), args.patience, args.cooldown,
-                      args.margin, clock=clock)
+                      args.margin, clock=clock, max_move=args.max_move)
     return observer, planner

@@ -7,10 +7,13 @@ The generator's phases are `NAME:seconds=S,load=L,input=I,output=O`: for S secon
 requests with prompts of about I tokens and answers of about O (lognormal, sigma
 `SIGMA`), arriving as a Poisson process whose rate alternates every `burst_s` seconds
 between (1 + burst) and (1 - burst) times L x the fleet's capacity for that mix. The
-capacity (`capacity`) is the best static split's: P servers computing prompts back to
-back against D servers each decoding the largest batch whose step keeps the TPOT SLO;
-it is the costs' own figure, not a measured one. Every prompt block gets its own
-hash id (no prefix is shared: the simulator does not model the prefix cache).
+capacity (`capacity`) is the best static split's within the SLO: the highest arrival rate
+at which some static split of the fleet meets both SLOs (TTFT at the percentile, queueing
+included, and TPOT) as the planner's model predicts them (planner/model.py) from the
+costs; it is the costs' own figure, not a measured one. (The split's saturation, prompts
+computed back to back, is no capacity to load: at 1.0 of it a queue grows without end,
+and every configuration was swamped alike.) Every prompt block gets its own hash id (no
+prefix is shared: the simulator does not model the prefix cache).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from benchmarks.datasets import MOONCAKE_BLOCK_TOKENS, read_trace
 from benchmarks.fleet import Phase
 from benchmarks.sim.costs import StepCosts
 from benchmarks.sim.fleet import SimRequest
+from planner.model import Costs, Load, predict
 
 SIGMA = 0.5  # of the lengths' lognormal
 MAX_TOKENS = 8192  # a prompt and its answer at most
@@ -56,25 +60,41 @@ def parse_trace_phases(text: str) -> list[TracePhase]:
     return phases
 
 
-def capacity(costs: StepCosts, n: int, prompt: float, output: float, tpot_slo_s: float) -> tuple[float, int]:
-    """Requests per second the best static split of `n` servers sustains for this mix,
-    and its prefill servers."""
-    per_prefill = 1.0 / costs.prefill_s(round(prompt))
+def planner_costs(costs: StepCosts, prompt: float, output: float) -> Costs:
+    """The step costs as the planner's model takes them, for requests of this mix."""
     context = prompt + output / 2
-    batch = 1
-    while batch < costs.max_num_seqs and costs.decode_step_s(batch + 1, context) <= tpot_slo_s:
-        batch += 1
-    per_decode = batch / (output * costs.decode_step_s(batch, context))
-    return max((min(p * per_prefill, (n - p) * per_decode), p) for p in range(1, n))
+    a1, a2 = costs.decode_step_s(1, context), costs.decode_step_s(2, context)
+    return Costs(prefill_tokens_per_s=prompt / costs.prefill_s(round(prompt)), decode_step_s=2 * a1 - a2,
+                 decode_step_per_seq_s=a2 - a1, transfer_s=costs.transfer_s(round(prompt)))
 
 
-def generate(phases: list[TracePhase], costs: StepCosts, n: int, tpot_slo_s: float, burst: float, burst_s: float,
-             seed: int) -> list[dict]:
+def capacity(costs: StepCosts, n: int, prompt: float, output: float, ttft_slo_s: float, tpot_slo_s: float,
+             percentile: float = 0.9) -> tuple[float, int]:
+    """Requests per second the best static split of `n` servers serves within the SLO, for
+    this mix, and its prefill servers (by the planner's model; a bisection per split)."""
+    model_costs = planner_costs(costs, prompt, output)
+    best = (0.0, 1)
+    for p in range(1, n):
+        low, high = 0.0, 1.0
+        while predict(p, n - p, Load(high, prompt, output), model_costs, percentile).score(ttft_slo_s,
+                                                                                           tpot_slo_s) <= 1:
+            low, high = high, high * 2
+        for _ in range(40):
+            mid = (low + high) / 2
+            meets = predict(p, n - p, Load(mid, prompt, output), model_costs, percentile).score(ttft_slo_s,
+                                                                                                tpot_slo_s) <= 1
+            low, high = (mid, high) if meets else (low, mid)
+        best = max(best, (low, p))
+    return best
+
+
+def generate(phases: list[TracePhase], costs: StepCosts, n: int, ttft_slo_s: float, tpot_slo_s: float,
+             burst: float, burst_s: float, seed: int) -> list[dict]:
     """The trace's records (Mooncake's fields), in time order."""
     rng = np.random.default_rng(seed)
     records, start, next_hash = [], 0.0, 0
     for phase in phases:
-        rate, _ = capacity(costs, n, phase.input, phase.output, tpot_slo_s)
+        rate, _ = capacity(costs, n, phase.input, phase.output, ttft_slo_s, tpot_slo_s)
         rate *= phase.load
         t = start
         while True:

@@ -18,6 +18,7 @@ from benchmarks.sim.costs import StepCosts, attention_of
 from benchmarks.sim.engine import Job, SimEngine, Work
 from benchmarks.sim.fleet import SimRequest
 from benchmarks.sim.planning import metrics_text
+from planner.model import Load, predict
 from planner.observe import server_counters
 
 # 10 ms a step plus 1 ms a token: nothing else, so every figure below can be worked by hand
@@ -147,12 +148,18 @@ def test_the_metrics_the_planner_reads_are_the_engines_counters() -> None:
     assert counters.busy_s == pytest.approx(0.01 + 0.3)
 
 
-def test_capacity_is_the_best_static_splits() -> None:
-    rate, prefill = trace.capacity(SIMPLE, 4, 990, 10, 0.03)
-    per_p = 1 / (0.01 + 0.99)  # one request a second per P
-    batch = 20  # the largest with 10 + 1 x batch ms <= 30 ms
-    per_d = batch / (10 * 0.03)
-    assert (rate, prefill) == pytest.approx((min(3 * per_p, 1 * per_d), 3))
+def test_capacity_is_the_highest_rate_some_static_split_serves_within_the_slo() -> None:
+    rate, prefill = trace.capacity(SIMPLE, 4, 990, 10, 3.0, 0.03)
+    costs = trace.planner_costs(SIMPLE, 990, 10)
+    assert costs.prefill_tokens_per_s == pytest.approx(990 / 1.0)  # 10 ms + 990 x 1 ms a prompt
+    assert (costs.decode_step_s, costs.decode_step_per_seq_s) == pytest.approx((0.01, 0.001))
+
+    def score(p: int, r: float) -> float:
+        return predict(p, 4 - p, Load(r, 990, 10), costs, 0.9).score(3.0, 0.03)
+
+    assert score(prefill, rate * 0.999) <= 1  # met just under it...
+    assert all(score(p, rate * 1.01) > 1 for p in range(1, 4))  # ...by no split just over it
+    assert rate < 3 * 1.0  # below the three prefill servers' saturation (a request a second each): queues count
 
 
 def test_the_cli_simulates_a_generated_trace_and_validates_a_result_against_itself(tmp_path) -> None:
@@ -161,7 +168,7 @@ def test_the_cli_simulates_a_generated_trace_and_validates_a_result_against_itse
     path = tmp_path / "t.jsonl"
     made = simulate.main(["trace", "--costs", str(costs), "--servers", "3", "--phases",
                           "a:seconds=20,load=0.6,input=300,output=20;b:seconds=20,load=1.2,input=40,output=80",
-                          "--tpot-slo", "0.05", "--output", str(path)])
+                          "--ttft-slo", "3", "--tpot-slo", "0.05", "--output", str(path)])
     records = read_trace(path)
     assert len(records) == made["records"] > 0 and all(len(r.hash_ids) == -(-r.input_length // 512) for r in records)
     out = tmp_path / "run"
@@ -170,7 +177,8 @@ def test_the_cli_simulates_a_generated_trace_and_validates_a_result_against_itse
     assert set(results) == {"planner", "colocated", "conditional", "1p2d", "2p1d"}
     assert set(results["planner"]) == {"a", "b", "all"}
     saved = json.loads((out / "simulate.json").read_text())
-    assert saved["medians"]["colocated"]["a"]["requests"] == sum(r.timestamp < 20000 for r in records)
+    first = min(r.timestamp for r in records)  # the replay's clock starts at the first request
+    assert saved["medians"]["colocated"]["a"]["requests"] == sum(r.timestamp - first < 20000 for r in records)
     phased = tmp_path / "phased"
     simulate.main(["run", "--costs", str(costs), "--servers", "2", "--configs", "colocated,1p1d,conditional",
                    "--phases", "x:rate=2,input=200,output=10,seconds=10", "--output-dir", str(phased)])

@@ -31,7 +31,8 @@ def test_fleet_py_starts_its_servers_on_ray_shrinks_to_what_it_needs_and_stops_t
     cmd = [sys.executable, str(ROOT / "deploy" / "fleet.py"), "--model", str(tiny_models["qwen3"]), "--ttft-slo", "5",
            "--tpot-slo", "1", "--start-prefill", "2", "--start-decode", "1", "--min-instances", "2",
            "--max-instances", "3", "--cpus-per-server", "0.5", "--port", str(free_port()), "--urls-file",
-           str(urls_file), "--log-dir", str(log_dir), "--planner-args", "--interval 0.5 --patience 2 --cooldown 1",
+           str(urls_file), "--log-dir", str(log_dir), "--planner-args",
+           "--interval 0.5 --patience 2 --cooldown 1 --scale-down-after 1",
            "--", "--num-threads", "1", "--drain-timeout", "2"]
     env = dict(os.environ, NIXL_LOG_LEVEL="WARN", RAY_USAGE_STATS_ENABLED="0")
     env.pop("PD_PROXY_ADMIN_KEY", None)

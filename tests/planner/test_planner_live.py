@@ -118,6 +118,7 @@ def test_the_planner_starts_its_fleet_stops_what_it_does_not_need_and_everything
             "--interval", "0.5", "--patience", "2", "--cooldown", "1", "--launcher", "local",
             "--model", str(tiny_models["qwen3"]), "--serve-args", f"--num-threads 1 --drain-timeout {TEST_DRAIN_S}",
             "--start-prefill", "2", "--start-decode", "1", "--min-instances", "2", "--max-instances", "3",
+            "--scale-down-after", "1",
             "--log-dir", str(tmp_path / "servers")), front.url, tmp_path / "planner.log", ready=lambda status: True))
         assert wait_until(lambda: len(fleet_state(front)["instances"]) == 3, 120), fleet_state(front)
         started = [i["url"] for i in fleet_state(front)["instances"]]

@@ -3,6 +3,7 @@ time, after `patience` ticks and a cool-down, never flapping on a split meeting 
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -122,13 +123,33 @@ def test_a_switch_that_meets_the_slo_is_taken_before_a_server_is_added() -> None
 def test_a_fleet_with_room_to_spare_stops_a_server_it_started_never_one_it_did_not_nor_below_the_minimum() -> None:
     members = fleet("ppdd", in_flight=(2, 0, 0, 0))
     started = [replace(m, stoppable=True) for m in members[:3]] + members[3:]
-    removed = Planner(SLO, patience=1, cooldown_s=0, scaling=Scaling(2, 4)).decide(started, LIGHT, COSTS)
+    removed = Planner(SLO, patience=1, cooldown_s=0, scaling=Scaling(2, 4), scale_down_after_s=0).decide(
+        started, LIGHT, COSTS)
     assert (removed.action, removed.url, removed.role) == ("remove", members[1].url, "prefill")
     only_decode = [replace(members[0]), replace(members[1]), replace(members[2], stoppable=True), members[3]]
-    removed = Planner(SLO, patience=1, cooldown_s=0, scaling=Scaling(2, 4)).decide(only_decode, LIGHT, COSTS)
+    removed = Planner(SLO, patience=1, cooldown_s=0, scaling=Scaling(2, 4), scale_down_after_s=0).decide(
+        only_decode, LIGHT, COSTS)
     assert (removed.action, removed.url) == ("remove", members[2].url)
     assert Planner(SLO, patience=1, cooldown_s=0, scaling=Scaling(2, 4)).decide(members, LIGHT, COSTS).action == "keep"
     assert Planner(SLO, patience=1, cooldown_s=0, scaling=Scaling(4, 6)).decide(started, LIGHT, COSTS).action == "keep"
+
+
+def test_a_server_is_stopped_only_once_fewer_have_been_enough_for_a_while_without_a_break() -> None:
+    clock = Clock()
+    planner = Planner(SLO, patience=1, cooldown_s=0, clock=clock, scaling=Scaling(2, 4), scale_down_after_s=30)
+    started = [replace(m, stoppable=True) for m in fleet("ppdd")]
+    held = planner.decide(started, LIGHT, COSTS)
+    assert held.action == "hold" and "enough for 30 s" in held.reason
+    clock.t = 20
+    assert planner.decide(started, LIGHT, COSTS).action == "hold"
+    clock.t = 25  # a burst between: 2P2D is what it needs, and the wish to stop one starts over
+    assert planner.decide(started, Load(1.5, 500, 300), COSTS).action == "keep"
+    clock.t = 26
+    assert planner.decide(started, LIGHT, COSTS).action == "hold"
+    clock.t = 50
+    assert planner.decide(started, LIGHT, COSTS).action == "hold"  # 24 s since it began again
+    clock.t = 56.5
+    assert planner.decide(started, LIGHT, COSTS).action == "remove"
 
 
 def test_a_fleet_that_just_meets_the_slo_keeps_its_servers() -> None:
@@ -143,3 +164,16 @@ def test_the_scaling_bounds_are_checked() -> None:
         Scaling(1, 3)
     with pytest.raises(ValueError, match="min instances"):
         Scaling(4, 3)
+
+
+def test_a_large_fleet_moves_half_the_way_to_the_best_split_at_once_a_small_one_a_server_at_a_time() -> None:
+    heavy = Load(12.0, 500, 20)  # 6 000 prompt tokens/s: beyond 6 prefill servers' 1 000 each
+    members = fleet("p" + "d" * 15, "y" * 16, (0,) * 16)
+    decision = Planner(SLO, patience=1, cooldown_s=0).decide(members, heavy, COSTS)
+    target = int(re.findall(r"(\d+)P\d+D scores", decision.reason)[1])
+    assert decision.action == "switch" and decision.role == "prefill" and target >= 8
+    assert len(decision.urls) == 4  # half of a gap of 7 or more, capped at a quarter of the 16 servers
+    assert len(set(decision.urls)) == 4 and members[0].url not in decision.urls
+    capped = Planner(SLO, patience=1, cooldown_s=0, max_move=2).decide(members, heavy, COSTS)
+    assert len(capped.urls) == 2
+    assert len(Planner(SLO, patience=1, cooldown_s=0).decide(fleet("pdd"), PREFILL_HEAVY, COSTS).urls) == 1
