@@ -31,8 +31,8 @@ import ray
 from launch import Launched, LaunchError, exited, http_client, log_tail, pd_command
 from launch.flags import port_number, positive_float, positive_int
 from launch.process import STOP_TIMEOUT_S, start_logged, stop_process, wait_ready
-from launch.ray_actors import connect_ray, describe
-from launch.signals import ignore_stop_signals, install_signal_handlers
+from launch.ray_actors import connect_ray, run_deployment
+from launch.signals import ignore_stop_signals
 from wire.fleet import ADMIN_KEY_ENV, ADMIN_PATH, SECRET_ENV
 
 PROXY_READY_TIMEOUT_S = 60.0
@@ -191,22 +191,8 @@ def run(args: argparse.Namespace, fleet: Fleet) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.address is None and not ((args.model / "config.json").is_file() or args.model.suffix == ".gguf"
-                                      and args.model.is_file()):
-        print(f"fleet: no model at {args.model} (neither config.json nor a .gguf file)", file=sys.stderr)
-        return 2
-    install_signal_handlers()
     fleet = Fleet()
-    try:
-        run(args, fleet)
-    except (KeyboardInterrupt, SystemExit):
-        pass
-    except (RuntimeError, OSError, ValueError, ray.exceptions.RayError) as e:
-        print(f"fleet: {describe(e)}", file=sys.stderr)
-        return 1
-    finally:
-        teardown(fleet)
-    return 0
+    return run_deployment("fleet", args, lambda: run(args, fleet), lambda: teardown(fleet))
 
 
 if __name__ == "__main__":

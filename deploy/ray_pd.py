@@ -26,8 +26,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from launch import Launched, pd_command
 from launch.flags import port_number, positive_float, positive_int
 from launch.process import GROUP_GRACE_S, STOP_TIMEOUT_S, keep_running, start_logged, stop_process, wait_ready
-from launch.ray_actors import PDRank, PDServer, connect_ray, describe, get_by, placed
-from launch.signals import ignore_stop_signals, install_signal_handlers
+from launch.ray_actors import PDRank, PDServer, connect_ray, get_by, placed, run_deployment
+from launch.signals import ignore_stop_signals
 from pd.kv_transfer.signing import SECRET_ENV
 from pd.models.model_config import SUPPORTED_DTYPES
 from proxy.instances import POLICIES
@@ -246,23 +246,8 @@ def run(args: argparse.Namespace, deployment: Deployment) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.address is None and not ((args.model / "config.json").is_file() or args.model.suffix == ".gguf"
-                                      and args.model.is_file()):
-        print(f"ray_pd: no model at {args.model} (neither config.json nor a .gguf file)", file=sys.stderr)
-        return 2
-    install_signal_handlers()
     deployment = Deployment()
-    try:
-        run(args, deployment)
-    except (KeyboardInterrupt, SystemExit):
-        pass
-    # LaunchError is a RuntimeError: report it, then tear down
-    except (RuntimeError, OSError, ValueError, ray.exceptions.RayError) as e:
-        print(f"ray_pd: {describe(e)}", file=sys.stderr)
-        return 1
-    finally:
-        teardown(deployment)
-    return 0
+    return run_deployment("ray_pd", args, lambda: run(args, deployment), lambda: teardown(deployment))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ import atexit
 import contextlib
 import os
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launch.ports import free_port
 from launch.process import exited, health_status, log_tail, pd_command, start_logged, stop_process
-from launch.signals import signals_deferred
+from launch.signals import install_signal_handlers, signals_deferred
 from wire.fleet import SECRET_ENV
 
 LOCAL_OBJECT_STORE_BYTES = 200 * 1024**2
@@ -147,3 +149,26 @@ def describe(error: BaseException) -> str:
     if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None:
         return str(error.cause)
     return str(error)
+
+
+def run_deployment(name: str, args: Any, run: Callable[[], None], teardown: Callable[[], None]) -> int:
+    """A Ray deployment script's main: its model checked (on this machine, when it starts
+    its own cluster), SIGTERM / SIGHUP unwinding through `teardown`, an error reported
+    on one line; the exit code."""
+    model = args.model
+    if args.address is None and not ((model / "config.json").is_file() or model.suffix == ".gguf"
+                                     and model.is_file()):
+        print(f"{name}: no model at {model} (neither config.json nor a .gguf file)", file=sys.stderr)
+        return 2
+    install_signal_handlers()
+    try:
+        run()
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    # LaunchError is a RuntimeError: report it, then tear down
+    except (RuntimeError, OSError, ValueError, ray.exceptions.RayError) as e:
+        print(f"{name}: {describe(e)}", file=sys.stderr)
+        return 1
+    finally:
+        teardown()
+    return 0
