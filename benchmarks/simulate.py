@@ -34,7 +34,8 @@ from benchmarks.sim.engine import SimEngine
 from benchmarks.sim.fleet import SimRequest, Simulation, Tick
 from benchmarks.sim.proxy import SimProxy
 from proxy.disagg import LOCAL_PREFILL_MAX_TOKENS
-from proxy.proxy_config import ProxyConfig
+from proxy.instances import POLICIES
+from proxy.proxy_config import PROXY_DEFAULTS, ProxyConfig
 
 UNLIMITED = 1 << 30  # colocated: D computes every prompt itself
 
@@ -63,6 +64,7 @@ def simulate(config: str, requests: list[SimRequest], costs: StepCosts, args: ar
     urls = [f"http://sim-{i}" for i in range(args.servers)]
     proxy = SimProxy(ProxyConfig(tuple(u for u, r in zip(urls, roles) if r == "prefill"),
                                  tuple(u for u, r in zip(urls, roles) if r == "decode"), disagg_policy=policy,
+                                 policy=getattr(args, "policy", PROXY_DEFAULTS["policy"]),
                                  local_prefill_max_tokens=local_max, admin_key="simulated"))
     engines = {url: SimEngine(costs) for url in urls}
     fresh = [SimRequest(r.arrival, r.prompt, r.output, r.phase) for r in requests]
@@ -185,6 +187,9 @@ def add_run_flags(parser: argparse.ArgumentParser, validating: bool = False) -> 
     add("--output-dir", type=Path, default=None, help="where results go (default results/simulate-DATE)")
     add("--planner-args", default="--interval 1 --patience 2 --cooldown 5",
         help="pd planner's flags, as pd bench fleet passes them (default %(default)r)")
+    add("--policy", choices=POLICIES, default=PROXY_DEFAULTS["policy"],
+        help="how the proxy picks a prefill and a decode server, as pd proxy's --policy (default %(default)s; "
+             "decode picks under conditional disaggregation are kv_aware, as pd proxy's)")
     if validating:
         add("--fleet", required=True, type=Path, help="a pd bench fleet result (its fleet.json) to compare with")
         return
