@@ -29,7 +29,7 @@ from pathlib import Path
 import ray
 
 from launch import Launched, LaunchError, exited, http_client, log_tail, pd_command
-from launch.flags import port_number, positive_float, positive_int
+from launch.flags import parse_with_serve_args, port_number, positive_float, positive_int
 from launch.process import STOP_TIMEOUT_S, start_logged, stop_process, wait_ready
 from launch.ray_actors import connect_ray, run_deployment
 from launch.signals import ignore_stop_signals
@@ -80,10 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    split = argv.index("--") if "--" in argv else len(argv)
-    args = build_parser().parse_args(argv[:split])
-    args.serve_args = argv[split + 1:]
-    return args
+    return parse_with_serve_args(build_parser(), argv)
 
 
 @dataclass

@@ -24,7 +24,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from launch import Launched, pd_command
-from launch.flags import port_number, positive_float, positive_int
+from launch.flags import parse_with_serve_args, port_number, positive_float, positive_int
 from launch.process import GROUP_GRACE_S, STOP_TIMEOUT_S, keep_running, start_logged, stop_process, wait_ready
 from launch.ray_actors import PDRank, PDServer, connect_ray, get_by, placed, run_deployment
 from launch.signals import ignore_stop_signals
@@ -84,11 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """Flags before `--` are ours; those after go to every `pd serve` as `serve_args`."""
-    split = argv.index("--") if "--" in argv else len(argv)
-    args = build_parser().parse_args(argv[:split])
-    args.serve_args = argv[split + 1:]
-    return args
+    return parse_with_serve_args(build_parser(), argv)
 
 
 def serve_flags(args: argparse.Namespace) -> list[str]:

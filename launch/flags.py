@@ -38,3 +38,12 @@ def port_number(text: str) -> int:
     if not 0 < value < 65536:
         raise argparse.ArgumentTypeError(f"must be a TCP port (1-65535), got {value}")
     return value
+
+
+def parse_with_serve_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """A launch script's flags: those before `--` are the script's; those after go to every
+    `pd serve` it starts, as `serve_args`."""
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    args.serve_args = argv[split + 1:]
+    return args
