@@ -63,20 +63,33 @@ class Phase:
     seconds: float
 
 
-def parse_phases(text: str) -> list[Phase]:
-    phases = []
+def split_phases(text: str, shape: str, keys: tuple[str, ...]) -> list[tuple[str, str, dict[str, float]]]:
+    """`--phases`' `NAME:key=value,...;...`: each part, its name and its figures (every one
+    of `keys` there); ValueError, naming `shape`, for a part that is not so, or for none."""
+    out = []
     for part in filter(None, (p.strip() for p in text.split(";"))):
         name, _, spec = part.partition(":")
         try:
-            fields = {k.strip(): float(v) for k, v in (item.split("=") for item in spec.split(","))}
-            phase = Phase(name.strip(), fields["rate"], int(fields["input"]), int(fields["output"]), fields["seconds"])
-        except (KeyError, ValueError) as exc:
-            raise ValueError(f"--phases: {part!r} is not NAME:rate=R,input=I,output=O,seconds=S ({exc})") from None
+            figures = {k.strip(): float(v) for k, v in (item.split("=") for item in spec.split(","))}
+            missing = [k for k in keys if k not in figures]
+            if missing:
+                raise ValueError(f"no {', '.join(missing)}")
+        except ValueError as exc:
+            raise ValueError(f"--phases: {part!r} is not {shape} ({exc})") from None
+        out.append((part, name.strip(), figures))
+    if not out:
+        raise ValueError("--phases names no phase")
+    return out
+
+
+def parse_phases(text: str) -> list[Phase]:
+    phases = []
+    for part, name, f in split_phases(text, "NAME:rate=R,input=I,output=O,seconds=S",
+                                      ("rate", "input", "output", "seconds")):
+        phase = Phase(name, f["rate"], int(f["input"]), int(f["output"]), f["seconds"])
         if phase.rate <= 0 or phase.input < 1 or phase.output < 1 or phase.seconds <= 0 or not phase.name:
             raise ValueError(f"--phases: {part!r} needs a name and positive figures")
         phases.append(phase)
-    if not phases:
-        raise ValueError("--phases names no phase")
     return phases
 
 

@@ -70,6 +70,11 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
                         help="the most servers one switch moves (it moves half the way to the best split; "
                              "default: a quarter of the fleet, at least 1)")
     parser.add_argument("--dry-run", action="store_true", help="decide and log, change nothing")
+    add_scaling_flags(parser)
+    add_telemetry_flags(parser)
+
+
+def add_scaling_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("scaling", "servers the planner starts and stops (planner/launchers.py)")
     group.add_argument("--launcher", choices=LAUNCHERS, default="none",
                        help="local: `pd serve` processes on this machine; ray: Ray actors on the cluster at "
@@ -105,7 +110,6 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
                        help="--launcher ray: the Ray cluster (e.g. auto, HOST:6379; default: a local one)")
     group.add_argument("--log-dir", type=Path, default=None, metavar="DIR",
                        help="where the servers' logs go (default $TMPDIR/pd-planner-<pid>)")
-    add_telemetry_flags(parser)
 
 
 def scaling_of(args: argparse.Namespace) -> Scaling | None:

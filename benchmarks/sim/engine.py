@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from benchmarks.sim.costs import StepCosts, attention_of
+from planner.observe import Counters
 
 
 class Work(Enum):
@@ -51,19 +52,6 @@ class Job:
 
 
 @dataclass
-class Counters:
-    """What the engine's /metrics counts (planner/observe.py's SAMPLES)."""
-
-    computed: float = 0.0  # prompt tokens computed
-    busy_s: float = 0.0
-    steps: float = 0.0
-    generated: float = 0.0
-    finished: float = 0.0
-    xfer_s: float = 0.0
-    xfers: float = 0.0
-
-
-@dataclass
 class Step:
     """One step scheduled: what each request computes, its time, and the reads it starts."""
 
@@ -87,7 +75,7 @@ class SimEngine:
     running: list[Job] = field(default_factory=list)
     reading: list[Job] = field(default_factory=list)  # parked for their KV read
     stepping: Step | None = None  # the step under way
-    counters: Counters = field(default_factory=Counters)
+    counters: Counters = field(default_factory=lambda: Counters(0.0))  # what its /metrics counts
 
     @property
     def busy(self) -> bool:

@@ -23,8 +23,6 @@ from planner.model import Costs
 from planner.observe import SAMPLES, Observer
 from planner.policy import Planner, Slo
 
-RUNNING = "pd_num_requests_running"
-
 
 def metrics_text(engine: SimEngine) -> str:
     """The engine's figures as a server's /metrics has them (only those the planner reads)."""

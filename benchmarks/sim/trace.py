@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.datasets import MOONCAKE_BLOCK_TOKENS, read_trace
-from benchmarks.fleet import Phase
+from benchmarks.fleet import Phase, split_phases
 from benchmarks.sim.costs import StepCosts
 from benchmarks.sim.fleet import SimRequest
 from planner.model import Costs, Load, predict
@@ -45,18 +45,12 @@ class TracePhase:
 
 def parse_trace_phases(text: str) -> list[TracePhase]:
     phases = []
-    for part in filter(None, (p.strip() for p in text.split(";"))):
-        name, _, spec = part.partition(":")
-        try:
-            f = {k.strip(): float(v) for k, v in (item.split("=") for item in spec.split(","))}
-            phase = TracePhase(name.strip(), f["seconds"], f["load"], int(f["input"]), int(f["output"]))
-        except (KeyError, ValueError) as exc:
-            raise ValueError(f"{part!r} is not NAME:seconds=S,load=L,input=I,output=O ({exc})") from None
-        if not name.strip() or min(phase.seconds, phase.load, phase.input, phase.output) <= 0:
-            raise ValueError(f"{part!r} needs a name and positive figures")
+    for part, name, f in split_phases(text, "NAME:seconds=S,load=L,input=I,output=O",
+                                      ("seconds", "load", "input", "output")):
+        phase = TracePhase(name, f["seconds"], f["load"], int(f["input"]), int(f["output"]))
+        if not name or min(phase.seconds, phase.load, phase.input, phase.output) <= 0:
+            raise ValueError(f"--phases: {part!r} needs a name and positive figures")
         phases.append(phase)
-    if not phases:
-        raise ValueError("no phase given")
     return phases
 
 
