@@ -66,6 +66,10 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-step-per-seq", type=float, default=0.002, metavar="S",
                         help="seconds each sequence adds to a decode step, until batches spread enough to fit it "
                              "(default %(default)s)")
+    parser.add_argument("--load-window", type=non_negative_float, default=0.0, metavar="S",
+                        help="plan for the arrival rate over the last S seconds (0, the default: since the last "
+                             "tick, as an exponentially weighted mean); a window longer than the load's swings "
+                             "keeps the split from chasing each one")
     parser.add_argument("--max-move", type=positive_int, default=None, metavar="N",
                         help="the most servers one switch moves (it moves half the way to the best split; "
                              "default: a quarter of the fleet, at least 1)")
@@ -162,7 +166,7 @@ def run_planner(args: argparse.Namespace) -> int:
     except (ValueError, LauncherError) as exc:
         raise SystemExit(f"pd planner: {exc}") from None
     observer = Observer(proxy, admin_key, Costs(args.prefill_tokens_per_s, args.decode_step,
-                                                args.decode_step_per_seq))
+                                                args.decode_step_per_seq), load_window_s=args.load_window)
     planner = Planner(slo, args.patience, args.cooldown, args.margin, scaling=scaling, max_move=args.max_move,
                       scale_down_after_s=args.scale_down_after)
     headers = {"Authorization": f"Bearer {admin_key}"}

@@ -1,10 +1,13 @@
 """What the planner sees each tick: the proxy's fleet (`GET /admin/instances`) and what
 each server's /metrics says, turned into a `Load` and the servers' `Costs`.
 
-From the differences between two ticks:
+From the differences between two ticks, summed over the servers of a role:
 - load: requests arriving per second (the proxy counts them), prompt tokens computed per
-  prefilled request, output tokens per decoded request; now: the prompt tokens queued on prefill servers (the proxy's
-  count) and those waiting in its queue, and the sequences being decoded;
+  prefilled request, output tokens per decoded request (each a ratio of two means over
+  the ticks, tokens over requests: a long prompt's chunks fall in several ticks, so one
+  tick's or one server's own ratio says little); now: the prompt tokens queued on prefill
+  servers (the proxy's count) and those waiting in its queue, and the sequences being
+  decoded;
 - costs: a prefill server's prompt tokens per busy second; a decode step's time against
   its batch (sequences per step), fitted `a + k x batch` over the last ticks once the
   batches seen spread over `SPREAD` sequences, else with `k` as given; the KV read's mean
@@ -44,6 +47,10 @@ class Counters:
     xfers: float = 0.0
     running: float = 0.0
 
+    def add(self, other: Counters) -> None:
+        for f in ("computed", "busy_s", "steps", "generated", "finished", "xfer_s", "xfers", "running"):
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+
     def minus(self, before: Counters) -> Counters:
         return Counters(self.at - before.at, *(getattr(self, f) - getattr(before, f) for f in
                                                 ("computed", "busy_s", "steps", "generated", "finished", "xfer_s",
@@ -79,8 +86,9 @@ class Observer:
     priors: Costs
     client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=5))
     clock: Callable[[], float] = time.monotonic  # the simulator's (benchmarks/sim) runs on its own
+    load_window_s: float = 0.0  # the arrival rate is the mean over this long (0: since the last tick)
     _servers: dict[str, Counters] = field(default_factory=dict)
-    _proxy: tuple[float, int] | None = None  # (at, requests that had arrived at the proxy)
+    _arrivals: deque = field(default_factory=deque)  # (at, requests that had arrived at the proxy), oldest first
     _estimates: dict[str, float] = field(default_factory=dict)
     _steps: deque = field(default_factory=lambda: deque(maxlen=FIT_SAMPLES))
 
@@ -91,16 +99,18 @@ class Observer:
         queued = sum(i["outstanding_tokens"] for i in fleet["instances"] if i["role"] == "prefill")
         now = self.clock()
         self._observe_proxy(fleet, now)
-        running = 0.0
+        sums = {"prefill": Counters(now), "decode": Counters(now)}
         for instance in fleet["instances"]:
             delta = self._observe_server(instance["url"], now)
-            if delta is not None:
-                self._learn(instance["role"], delta)
-                running += delta.running if instance["role"] == "decode" else 0.0
+            if delta is not None and instance["role"] in sums:
+                sums[instance["role"]].add(delta)
+                if instance["role"] == "decode" and delta.steps >= MIN_STEPS:
+                    self._steps.append((delta.generated / delta.steps, delta.busy_s / delta.steps))
+        self._learn(sums["prefill"], sums["decode"])
         est = self._estimates
         prompt = est.get("prompt_tokens", 0.0)
         load = Load(est.get("arrival_rate", 0.0), prompt, est.get("output_tokens", 0.0),
-                    queued + fleet.get("queue_waiting", 0) * prompt, running)
+                    queued + fleet.get("queue_waiting", 0) * prompt, sums["decode"].running)
         return members, load, self.costs()
 
     def costs(self) -> Costs:
@@ -123,12 +133,24 @@ class Observer:
         return response.json()
 
     def _observe_proxy(self, fleet: dict, now: float) -> None:
-        arrivals = fleet["arrivals"]
-        if self._proxy is not None and now > self._proxy[0]:
-            at, before = self._proxy
-            rate = max(0.0, arrivals - before) / (now - at)
-            self._estimates["arrival_rate"] = _ewma(self._estimates.get("arrival_rate"), rate)
-        self._proxy = (now, arrivals)
+        """The arrival rate: over the last tick, as an exponentially weighted mean; or with
+        a load window, the mean over the window (the ticks spanning it), so that a split
+        does not chase each swing of a bursty load."""
+        arrivals, seen = fleet["arrivals"], self._arrivals
+        if seen and now > seen[-1][0]:
+            if self.load_window_s > 0:
+                while len(seen) > 1 and now - seen[1][0] >= self.load_window_s:
+                    seen.popleft()
+                at, before = seen[0]
+                self._estimates["arrival_rate"] = max(0.0, arrivals - before) / (now - at)
+            else:
+                at, before = seen[-1]
+                rate = max(0.0, arrivals - before) / (now - at)
+                self._estimates["arrival_rate"] = _ewma(self._estimates.get("arrival_rate"), rate)
+        if not seen or now > seen[-1][0]:
+            seen.append((now, arrivals))
+        while len(seen) > 1 and self.load_window_s <= 0:
+            seen.popleft()
 
     def _metrics(self, url: str) -> str:
         response = self.client.get(f"{url}/metrics")
@@ -143,15 +165,22 @@ class Observer:
         before, self._servers[url] = self._servers.get(url), counters
         return None if before is None else counters.minus(before)
 
-    def _learn(self, role: str, d: Counters) -> None:
+    def _learn(self, prefill: Counters, decode: Counters) -> None:
+        """The estimates from one tick's differences, summed over each role's servers."""
         est = self._estimates
-        if role == "prefill" and d.computed >= MIN_TOKENS and d.busy_s > 0:
-            est["prefill_tokens_per_s"] = _ewma(est.get("prefill_tokens_per_s"), d.computed / d.busy_s)
-        if role == "prefill" and d.finished > 0:
-            est["prompt_tokens"] = _ewma(est.get("prompt_tokens"), d.computed / d.finished)
-        if role == "decode" and d.steps >= MIN_STEPS:
-            self._steps.append((d.generated / d.steps, d.busy_s / d.steps))
-        if role == "decode" and d.finished > 0:
-            est["output_tokens"] = _ewma(est.get("output_tokens"), d.generated / d.finished)
-        if role == "decode" and d.xfers > 0:
-            est["transfer_s"] = _ewma(est.get("transfer_s"), d.xfer_s / d.xfers)
+        if prefill.computed >= MIN_TOKENS and prefill.busy_s > 0:
+            est["prefill_tokens_per_s"] = _ewma(est.get("prefill_tokens_per_s"), prefill.computed / prefill.busy_s)
+        self._ratio("prompt_tokens", prefill.computed, prefill.finished)
+        self._ratio("output_tokens", decode.generated, decode.finished)
+        self._ratio("transfer_s", decode.xfer_s, decode.xfers)
+
+    def _ratio(self, name: str, amount: float, count: float) -> None:
+        """`name` = the mean of `amount` per tick over the mean of `count` per tick; a tick
+        with neither leaves it as it was."""
+        if amount <= 0 and count <= 0:
+            return
+        est = self._estimates
+        est[name + ":amount"] = _ewma(est.get(name + ":amount"), amount)
+        est[name + ":count"] = _ewma(est.get(name + ":count"), count)
+        if est[name + ":count"] > 0:
+            est[name] = est[name + ":amount"] / est[name + ":count"]

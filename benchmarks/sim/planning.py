@@ -60,7 +60,8 @@ def build(args: argparse.Namespace, proxy: SimProxy, engines: dict[str, SimEngin
           clock: Callable[[], float]) -> tuple[SimObserver, Planner]:
     """The observer and the planner, as `pd planner` builds them from `args`."""
     priors = Costs(args.prefill_tokens_per_s, args.decode_step, args.decode_step_per_seq)
-    observer = SimObserver("simulated", "simulated", priors, clock=clock, proxy=proxy, engines=engines)
+    observer = SimObserver("simulated", "simulated", priors, clock=clock, load_window_s=args.load_window, proxy=proxy,
+                           engines=engines)
     planner = Planner(Slo(args.ttft_slo, args.tpot_slo, args.percentile / 100), args.patience, args.cooldown,
                       args.margin, clock=clock, max_move=args.max_move)
     return observer, planner
