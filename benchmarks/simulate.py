@@ -68,7 +68,7 @@ def simulate(config: str, requests: list[SimRequest], costs: StepCosts, args: ar
                                  local_prefill_max_tokens=local_max, admin_key="simulated"))
     engines = {url: SimEngine(costs) for url in urls}
     fresh = [SimRequest(r.arrival, r.prompt, r.output, r.phase) for r in requests]
-    sim = Simulation(costs, proxy, engines, fresh)
+    sim = Simulation(costs, proxy, engines, fresh, one_host=getattr(args, "one_host", False))
     decisions: list[dict] = []
     if config == "planner":
         pargs = planning.planner_args(args.planner_args, args.ttft_slo, args.tpot_slo)
@@ -147,6 +147,7 @@ def validate(args: argparse.Namespace) -> list[dict]:
     args.servers, args.phases, args.seed = int(p["servers"]), p["phases"], int(p["seed"])
     args.ttft_slo, args.tpot_slo, args.trace = float(p["ttft_slo"]), float(p["tpot_slo"]), None
     args.planner_args, args.configs = p.get("planner_args", args.planner_args), ",".join(measured["medians"])
+    args.one_host = True  # pd bench fleet ran its servers on one machine
     simulated = run(args)["results"]
     rows = []
     for config, figures in measured["medians"].items():
@@ -213,7 +214,11 @@ def add_trace_flags(parser: argparse.ArgumentParser) -> None:
     add("--costs", required=True, type=Path, help="the engine's fitted costs: the capacity the loads are shares of")
     add("--servers", type=int, required=True, help="instances the capacity is of")
     add("--phases", required=True, metavar="NAME:seconds=S,load=L,input=I,output=O;...",
-        help="the trace's phases: load is a share of the best static split's capacity for the phase's mix")
+        help="the trace's phases: load is a share of the fleet's capacity for the phase's mix (--capacity)")
+    add("--capacity", choices=trace.CAPACITY_REFERENCES, default="static",
+        help="what a phase's load is a share of: 'static' (default) the capacity, for the phase's mix, of the one "
+             "split a fleet sized for the whole trace runs (the one keeping the most of each phase's best split); "
+             "'phase' each phase's best split's, so that above 1 no split keeps the SLO")
     add("--ttft-slo", type=float, default=2.0, metavar="S",
         help="the TTFT (p90) the capacity keeps, queueing included (default %(default)s)")
     add("--tpot-slo", type=float, default=0.1, metavar="S", help="the TPOT the capacity keeps (default 0.1)")
@@ -273,12 +278,15 @@ def _validate(args: argparse.Namespace) -> list:
 def _trace(args: argparse.Namespace) -> dict:
     costs = StepCosts.load(args.costs)
     phases = trace.parse_trace_phases(args.phases)
+    rates, split = trace.phase_capacities(phases, costs, args.servers, args.ttft_slo, args.tpot_slo, args.capacity)
     records = trace.generate(phases, costs, args.servers, args.ttft_slo, args.tpot_slo, args.burst,
-                             args.burst_seconds, args.seed)
+                             args.burst_seconds, args.seed, args.capacity)
     trace.write_trace(records, args.output)
     cut = ";".join(f"{p.name}:seconds={p.seconds:g}" for p in phases)
+    of = f"{split}P{args.servers - split}D's" if split else "each phase's best split's"
+    print("capacity (" + of + "): " + ", ".join(f"{p.name} {r:.3g}/s" for p, r in zip(phases, rates)))
     print(f"{len(records)} requests written to {args.output}; replay with --trace {args.output} --trace-phases '{cut}'")
-    return {"records": len(records), "trace_phases": cut}
+    return {"records": len(records), "trace_phases": cut, "capacities": rates, "split": split}
 
 
 ACTIONS = {"fit": _fit, "run": _run, "validate": _validate, "trace": _trace}

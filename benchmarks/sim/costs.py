@@ -2,19 +2,29 @@
 figures of the machine, fitted from the real engine (`fit.py`) and kept as JSON.
 
 A step computes `tokens` new tokens of its requests (prompt chunks and decode tokens
-alike), attends over `attention` token-pairs (each new token over the context before it
-and the chunk's earlier tokens: a chunk of n tokens after c cached ones adds
-n x (c + (n + 1) / 2)), and samples `samples` tokens (a decode token, or a prompt's
-last chunk). Its time is linear in those:
+alike), attends over `attention` token-pairs of prompt chunks (each new token over the
+context before it and the chunk's earlier tokens: a chunk of n tokens after c cached ones
+adds n x (c + (n + 1) / 2)) and `decode_attention` of decode tokens (one over its
+context: c + 1), and samples `samples` tokens (a decode token, or a prompt's last chunk).
+Its time is linear in those:
 
-    step_s = fixed_s + loop_s + per_token_s x tokens + per_attention_s x attention + per_sample_s x samples
+    step_s = fixed_s + loop_s + per_token_s x tokens + per_attention_s x attention
+             + per_decode_attention_s x decode_attention + per_sample_s x samples
+
+(a decode token's pairs cost more than a chunk's: one query row reads the whole context's
+KV, where a chunk's rows share each read; measured 3 us against 0.2 us a pair here),
 
 so a mixed step (decode tokens and a prefill chunk together, as the engine schedules
 them under `max_num_batched_tokens`) costs the sum of its parts, once the fixed part.
 `loop_s` is what a server's engine loop adds to each step beyond `EngineCore.step` (its
 outputs sent out of the engine process), measured on a live server (`probe.py`). A KV
 read of `t` prompt tokens takes `transfer_fixed_s + t x kv_bytes_per_token /
-transfer_bytes_per_s`; every HTTP leg (client to proxy to server and back) `hop_s`.
+transfer_bytes_per_s` (its bytes, and its fixed part as an idle server measures it: an idle
+engine polls its reads back to back), and a busy engine hears of it `transfer_polls` step
+ends after that (on CPU the NIXL agent progresses only when the engine step polls it: the
+step that posted the read polls its data done and posts the lease word's read, the next
+polls that one; see `connectors/nixl/worker.py`); every HTTP leg (client to proxy to
+server and back) `hop_s`.
 """
 
 from __future__ import annotations
@@ -33,8 +43,11 @@ class StepCosts:
     kv_bytes_per_token: float  # the KV one prompt token keeps, every layer
     transfer_bytes_per_s: float  # D's read of P's blocks
     transfer_fixed_s: float = 0.0  # a read's fixed part (the handshake, the notification)
+    per_decode_attention_s: float | None = None  # each (decode token, context token) pair; None: per_attention_s
+    transfer_polls: int = 1  # step ends a busy engine takes to hear of a read whose bytes are in
     hop_s: float = 0.0  # one HTTP leg, client or proxy to the next
     loop_s: float = 0.0  # a live server's engine loop, each step, beyond EngineCore.step
+    corun_factor: float = 1.0  # a step's time, as a share of its time alone, when another engine of its host steps
     max_num_batched_tokens: int = 1024  # the engine's token budget per step (pd serve's default)
     max_num_seqs: int = 64  # sequences running at once at most (pd serve's default)
     model: str = ""  # what the figures were measured on
@@ -42,15 +55,21 @@ class StepCosts:
 
     def __post_init__(self) -> None:
         rates = ("fixed_s", "per_token_s", "per_attention_s", "per_sample_s", "kv_bytes_per_token",
-                 "transfer_fixed_s", "hop_s", "loop_s")
+                 "transfer_fixed_s", "hop_s", "loop_s", "decode_pair_s")
         negative = [name for name in rates if getattr(self, name) < 0]
-        if negative or self.transfer_bytes_per_s <= 0 or self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise ValueError(f"costs must not be negative ({', '.join(negative) or 'ok'}), the transfer rate, token "
-                             f"budget and batch must be positive: {self}")
+        positive = (self.transfer_bytes_per_s, self.transfer_polls, self.corun_factor, self.max_num_batched_tokens,
+                    self.max_num_seqs)
+        if negative or min(positive) <= 0:
+            raise ValueError(f"costs must not be negative ({', '.join(negative) or 'ok'}), the transfer rate and "
+                             f"polls, token budget and batch must be positive: {self}")
 
-    def step_s(self, tokens: int, attention: float, samples: int) -> float:
+    @property
+    def decode_pair_s(self) -> float:
+        return self.per_attention_s if self.per_decode_attention_s is None else self.per_decode_attention_s
+
+    def step_s(self, tokens: int, attention: float, samples: int, decode_attention: float = 0.0) -> float:
         return self.fixed_s + self.loop_s + self.per_token_s * tokens + self.per_attention_s * attention + \
-            self.per_sample_s * samples
+            self.decode_pair_s * decode_attention + self.per_sample_s * samples
 
     def prefill_s(self, prompt: int, context: int = 0) -> float:
         """One prompt of `prompt` tokens after `context` cached ones, alone, in budget-sized chunks."""
@@ -63,7 +82,7 @@ class StepCosts:
 
     def decode_step_s(self, batch: int, context: float) -> float:
         """A step of `batch` decode tokens, each over `context` tokens."""
-        return self.step_s(batch, batch * context, batch)
+        return self.step_s(batch, 0.0, batch, batch * context)
 
     def transfer_s(self, tokens: int) -> float:
         return self.transfer_fixed_s + tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s

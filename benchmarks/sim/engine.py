@@ -104,9 +104,10 @@ class SimEngine:
             budget -= n
         reads = self._admit(scheduled, budget)
         tokens = sum(n for _, n in scheduled)
-        attention = sum(attention_of(n, job.computed) for job, n in scheduled)
+        attention = sum(attention_of(n, job.computed) for job, n in scheduled if job.prefilling)
+        decode_attention = sum(attention_of(n, job.computed) for job, n in scheduled if not job.prefilling)
         samples = sum(job.computed + n >= job.num_tokens for job, n in scheduled)
-        seconds = self.costs.step_s(tokens, attention, samples) if scheduled else 0.0
+        seconds = self.costs.step_s(tokens, attention, samples, decode_attention) if scheduled else 0.0
         self.stepping = Step(scheduled, seconds, reads)
         return self.stepping
 

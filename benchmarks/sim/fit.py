@@ -10,7 +10,8 @@ live servers get (`--num-threads 1` in pd bench fleet):
 - mixed steps, held out of the fit and reported against it: a prefill chunk scheduled
   beside a decode batch, as a colocated server runs them.
 
-Each point is the median of `--repeats` steps. The fit is least squares on relative
+A decode token's attention is fitted apart from a prompt chunk's (`costs.py`). Each
+point is the median of `--repeats` steps (decode points: 4x as many). The fit is least squares on relative
 error (every point counts alike, short steps as long ones); a coefficient the data make
 negative is dropped (0) and the rest refitted. The transfer's rate and fixed time are
 not measured here (flags: by default the NIXL READ rate `python -m benchmarks.transfer`
@@ -22,6 +23,7 @@ live deployments (`probe.py`); without, they are 0 unless given.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import time
 from dataclasses import replace
@@ -31,11 +33,14 @@ import numpy as np
 from benchmarks.sim import probe
 from benchmarks.sim.costs import StepCosts, attention_of
 
-FEATURES = ("fixed_s", "per_token_s", "per_attention_s", "per_sample_s")
+FEATURES = ("fixed_s", "per_token_s", "per_attention_s", "per_sample_s", "per_decode_attention_s")
+# the decode steps --corun times, alone and beside another: a light load's, the most bound by memory (measured:
+# 1.16x at batch 3 over 128 tokens, 1.02x at batch 8 over 512, where compute takes a larger share)
+CORUN_BATCH, CORUN_CONTEXT, CORUN_STEPS, CORUN_ROUNDS = 3, 128, 40, 5
 
 
-def features(tokens: int, attention: float, samples: int) -> list[float]:
-    return [1.0, float(tokens), float(attention), float(samples)]
+def features(tokens: int, attention: float, samples: int, decode_attention: float = 0.0) -> list[float]:
+    return [1.0, float(tokens), float(attention), float(samples), float(decode_attention)]
 
 
 def fit_linear(rows: list[list[float]], seconds: list[float]) -> dict[str, float]:
@@ -63,8 +68,8 @@ class Probe:
         from pd.engine.core import EngineCore
 
         self.torch = torch
-        longest = max(args.contexts) + max(args.prefill_tokens) + args.repeats * 64 + 64
-        config = EngineConfig.from_flat(model=str(args.model), max_num_seqs=max(args.batches) + 1,
+        longest = max(max(args.contexts) + max(args.prefill_tokens) + args.repeats * 64, CORUN_CONTEXT + 256) + 64
+        config = EngineConfig.from_flat(model=str(args.model), max_num_seqs=max(*args.batches, CORUN_BATCH) + 1,
                                         max_model_len=longest + 64, max_num_batched_tokens=args.max_num_batched_tokens,
                                         num_threads=args.num_threads).resolve()
         self.engine = EngineCore(config)
@@ -158,18 +163,73 @@ def measure(args: argparse.Namespace) -> dict:
                 points.append({"kind": "prefill", "new": new, "context": context, "tokens": new,
                                "attention": attention_of(new, context), "samples": 1, "seconds": seconds})
             for batch in args.batches:
-                seconds = statistics.median(probe.decode(batch, context, args.repeats + 2))
+                seconds = statistics.median(probe.decode(batch, context, 4 * args.repeats))
                 points.append({"kind": "decode", "batch": batch, "context": context + 2, "tokens": batch,
-                               "attention": batch * attention_of(1, context + 2), "samples": batch,
-                               "seconds": seconds})
+                               "attention": 0.0, "decode_attention": batch * attention_of(1, context + 2),
+                               "samples": batch, "seconds": seconds})
         for batch, context, new in args.mixed:
             seconds = statistics.median(probe.mixed(batch, context, new) for _ in range(args.repeats))
             points.append({"kind": "mixed", "batch": batch, "context": context, "new": new, "tokens": batch + new,
-                           "attention": batch * attention_of(1, context + 2) + attention_of(new, 0),
+                           "attention": attention_of(new, 0), "decode_attention": batch * attention_of(1, context + 2),
                            "samples": batch + 1, "seconds": seconds})
-        return {"points": points, "kv_bytes_per_token": probe.kv_bytes_per_token()}
+        corun = corun_factor(probe, args) if args.corun else None
+        return {"points": points, "kv_bytes_per_token": probe.kv_bytes_per_token(), "corun": corun}
     finally:
         probe.shutdown()
+
+
+def _neighbour(args: argparse.Namespace, ready, running, stop, steps) -> None:
+    """A second engine in a process of its own, decoding while `running` is set, until
+    `stop`; it counts its steps in `steps`."""
+    probe = Probe(args)
+    try:
+        base = probe.prefix(CORUN_CONTEXT)
+        ready.set()
+        while not stop.is_set():
+            if not running.wait(0.05):
+                continue
+            if not probe.engine.scheduler.has_unfinished_requests:
+                for _ in range(CORUN_BATCH):
+                    probe.add(base + probe.ids(1), 200)
+            probe.engine.step()
+            steps.value += 1
+    finally:
+        probe.shutdown()
+
+
+def corun_factor(probe: Probe, args: argparse.Namespace) -> dict:
+    """How much slower a decode step is while a second engine (a process of its own, the
+    same model and threads) steps beside it on this host, as the servers of a fleet on one
+    machine do: the shared memory bandwidth and caches. CORUN_ROUNDS rounds, each the
+    median of CORUN_STEPS steps alone, then as many beside the other; the median ratio."""
+    spawn = multiprocessing.get_context("spawn")
+    ready, running, stop, steps = spawn.Event(), spawn.Event(), spawn.Event(), spawn.Value("l", 0, lock=False)
+    neighbour = spawn.Process(target=_neighbour, args=(args, ready, running, stop, steps), daemon=True)
+    neighbour.start()
+    rounds = []
+    try:
+        if not ready.wait(600):
+            raise RuntimeError("--corun: the second engine did not start within 600 s")
+        for _ in range(CORUN_ROUNDS):
+            running.clear()
+            time.sleep(0.1)  # its step under way ends
+            before = steps.value
+            alone = statistics.median(probe.decode(CORUN_BATCH, CORUN_CONTEXT, CORUN_STEPS))
+            idle = steps.value - before
+            running.set()
+            time.sleep(0.1)
+            before = steps.value
+            beside = statistics.median(probe.decode(CORUN_BATCH, CORUN_CONTEXT, CORUN_STEPS))
+            rounds.append((alone, beside, idle, steps.value - before))
+    finally:
+        stop.set()
+        running.set()
+        neighbour.join(120)
+        if neighbour.is_alive():
+            neighbour.kill()
+            neighbour.join()
+    factor = statistics.median(beside / alone for alone, beside, _, _ in rounds)
+    return {"rounds": rounds, "factor": max(1.0, factor)}
 
 
 def fit(args: argparse.Namespace) -> tuple[StepCosts, list[dict]]:
@@ -177,14 +237,19 @@ def fit(args: argparse.Namespace) -> tuple[StepCosts, list[dict]]:
     measured = measure(args)
     points = measured["points"]
     fitted = [p for p in points if p["kind"] != "mixed"]
-    coef = fit_linear([features(p["tokens"], p["attention"], p["samples"]) for p in fitted],
+    coef = fit_linear([features(p["tokens"], p["attention"], p["samples"], p.get("decode_attention", 0.0))
+                       for p in fitted],
                       [p["seconds"] for p in fitted])
     costs = StepCosts(**coef, kv_bytes_per_token=measured["kv_bytes_per_token"],
                       transfer_bytes_per_s=args.transfer_gbps * 1e9, transfer_fixed_s=args.transfer_fixed_ms / 1e3,
-                      hop_s=args.hop_ms / 1e3, max_num_batched_tokens=args.max_num_batched_tokens,
+                      transfer_polls=args.transfer_polls, hop_s=args.hop_ms / 1e3,
+                      corun_factor=measured["corun"]["factor"] if measured["corun"] else 1.0,
+                      max_num_batched_tokens=args.max_num_batched_tokens,
                       max_num_seqs=args.max_num_seqs, model=str(args.model), threads=args.num_threads)
     for p in points:
-        p["predicted"] = costs.step_s(p["tokens"], p["attention"], p["samples"])
+        p["predicted"] = costs.step_s(p["tokens"], p["attention"], p["samples"], p.get("decode_attention", 0.0))
+    if measured["corun"]:
+        points.append({"kind": "corun", **measured["corun"]})
     if args.live:
         live = probe.measure(args.model, args.live_requests, f"--num-threads {args.num_threads}")
         costs = replace(costs, **probe.fixed_costs(costs, live))
@@ -193,7 +258,7 @@ def fit(args: argparse.Namespace) -> tuple[StepCosts, list[dict]]:
 
 
 def format_points(points: list[dict]) -> str:
-    points = [p for p in points if p["kind"] != "live"]
+    points = [p for p in points if p["kind"] not in ("live", "corun")]
     lines = ["| kind | batch | new tokens | context | measured ms | fitted ms | error |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for p in points:
@@ -212,18 +277,27 @@ def add_fit_flags(parser: argparse.ArgumentParser) -> None:
         help="prompt chunk sizes measured (default 16 128 512 1024)")
     add("--contexts", type=int, nargs="+", default=[0, 512, 1536],
         help="cached tokens before a chunk, and decode contexts (default 0 512 1536)")
-    add("--batches", type=int, nargs="+", default=[1, 8, 24], help="decode batches measured (default 1 8 24)")
+    add("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 24],
+        help="decode batches measured (default 1 2 4 8 24: a step costs about the same up to 4, bound by reading the "
+             "weights, then grows with the batch, which a line fits only where it has points at both ends)")
     add("--mixed", type=lambda s: tuple(int(v) for v in s.split("x")), nargs="*",
         default=[(8, 256, 512), (4, 64, 1000)],
         help="held-out mixed steps BATCHxCONTEXTxNEW, checked against the fit (default 8x256x512 4x64x1000)")
-    add("--repeats", type=int, default=3, help="steps per point, median (default 3)")
+    add("--repeats", type=int, default=5, help="steps per point, median (default 5)")
     add("--max-num-batched-tokens", type=int, default=1024, help="the servers' token budget per step (default 1024)")
     add("--max-num-seqs", type=int, default=64, help="the servers' batch bound (default 64)")
     add("--transfer-gbps", type=float, default=6.5,
         help="KV read rate, GB/s (default 6.5: NIXL READ on this host, python -m benchmarks.transfer)")
     add("--transfer-fixed-ms", type=float, default=0.0, help="a KV read's fixed time, ms (default 0)")
+    add("--transfer-polls", type=int, default=2,
+        help="step ends a busy decode server takes to hear of a read whose bytes are in (default 2: on CPU the "
+             "NIXL agent progresses only when a step polls it, and a read is the data's READ, then the lease "
+             "word's; 1 without a lease)")
+    add("--corun", action="store_true",
+        help="also measure how much slower a decode step is while a second engine steps beside it on this host "
+             "(corun_factor, for pd bench simulate validate's fleet on one machine; 1 without)")
     add("--hop-ms", type=float, default=0.0, help="one HTTP leg's time, ms, unless --live measures it (default 0)")
     add("--live", action="store_true",
         help="also measure the fixed costs of live deployments (HTTP legs, the server's engine loop, the KV read's "
              "fixed part): one colocated and one 1P1D pair of servers, idle, one request at a time")
-    add("--live-requests", type=int, default=12, help="requests timed on each live deployment (default 12)")
+    add("--live-requests", type=int, default=24, help="requests timed on each live deployment (default 24)")

@@ -5,7 +5,7 @@ A request's legs, each an HTTP hop (`hop_s`) where it crosses one: the proxy pla
 (`proxy.py`); a prefill server's engine computes its prompt and samples one token, the
 proxy hears of it and sends the request to its decode server, whose engine parks it,
 reads the prompt's KV (`transfer_s`), sends P's first token when it hears the read is done
-(at the end of the step under way, or at once when idle) and decodes the rest;
+(`transfer_polls` step ends after its bytes are in, or at once when idle) and decodes the rest;
 or its decode server computes it all (local). Tokens reach the client a hop after the
 proxy. A planner tick (every `--interval`, the first one interval in) observes and
 decides; a switch reaches the proxy `switch_delay_s` later. Events at one time run in
@@ -59,12 +59,13 @@ class Simulation:
     engines: dict[str, SimEngine]
     requests: list[SimRequest]
     tick: Tick | None = None
+    one_host: bool = False  # every engine on one machine: a step beside another engine's takes corun_factor x
     now: float = 0.0
     switches: list[dict] = field(default_factory=list)
     _events: list = field(default_factory=list)
     _order: itertools.count = field(default_factory=itertools.count)
     _open: int = 0  # requests not answered yet
-    _landings: dict[str, list] = field(default_factory=dict)  # reads done during the step under way, per engine
+    _landings: dict[str, list] = field(default_factory=dict)  # per engine, reads with bytes in: [job, s, polls left]
 
     def at(self, time: float, action: Callable, *args) -> None:
         heapq.heappush(self._events, (time, next(self._order), action, args))
@@ -102,11 +103,15 @@ class Simulation:
         while not engine.busy:
             step = engine.schedule()
             if step is None:
-                return
+                if not self._hear(url, engine, polls=None):
+                    return
+                continue
             for job in step.reads:
                 seconds = self.costs.transfer_s(job.prompt)
                 self.at(self.now + seconds, self._landed, url, job, seconds)
             if step.scheduled:
+                if self.one_host and any(other.busy for other in self.engines.values() if other is not engine):
+                    step.seconds *= self.costs.corun_factor
                 self.at(self.now + step.seconds, self._stepped, url)
                 return
             engine.finish()  # it only parked requests for their reads
@@ -115,19 +120,31 @@ class Simulation:
         engine = self.engines[url]
         for token in engine.finish():
             self._token(token)
-        for job, seconds in self._landings.pop(url, []):
-            self._token(engine.landed(job, seconds))
+        self._hear(url, engine, polls=1)
         self._kick(url, engine)
 
     def _landed(self, url: str, job: Job, seconds: float) -> None:
-        """A read is done; the engine hears of it at the end of the step under way (the
-        connector's output of a step), or at once when it is idle (it polls its reads)."""
+        """A read's bytes are in; a busy engine hears of it at its `transfer_polls`-th step
+        end from now (each step end polls it once), an idle one at once (it polls back to back)."""
+        self._landings.setdefault(url, []).append([job, seconds, self.costs.transfer_polls])
         engine = self.engines[url]
-        if engine.busy:
-            self._landings.setdefault(url, []).append((job, seconds))
-            return
-        self._token(engine.landed(job, seconds))
-        self._kick(url, engine)
+        if not engine.busy:
+            self._kick(url, engine)
+
+    def _hear(self, url: str, engine: SimEngine, polls: int | None) -> bool:
+        """The engine polls its reads whose bytes are in, `polls` times (None: until each is
+        heard of); True if it heard of one."""
+        heard, left = False, []
+        for landing in self._landings.pop(url, []):
+            landing[2] = 0 if polls is None else landing[2] - polls
+            if landing[2] > 0:
+                left.append(landing)
+                continue
+            self._token(engine.landed(landing[0], landing[1]))
+            heard = True
+        if left:
+            self._landings[url] = left
+        return heard
 
     def _token(self, token: Token) -> None:
         request: SimRequest = token.job.request

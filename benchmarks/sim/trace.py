@@ -6,14 +6,19 @@ capacity.
 The generator's phases are `NAME:seconds=S,load=L,input=I,output=O`: for S seconds,
 requests with prompts of about I tokens and answers of about O (lognormal, sigma
 `SIGMA`), arriving as a Poisson process whose rate alternates every `burst_s` seconds
-between (1 + burst) and (1 - burst) times L x the fleet's capacity for that mix. The
-capacity (`capacity`) is the best static split's within the SLO: the highest arrival rate
-at which some static split of the fleet meets both SLOs (TTFT at the percentile, queueing
-included, and TPOT) as the planner's model predicts them (planner/model.py) from the
-costs; it is the costs' own figure, not a measured one. (The split's saturation, prompts
-computed back to back, is no capacity to load: at 1.0 of it a queue grows without end,
-and every configuration was swamped alike.) Every prompt block gets its own hash id (no
-prefix is shared: the simulator does not model the prefix cache).
+between (1 + burst) and (1 - burst) times L x the fleet's capacity for that mix. A
+split's capacity for a mix is the highest arrival rate at which it meets both SLOs (TTFT
+at the percentile, queueing included, and TPOT) as the planner's model predicts them
+(planner/model.py) from the costs: the costs' own figure, not a measured one. (A split's
+saturation, prompts computed back to back, is no capacity to load: at 1.0 of it a queue
+grows without end, and every configuration was swamped alike.) The fleet's capacity
+(`phase_capacities`) is by default a static deployment's: that of the one split that keeps
+the most of each phase's best split (its worst phase's share highest), the split a fleet
+sized for the whole trace would run; so at load 1 that split just keeps the SLO in every
+phase, and what a fleet gains by changing its split shows above 1. With `reference`
+"phase" it is each phase's best split's, so that above 1 no split keeps the SLO. Every
+prompt block gets its own hash id (no prefix is shared: the simulator does not model the
+prefix cache).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from planner.model import Costs, Load, predict
 
 SIGMA = 0.5  # of the lengths' lognormal
 MAX_TOKENS = 8192  # a prompt and its answer at most
+CAPACITY_REFERENCES = ("static", "phase")
 
 
 @dataclass(frozen=True)
@@ -62,34 +68,60 @@ def planner_costs(costs: StepCosts, prompt: float, output: float) -> Costs:
                  decode_step_per_seq_s=a2 - a1, transfer_s=costs.transfer_s(round(prompt)))
 
 
-def capacity(costs: StepCosts, n: int, prompt: float, output: float, ttft_slo_s: float, tpot_slo_s: float,
-             percentile: float = 0.9) -> tuple[float, int]:
-    """Requests per second the best static split of `n` servers serves within the SLO, for
-    this mix, and its prefill servers (by the planner's model; a bisection per split)."""
+def split_capacities(costs: StepCosts, n: int, prompt: float, output: float, ttft_slo_s: float,
+                     tpot_slo_s: float, percentile: float = 0.9) -> list[float]:
+    """Requests per second each static split of `n` servers (index p - 1: p prefill
+    servers) serves within the SLO, for this mix (by the planner's model; a bisection each)."""
     model_costs = planner_costs(costs, prompt, output)
-    best = (0.0, 1)
+
+    def meets(p: int, rate: float) -> bool:
+        return predict(p, n - p, Load(rate, prompt, output), model_costs, percentile).score(ttft_slo_s,
+                                                                                            tpot_slo_s) <= 1
+    rates = []
     for p in range(1, n):
         low, high = 0.0, 1.0
-        while predict(p, n - p, Load(high, prompt, output), model_costs, percentile).score(ttft_slo_s,
-                                                                                           tpot_slo_s) <= 1:
+        while meets(p, high):
             low, high = high, high * 2
         for _ in range(40):
             mid = (low + high) / 2
-            meets = predict(p, n - p, Load(mid, prompt, output), model_costs, percentile).score(ttft_slo_s,
-                                                                                                tpot_slo_s) <= 1
-            low, high = (mid, high) if meets else (low, mid)
-        best = max(best, (low, p))
-    return best
+            low, high = (mid, high) if meets(p, mid) else (low, mid)
+        rates.append(low)
+    return rates
+
+
+def capacity(costs: StepCosts, n: int, prompt: float, output: float, ttft_slo_s: float, tpot_slo_s: float,
+             percentile: float = 0.9) -> tuple[float, int]:
+    """Requests per second the best static split of `n` servers serves within the SLO, for
+    this mix, and its prefill servers."""
+    rates = split_capacities(costs, n, prompt, output, ttft_slo_s, tpot_slo_s, percentile)
+    best = max(range(len(rates)), key=lambda i: (rates[i], i))
+    return rates[best], best + 1
+
+
+def phase_capacities(phases: list[TracePhase], costs: StepCosts, n: int, ttft_slo_s: float, tpot_slo_s: float,
+                     reference: str) -> tuple[list[float], int | None]:
+    """Each phase's capacity, requests per second, and the static split's prefill servers
+    it is of (None: each phase's own best split). `reference` "static": the one split of
+    the fleet that keeps the most of each phase's best, its worst phase's share of that
+    highest (the split a deployment sized for the whole trace would run), loaded in every
+    phase to what it serves within the SLO; "phase": each phase's best split."""
+    if reference not in CAPACITY_REFERENCES:
+        raise ValueError(f"capacity reference {reference!r}: one of {', '.join(CAPACITY_REFERENCES)}")
+    rates = [split_capacities(costs, n, phase.input, phase.output, ttft_slo_s, tpot_slo_s) for phase in phases]
+    if reference == "phase":
+        return [max(r) for r in rates], None
+    split = max(range(n - 1), key=lambda i: (min(r[i] / max(r) for r in rates), i))
+    return [r[split] for r in rates], split + 1
 
 
 def generate(phases: list[TracePhase], costs: StepCosts, n: int, ttft_slo_s: float, tpot_slo_s: float,
-             burst: float, burst_s: float, seed: int) -> list[dict]:
+             burst: float, burst_s: float, seed: int, reference: str = "static") -> list[dict]:
     """The trace's records (Mooncake's fields), in time order."""
     rng = np.random.default_rng(seed)
     records, start, next_hash = [], 0.0, 0
-    for phase in phases:
-        rate, _ = capacity(costs, n, phase.input, phase.output, ttft_slo_s, tpot_slo_s)
-        rate *= phase.load
+    capacities, _ = phase_capacities(phases, costs, n, ttft_slo_s, tpot_slo_s, reference)
+    for phase, capacity_rate in zip(phases, capacities):
+        rate = capacity_rate * phase.load
         t = start
         while True:
             high = int((t - start) // burst_s) % 2 == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -61,6 +62,38 @@ def test_a_read_that_lands_while_d_steps_sends_its_first_token_at_the_steps_end(
     assert first_b > 1.0 + 0.51 + 0.002 + 0.5
     steps = (first_b - (a.start + a.ttft)) / 0.011  # A's tokens come one a step of 11 ms, D idle otherwise
     assert steps == pytest.approx(round(steps), abs=1e-6)
+
+
+@pytest.mark.parametrize("polls", [1, 2, 3])
+def test_a_busy_decode_server_hears_of_a_read_at_its_transfer_polls_th_step_end(polls: int) -> None:
+    """B's bytes are in during one of A's 11 ms decode steps; D polls the read once at each
+    step end, and B's first token goes out at the `polls`-th (the connector's data read,
+    then the lease word's, `connectors/nixl/worker.py`)."""
+    costs = replace(SIMPLE, transfer_polls=polls)
+    out = one_run("1p1d", [SimRequest(0.0, 10, 400, "a"), SimRequest(1.0, 500, 4, "b")], 2, costs)
+    a, b = out["records"]
+    bytes_in = 1.0 + 0.51 + 0.002 + 0.5  # P's prefill, then the read
+    first_a = a.start + a.ttft
+    step_ends = [first_a + 0.011 * k for k in range(1, 400)]
+    heard = [t for t in step_ends if t > bytes_in + 1e-9][polls - 1]
+    assert b.start + b.ttft == pytest.approx(heard)
+
+
+def test_an_idle_decode_server_hears_of_a_read_at_once_whatever_its_polls() -> None:
+    out = one_run("1p1d", [SimRequest(0.0, 500, 4, "p")], 2, replace(SIMPLE, transfer_polls=3))
+    assert out["records"][0].ttft == pytest.approx(0.01 + 0.5 + 0.002 + 500 * 1000 / 1e6)
+
+
+def test_on_one_host_a_step_beside_another_engines_takes_the_corun_factor() -> None:
+    """Two colocated servers of one host: a prompt arriving while the other server steps is
+    computed corun_factor x slower; with a host each, or the other idle, it is not."""
+    costs = replace(SIMPLE, corun_factor=1.5)
+    requests = [SimRequest(0.0, 10, 200, "busy"), SimRequest(0.5, 100, 1, "beside")]
+    shared = one_run("colocated", requests, 2, costs, one_host=True, policy="round_robin")["records"]
+    apart = one_run("colocated", requests, 2, costs, policy="round_robin")["records"]
+    assert apart[1].ttft == pytest.approx(0.11)
+    assert shared[1].ttft == pytest.approx(0.11 * 1.5)
+    assert shared[0].ttft == pytest.approx(0.02)  # alone on the host when it started
 
 
 def test_a_long_prompt_is_computed_in_budget_sized_chunks_beside_running_decodes() -> None:
@@ -128,9 +161,10 @@ def test_a_run_is_the_same_for_the_same_inputs_and_differs_for_other_arrivals() 
 
 
 def test_the_fit_recovers_the_coefficients_of_exact_steps_and_drops_a_negative_one() -> None:
-    true = {"fixed_s": 0.012, "per_token_s": 8e-4, "per_attention_s": 2e-7, "per_sample_s": 1e-3}
-    points = [(t, a, s) for t, a, s in [(16, 200, 1), (512, 1e5, 1), (1024, 5e5, 1), (1, 100, 1), (8, 4000, 8),
-                                        (24, 3e4, 24), (128, 3e4, 1)]]
+    true = {"fixed_s": 0.012, "per_token_s": 8e-4, "per_attention_s": 2e-7, "per_sample_s": 1e-3,
+            "per_decode_attention_s": 3e-6}
+    points = [(16, 200, 1, 0), (512, 1e5, 1, 0), (1024, 5e5, 1, 0), (1, 0, 1, 100), (8, 0, 8, 4000),
+              (24, 0, 24, 3e4), (128, 3e4, 1, 0), (8, 0, 8, 300), (520, 1.3e5, 9, 4000)]
     rows = [fit.features(*p) for p in points]
     seconds = [sum(c * f for c, f in zip(true.values(), row)) for row in rows]
     assert fit.fit_linear(rows, seconds) == pytest.approx(true, rel=1e-6)
@@ -160,6 +194,23 @@ def test_capacity_is_the_highest_rate_some_static_split_serves_within_the_slo() 
     assert score(prefill, rate * 0.999) <= 1  # met just under it...
     assert all(score(p, rate * 1.01) > 1 for p in range(1, 4))  # ...by no split just over it
     assert rate < 3 * 1.0  # below the three prefill servers' saturation (a request a second each): queues count
+
+
+def test_a_trace_loads_by_default_the_one_static_split_keeping_most_of_each_phases_best() -> None:
+    """Long prompts want prefill servers, long answers decode servers: the static reference
+    is the split whose worst phase keeps the highest share of that phase's best split, and
+    its capacity per phase is at most the phase's best (what a changing fleet can gain)."""
+    phases = trace.parse_trace_phases("rag:seconds=10,load=1,input=2000,output=4;"
+                                      "gen:seconds=10,load=1,input=20,output=400")
+    rates = [trace.split_capacities(SIMPLE, 6, p.input, p.output, 5.0, 0.05) for p in phases]
+    static, split = trace.phase_capacities(phases, SIMPLE, 6, 5.0, 0.05, "static")
+    shares = [min(r[p - 1] / max(r) for r in rates) for p in range(1, 6)]
+    assert shares[split - 1] == max(shares) < 1  # no one split is best for both
+    assert static == [r[split - 1] for r in rates]
+    best, none = trace.phase_capacities(phases, SIMPLE, 6, 5.0, 0.05, "phase")
+    assert none is None and best == [max(r) for r in rates] and all(s < b for s, b in zip(static, best))
+    with pytest.raises(ValueError, match="capacity reference"):
+        trace.phase_capacities(phases, SIMPLE, 6, 5.0, 0.05, "oracle")
 
 
 def test_the_cli_simulates_a_generated_trace_and_validates_a_result_against_itself(tmp_path) -> None:
