@@ -33,6 +33,7 @@ ALPHA = 0.5  # weight of the newest figure
 FIT_SAMPLES = 30  # decode steps' (batch, seconds) kept for the fit
 SPREAD = 2.0  # batches seen must spread over this many sequences before `k` is fitted
 MIN_TOKENS, MIN_STEPS = 32, 4  # a tick with fewer says nothing about a server's speed
+SHIFT_TICKS, SHIFT_FACTOR = 5, 2.0  # a load window restarts where the rate doubled or halved for this many ticks
 
 
 @dataclass
@@ -135,22 +136,31 @@ class Observer:
     def _observe_proxy(self, fleet: dict, now: float) -> None:
         """The arrival rate: over the last tick, as an exponentially weighted mean; or with
         a load window, the mean over the window (the ticks spanning it), so that a split
-        does not chase each swing of a bursty load."""
+        does not chase each swing of a bursty load. A rate that has doubled or halved over
+        the last SHIFT_TICKS ticks against the window's earlier ones is a new level, not a
+        swing: the window restarts there (waiting out a whole window for it left a fleet
+        with a phase's old split for its first 20 s, and a backlog it did not make up)."""
         arrivals, seen = fleet["arrivals"], self._arrivals
-        if seen and now > seen[-1][0]:
-            if self.load_window_s > 0:
-                while len(seen) > 1 and now - seen[1][0] >= self.load_window_s:
-                    seen.popleft()
-                at, before = seen[0]
-                self._estimates["arrival_rate"] = max(0.0, arrivals - before) / (now - at)
-            else:
-                at, before = seen[-1]
+        if seen and now <= seen[-1][0]:
+            return
+        seen.append((now, arrivals))
+        if self.load_window_s <= 0:
+            if len(seen) > 1:
+                at, before = seen.popleft()
                 rate = max(0.0, arrivals - before) / (now - at)
                 self._estimates["arrival_rate"] = _ewma(self._estimates.get("arrival_rate"), rate)
-        if not seen or now > seen[-1][0]:
-            seen.append((now, arrivals))
-        while len(seen) > 1 and self.load_window_s <= 0:
+            return
+        while len(seen) > 2 and now - seen[1][0] >= self.load_window_s:
             seen.popleft()
+        if len(seen) > SHIFT_TICKS + 1:
+            (first, n0), (cut, n1) = seen[0], seen[-1 - SHIFT_TICKS]
+            older, recent = (n1 - n0) / (cut - first), (arrivals - n1) / (now - cut)
+            if older > 0 and not older / SHIFT_FACTOR <= recent <= older * SHIFT_FACTOR:
+                while len(seen) > SHIFT_TICKS + 1:
+                    seen.popleft()
+        if len(seen) > 1:
+            at, before = seen[0]
+            self._estimates["arrival_rate"] = max(0.0, arrivals - before) / (now - at)
 
     def _metrics(self, url: str) -> str:
         response = self.client.get(f"{url}/metrics")

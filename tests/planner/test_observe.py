@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from planner.model import Costs
-from planner.observe import Counters, Observer, server_counters
+from planner.observe import SHIFT_TICKS, Counters, Observer, server_counters
 
 METRICS = """# HELP pd_prompt_tokens_by_source_total x
 # TYPE pd_prompt_tokens_by_source_total counter
@@ -99,17 +99,32 @@ def test_an_idle_tick_keeps_what_was_learned() -> None:
 
 @pytest.mark.parametrize("window", [0.0, 20.0])
 def test_a_load_window_plans_for_the_mean_of_a_swinging_load_not_its_last_swing(window: float) -> None:
-    """Arrivals swinging between 50 and 10 a second every 10 s: with a 20 s window the
-    planner's rate is the mean, 30, whichever half it is in; without, it follows the swing."""
+    """Arrivals swinging between 39 and 21 a second every 10 s (30 +- 30 %): with a 20 s
+    window the planner's rate is the mean, 30, whichever half it is in; without, it follows
+    the swing."""
     fleet = {"instances": [], "arrivals": 0}
     observer = ScriptedObserver("p", "k", Costs(1000.0, 0.01, 0.001), clock=lambda: observer.now,
                                 load_window_s=window, fleet=fleet)
     rates = []
     for tick in range(60):
-        fleet["arrivals"] += 50 if (tick // 10) % 2 == 0 else 10
+        fleet["arrivals"] += 39 if (tick // 10) % 2 == 0 else 21
         observer.now = float(tick)
         rates.append(observer.observe()[1].arrival_rate)
     if window:
-        assert all(r == pytest.approx(30, abs=2.1) for r in rates[25:])
+        assert all(r == pytest.approx(30, abs=1) for r in rates[25:])
     else:
-        assert rates[29] == pytest.approx(50, abs=0.1) and rates[39] == pytest.approx(10, abs=0.1)
+        assert rates[29] == pytest.approx(39, abs=0.1) and rates[39] == pytest.approx(21, abs=0.1)
+
+
+@pytest.mark.parametrize("after", [18.0, 2.0])
+def test_a_load_window_restarts_where_the_rate_doubled_or_halved(after: float) -> None:
+    """A phase change, 6 a second to 18 or 2, is followed within SHIFT_TICKS ticks, not a
+    whole window later."""
+    fleet = {"instances": [], "arrivals": 0}
+    observer = ScriptedObserver("p", "k", Costs(1000.0, 0.01, 0.001), clock=lambda: observer.now,
+                                load_window_s=30.0, fleet=fleet)
+    for tick in range(40 + SHIFT_TICKS + 1):
+        fleet["arrivals"] += 6 if tick < 40 else after
+        observer.now = float(tick)
+        rate = observer.observe()[1].arrival_rate
+    assert rate == pytest.approx(after)
