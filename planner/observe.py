@@ -34,6 +34,7 @@ FIT_SAMPLES = 30  # decode steps' (batch, seconds) kept for the fit
 SPREAD = 2.0  # batches seen must spread over this many sequences before `k` is fitted
 MIN_TOKENS, MIN_STEPS = 32, 4  # a tick with fewer says nothing about a server's speed
 SHIFT_TICKS, SHIFT_FACTOR = 5, 2.0  # a load window restarts where the rate doubled or halved for this many ticks
+COUNTED = ("computed", "busy_s", "steps", "generated", "finished", "xfer_s", "xfers")  # Counters' counters, in order
 
 
 @dataclass
@@ -49,13 +50,11 @@ class Counters:
     running: float = 0.0
 
     def add(self, other: Counters) -> None:
-        for f in ("computed", "busy_s", "steps", "generated", "finished", "xfer_s", "xfers", "running"):
+        for f in (*COUNTED, "running"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
 
     def minus(self, before: Counters) -> Counters:
-        return Counters(self.at - before.at, *(getattr(self, f) - getattr(before, f) for f in
-                                                ("computed", "busy_s", "steps", "generated", "finished", "xfer_s",
-                                                 "xfers")), self.running)
+        return Counters(self.at - before.at, *(getattr(self, f) - getattr(before, f) for f in COUNTED), self.running)
 
 
 # a server's sample -> the Counters field it adds to (those with a label: that label's value only)

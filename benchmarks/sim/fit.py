@@ -11,9 +11,9 @@ live servers get (`--num-threads 1` in pd bench fleet):
   beside a decode batch, as a colocated server runs them.
 
 A decode token's attention is fitted apart from a prompt chunk's (`costs.py`). Each
-point is the median of `--repeats` steps (decode points: 4x as many). The fit is least squares on relative
-error (every point counts alike, short steps as long ones); a coefficient the data make
-negative is dropped (0) and the rest refitted. The transfer's rate and fixed time are
+point is the median of `--repeats` steps (decode points: 4x as many). The fit is least
+squares on relative error (every point counts alike, short steps as long ones); a
+coefficient the data make negative is dropped (0) and the rest refitted. The transfer's rate and fixed time are
 not measured here (flags: by default the NIXL READ rate `python -m benchmarks.transfer`
 measured on this host, see the README). With `--live`, the fixed costs a deployment adds
 (HTTP legs, the server's engine loop, the KV read's fixed part) are measured on idle
@@ -35,7 +35,7 @@ from benchmarks.sim.costs import StepCosts, attention_of
 
 FEATURES = ("fixed_s", "per_token_s", "per_attention_s", "per_sample_s", "per_decode_attention_s")
 # the decode steps --corun times, alone and beside another: a light load's, the most bound by memory (measured:
-# 1.16x at batch 3 over 128 tokens, 1.02x at batch 8 over 512, where compute takes a larger share)
+# 1.15-1.19x at batch 3 over 128 tokens, 1.02x at batch 8 over 512, where compute takes a larger share)
 CORUN_BATCH, CORUN_CONTEXT, CORUN_STEPS, CORUN_ROUNDS = 3, 128, 40, 5
 
 
@@ -201,7 +201,9 @@ def corun_factor(probe: Probe, args: argparse.Namespace) -> dict:
     """How much slower a decode step is while a second engine (a process of its own, the
     same model and threads) steps beside it on this host, as the servers of a fleet on one
     machine do: the shared memory bandwidth and caches. CORUN_ROUNDS rounds, each the
-    median of CORUN_STEPS steps alone, then as many beside the other; the median ratio."""
+    median of CORUN_STEPS steps alone, then as many beside the other; the median ratio.
+    Each round keeps the other's steps in each half (none alone), so that a round it sat
+    out shows in the points file."""
     spawn = multiprocessing.get_context("spawn")
     ready, running, stop, steps = spawn.Event(), spawn.Event(), spawn.Event(), spawn.Value("l", 0, lock=False)
     neighbour = spawn.Process(target=_neighbour, args=(args, ready, running, stop, steps), daemon=True)
