@@ -279,8 +279,7 @@ def _trace(args: argparse.Namespace) -> dict:
     costs = StepCosts.load(args.costs)
     phases = trace.parse_trace_phases(args.phases)
     rates, split = trace.phase_capacities(phases, costs, args.servers, args.ttft_slo, args.tpot_slo, args.capacity)
-    records = trace.generate(phases, costs, args.servers, args.ttft_slo, args.tpot_slo, args.burst,
-                             args.burst_seconds, args.seed, args.capacity)
+    records = trace.generate(phases, rates, args.burst, args.burst_seconds, args.seed)
     trace.write_trace(records, args.output)
     cut = ";".join(f"{p.name}:seconds={p.seconds:g}" for p in phases)
     of = f"{split}P{args.servers - split}D's" if split else "each phase's best split's"

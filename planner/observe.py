@@ -90,6 +90,7 @@ class Observer:
     _servers: dict[str, Counters] = field(default_factory=dict)
     _arrivals: deque = field(default_factory=deque)  # (at, requests that had arrived at the proxy), oldest first
     _estimates: dict[str, float] = field(default_factory=dict)
+    _parts: dict[str, tuple[float, float]] = field(default_factory=dict)  # a ratio's means: (amount, count)
     _steps: deque = field(default_factory=lambda: deque(maxlen=FIT_SAMPLES))
 
     def observe(self) -> tuple[list[Member], Load, Costs]:
@@ -188,8 +189,8 @@ class Observer:
         with neither leaves it as it was."""
         if amount <= 0 and count <= 0:
             return
-        est = self._estimates
-        est[name + ":amount"] = _ewma(est.get(name + ":amount"), amount)
-        est[name + ":count"] = _ewma(est.get(name + ":count"), count)
-        if est[name + ":count"] > 0:
-            est[name] = est[name + ":amount"] / est[name + ":count"]
+        old_amount, old_count = self._parts.get(name, (None, None))
+        mean_amount, mean_count = _ewma(old_amount, amount), _ewma(old_count, count)
+        self._parts[name] = (mean_amount, mean_count)
+        if mean_count > 0:
+            self._estimates[name] = mean_amount / mean_count

@@ -114,12 +114,12 @@ def phase_capacities(phases: list[TracePhase], costs: StepCosts, n: int, ttft_sl
     return [r[split] for r in rates], split + 1
 
 
-def generate(phases: list[TracePhase], costs: StepCosts, n: int, ttft_slo_s: float, tpot_slo_s: float,
-             burst: float, burst_s: float, seed: int, reference: str = "static") -> list[dict]:
-    """The trace's records (Mooncake's fields), in time order."""
+def generate(phases: list[TracePhase], capacities: list[float], burst: float, burst_s: float,
+             seed: int) -> list[dict]:
+    """The trace's records (Mooncake's fields), in time order: each phase loaded to its
+    share of its capacity (`phase_capacities`), requests per second."""
     rng = np.random.default_rng(seed)
     records, start, next_hash = [], 0.0, 0
-    capacities, _ = phase_capacities(phases, costs, n, ttft_slo_s, tpot_slo_s, reference)
     for phase, capacity_rate in zip(phases, capacities):
         rate = capacity_rate * phase.load
         t = start
