@@ -3,8 +3,8 @@
 A launcher starts `pd serve --model M --role both --kv-connector nixl --register PROXY
 --register-role ROLE` (and the deployment's `--serve-args`): the server joins the proxy's
 fleet by itself once it is ready, and the planner finds it in the proxy's list. Until
-then it is *starting*: the planner counts it (so that it does not ask for a second one)
-and never moves it (`with_launched`).
+then it is *starting*: the planner counts it (so that it does not ask for a second one),
+never moves it, and stops no server while it starts (`with_launched`).
 
 Stopping one (`stop`): the planner has drained it through the proxy's admin API first, so
 no new request reaches it; the launcher then sends SIGTERM. The server finishes what it
@@ -240,5 +240,5 @@ def with_launched(members: list[Member], launcher: Launcher | None) -> list[Memb
         return members
     stoppable = launcher.stoppable()
     starting = launcher.starting({m.url for m in members})
-    return [replace(m, stoppable=m.url in stoppable) for m in members] + [Member(s.url, s.role, (s.role,))
-                                                                          for s in starting]
+    return [replace(m, stoppable=m.url in stoppable) for m in members] + [
+        Member(s.url, s.role, (s.role,), starting=True) for s in starting]

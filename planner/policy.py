@@ -24,8 +24,9 @@ may also grow or shrink by one server, within `min_instances` and `max_instances
 - a fleet meeting the SLO gives back a server it started (`Member.stoppable`) when one
   fewer still scores `margin` under the SLO, and has for `scale_down_after_s` without a
   break (a lull between arrivals is no reason to stop a server it will want back a
-  second later): the least loaded of the role whose removal scores best. Its drain comes
-  first (planner/launchers.py).
+  second later), and no server it started is still starting (the fleet's size is in
+  flux until it has joined, and stopping one for it undoes the start): the least loaded
+  of the role whose removal scores best. Its drain comes first (planner/launchers.py).
 The same patience and cool-down apply; an add or a remove is one server.
 """
 
@@ -50,6 +51,7 @@ class Member:
     in_flight: int = 0
     draining: bool = False
     stoppable: bool = False  # the planner's launcher started it, and may stop it
+    starting: bool = False  # the launcher started it and it has not joined yet: counted, never moved
 
     @property
     def switchable(self) -> bool:
@@ -171,13 +173,14 @@ class Planner:
 
     def _resized(self, taking: list[Member], now_p: int) -> list[Split]:
         """The splits one server more (of either role) or one fewer (one the planner
-        started) reach, within the scaling bounds; none without scaling."""
+        started, none while one it started is still starting) reach, within the scaling
+        bounds; none without scaling."""
         if self.scaling is None:
             return []
         n, out = len(taking), []
         if n < self.scaling.max_instances:
             out += [(n + 1, now_p + 1), (n + 1, now_p)]
-        if n > self.scaling.min_instances:
+        if n > self.scaling.min_instances and not any(m.starting for m in taking):
             for role in {m.role for m in taking if m.stoppable}:
                 p = now_p - (role == "prefill")
                 if p >= 1 and n - 1 - p >= 1:

@@ -56,7 +56,9 @@ def test_one_starting_is_counted_and_never_moved_one_stopping_is_neither(launche
         by_url = {m.url: m for m in members}
         assert by_url["http://127.0.0.1:5"].stoppable and not by_url["http://127.0.0.1:6"].stoppable
         joining = by_url["http://127.0.0.1:4"]
-        assert (joining.role, joining.switchable, joining.stoppable) == ("prefill", False, False)
+        assert (joining.role, joining.switchable, joining.stoppable, joining.starting) == ("prefill", False, False,
+                                                                                          True)
+        assert not by_url["http://127.0.0.1:5"].starting
         launcher.stop("http://127.0.0.1:4")
         assert launcher.stoppable() == {"http://127.0.0.1:5"}  # 4 is stopping, or stopped and forgotten
         assert launcher.starting(set()) == [launcher.started["http://127.0.0.1:5"]]

@@ -134,6 +134,17 @@ def test_a_fleet_with_room_to_spare_stops_a_server_it_started_never_one_it_did_n
     assert Planner(SLO, patience=1, cooldown_s=0, scaling=Scaling(4, 6)).decide(started, LIGHT, COSTS).action == "keep"
 
 
+def test_no_server_is_stopped_while_one_the_planner_started_is_still_starting() -> None:
+    # 2P1D joined and a prefill server still starting: one fewer would meet the SLO, but the
+    # fleet's size is in flux until the new one joins (stopping one for it undoes the start)
+    joined = [replace(m, stoppable=True) for m in fleet("ppd")]
+    starting = Member("http://127.0.0.1:8009", "prefill", ("prefill",), starting=True)
+    planner = Planner(SLO, patience=1, cooldown_s=0, scaling=Scaling(2, 4), scale_down_after_s=0)
+    assert planner.decide([*joined, starting], LIGHT, COSTS).action == "keep"
+    joined_now = replace(starting, roles=("prefill", "decode"), stoppable=True, starting=False)
+    assert planner.decide([*joined, joined_now], LIGHT, COSTS).action == "remove"
+
+
 def test_a_server_is_stopped_only_once_fewer_have_been_enough_for_a_while_without_a_break() -> None:
     clock = Clock()
     planner = Planner(SLO, patience=1, cooldown_s=0, clock=clock, scaling=Scaling(2, 4), scale_down_after_s=30)
