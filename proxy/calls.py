@@ -33,7 +33,8 @@ class Call:
     picked: dict[str, tuple[int, int]] = field(default_factory=dict)
     bound: Instance | None = None
     prefix: dict[str, Any] | None = None  # a decode server's parameters for a prefix P reads (reuse.py)
-    canary: Any = None  # its canary's Tap (canary.py): D is asked for the token ids
+    tap: Any = None  # its Tap (tap.py), for the canary or a migration: D is asked for the token ids
+    canary: bool = False  # its answer is run again colocated once whole (canary.py)
     span: Any = None  # its request span, with tracing on (spans.py)
 
     def bind(self, instance: Instance) -> None:
@@ -127,3 +128,14 @@ class TryAnother:
 
     retry_after_s: float | None = None
     stale: bool = False  # a kept-alive connection closed unanswered
+
+
+@dataclass(frozen=True)
+class Broke:
+    """A decode server failed the request before the client got anything of its answer
+    (`reason`: migration.REASONS); `answer` is what the client gets unless the request is
+    taken to another (migration.py)."""
+
+    instance: Instance
+    reason: str
+    answer: Response

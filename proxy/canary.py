@@ -8,7 +8,7 @@ body to one server alone (`kv_transfer_params` absent), another instance than th
 request's P and D where there is one. The two answers' token ids are compared:
 
 - to see the PD answer's, D is asked for them (`return_token_ids`) and, when the client
-  did not ask, they are taken out of what the client gets (`Tap`);
+  did not ask, they are taken out of what the client gets (`Tap`, tap.py);
 - the reference is asked for them and, at each token, the ids and logprobs of the two
   most likely tokens (`logprobs`, read by id from `top_token_ids`).
 
@@ -30,17 +30,16 @@ after the client's answer ended (never delaying it), outside the proxy's queue a
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from proxy.calls import Call
 from proxy.instances import Instance
+from proxy.tap import Tap
 from telemetry import tracing
 from wire.headers import REQUEST_ID
 from wire.kv_params import KV_TRANSFER_PARAMS
@@ -58,70 +57,6 @@ def pins_tokens(body: dict[str, Any]) -> bool:
     seeded = isinstance(body.get("seed"), int) and not isinstance(body.get("seed"), bool)
     one = body.get("n", 1) in (1, None) and body.get("best_of", 1) in (1, None)
     return (greedy or seeded) and one
-
-
-@dataclass
-class Tap:
-    """What a PD answer says of its tokens as it passes to the client: its token ids
-    (asked of D), taken out of what the client gets unless the client asked too."""
-
-    keep: bool  # the client asked for token ids itself
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    broken: str | None = None  # why the answer could not be read (no canary then)
-    _pending: bytes = b""
-
-    def body(self, content: bytes) -> bytes:
-        """An unstreamed answer: its token ids read, and taken out if the client did not ask."""
-        try:
-            answer = json.loads(content)
-            choice = answer["choices"][0]
-            self.token_ids = list(choice["token_ids"])
-            self.finish_reason = choice.get("finish_reason")
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            self.broken = f"an answer without token ids ({type(exc).__name__})"
-            return content
-        if self.keep:
-            return content
-        for choice in answer["choices"]:
-            _strip(choice)
-        return json.dumps(answer).encode()
-
-    def chunk(self, data: bytes) -> bytes:
-        """Part of a stream: every event it completes read (and rewritten without token
-        ids if the client did not ask), the rest kept until its end comes."""
-        self._pending += data
-        head, sep, rest = self._pending.rpartition(b"\n\n")
-        if not sep:
-            return b"" if not self.keep else data
-        self._pending = rest
-        events = [self._event(e) for e in (head + sep).split(b"\n\n")[:-1]]
-        return data if self.keep else b"".join(e + b"\n\n" for e in events)
-
-    def flush(self) -> bytes:
-        """What is left of a stream that ended without a last blank line."""
-        rest, self._pending = self._pending, b""
-        return b"" if self.keep else rest
-
-    def _event(self, event: bytes) -> bytes:
-        if not event.startswith(b"data: {"):
-            return event
-        try:
-            chunk = json.loads(event[len(b"data: "):])
-            for choice in chunk.get("choices") or []:
-                if choice.get("index", 0) == 0:
-                    self.token_ids += choice.get("token_ids") or []
-                    self.finish_reason = choice.get("finish_reason") or self.finish_reason
-                _strip(choice)
-        except (ValueError, AttributeError, TypeError) as exc:
-            self.broken = f"a stream event that is not a chunk ({type(exc).__name__})"
-            return event
-        return event if self.keep else b"data: " + json.dumps(chunk).encode()
-
-
-def _strip(choice: dict[str, Any]) -> None:
-    for key in ("token_ids", "top_token_ids"):
-        choice.pop(key, None)
 
 
 def reference_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -167,11 +102,9 @@ class Canaries:
         self.inflight = 0
         self._tasks: set[asyncio.Task] = set()
 
-    def tap(self, call: Call) -> Tap | None:
-        """A tap for a PD request the canary samples, else None."""
-        if self.fraction <= 0 or not pins_tokens(call.body) or self.draw() >= self.fraction:
-            return None
-        return Tap(keep=call.body.get("return_token_ids") is True)
+    def samples(self, call: Call) -> bool:
+        """Whether the canary takes this PD request."""
+        return self.fraction > 0 and pins_tokens(call.body) and self.draw() < self.fraction
 
     def done(self, tap: Tap, ok: bool, run: Callable[[], Any]) -> None:
         """The PD answer ended (`ok`: sent whole): run its canary in the background, unless

@@ -7,7 +7,10 @@
    `kv_transfer_params={"do_remote_decode": true}` (`prefill_body`); P answers with the
    `kv_transfer_params` under which it keeps the prompt's blocks.
 4. Decode: the original body plus those parameters goes to D, whose answer (streamed or
-   not) is passed back unchanged. Both get the same `X-Request-Id`.
+   not) is passed back unchanged. Both get the same `X-Request-Id`. A D that fails the
+   request midway (its connection lost, its engine dead) is replaced by another: the
+   request is sent again whole, or its stream resumed from the tokens its client has
+   (`migration.py`, `--migration-limit`).
 
 Under `--disagg-policy conditional`, step 3 is skipped for a request D can well compute
 itself (`disagg.py`), or that no P could be reached for: the body goes to D as it is;
@@ -27,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
@@ -40,11 +44,13 @@ from proxy import spans
 from proxy.admission import QueueFull, QueueTimeout
 from proxy.answers import overloaded_response
 from proxy.body import BodyError, parse_body
-from proxy.calls import Call, NoRoom, Opened, Prefilled, Unreached
+from proxy.calls import Broke, Call, NoRoom, Opened, Prefilled, Unreached
 from proxy.disagg import DISAGGREGATED, LOCAL, REUSE, choose_path, reuse_tokens
 from proxy.errors import error_response
 from proxy.instances import EmptyPoolError, Instance, NoInstanceError, OverloadedError, Route
+from proxy.migration import Migration, failure, paused, reopen, resumable
 from proxy.reuse import prefill_reusing
+from proxy.tap import Tap
 from proxy.upstream import Upstream
 from wire.body import read_body
 from wire.codes import NO_INSTANCE
@@ -217,20 +223,26 @@ def priority(body: dict[str, Any], most_urgent: int) -> int:
 async def _decode(upstream: Upstream, request: Request, call: Call, prefilled: Prefilled | None,
                   decode: Instance) -> Response:
     """D's answer for the client; P's blocks released whenever no D will read them. A PD
-    request the canary samples is run again alone once its answer is whole (canary.py)."""
-    call.canary = upstream.canaries.tap(call) if prefilled is not None else None
+    request the canary samples is run again alone once its answer is whole (canary.py).
+    A stream that may be resumed elsewhere, or one the canary samples, is read as it
+    passes (`Tap`)."""
+    call.canary = prefilled is not None and upstream.canaries.samples(call)
+    resumes = call.stream and upstream.config.migration_limit > 0 and resumable(call.body)
+    if call.canary or resumes:
+        call.tap = Tap(keep=call.body.get("return_token_ids") is True, hold_errors=resumes)
     response = await _decode_answer(upstream, request, call, prefilled, decode)
-    if call.canary is not None and not call.stream:  # a stream's canary runs as the stream ends (`_relay`)
+    if call.canary and not call.stream:  # a stream's canary runs as the stream ends (`_relay`)
         exclude = {decode.url} | ({prefilled.instance.url} if prefilled is not None else set())
-        upstream.canaries.done(call.canary, response.status_code == 200, upstream.canary(call, call.canary, exclude))
+        upstream.canaries.done(call.tap, response.status_code == 200, upstream.canary(call, call.tap, exclude))
     return response
 
 
 async def _decode_answer(upstream: Upstream, request: Request, call: Call, prefilled: Prefilled | None,
                          decode: Instance) -> Response:
+    migration = Migration(upstream.config.migration_limit)
     try:
-        opened = await until_disconnected(request, upstream.open_decode(
-            call, decode, None if prefilled is None else prefilled.params))
+        opened = await until_disconnected(request, _opened(upstream, call, migration, upstream.open_decode(
+            call, decode, None if prefilled is None else prefilled.params)))
     except ClientGone as gone:
         if isinstance(gone.result, Opened):
             await gone.result.close()  # aborts the request on D
@@ -241,23 +253,61 @@ async def _decode_answer(upstream: Upstream, request: Request, call: Call, prefi
         return opened
     path = LOCAL if prefilled is None else REUSE if prefilled.reused else DISAGGREGATED
     headers = {REQUEST_ID: call.request_id, PD_PATH: path} | call.route_headers()
+    if migration.count:  # P's blocks are not read (the failed D may have): free them
+        await _release(upstream, prefilled, call)
+        prefilled = None
     if call.stream:
         exclude = {opened.instance.url} | ({prefilled.instance.url} if prefilled is not None else set())
-        return StreamingResponse(_relay(upstream, opened, call, path, exclude), media_type="text/event-stream",
-                                 headers=headers | {"Cache-Control": "no-cache"})
-    try:
-        content = await until_disconnected(request, opened.response.aread())
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED)
-    except httpx.HTTPError as exc:
-        if isinstance(exc, httpx.TransportError):
-            upstream.failed(opened.instance, f"{type(exc).__name__}: {exc}")
-        return error_response(f"the decode server {opened.instance.url} failed: {exc}", 502)
-    finally:
-        await opened.close()
-    if call.canary is not None and opened.response.status_code == 200:
-        content = call.canary.body(content)
-    return Response(content, opened.response.status_code, media_type="application/json", headers=headers)
+        return StreamingResponse(_relay(upstream, opened, call, path, exclude, migration, prefilled),
+                                 media_type="text/event-stream", headers=headers | {"Cache-Control": "no-cache"})
+    answer = await _whole(upstream, request, call, opened, migration)
+    if migration.count:
+        await _release(upstream, prefilled, call)
+    if not isinstance(answer, tuple):
+        return answer
+    status, content = answer
+    if call.tap is not None and status == 200:
+        content = call.tap.body(content)
+    return Response(content, status, media_type="application/json", headers=headers)
+
+
+async def _whole(upstream: Upstream, request: Request, call: Call, opened: Opened,
+                 migration: Migration) -> tuple[int, bytes] | Response:
+    """D's unstreamed answer (status, body); where D fails it before the end, the request
+    sent again, whole, to another D (nothing of it reached the client), or a 502."""
+    while True:
+        try:
+            return opened.response.status_code, await until_disconnected(request, opened.response.aread())
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        except httpx.HTTPError as exc:
+            if isinstance(exc, httpx.TransportError):
+                upstream.failed(opened.instance, f"{type(exc).__name__}: {exc}")
+            answer = error_response(f"the decode server {opened.instance.url} failed: {exc}", 502)
+            if (reason := failure(exc)) is None:
+                return answer
+            failed = opened.instance
+        finally:
+            await opened.close()
+        try:
+            again = await until_disconnected(request, reopen(upstream, call, None, migration, failed, reason, answer))
+        except ClientGone as gone:
+            if isinstance(gone.result, Opened):
+                await gone.result.close()
+            return Response(status_code=CLIENT_CLOSED)
+        if not isinstance(again, Opened):
+            return again
+        opened = again
+
+
+async def _opened(upstream: Upstream, call: Call, migration: Migration,
+                  opening: Awaitable[Opened | Response | Broke]) -> Opened | Response:
+    """What `opening` opened; where a decode server took the request and failed it before
+    answering anything, the request taken to another (migration.py)."""
+    opened = await opening
+    if isinstance(opened, Broke):
+        opened = await reopen(upstream, call, call.tap, migration, opened.instance, opened.reason, opened.answer)
+    return opened
 
 
 async def _release(upstream: Upstream, prefilled: Prefilled | None, call: Call) -> None:
@@ -265,32 +315,85 @@ async def _release(upstream: Upstream, prefilled: Prefilled | None, call: Call) 
         await upstream.release(prefilled, call.headers)
 
 
-async def _relay(upstream: Upstream, opened: Opened, call: Call, path: str,
-                 exclude: set[str]) -> AsyncIterator[bytes]:
-    """D's stream, byte for byte (less the token ids a canary asked D for); closing it
-    (the client left) closes D's request."""
+class _Broken:
+    """How one decode server's stream ended: `reason` (migration.REASONS) and `why` when
+    it failed the request; both None when it ended (or failed the request for the
+    request's own reasons, which the client is told as D said)."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self.why: str | None = None
+        self.sent = False  # anything of the answer reached the client (from any server)
+
+
+async def _relay(upstream: Upstream, opened: Opened, call: Call, path: str, exclude: set[str],
+                 migration: Migration, prefilled: Prefilled | None) -> AsyncIterator[bytes]:
+    """D's stream, byte for byte (less the token ids the tap asked D for); closing it
+    (the client left) closes D's request. Where D fails midway, the stream goes on from
+    another D (migration.py), or ends with an error event."""
     status = CLIENT_CLOSED  # unless it is sent to its end
-    tap = call.canary
+    tap, broken = call.tap, _Broken()
+    try:
+        while True:
+            async for chunk in _pass_on(upstream, opened, tap, migration, broken):
+                yield chunk
+            if broken.why is None:
+                status = 200
+                break
+            await opened.close()
+            answer = error_response(f"the decode server failed mid-stream: {broken.why}", 502)
+            if broken.reason is not None and (not broken.sent or (tap is not None and tap.hold_errors)):
+                migration.broke_at = time.monotonic()
+                await _release(upstream, prefilled, call)  # the failed D may have read them, or not
+                prefilled = None
+                resumed = await reopen(upstream, call, tap, migration, opened.instance, broken.reason, answer)
+                if isinstance(resumed, Opened):
+                    opened = resumed
+                    exclude.add(opened.instance.url)
+                    if tap is not None:
+                        tap.switched()
+                    continue
+            status = 502
+            yield _error_event(error_body(f"the decode server failed mid-stream: {broken.why}", "bad_gateway"))
+            break
+    finally:
+        await opened.close()
+        if call.canary:
+            upstream.canaries.done(tap, status == 200, upstream.canary(call, tap, exclude))
+        spans.end(call, status, path)
+
+
+async def _pass_on(upstream: Upstream, opened: Opened, tap: Tap | None, migration: Migration,
+                   broken: _Broken) -> AsyncIterator[bytes]:
+    """One decode server's stream to the client, until it ends or fails (`broken` says)."""
+    broken.reason = broken.why = None
     try:
         async for chunk in opened.response.aiter_raw():
             if tap is not None:
                 chunk = tap.chunk(chunk)
             if chunk:
+                if (pause := paused(migration)) is not None:
+                    upstream.metrics.migration_pause.observe(pause)
+                broken.sent = True
                 yield chunk
-        if tap is not None and (rest := tap.flush()):
+            if tap is not None and tap.error is not None:
+                break
+        if tap is not None and tap.error is not None:  # D said it failed: for the request's own reasons?
+            error = tap.error
+            broken.reason, broken.why = failure(error=error), str(error.get("message"))
+            if broken.reason is None:  # the request's own: passed on as D said it
+                broken.why = None
+                yield _error_event({"error": error})
+        elif tap is not None and (rest := tap.flush()):
             yield rest
-        status = 200
-    except httpx.HTTPError as exc:  # D failed midway: end the stream with an error event
-        status = 502
+    except httpx.HTTPError as exc:  # D failed midway
         if isinstance(exc, httpx.TransportError):
             upstream.failed(opened.instance, f"{type(exc).__name__}: {exc}")
-        message = error_body(f"the decode server failed mid-stream: {exc}", "bad_gateway")
-        yield f"data: {json.dumps(message)}\n\ndata: [DONE]\n\n".encode()
-    finally:
-        await opened.close()
-        if tap is not None:
-            upstream.canaries.done(tap, status == 200, upstream.canary(call, tap, exclude))
-        spans.end(call, status, path)
+        broken.reason, broken.why = failure(exc), f"{type(exc).__name__}: {exc}"
+
+
+def _error_event(error: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
 
 
 async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:

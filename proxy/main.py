@@ -124,6 +124,10 @@ def _add_fault_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-retries", type=int, default=PROXY_DEFAULTS["max_retries"], metavar="N",
                         help="other prefill servers a request is sent to after one did not take it (no connection, "
                              "timeout, 5xx, dead engine, too many blocks held); 0: none (default %(default)s)")
+    parser.add_argument("--migration-limit", type=int, default=PROXY_DEFAULTS["migration_limit"], metavar="N",
+                        help="times a request is resumed on another decode server after its own failed midway "
+                             "(connection lost, engine died): a stream goes on from the tokens it had, an "
+                             "unstreamed request is run again; 0: never (default %(default)s)")
     parser.add_argument("--retry-backoff", type=float, default=PROXY_DEFAULTS["retry_backoff_s"], metavar="S",
                         help="seconds before the first retry, doubled for each next one, times a random factor "
                              "in [1, 2) (default %(default)s)")
@@ -178,6 +182,7 @@ def proxy_config(args: argparse.Namespace) -> ProxyConfig:
                            server_api_key=args.server_api_key, probe_interval_s=args.probe_interval,
                            timeout_s=args.timeout, prefill_timeout_s=args.prefill_timeout,
                            decode_timeout_s=args.decode_timeout, max_retries=args.max_retries,
+                           migration_limit=args.migration_limit,
                            retry_backoff_s=args.retry_backoff, breaker_failures=args.breaker_failures,
                            breaker_cooldown_s=args.breaker_cooldown, max_outstanding=args.max_outstanding,
                            max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,

@@ -14,6 +14,8 @@ from proxy.canary import RESULTS as CANARY_RESULTS
 from proxy.disagg import PATHS
 from proxy.fleet import ACTIONS as FLEET_ACTIONS
 from proxy.instances import InstancePool
+from proxy.migration import OUTCOMES as MIGRATION_OUTCOMES
+from proxy.migration import REASONS as MIGRATION_REASONS
 from wire.fleet import DECISION_ACTIONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -23,6 +25,7 @@ OVERLAP_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 CACHED_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)  # the servers' (pd/server/metrics.py), so that the two compare
+PAUSE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 
@@ -132,6 +135,22 @@ class ProxyMetrics:
                                     "within --canary-tie-logprob), mismatch, error (no colocated answer), skipped "
                                     "(past --canary-max-inflight, or no server to run it).", "result",
                                     CANARY_RESULTS)
+
+        self.migrations = Counter("pd_proxy_migrations", "Requests taken to another decode server after theirs "
+                                  "failed them midway (--migration-limit), by reason (connection: lost or timed "
+                                  "out; engine_died) and outcome: resumed (a stream, from the tokens its client "
+                                  "had), replayed (sent again whole: nothing had reached the client), failed (not "
+                                  "migrated: the limit, no decode server left, a stream that cannot be resumed).",
+                                  ["reason", "outcome"], registry=self.registry)
+        for reason in MIGRATION_REASONS:
+            for outcome in MIGRATION_OUTCOMES:
+                self.migrations.labels(reason=reason, outcome=outcome)
+        self.migrated_tokens = self._counter("pd_proxy_migrated_tokens", "Generated tokens of migrated requests, "
+                                             "by how the new decode server got their KV: replayed (computed again "
+                                             "from their ids).", "how", ("replayed",))
+        self.migration_pause = Histogram("pd_proxy_migration_pause_seconds", "Seconds a resumed stream stood "
+                                         "still: from its decode server's failure to the first bytes from the "
+                                         "next.", buckets=PAUSE_BUCKETS, registry=self.registry)
 
     def _counter(self, name: str, documentation: str, label: str, values: Iterable[str]) -> Counter:
         """A counter by one label, each of `values` exposed (at 0) before it is first counted."""

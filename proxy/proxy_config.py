@@ -33,6 +33,7 @@ class ProxyConfig:
     decode_timeout_s: float | None = None  # the decode phase: between bytes of D's answer (None: timeout_s)
     max_retries: int = 2  # other prefill servers tried after one failed
     retry_backoff_s: float = 0.05  # before retry k: this x 2^(k-1) x [1, 2)
+    migration_limit: int = 3  # times a request whose decode server failed is resumed on another (migration.py)
     breaker_failures: int = 1  # failures in a row that open a server's breaker
     breaker_cooldown_s: float = 5.0  # before an open breaker lets a trial through
     max_outstanding: int = 0  # requests in flight per server at most; past it on every one: queued (0: no limit)
@@ -74,8 +75,9 @@ class ProxyConfig:
         if min(self.probe_interval_s, self.timeout_s, self.release_timeout_s, self.phase_timeout_s("prefill"),
                self.phase_timeout_s("decode"), self.breaker_cooldown_s) <= 0:
             raise ValueError("the probe interval, the timeouts and the breaker's cool-down must be positive")
-        if self.max_retries < 0 or self.retry_backoff_s < 0 or self.max_outstanding < 0 or self.max_queue < 0:
-            raise ValueError("max_retries, the retry backoff, max_outstanding and max_queue must not be negative")
+        if min(self.max_retries, self.retry_backoff_s, self.max_outstanding, self.max_queue, self.migration_limit) < 0:
+            raise ValueError("max_retries, the retry backoff, max_outstanding, max_queue and the migration limit must "
+                             "not be negative")
         if not -2**31 <= self.max_client_priority < 2**31:
             raise ValueError(f"the most urgent client priority must be an integer of 32 bits, got "
                              f"{self.max_client_priority}")

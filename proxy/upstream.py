@@ -16,8 +16,10 @@ request; a draining D is replaced the same way, by another D reading P's blocks)
 once for a kept-alive connection closed unanswered (`connections.py`). A P that took
 the request and then dropped the connection, timed out, answered a 5xx of its own or
 died serving it may have been failed by the request itself (a poison request would
-otherwise walk the fleet): the client gets 502 or that answer. A 4xx is the server's
-verdict on this request, passed back as it is.
+otherwise walk the fleet): the client gets 502 or that answer. A D that took the request
+and then failed it (its connection broke, or "engine_died") is `Broke`: the request is
+taken to another D (migration.py), at most `--migration-limit` times, which bounds such
+a walk. A 4xx is the server's verdict on this request, passed back as it is.
 
 No room (every instance of a role at `max_outstanding`, or every P answering
 kv_held_limit) is `NoRoom`: the request waits in the proxy's queue (`admission.py`) and
@@ -52,15 +54,16 @@ from proxy.answers import (
 )
 from proxy.body import BodyError, parse_body, prefill_body, token_id_prompt
 from proxy.breaker import Breaker
-from proxy.calls import Call, NoRoom, Opened, Prefilled, TryAnother, Unreached
-from proxy.canary import Canaries, Tap, check
+from proxy.calls import Broke, Call, NoRoom, Opened, Prefilled, TryAnother, Unreached
+from proxy.canary import Canaries, check
 from proxy.connections import ConnectionTrace
 from proxy.errors import error_response
 from proxy.fleet import Change, Fleet, allowed_networks
 from proxy.instances import EmptyPoolError, Instance, InstancePool, NoInstanceError, OverloadedError
 from proxy.metrics import ProxyMetrics
 from proxy.proxy_config import ProxyConfig
-from wire.codes import ENGINE_DEAD, KV_HELD_LIMIT, NO_INSTANCE
+from proxy.tap import Tap
+from wire.codes import ENGINE_DEAD, ENGINE_DIED, KV_HELD_LIMIT, NO_INSTANCE
 from wire.headers import REQUEST_ID, retry_after
 from wire.kv_params import KV_TRANSFER_PARAMS, REMOTE_REQUEST_ID, SIGNATURE
 
@@ -260,16 +263,21 @@ class Upstream:
                                   "(is it started with --kv-connector nixl?)", 502)
         return Prefilled(instance, params, reused=call.prefix is not None)
 
-    async def open_decode(self, call: Call, first: Instance, params: dict[str, Any] | None) -> Opened | Response:
+    async def open_decode(self, call: Call, first: Instance, params: dict[str, Any] | None,
+                          body: dict[str, Any] | None = None,
+                          tried: set[str] | None = None) -> Opened | Response | Broke:
         """D's 200 response, from `first` unless it is unhealthy by now, then from any
-        other D while none could be reached (nothing was sent: another may take the same
-        parameters; once also after a kept-alive connection closed unanswered); or the
+        other D (not in `tried`) while none could be reached (nothing was sent: another
+        may take the same parameters; once also after a kept-alive connection closed
+        unanswered); Broke when D took the request and failed it (migration.py); or the
         response for the client (D's verdict, 502, 503). Without P's `params`, D
-        prefills the request itself."""
-        body = call.body if params is None else call.body | {KV_TRANSFER_PARAMS: params}
-        if call.canary is not None:
-            body = body | {"return_token_ids": True}  # what the canary compares (the tap takes them out)
-        tried: set[str] = set()
+        prefills the request itself. `body`: the call's own unless given (a migration's)."""
+        body = call.body if body is None else body
+        if params is not None:
+            body = body | {KV_TRANSFER_PARAMS: params}
+        if call.tap is not None:
+            body = body | {"return_token_ids": True}  # what the tap reads (and takes out again)
+        tried = set() if tried is None else tried
         instance, stale_retry = first, True
         while True:
             # it may have failed, begun to drain, or been given the prefill role while the request prefilled
@@ -291,7 +299,7 @@ class Upstream:
                                       NO_INSTANCE if isinstance(exc, EmptyPoolError) else None)
 
     async def _open_at(self, instance: Instance, call: Call, body: dict[str, Any],
-                       stale_retry: bool) -> Opened | Response | TryAnother:
+                       stale_retry: bool) -> Opened | Response | TryAnother | Broke:
         trace = ConnectionTrace()  # whether a failure below was the keep-alive race
         span, headers = spans.calling(call, instance)
         request = self.client.build_request("POST", instance.url + call.endpoint, json=body, headers=headers,
@@ -318,11 +326,13 @@ class Upstream:
             return TryAnother()
         except httpx.HTTPError as exc:
             error = type(exc).__name__
+            answer = error_response(f"the decode server {instance.url} failed: {exc}", 502)
             if isinstance(exc, httpx.TransportError):
                 self.failed(instance, f"{type(exc).__name__}: {exc}")
                 if trace.stale and stale_retry:  # the connection was closed under it: D never had it
                     return TryAnother(stale=True)
-            return error_response(f"the decode server {instance.url} failed: {exc}", 502)
+                return Broke(instance, "connection", answer)
+            return answer
         finally:
             instance.breaker.finish()
             if opened is None:
@@ -331,7 +341,7 @@ class Upstream:
                 instance.outstanding_tokens -= work
                 self.admission.changed()
 
-    async def _refused_by_decode(self, instance: Instance, response: httpx.Response) -> Response | TryAnother:
+    async def _refused_by_decode(self, instance: Instance, response: httpx.Response) -> Response | TryAnother | Broke:
         try:
             await response.aread()
         finally:
@@ -342,6 +352,8 @@ class Upstream:
             self.failed(instance, f"HTTP {response.status_code}: {response.text[:200]}")
         else:
             instance.mark_succeeded()  # its verdict on this request
+        if error_code(response) == ENGINE_DIED:
+            return Broke(instance, ENGINE_DIED, passed_back(instance, response))
         return passed_back(instance, response)
 
     async def release(self, prefilled: Prefilled, headers: dict[str, str]) -> None:

@@ -126,7 +126,7 @@ FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "n", "bes
           "stream_options", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "min_tokens", "ignore_eos", "response_format", "structured_outputs", "guided_json", "guided_regex",
           "guided_choice", "guided_grammar", "tools", "tool_choice", "kv_transfer_params", "cache_salt", "model",
-          "priority", "remote_request_id", "signature", "return_token_ids", "chat_template_kwargs"]
+          "priority", "remote_request_id", "signature", "return_token_ids", "chat_template_kwargs", "resume"]
 VALID = {
     "/v1/completions": {"prompt": PROMPT, "max_tokens": 4},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4},
@@ -146,6 +146,8 @@ SPECIAL = st.sampled_from([
       for extra in ({"kv_digests": ["AAAAAAAAAAA="]}, {"kv_digests": ["not base64!"]}, {"kv_digests": []},
                     {"kv_digests": [1, 2]}, {"prompt_sources": {"computed": 1, "disk": 2**40}},
                     {"prompt_sources": {"elsewhere": 1}}, {"prompt_sources": [1]})),
+    {"token_ids": [1, 2]}, {"token_ids": [1, 2], "text_chars": -1}, {"token_ids": [2**40], "text_chars": 2**63},
+    {"token_ids": [5] * 64, "text_chars": 3}, {"token_ids": []}, {"text_chars": 1},  # resume
     "\udcff", "\x00" * 10, 2**63, -1, float("nan"), float("inf"), [[]], {"type": "json_schema"},
     {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/x"}}}, {"grammar": "start: start"},
 ])

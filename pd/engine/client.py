@@ -246,7 +246,7 @@ class EngineClient:
         EngineDeadError if the engine dies. Stopping early (aclose, cancellation) aborts
         the request, every sequence of it, in the core."""
         queue = self._register(request.request_id)
-        unfinished = set(range(request.sampling_params.n))
+        unfinished = set(request.sequences)
         try:
             self._send(request)
             while unfinished:

@@ -138,6 +138,7 @@ class EngineCore:
         first = list(request.remote_prefill.first_token_ids) if request.remote_prefill else []
         bias = [token for token, _ in request.sampling_params.logit_bias]
         for what, ids in (("prompt", request.prompt_token_ids),
+                          (f"resume.choices.{request.index}.token_ids", request.output_token_ids),
                           ("stop_token_ids", request.sampling_params.stop_token_ids),
                           ("kv_transfer_params.first_token_ids", first), ("logit_bias", bias)):
             bad = [t for t in ids if not 0 <= t < vocab]

@@ -28,27 +28,50 @@ if TYPE_CHECKING:
 class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
     """A request to add: its token ids, its `SamplingParams` (checked again as the
     engine process decodes them: a bad set is answered with an error output) and its
-    PD parameters, already typed (pd/kv_transfer/params.py)."""
+    PD parameters, already typed (pd/kv_transfer/params.py).
+
+    `resumed`: a stream taken up from another server, per sequence the tokens it
+    generated there (None: it had ended there, and is not run). Each sequence left to run
+    is a request of its own from the start (sequence j as an n > 1 request forks it: its
+    own seed), its tokens computed with the prompt and counted as its output (max_tokens,
+    penalties, its grammar, a seed's draws)."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     kv_transfer_params: TransferParams | None = None
     cache_salt: str | None = None
+    resumed: list[list[int] | None] = []
 
     @classmethod
     def create(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               kv_transfer_params: TransferParams | None = None,
-               cache_salt: str | None = None) -> EngineRequest:
+               kv_transfer_params: TransferParams | None = None, cache_salt: str | None = None,
+               resumed: list[list[int] | None] | None = None) -> EngineRequest:
         return cls(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
-                   kv_transfer_params=kv_transfer_params, cache_salt=cache_salt)
+                   kv_transfer_params=kv_transfer_params, cache_salt=cache_salt, resumed=list(resumed or []))
 
-    def to_request(self) -> Request:
-        """The engine's Request; ValueError for an empty prompt."""
-        from pd.contracts.request import Request
+    @property
+    def sequences(self) -> list[int]:
+        """The indices of the sequences the engine runs for it."""
+        if not self.resumed:
+            return list(range(self.sampling_params.n))
+        return [j for j, tokens in enumerate(self.resumed) if tokens is not None]
 
-        return Request(self.request_id, list(self.prompt_token_ids), self.sampling_params,
-                       kv_transfer_params=self.kv_transfer_params, cache_salt=self.cache_salt)
+    def to_requests(self) -> list[Request]:
+        """The engine's Requests: the request, or each resumed sequence left to run;
+        ValueError for an empty prompt, or a resume that does not fit its `n`."""
+        from pd.contracts.request import Request, sequence_id
+
+        if not self.resumed:
+            return [Request(self.request_id, list(self.prompt_token_ids), self.sampling_params,
+                            kv_transfer_params=self.kv_transfer_params, cache_salt=self.cache_salt)]
+        params = self.sampling_params
+        if len(self.resumed) != params.n or self.kv_transfer_params is not None:
+            raise ValueError(f"a resumed request has one entry per sequence ({params.n}) and no kv_transfer_params")
+        return [Request(sequence_id(self.request_id, j), list(self.prompt_token_ids), params.for_sequence(j),
+                        cache_salt=self.cache_salt, output_token_ids=list(tokens), index=j,
+                        parent_id=self.request_id if j else None)
+                for j, tokens in enumerate(self.resumed) if tokens is not None]
 
 
 def refused_request_id(frame: bytes) -> str | None:

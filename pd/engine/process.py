@@ -194,18 +194,24 @@ class EngineLoop:
         return outputs
 
     def add(self, message: EngineRequest) -> list[RequestOutput]:
-        """Nothing if the core took the request; its error output if it refused it."""
+        """Nothing if the core took the request (each of its sequences, for a resumed
+        one); its error output if it refused it (or any sequence of it: those taken
+        before are aborted, their outputs dropped)."""
+        added: list[str] = []
         try:
-            self.core.add_request(message.to_request())
+            for request in message.to_requests():
+                self.core.add_request(request)
+                added.append(request.request_id)
+            return []
         except HeldBlocksLimitError as e:
-            return [RequestOutput.refused(message.request_id, str(e), KV_HELD_LIMIT)]
+            error, code = str(e), KV_HELD_LIMIT
         except ValueError as e:
-            return [RequestOutput.refused(message.request_id, str(e), INVALID_REQUEST)]
+            error, code = str(e), INVALID_REQUEST
         except Exception as e:  # refused; nothing of it was kept
             logger.exception("adding request %s failed", message.request_id)
-            return [RequestOutput.refused(message.request_id, f"internal error: {type(e).__name__}: {e}",
-                                             INTERNAL_ERROR)]
-        return []
+            error, code = f"internal error: {type(e).__name__}: {e}", INTERNAL_ERROR
+        self.core.abort_requests(added)
+        return [RequestOutput.refused(message.request_id, error, code)]
 
 
 @dataclass(frozen=True)

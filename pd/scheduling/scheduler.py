@@ -100,7 +100,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         for request, error in self.waiting.compiled():
-            self._fail(request, INVALID_REQUEST, f"the request's grammar cannot be compiled: {error}")
+            self._fail(request, INVALID_REQUEST, error)
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids, block_copies=self.block_copies)
         self.finished_req_ids, self.block_copies = set(), []
         budget = self.config.settings.max_num_batched_tokens

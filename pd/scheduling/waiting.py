@@ -50,16 +50,27 @@ class WaitingQueue:
                 self._queue.remove(request)
 
     def compiled(self) -> list[tuple[Request, str]]:
-        """Requests whose grammar compiled join the back of the queue; those whose grammar
-        cannot be compiled are returned with the error (aborted ones are gone already)."""
+        """Requests whose grammar compiled join the back of the queue, their matchers past
+        the tokens a resumed request generated elsewhere; those whose grammar cannot be
+        compiled, or does not allow those tokens, are returned with why (aborted
+        ones are gone already)."""
         failed = []
         for req_id, error in self.grammars.ready():
             request = self.for_grammar.pop(req_id, None)
             if request is None:
                 continue
+            error = self._resumed(request) if error is None else f"the request's grammar cannot be compiled: {error}"
             if error is not None:
                 failed.append((request, error))
                 continue
             request.status = RequestStatus.WAITING
             self._queue.append(request)
         return failed
+
+    def _resumed(self, request: Request) -> str | None:
+        """Advance a resumed request's matcher by the tokens it generated elsewhere; why
+        not, if its grammar does not allow them."""
+        for position, token in enumerate(request.output_token_ids):
+            if not self.grammars.accept(request.request_id, token):
+                return f"resumed token {position} ({token}) is not allowed by the request's grammar there"
+        return None

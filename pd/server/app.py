@@ -45,7 +45,7 @@ from wire.codes import (
     KV_LOAD_FAILED,
     SERVER_DRAINING,
 )
-from wire.errors import ApiError, error_body
+from wire.errors import ApiError
 from wire.headers import REQUEST_ID, retry_after
 from wire.kv_params import KV_TRANSFER_PARAMS, REMOTE_REQUEST_ID
 
@@ -300,7 +300,7 @@ async def _sse(server: Server, answer: Answer) -> AsyncIterator[str]:
     finish reason and kv_transfer_params in each choice's last, a usage chunk if asked
     for, then [DONE]. An engine failure midway is an error event."""
     generation, shape = answer.generation, answer.shape
-    if shape.opens_with_role:
+    if answer.opens_with_role:
         chunk = _envelope(server, generation, shape.chunk_object_name) | {"choices": answer.role_chunk_choices()}
         yield _event(chunk | ({"usage": generation.usage()} if answer.prepared.continuous_usage else {}))
     try:
@@ -313,8 +313,7 @@ async def _sse(server: Server, answer: Answer) -> AsyncIterator[str]:
             yield _event(_envelope(server, generation, shape.chunk_object_name)
                          | {"choices": [], "usage": generation.usage()})
     except ENGINE_ERRORS as e:
-        error = engine_error(e)
-        yield _event(error_body(error.message, error.type, code=error.status))
+        yield _event(engine_error(e).body())  # as an unstreamed answer's error: the code says what failed
     yield "data: [DONE]\n\n"
 
 

@@ -49,6 +49,11 @@ class IncrementalDetokenizer:
         """All text decoded so far, released or not."""
         return self._text
 
+    @property
+    def released(self) -> int:
+        """Characters of `text` handed out."""
+        return self._released
+
     def add(self, token_ids: Sequence[int]) -> str:
         """Take new tokens; return the text that is now final (may be "")."""
         if self.stopped:
@@ -56,6 +61,20 @@ class IncrementalDetokenizer:
         self.token_ids.extend(token_ids)
         self._append(self._decode_new(final=False))
         return self._release(final=self.stopped)
+
+    def resume(self, token_ids: Sequence[int], released_chars: int) -> None:
+        """Stand where a stream of `token_ids` stands after `released_chars` characters of
+        its text were released (by another server: a resumed stream). The tokens are fed
+        one at a time, as that server fed them. ValueError if they already end at a stop
+        string, or make fewer characters than were released."""
+        for token_id in token_ids:
+            self.add([token_id])
+        if self.stopped:
+            raise ValueError("the resumed tokens already end at a stop string")
+        if not 0 <= released_chars <= len(self._text):
+            raise ValueError(f"{released_chars} characters released, but the resumed tokens make "
+                             f"{len(self._text)} so far")
+        self._released = released_chars
 
     def finish(self) -> str:
         """The request ended: release everything held, incomplete characters included."""

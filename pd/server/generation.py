@@ -104,6 +104,14 @@ class Generation:
 
     def __post_init__(self) -> None:
         params = self.prepared.engine_request.sampling_params
+        resumed = self.prepared.resumed
+        if resumed is not None:  # each sequence as far as another server took it
+            self.sequences = [Sequence(j, c.detokenizer, Logprobs() if params.logprobs is not None else None,
+                                       list(c.token_ids), c.detokenizer.text[:c.detokenizer.released],
+                                       c.finish_reason)
+                              for j, c in enumerate(resumed.choices)]
+            self.num_output_tokens = sum(len(c.token_ids) for c in resumed.choices)
+            return
         self.sequences = [Sequence(i, IncrementalDetokenizer(self.tokenizer, self.prepared.stop,
                                                              min_tokens=params.min_tokens),
                                    Logprobs() if params.logprobs is not None else None)
@@ -157,7 +165,8 @@ class Generation:
             return
         now = time.monotonic()
         if self._last_token_time is None:
-            self.metrics.time_to_first_token.observe(now - self.arrival)
+            if self.prepared.resumed is None:  # a resumed stream's first token came from another server
+                self.metrics.time_to_first_token.observe(now - self.arrival)
         else:
             for _ in range(n):
                 self.metrics.inter_token_latency.observe((now - self._last_token_time) / n)

@@ -33,6 +33,24 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+class ResumedChoice(_Strict):
+    """One choice of a resumed stream: the tokens it generated on the other server, the
+    characters of its text the client has been sent (a server holds back text that may
+    begin a stop string or end inside a character), and its finish reason if it had
+    ended there (nothing more is generated for it)."""
+
+    token_ids: list[int]
+    text_chars: int = 0
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class Resume(_Strict):
+    """A stream taken up where another server left it (the proxy's migration,
+    proxy/migration.py): each of its `n` choices, in order."""
+
+    choices: list[ResumedChoice]
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -65,6 +83,7 @@ class SamplingFields(_Strict):
     kv_transfer_params: dict[str, Any] | None = None  # extra (PD)
     cache_salt: str | None = None  # extra
     return_token_ids: bool = False  # extra: output token ids in each choice / chunk (prompt's too, unstreamed)
+    resume: Resume | None = None  # extra (PD migration): the stream so far, generated elsewhere
     logit_bias: dict[str, float] | None = None  # token id (a string, as OpenAI's) -> bias in [-100, 100]
     min_p: float | None = None  # extra
     presence_penalty: float | None = None  # [-2, 2]

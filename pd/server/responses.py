@@ -85,7 +85,18 @@ class Answer:
         self._tool_calls: dict[int, ToolCallStream] = {}
 
     def completion_logprobs(self, index: int) -> CompletionLogprobs:
-        return self._logprobs.setdefault(index, CompletionLogprobs(self.token_strings))
+        logprobs = self._logprobs.get(index)
+        if logprobs is None:
+            logprobs = self._logprobs[index] = CompletionLogprobs(self.token_strings)
+            if self.prepared.resumed is not None:  # offsets run on from what the client was shown
+                shown = self.prepared.resumed.choices[index].shown_token_ids
+                logprobs.text_offset = sum(map(len, self.token_strings(shown)))
+        return logprobs
+
+    @property
+    def opens_with_role(self) -> bool:
+        """Whether the stream opens with each choice's role (chat's, unless resumed: it was sent)."""
+        return self.shape.opens_with_role and self.prepared.resumed is None
 
     def choices(self) -> list[dict[str, Any]]:
         """Every choice, whole (after the generation finished)."""

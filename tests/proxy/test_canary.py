@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from proxy.canary import Canaries, Tap, compare, pins_tokens, reference_body
+from proxy.canary import Canaries, compare, pins_tokens, reference_body
+from proxy.tap import Tap
 
 
 @pytest.mark.parametrize(("body", "pinned"), [
@@ -97,9 +98,10 @@ def test_at_most_max_inflight_canaries_run_and_a_failed_answer_runs_none() -> No
 
     async def scenario():
         canaries = Canaries(1.0, 2, 0.05, counted.append, draw=lambda: 0.0)
-        taps = [canaries.tap(type("C", (), {"body": {"temperature": 0}})()) for _ in range(4)]
+        assert all(canaries.samples(type("C", (), {"body": {"temperature": 0}})()) for _ in range(4))
+        taps = [Tap(keep=False) for _ in range(4)]
         for tap in taps:
-            tap.finish_reason = "stop"
+            tap.choice(0).finish_reason = "stop"
         canaries.done(taps[0], False, run)  # the answer failed: no canary
         for tap in taps[1:]:
             canaries.done(tap, True, run)

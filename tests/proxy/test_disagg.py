@@ -119,7 +119,8 @@ def test_a_short_prompt_goes_to_d_as_it_is_and_a_long_one_through_p() -> None:
             assert response.status_code == 200 and response.headers["x-pd-path"] == LOCAL, response.text
         assert p.received == [] and [r.body for r in d.received] == [
             {"prompt": "short", "max_tokens": 2, "stream": False},  # no kv_transfer_params: D prefills it
-            {"prompt": "eight ch", "max_tokens": 2, "stream": True}]
+            {"prompt": "eight ch", "max_tokens": 2, "stream": True,
+             "return_token_ids": True}]  # a stream the proxy may resume elsewhere: it reads its token ids
         response = http_client().post(f"{proxy}/v1/completions", json={"prompt": "nine char", "max_tokens": 2},
                                       timeout=30)
         assert response.status_code == 200 and response.headers["x-pd-path"] == DISAGGREGATED

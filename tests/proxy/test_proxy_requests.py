@@ -152,7 +152,8 @@ def test_p_gets_the_original_body_unstreamed_and_d_gets_it_with_ps_params(server
             assert response.status_code == 200 and response.headers["x-request-id"] == "rid-7"
     assert raw == b"".join(STREAM_CHUNKS)  # byte for byte
     assert p.received[0].body == body | {"stream": False, "kv_transfer_params": {"do_remote_decode": True}}
-    assert d.received[0].body == body | {"kv_transfer_params": p.params(1)}
+    # and the token ids, which the proxy reads to resume the stream elsewhere if D fails (migration.py)
+    assert d.received[0].body == body | {"kv_transfer_params": p.params(1), "return_token_ids": True}
     assert p.received[0].headers["x-request-id"] == d.received[0].headers["x-request-id"] == "rid-7"
     assert p.releases == []
 

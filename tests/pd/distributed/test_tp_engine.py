@@ -76,7 +76,7 @@ def test_a_lost_rank_stops_the_engine_and_answers_what_was_in_flight(tiny_models
         sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
         events = stream_until_error(server, engine_pid, lambda: os.kill(rank, sig))  # a process this test started
         assert events[-1] == "data: [DONE]"
-        assert json.loads(events[-2][len("data: "):])["error"]["code"] == 500
+        assert json.loads(events[-2][len("data: "):])["error"]["code"] == "engine_died"
         assert time.monotonic() - start < 30
         assert server.process.wait(30) == 1, server.log_tail()
         assert wait_until(lambda: not any(alive(p) for p in family), 10), "a rank or the engine was left behind"

@@ -85,7 +85,7 @@ def test_a_remote_rank_killed_mid_run_stops_the_server_cleanly(tiny_models, tmp_
             start = time.monotonic()
             events = stream_until_error(server, engine_pid, lambda: os.kill(rank.pid, signal.SIGKILL))
             assert events[-1] == "data: [DONE]"
-            assert json.loads(events[-2][len("data: "):])["error"]["code"] == 500
+            assert json.loads(events[-2][len("data: "):])["error"]["code"] == "engine_died"
             assert time.monotonic() - start < 30
             assert server.process.wait(30) == 1, server.log_tail()
             assert wait_until(lambda: not alive(engine_pid), 10), "the engine was left behind"

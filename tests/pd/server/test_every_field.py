@@ -179,6 +179,20 @@ def return_token_ids(c: Client) -> None:
     assert len(choice["token_ids"]) == 8 and "token_ids" not in c.answer(**GREEDY, return_token_ids=False)["choices"][0]
 
 
+def resume(c: Client) -> None:
+    """A stream taken up after its first 3 tokens goes on as the whole stream went
+    (tests/pd/server/test_resume.py holds it to every sampling field)."""
+    whole = c.tokens(**GREEDY)
+    assert c.refused(**GREEDY, resume={"choices": [{"token_ids": whole[:3]}]})  # needs stream: true
+    with http_client().stream("POST", f"{c.server.url}/v1/{c.endpoint}", timeout=TIMEOUT_S, json=(
+            {"messages": MESSAGES} if c.chat else {"prompt": PROMPT}) | GREEDY | {
+            "stream": True, "return_token_ids": True, "resume": {"choices": [{"token_ids": whole[:3]}]}}) as response:
+        assert response.status_code == 200
+        rest = [t for line in response.iter_lines() if line.startswith("data: {")
+                for choice in json.loads(line[6:])["choices"] for t in choice.get("token_ids", [])]
+    assert whole[:3] + rest == whole
+
+
 def logit_bias(c: Client) -> None:
     assert c.tokens(**GREEDY, logit_bias={"1000": 100}) == [1000] * 8
 
@@ -314,7 +328,7 @@ def parallel_tool_calls(c: Client) -> None:
 
 CHECKS: dict[str, dict[str, Callable[[Client], None]]] = {"completions": {}, "chat/completions": {}}
 SHARED = [model, max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, min_tokens, n,
-          best_of, stream, stream_options, user, kv_transfer_params, cache_salt, return_token_ids, logit_bias,
+          best_of, stream, stream_options, user, kv_transfer_params, cache_salt, return_token_ids, resume, logit_bias,
           presence_penalty, frequency_penalty, repetition_penalty, response_format, structured_outputs, guided_json,
           guided_regex, guided_choice, guided_grammar, logprobs]
 for check in SHARED + [prompt, echo, suffix]:

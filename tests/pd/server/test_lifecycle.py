@@ -64,7 +64,7 @@ def test_engine_death_fails_its_requests_and_the_server_exits_1(tiny_models, tmp
             os.kill(engine_pid, signal.SIGKILL)  # a child of the server this test started
             events = [line for line in lines if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"
-        assert json.loads(events[-2][len("data: "):])["error"]["code"] == 500
+        assert json.loads(events[-2][len("data: "):])["error"]["code"] == "engine_died"
         assert server.process.wait(30) == 1, server.log_tail()
         assert "stopping the server (exit code 1)" in server.log_tail()
 
