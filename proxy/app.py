@@ -152,7 +152,7 @@ async def _forward(upstream: Upstream, recent: RecentRequests, request: Request,
     upstream.arrivals += 1
     record = recent.start(endpoint, upstream.metrics.observe_answer)
     try:
-        response = await forward(upstream, request, endpoint)
+        response = await forward(upstream, request, endpoint, record)
     except ApiError as exc:
         response = exc.response()
     except Exception:  # answered by the app's handler

@@ -36,6 +36,7 @@ class Call:
     tap: Any = None  # its Tap (tap.py), for the canary or a migration: D is asked for the token ids
     canary: bool = False  # its answer is run again colocated once whole (canary.py)
     span: Any = None  # its request span, with tracing on (spans.py)
+    record: Any = None  # its record in the dashboard's recent requests (recent.py), if kept
 
     def bind(self, instance: Instance) -> None:
         self.bound = instance

@@ -98,8 +98,9 @@ def prefix_key(body: dict[str, Any]) -> str:
     return text[:PREFIX_KEY_CHARS]
 
 
-async def forward(upstream: Upstream, request: Request, endpoint: str) -> Response:
-    """The client's answer; raises BodyError for a body the proxy refuses itself."""
+async def forward(upstream: Upstream, request: Request, endpoint: str, record: Any = None) -> Response:
+    """The client's answer; raises BodyError for a body the proxy refuses itself.
+    `record`: the dashboard's record of the request (recent.py), told of migrations."""
     config = upstream.config
     try:
         body = parse_body(await read_body(request, config.max_request_bytes), config.max_depth)
@@ -108,7 +109,8 @@ async def forward(upstream: Upstream, request: Request, endpoint: str) -> Respon
     rank = priority(body, config.max_client_priority)  # the queue's: taken out, as the servers do not take it
     body.pop("priority", None)
     request_id = request.headers.get(REQUEST_ID) or f"pdx-{uuid.uuid4().hex}"
-    call = Call(endpoint, body, upstream.headers(request, request_id), Route(prefix_key(body)), request_id)
+    call = Call(endpoint, body, upstream.headers(request, request_id), Route(prefix_key(body)), request_id,
+                record=record)
     spans.begin(call, request.headers)
     response = None
     try:

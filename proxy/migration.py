@@ -146,4 +146,6 @@ async def reopen(upstream: Any, call: Call, tap: Tap | None, migration: Migratio
         metrics.migrations.labels(reason=reason, outcome=outcome if isinstance(opened, Opened) else "failed").inc()
         if isinstance(opened, Opened):
             metrics.migrated_tokens.labels(how="replayed").inc(replayed)
+            if call.record is not None:
+                call.record.migrated(outcome, opened.instance.url)
         return opened

@@ -21,7 +21,8 @@ RECENT_REQUESTS = 50
 @dataclass
 class RequestRecord:
     """One client request: where it went (`X-PD-Path`, and the P and D that the
-    X-PD-Prefill / X-PD-Decode headers name) and its timings in ms: to the first chunk
+    X-PD-Prefill / X-PD-Decode headers name; each decode server it was migrated to after,
+    `migrated`) and its timings in ms: to the first chunk
     of a streamed answer (`ttft_ms`; None unstreamed) and to the end (`total_ms`; None
     while it is in flight). `on_answered(ttft_s, total_s)` is told of a request answered
     200 whole (a stream sent to its end), for the proxy's latency histograms."""
@@ -35,6 +36,7 @@ class RequestRecord:
     decode: str | None = None
     ttft_ms: float | None = None
     total_ms: float | None = None
+    migrations: list[str] = field(default_factory=list)  # each move to another decode server (migration.py)
     _t0: float = field(default_factory=time.monotonic, repr=False)
     on_answered: Callable[[float | None, float], None] | None = field(default=None, repr=False)
 
@@ -78,7 +80,11 @@ class RequestRecord:
     def as_dict(self) -> dict[str, Any]:
         return {"request_id": self.request_id, "endpoint": self.endpoint, "started_at": self.started_at,
                 "status": self.status, "path": self.path, "prefill": self.prefill, "decode": self.decode,
-                "ttft_ms": self.ttft_ms, "total_ms": self.total_ms}
+                "ttft_ms": self.ttft_ms, "total_ms": self.total_ms, "migrations": list(self.migrations)}
+
+    def migrated(self, outcome: str, url: str) -> None:
+        """The request was taken to the decode server at `url` (resumed or replayed)."""
+        self.migrations.append(f"{outcome} on {url}")
 
 
 def _picked(header: str | None, urls: Sequence[str]) -> str | None:

@@ -8,18 +8,19 @@ dead before the request reached it) or "engine_died" (it died serving the reques
 other answer is a success for the breaker.
 
 A request is sent to another P (at most `max_retries` times, each after an exponential
-backoff with jitter) only when the failure is known to be the instance's, not the
-request's: it could not be reached (nothing was sent), its engine was dead already
-(503 "engine_dead"), it holds too many blocks for unread requests (503
-"kv_held_limit") or it is draining (503 "server_draining": it did nothing of the
-request; a draining D is replaced the same way, by another D reading P's blocks); and
-once for a kept-alive connection closed unanswered (`connections.py`). A P that took
-the request and then dropped the connection, timed out, answered a 5xx of its own or
-died serving it may have been failed by the request itself (a poison request would
-otherwise walk the fleet): the client gets 502 or that answer. A D that took the request
-and then failed it (its connection broke, or "engine_died") is `Broke`: the request is
-taken to another D (migration.py), at most `--migration-limit` times, which bounds such
-a walk. A 4xx is the server's verdict on this request, passed back as it is.
+backoff with jitter) when the failure is the instance's: it could not be reached
+(nothing was sent), its engine was dead already (503 "engine_dead"), it holds too many
+blocks for unread requests (503 "kv_held_limit") or it is draining (503
+"server_draining": it did nothing of the request; a draining D is replaced the same
+way, by another D reading P's blocks); once for a kept-alive connection closed
+unanswered (`connections.py`); and, with migration on (`--migration-limit` > 0), when
+the P that took it dropped the connection, timed out or its engine died serving it
+("engine_died"): nothing has reached the client, and `max_retries` bounds the walk of a
+request that is what kills servers. With `--migration-limit 0` such a request is not
+tried on another: the client gets 502 or that answer, as for a P's 5xx of its own. A D
+that took the request and then failed it (its connection broke, or "engine_died") is
+`Broke`: the request is taken to another D (migration.py), at most `--migration-limit`
+times. A 4xx is the server's verdict on this request, passed back as it is.
 
 No room (every instance of a role at `max_outstanding`, or every P answering
 kv_held_limit) is `NoRoom`: the request waits in the proxy's queue (`admission.py`) and
@@ -224,6 +225,10 @@ class Upstream:
             self.failed(instance, f"{type(exc).__name__}: {exc}")
             if trace.stale and stale_retry:  # unless the connection was closed under it
                 return TryAnother(stale=True)
+            if self.config.migration_limit > 0:  # nothing reached the client: another P may take it
+                logger.warning("prefill server %s failed serving request %s (%s: %s); trying another", instance.url,
+                               call.request_id, type(exc).__name__, exc)
+                return TryAnother()
             return error_response(f"the prefill server {instance.url} failed while serving the request "
                                   f"({type(exc).__name__}: {exc}); it is not tried on another", 502)
         except httpx.HTTPError as exc:  # e.g. an undecodable content encoding: not the transport
@@ -240,7 +245,8 @@ class Upstream:
             return self._prefilled(instance, response, call)
         if is_server_failure(response):
             self.failed(instance, f"HTTP {response.status_code}: {response.text[:200]}")
-            return TryAnother() if error_code(response) == ENGINE_DEAD else passed_back(instance, response)
+            died = error_code(response) == ENGINE_DIED and self.config.migration_limit > 0
+            return TryAnother() if error_code(response) == ENGINE_DEAD or died else passed_back(instance, response)
         instance.mark_succeeded()  # it answered, whatever it answered
         if response.status_code == 503 and error_code(response) == KV_HELD_LIMIT:
             logger.info("prefill server %s holds too many blocks; trying another", instance.url)

@@ -71,10 +71,11 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_register_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("fleet", "joining a proxy's fleet at runtime (pd/server/registration.py)")
-    group.add_argument("--register", default=None, metavar="PROXY_URL",
-                       help="join the fleet of the proxy at PROXY_URL once ready, signed with the deployment's "
-                            "secret ($PD_KV_TRANSFER_SECRET), and renew the lease while serving; the proxy takes the "
-                            "server out of routing when renewals stop for a lease (default: join no proxy)")
+    group.add_argument("--register", nargs="+", default=None, metavar="PROXY_URL",
+                       help="join the fleet of each proxy at PROXY_URL once ready (several proxies in front of one "
+                            "fleet: each), signed with the deployment's secret ($PD_KV_TRANSFER_SECRET), and renew "
+                            "the lease while serving; a proxy takes the server out of routing when renewals stop "
+                            "for a lease (default: join no proxy)")
     group.add_argument("--register-lease", type=float, default=DEFAULT_LEASE_S, metavar="S",
                        help="seconds the proxy keeps the server without a renewal; renewed every S/3 "
                             "(default %(default)s)")
@@ -105,8 +106,8 @@ def _registrar(args: argparse.Namespace, config: EngineConfig) -> Registrar | No
     if args.advertise_url is None and args.host in ("0.0.0.0", "::"):
         raise ValueError(f"--register with --host {args.host}: give --advertise-url, the address the proxy reaches "
                          "this server at")
-    return Registrar(args.register.rstrip("/"), (args.advertise_url or "").rstrip("/"), roles, role,
-                     config.transfer.secret, args.register_lease, tp=config.parallel.size)
+    return Registrar(tuple(url.rstrip("/") for url in args.register), (args.advertise_url or "").rstrip("/"), roles,
+                     role, config.transfer.secret, args.register_lease, tp=config.parallel.size)
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> NoReturn:

@@ -1,11 +1,14 @@
-"""`pd serve --register PROXY_URL`: the server joins a proxy's fleet and keeps its lease.
+"""`pd serve --register PROXY_URL [PROXY_URL ...]`: the server joins each proxy's fleet and
+keeps its lease there.
 
-Once the server is ready it POSTs a signed `Registration` (`wire/fleet.py`) to the proxy,
-then again every `lease_s / RENEWALS_PER_LEASE` seconds: while renewals reach the proxy it
-stays in the fleet; when they stop (the server was killed, or cut off) the proxy takes it
-out of routing when its lease ends. A proxy that restarted learns it again from the next
-renewal. When the server stops it says so (`leaving`), so that the proxy takes it out
-once what it sent it has finished, not a lease later.
+Once the server is ready it POSTs a signed `Registration` (`wire/fleet.py`) to each proxy,
+then again every `lease_s / RENEWALS_PER_LEASE` seconds: while renewals reach a proxy it
+stays in that proxy's fleet; when they stop (the server was killed, or cut off) the proxy
+takes it out of routing when its lease ends. A proxy that restarted learns it again from
+the next renewal. When the server stops it says so (`leaving`), so that each proxy takes
+it out once what it sent it has finished, not a lease later. Several proxies in front of
+one fleet each keep their own view of it (a role switched through one is that proxy's:
+a `--role both` server serves either role whichever proxy sends it a request).
 
 What it announces: its URL (`--advertise-url`, else its `--host:--port`), the roles it
 may serve (a `--role both` server with a KV connector: both, switched by the proxy), the
@@ -46,7 +49,7 @@ def roles_of(role: str, has_connector: bool) -> list[str]:
 
 @dataclass
 class Registrar:
-    proxy_url: str
+    proxy_urls: tuple[str, ...]
     url: str
     roles: list[str]
     role: str
@@ -56,8 +59,8 @@ class Registrar:
     compat_hash: str = ""
     engine_pid: Callable[[], int | None] = lambda: 0  # the engine's PID now (it changes when the engine is restarted)
     state: str = "serving"
-    registered: bool = field(default=False, repr=False)  # the proxy took one
-    failing: bool = field(default=False, repr=False)  # the last one failed
+    registered: set[str] = field(default_factory=set, repr=False)  # proxies that took one
+    failing: set[str] = field(default_factory=set, repr=False)  # proxies whose last one failed
 
     def message(self) -> bytes:
         return msgspec.json.encode(Registration(
@@ -65,22 +68,31 @@ class Registrar:
             state=self.state, tp=self.tp, compat_hash=self.compat_hash, engine_pid=self.engine_pid() or 0))
 
     async def send(self, client: httpx.AsyncClient) -> bool:
-        """One registration; whether the proxy took it (failures are logged once per streak)."""
+        """One registration to every proxy, at once; whether each took it."""
         body = self.message()
+        results = await asyncio.gather(*(self._send_to(client, proxy, body) for proxy in self.proxy_urls))
+        return all(results)
+
+    async def _send_to(self, client: httpx.AsyncClient, proxy: str, body: bytes) -> bool:
+        """One registration to `proxy`; whether it took it (failures are logged once per streak)."""
         try:
-            response = await client.post(self.proxy_url + REGISTER_PATH, content=body, timeout=SEND_TIMEOUT_S,
+            response = await client.post(proxy + REGISTER_PATH, content=body, timeout=SEND_TIMEOUT_S,
                                          headers={"Content-Type": "application/json",
                                                   SIGNATURE_HEADER: sign(self.secret, body)})
             ok, why = response.status_code == 200, f"HTTP {response.status_code}: {response.text[:300]}"
         except httpx.HTTPError as exc:
             ok, why = False, f"{type(exc).__name__}: {exc}"
-        if ok and (self.failing or not self.registered):
-            logger.info("registered with the proxy %s as %s (lease %.0f s)", self.proxy_url,
+        if ok and (proxy in self.failing or proxy not in self.registered):
+            logger.info("registered with the proxy %s as %s (lease %.0f s)", proxy,
                         response.json().get("role", self.role), self.lease_s)
-        elif not ok and not self.failing:
+        elif not ok and proxy not in self.failing:
             logger.warning("registration with the proxy %s failed (%s); trying again every %.1f s",
-                           self.proxy_url, why, self.lease_s / RENEWALS_PER_LEASE)
-        self.failing, self.registered = not ok, self.registered or ok
+                           proxy, why, self.lease_s / RENEWALS_PER_LEASE)
+        if ok:
+            self.failing.discard(proxy)
+            self.registered.add(proxy)
+        else:
+            self.failing.add(proxy)
         return ok
 
     async def send_now(self, state: str) -> None:

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from benchmarks.migration import KINDS, Answer, bodies, busiest_decode, differences, proxy_metrics, read
+from launch import http_client
 from tests.support.proxy_fakes import wait_until
 from tests.support.server_harness import ServerProcess, running_proxy, running_server
 
@@ -98,6 +99,9 @@ def test_a_decode_server_killed_mid_stream_costs_its_clients_nothing(deployment,
     assert migrations(front, "failed") == 0
     assert metric(front, "pd_proxy_migration_pause_seconds_count") == resumed
     assert metric(front, 'pd_proxy_migrated_tokens_total{how="replayed"}') > 0
+    listed = http_client().get(f"{front.url}/dashboard/state", timeout=10).json()["requests"]  # the dashboard's
+    moved = [m for r in listed for m in r["migrations"]]
+    assert sum(m.startswith("resumed on ") for m in moved) == resumed and killed[0].url not in " ".join(moved)
     for server in [p, *(d for d in deployment["d"] if d is not killed[0])]:
         assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
     again = read(front.url, WORK[0][1])  # and the proxy serves on, around the dead server

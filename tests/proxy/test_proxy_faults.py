@@ -65,11 +65,12 @@ def test_a_prefill_verdict_is_passed_back_and_leaves_every_server_healthy(server
 def test_a_prefill_5xx_is_passed_back_and_not_tried_on_another_p(servers, reply, healthy) -> None:
     """Issue 31 row 1: a request that crashed a P (the server answers 500 engine_died, or
     drops the connection) was retried on the next P, and crashed it too: one request
-    took down both prefill servers of a 2P1D. A P's failure serving a request may be the
-    request's doing, so it is not retried elsewhere."""
+    took down both prefill servers of a 2P1D. Without migration (--migration-limit 0) a
+    P's failure serving a request may be the request's doing, so it is not retried
+    elsewhere."""
     p1, p2, d = servers
     p1.default = reply
-    with proxy_in_front([p1.url, p2.url], [d.url]) as proxy:
+    with proxy_in_front([p1.url, p2.url], [d.url], migration_limit=0) as proxy:
         response = post(proxy)
         assert response.status_code == 500 and response.json() == reply.body  # the P's own body
         assert len(p1.received) == 1 and p2.received == [] and d.received == []
@@ -134,7 +135,7 @@ def test_a_request_timing_out_on_a_kept_alive_connection_is_not_tried_on_another
     closed as the request was written): the server had the request, which may be what
     hangs it. (The connection the proxy's probe opened is kept alive for the first one.)"""
     p1, p2, d = servers
-    with proxy_in_front([p1.url, p2.url], [d.url], timeout_s=1.0) as proxy:
+    with proxy_in_front([p1.url, p2.url], [d.url], timeout_s=1.0, migration_limit=0) as proxy:
         assert post(proxy).status_code == 200 and post(proxy).status_code == 200  # a kept connection to each
         p1.default = Reply(delay_s=30)
         response = post(proxy)  # round robin: p1 again, on its kept connection
@@ -154,14 +155,36 @@ def test_an_unreachable_prefill_server_is_marked_unhealthy_and_the_next_serves(s
 @pytest.mark.parametrize("broken", [hanging_up, slow_prefill], ids=["hang-up", "timeout"])
 def test_a_prefill_server_failing_with_the_request_is_a_502_not_retried_and_the_next_goes_elsewhere(
         servers, broken) -> None:
+    """Without migration (--migration-limit 0); with it, see the test below."""
     p1, _, d = servers
-    with broken() as dead, proxy_in_front([dead, p1.url], [d.url], timeout_s=1.0) as proxy:
+    with broken() as dead, proxy_in_front([dead, p1.url], [d.url], timeout_s=1.0, migration_limit=0) as proxy:
         response = post(proxy)
         assert response.status_code == 502 and "not tried on another" in response.json()["error"]["message"]
         assert p1.received == [] and d.received == []
         state = proxy_health(proxy)
         assert not state[dead]["healthy"] and state[dead]["failures"] == 1
         assert post(proxy).status_code == 200 and len(p1.received) == len(d.received) == 1
+
+
+def test_with_migration_a_prefill_server_dying_with_the_request_is_replaced_and_a_5xx_of_its_own_is_not(
+        servers) -> None:
+    """Issue 57: nothing of the answer has reached the client while P computes it, so a P
+    whose engine died serving it (or whose connection broke) is replaced by another, at
+    most --max-retries times; a 500 of its own (internal_error) is still its verdict."""
+    p1, p2, d = servers
+    p1.default = error("engine_died", 500)
+    with proxy_in_front([p1.url, p2.url], [d.url], max_retries=1) as proxy:
+        assert post(proxy).status_code == 200 and len(p1.received) == len(p2.received) == len(d.received) == 1
+        assert proxy_metric(proxy, 'pd_proxy_retries_total{role="prefill"}') == 1
+        p2.default = error("engine_died", 500)  # a request that kills every P walks --max-retries + 1 of them
+        response = post(proxy)
+        assert response.status_code in (500, 503) and len(p1.received) + len(p2.received) <= 4
+    with hanging_up() as dead, proxy_in_front([dead, p1.url], [d.url]) as proxy:
+        p1.default = Reply()
+        assert post(proxy).status_code == 200
+    p1.default = error("internal_error", 500)
+    with proxy_in_front([p1.url, p2.url], [d.url]) as proxy:
+        assert post(proxy).status_code == 500
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -183,10 +206,11 @@ def test_a_kept_alive_connection_closed_unanswered_is_retried_on_another_server(
 
 
 def test_a_second_kept_alive_connection_closed_unanswered_is_a_502(servers) -> None:
-    """Once per request: a request that a second P drops so is not sent to a third."""
+    """Once per request: a request that a second P drops so is not sent to a third
+    (without migration: with it, a P that dropped it is replaced like one that died)."""
     p1, p2, d = servers
     with closing_kept_alive(p2.url) as first, closing_kept_alive(p2.url) as second, \
-            proxy_in_front([first, second, p1.url], [d.url]) as proxy:
+            proxy_in_front([first, second, p1.url], [d.url], migration_limit=0) as proxy:
         assert post(proxy).status_code == 200 and post(proxy).status_code == 200  # a kept connection to each
         assert post(proxy).status_code == 200 and len(p1.received) == 1
         response = post(proxy)  # first closes under it, then second: not a third P

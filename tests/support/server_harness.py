@@ -78,9 +78,11 @@ def running_server(model_dir: Path, log_path: Path, *args: str, port: int | None
                     "1", "--drain-timeout", str(TEST_DRAIN_S), *args, port=port, wait=wait, env=env)
 
 
-def running_proxy(log_path: Path, *args: str) -> contextlib.AbstractContextManager[ServerProcess]:
-    """`pd proxy *args`, yielded once it answers /health (200, or 503 with no healthy server)."""
-    return _running("proxy", log_path, lambda status: status in (200, 503), *args)
+def running_proxy(log_path: Path, *args: str,
+                  port: int | None = None) -> contextlib.AbstractContextManager[ServerProcess]:
+    """`pd proxy *args` (on `port`, or a free one), yielded once it answers /health (200,
+    or 503 with no healthy server)."""
+    return _running("proxy", log_path, lambda status: status in (200, 503), *args, port=port)
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = METRIC_WAIT_S) -> bool:

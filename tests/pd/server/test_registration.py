@@ -27,7 +27,7 @@ def registrar(*flags: str, secret: str | None = "s" * 64):
 
 def test_a_both_server_with_a_connector_registers_both_roles_asking_decode_first() -> None:
     found = registrar("--role", "both", "--kv-connector", "nixl", "--port", "8101")
-    assert (found.roles, found.role, found.proxy_url) == (["prefill", "decode"], "decode", "http://127.0.0.1:8000")
+    assert (found.roles, found.role, found.proxy_urls) == (["prefill", "decode"], "decode", ("http://127.0.0.1:8000",))
     assert registrar("--role", "both", "--kv-connector", "nixl", "--register-role", "prefill").role == "prefill"
     assert registrar("--role", "prefill").roles == ["prefill"]
 
