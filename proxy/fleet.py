@@ -230,6 +230,7 @@ class Fleet:
             self.tick()
 
     def _take_out(self, instance: Instance, action: str, reason: str) -> None:
+        instance.gone = True  # a stream still open on it (a server cut off, silent) is given up (migration.py)
         self.on_leave(instance)
         self.pools[instance.role].remove(instance)
         self.leaving.discard(instance.url)

@@ -48,7 +48,7 @@ from proxy.calls import Broke, Call, NoRoom, Opened, Prefilled, Unreached
 from proxy.disagg import DISAGGREGATED, LOCAL, REUSE, choose_path, reuse_tokens
 from proxy.errors import error_response
 from proxy.instances import EmptyPoolError, Instance, NoInstanceError, OverloadedError, Route
-from proxy.migration import Migration, failure, paused, reopen, resumable
+from proxy.migration import Gone, Migration, failure, paused, reopen, resumable, watched
 from proxy.reuse import prefill_reusing
 from proxy.tap import Tap
 from proxy.upstream import Upstream
@@ -279,10 +279,10 @@ async def _whole(upstream: Upstream, request: Request, call: Call, opened: Opene
     sent again, whole, to another D (nothing of it reached the client), or a 502."""
     while True:
         try:
-            return opened.response.status_code, await until_disconnected(request, opened.response.aread())
+            return opened.response.status_code, await until_disconnected(request, _read(opened))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, Gone) as exc:
             if isinstance(exc, httpx.TransportError):
                 upstream.failed(opened.instance, f"{type(exc).__name__}: {exc}")
             answer = error_response(f"the decode server {opened.instance.url} failed: {exc}", 502)
@@ -300,6 +300,11 @@ async def _whole(upstream: Upstream, request: Request, call: Call, opened: Opene
         if not isinstance(again, Opened):
             return again
         opened = again
+
+
+async def _read(opened: Opened) -> bytes:
+    """D's whole answer; Gone if D leaves the fleet while it is awaited (migration.py)."""
+    return b"".join([chunk async for chunk in watched(opened.response.aiter_bytes(), opened.instance)])
 
 
 async def _opened(upstream: Upstream, call: Call, migration: Migration,
@@ -370,7 +375,7 @@ async def _pass_on(upstream: Upstream, opened: Opened, tap: Tap | None, migratio
     """One decode server's stream to the client, until it ends or fails (`broken` says)."""
     broken.reason = broken.why = None
     try:
-        async for chunk in opened.response.aiter_raw():
+        async for chunk in watched(opened.response.aiter_raw(), opened.instance):
             if tap is not None:
                 chunk = tap.chunk(chunk)
             if chunk:
@@ -388,7 +393,7 @@ async def _pass_on(upstream: Upstream, opened: Opened, tap: Tap | None, migratio
                 yield _error_event({"error": error})
         elif tap is not None and (rest := tap.flush()):
             yield rest
-    except httpx.HTTPError as exc:  # D failed midway
+    except (httpx.HTTPError, Gone) as exc:  # D failed midway
         if isinstance(exc, httpx.TransportError):
             upstream.failed(opened.instance, f"{type(exc).__name__}: {exc}")
         broken.reason, broken.why = failure(exc), f"{type(exc).__name__}: {exc}"

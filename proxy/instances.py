@@ -96,6 +96,7 @@ class Instance:
     source: str = "static"  # how it joined: static (--prefill/--decode), admin, registered (fleet.py)
     lease_end: float | None = None  # registered: out of the fleet past this (monotonic s) without a renewal
     info: dict = field(default_factory=dict)  # what it registered with: TP size, KV compatibility hash, ...
+    gone: bool = False  # taken out of the fleet (its lease ended, or removed): a stream still open on it is dead
 
     def __post_init__(self) -> None:
         self.roles = self.roles or (self.role,)

@@ -138,9 +138,10 @@ class ProxyMetrics:
 
         self.migrations = Counter("pd_proxy_migrations", "Requests taken to another decode server after theirs "
                                   "failed them midway (--migration-limit), by reason (connection: lost or timed "
-                                  "out; engine_died) and outcome: resumed (a stream, from the tokens its client "
-                                  "had), replayed (sent again whole: nothing had reached the client), failed (not "
-                                  "migrated: the limit, no decode server left, a stream that cannot be resumed).",
+                                  "out; engine_died; gone: out of the fleet, its lease ended) and outcome: resumed "
+                                  "(a stream, from the tokens its client had), replayed (sent again whole: nothing "
+                                  "had reached the client), failed (not migrated: the limit, no decode server left, "
+                                  "a stream that cannot be resumed).",
                                   ["reason", "outcome"], registry=self.registry)
         for reason in MIGRATION_REASONS:
             for outcome in MIGRATION_OUTCOMES:

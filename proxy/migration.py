@@ -3,8 +3,10 @@ midway, the proxy takes the request to another decode server and the client's an
 goes on as if nothing had happened.
 
 D has failed when its connection breaks or times out (`httpx.TransportError`: a killed
-server, a reset, a peer silent past `--decode-timeout`) or it says its engine died
-(`engine_died`: a 500, or an error event in its stream). Then:
+server, a reset, a peer silent past `--decode-timeout`), it says its engine died
+(`engine_died`: a 500, or an error event in its stream), or it left the fleet while its
+stream was silent (`gone`: a registered server whose lease ended without a renewal, cut
+off or frozen with its connection open; looked at every WATCH_S of silence). Then:
 
 - nothing of the answer reached the client yet (an unstreamed request, or a stream
   before its first event): the request is **replayed**, its body sent whole to another D
@@ -31,8 +33,10 @@ stream stood still, and is a `proxy.migrate` span in the request's trace.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +52,12 @@ from wire.kv_params import KV_TRANSFER_PARAMS
 
 logger = logging.getLogger(__name__)
 
-REASONS = ("connection", ENGINE_DIED)
+REASONS = ("connection", ENGINE_DIED, "gone")
+WATCH_S = 1.0  # a stream silent this long is looked at: is its decode server still in the fleet?
+
+
+class Gone(Exception):
+    """The decode server of a stream left the fleet while the stream waited on it."""
 OUTCOMES = ("resumed", "replayed", "failed")
 
 
@@ -62,6 +71,8 @@ def failure(exc: BaseException | None = None, error: dict[str, Any] | None = Non
     event it sent; None for one that is the request's own (not migrated)."""
     if isinstance(exc, httpx.TransportError):
         return "connection"
+    if isinstance(exc, Gone):
+        return "gone"
     if error is not None and error.get("code") == ENGINE_DIED:
         return ENGINE_DIED
     return None
@@ -149,3 +160,27 @@ async def reopen(upstream: Any, call: Call, tap: Tap | None, migration: Migratio
             if call.record is not None:
                 call.record.migrated(outcome, opened.instance.url)
         return opened
+
+
+async def watched(chunks: AsyncIterator[bytes], instance: Instance) -> AsyncIterator[bytes]:
+    """`chunks` as they come; Gone once `instance` is out of the fleet while no chunk came
+    for WATCH_S (a server killed closes its connections; one cut off or frozen does not,
+    and only its lease ending says so)."""
+    iterator = chunks.__aiter__()
+    while True:
+        step = asyncio.ensure_future(iterator.__anext__())
+        try:
+            while True:
+                done, _ = await asyncio.wait({step}, timeout=WATCH_S)
+                if done:
+                    break
+                if instance.gone:
+                    raise Gone(f"{instance.url} left the fleet (no renewal within its lease) while the stream waited")
+        finally:
+            if not step.done():
+                step.cancel()
+                await asyncio.wait({step})
+        try:
+            yield step.result()
+        except StopAsyncIteration:
+            return

@@ -140,3 +140,35 @@ def test_with_no_decode_server_left_each_stream_ends_with_an_error_event(deploym
         assert "failed" in error["error"]["message"] or "no healthy decode instance" in error["error"]["message"]
     assert migrations(front, "failed") >= 1  # (a request that came after found no decode server at all: 503)
     assert p.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
+
+
+def test_a_decode_server_frozen_mid_stream_is_given_up_when_its_lease_ends_and_the_stream_goes_on(
+        tiny_models, tmp_path) -> None:
+    """A server cut off or frozen keeps its connections open: nothing breaks, and only its
+    lease ending says it is gone. The proxy looks at a silent stream's server every
+    WATCH_S; once it is out of the fleet, the stream is resumed on another."""
+    lease_s = 2.0
+    body = {"prompt": "The keeper of the lighthouse wrote down every ship. ", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    with contextlib.ExitStack() as stack:
+        front = stack.enter_context(running_proxy(tmp_path / "proxy.log", "--admin-key", "k", "--log-level", "info"))
+        joining = ("--register", front.url, "--register-lease", str(lease_s))
+        start = lambda name, *args: stack.enter_context(  # noqa: E731
+            running_server(tiny_models["qwen3"], tmp_path / f"{name}.log", *args, *joining))
+        p, d0, d1 = start("p", "--role", "prefill"), start("d0", "--role", "decode"), start("d1", "--role", "decode")
+        assert wait_until(lambda: len(http_client().get(f"{front.url}/health", timeout=5).json()["decode"]) == 2, 30)
+        reference = read(front.url, body)
+        answer = Answer()
+        with ThreadPoolExecutor(1) as pool:
+            reading = pool.submit(read, front.url, body, answer)
+            assert wait_until(lambda: answer.chunks >= 8, 60)
+            url = busiest_decode(front.url)
+            frozen = d0 if d0.url == url else d1
+            os.kill(frozen.process.pid, signal.SIGSTOP)  # a server this test started
+            stack.callback(os.kill, frozen.process.pid, signal.SIGCONT)  # so that it can be stopped after
+            reading.result(timeout=60)
+        assert differences(answer, reference) == []
+        assert answer.longest_pause_s >= lease_s / 2  # it stood still until the lease ended
+        assert metric(front, 'pd_proxy_migrations_total{outcome="resumed",reason="gone"}') == 1
+        for server in (p, d1 if frozen is d0 else d0):
+            assert server.wait_for_metric("pd_kv_cache_usage", lambda v: v == 0) == 0
