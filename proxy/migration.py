@@ -53,12 +53,12 @@ from wire.kv_params import KV_TRANSFER_PARAMS
 logger = logging.getLogger(__name__)
 
 REASONS = ("connection", ENGINE_DIED, "gone")
+OUTCOMES = ("resumed", "replayed", "failed")
 WATCH_S = 1.0  # a stream silent this long is looked at: is its decode server still in the fleet?
 
 
 class Gone(Exception):
     """The decode server of a stream left the fleet while the stream waited on it."""
-OUTCOMES = ("resumed", "replayed", "failed")
 
 
 def resumable(body: dict[str, Any]) -> bool:
@@ -118,7 +118,6 @@ def paused(migration: Migration) -> float | None:
         return None
     seconds, migration.broke_at = time.monotonic() - migration.broke_at, None
     return seconds
-
 
 
 async def reopen(upstream: Any, call: Call, tap: Tap | None, migration: Migration, instance: Instance, reason: str,
@@ -181,6 +180,7 @@ async def watched(chunks: AsyncIterator[bytes], instance: Instance) -> AsyncIter
                 step.cancel()
                 await asyncio.wait({step})
         try:
-            yield step.result()
+            chunk = step.result()
         except StopAsyncIteration:
             return
+        yield chunk
