@@ -135,7 +135,10 @@ class ProxyMetrics:
                                     "within --canary-tie-logprob), mismatch, error (no colocated answer), skipped "
                                     "(past --canary-max-inflight, or no server to run it).", "result",
                                     CANARY_RESULTS)
+        self._migration_metrics()
 
+    def _migration_metrics(self) -> None:
+        """Requests moved to another decode server (proxy/migration.py)."""
         self.migrations = Counter("pd_proxy_migrations", "Requests taken to another decode server after theirs "
                                   "failed them midway (--migration-limit), by reason (connection: lost or timed "
                                   "out; engine_died; gone: out of the fleet, its lease ended) and outcome: resumed "

@@ -21,7 +21,7 @@ off or frozen with its connection open; looked at every WATCH_S of silence). The
   tokens, then goes on at the next one: its penalties count them, its grammar has
   advanced over them, a stop string may straddle the seam, a seeded choice draws as its
   sequence would (seed + its index), and `usage` counts them as output
-  (pd/server/serving.py, `Resumed`). Its chunks carry the first server's `id` and
+  (pd/server/resume.py, `Resumed`). Its chunks carry the first server's `id` and
   `created`; nothing is repeated or missing.
 
 A request is migrated at most `--migration-limit` times; one that cannot be (the limit,

@@ -24,7 +24,6 @@ from pd.kv_transfer.connectors import NULL_CONNECTOR
 from pd.kv_transfer.params import RemoteDecodeParams, RemotePrefillParams, TransferParamsError, parse_transfer_params
 from pd.kv_transfer.signing import DEFAULT_ALLOWED_PEERS, TransferParamsGuard, TransferParamsRefused, UntilExpiry
 from pd.server.chat import ChatTemplate, ChatTemplateError
-from pd.server.detokenize import IncrementalDetokenizer
 from pd.server.limits import DEFAULT_LIMITS, RequestLimits
 from pd.server.off_loop import OffLoop, TooManyWaiting
 from pd.server.protocol import (
@@ -32,11 +31,10 @@ from pd.server.protocol import (
     ChatMessage,
     CompletionRequest,
     RequestError,
-    Resume,
-    ResumedChoice,
     SamplingFields,
     refuse_unsupported,
 )
+from pd.server.resume import Resumed, resume_stream
 from pd.server.sampling import SamplingChecker, check_vocab
 from pd.server.structured import one_grammar, request_grammar
 from pd.server.tools import CLOSE, OPEN, ToolUse, request_tools
@@ -82,26 +80,6 @@ class Prepared:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.engine_request.prompt_token_ids)
-
-
-@dataclass
-class ResumedSequence:
-    """One choice of a resumed stream: the tokens generated for it on the other server,
-    its detokenizer as it stands after them (the text the client has been sent marked
-    released), the tokens the client has been shown logprobs of (the completions'
-    `text_offset` runs on from them), and its finish reason if it had ended."""
-
-    token_ids: list[int]
-    detokenizer: IncrementalDetokenizer
-    shown_token_ids: list[int]
-    finish_reason: str | None = None
-
-
-@dataclass
-class Resumed:
-    """A stream taken up where another server left it (`resume`): each of its choices."""
-
-    choices: list[ResumedSequence]
 
 
 @dataclass(frozen=True)
@@ -341,7 +319,8 @@ class Server:
             params, stream = msgspec.structs.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1)), False
         resumed = None
         if body.resume is not None:
-            resumed = self._resumed(body.resume, params, transfer, stream, stop, echo)
+            resumed = resume_stream(body.resume, params, transfer, stream, stop, echo, self.tokenizer,
+                                    self.vocab_size)
             params = msgspec.structs.replace(params, prompt_logprobs=None)  # the client has them, if it asked
         engine_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
         engine_request = EngineRequest.create(engine_id, prompt_ids, params, transfer, body.cache_salt, None if
@@ -351,48 +330,6 @@ class Server:
                         release_first, n=body.n or 1, logprobs=body.logprobs_shown,
                         drop_output=body.output_limit == 0, continuous_usage=body.continuous_usage,
                         resumed=resumed)
-
-    def _resumed(self, resume: Resume, params: SamplingParams, transfer: Any, stream: bool, stop: list[str],
-                 echo: Echo | None) -> Resumed:
-        """The stream `resume` takes up; RequestError (400) if it cannot be taken up here:
-        streamed, its prompt computed here (no kv_transfer_params), one entry for each of
-        its n choices and one at least left to run, tokens of the vocabulary that leave
-        max_tokens room, and no more text sent than they make (`text_chars` counts the
-        choice's text as sent: an echoed prompt's too)."""
-        if not stream:
-            raise RequestError("resume takes up a stream: it needs stream: true", param="resume")
-        if transfer is not None:
-            raise RequestError("resume computes the prompt here: it cannot come with kv_transfer_params",
-                               param="resume")
-        if len(resume.choices) != params.n:
-            raise RequestError(f"resume.choices has {len(resume.choices)} entries for a request of {params.n} "
-                               "choices", param="resume.choices")
-        if all(c.finish_reason is not None for c in resume.choices):
-            raise RequestError("every choice of the resumed stream had ended", param="resume.choices")
-        return Resumed([self._resumed_choice(j, c, params, stop, echo) for j, c in enumerate(resume.choices)])
-
-    def _resumed_choice(self, index: int, choice: ResumedChoice, params: SamplingParams, stop: list[str],
-                        echo: Echo | None) -> ResumedSequence:
-        param = f"resume.choices.{index}"
-        ids = choice.token_ids
-        check_vocab(self.vocab_size, ids, f"{param}.token_ids")
-        detokenizer = IncrementalDetokenizer(self.tokenizer, stop, min_tokens=params.min_tokens)
-        shown = (echo.token_ids if echo is not None and params.logprobs is not None else []) + list(ids)
-        if choice.finish_reason is not None:  # nothing more of it is sent: its tokens count in usage alone
-            if len(ids) > params.max_tokens:
-                raise RequestError(f"{param}.token_ids has more than max_tokens={params.max_tokens} tokens",
-                                   param=f"{param}.token_ids")
-            return ResumedSequence(list(ids), detokenizer, shown, choice.finish_reason)
-        if len(ids) >= params.max_tokens:
-            raise RequestError(f"{param}.token_ids has {len(ids)} tokens: max_tokens={params.max_tokens} leaves "
-                               "none to generate", param=f"{param}.token_ids")
-        echoed = echo.text if echo is not None else ""
-        try:
-            detokenizer.resume(ids, choice.text_chars - len(echoed))
-        except ValueError as e:
-            raise RequestError(f"{e} (after {len(echoed)} echoed)" if echoed else str(e),
-                               param=f"{param}.text_chars") from None
-        return ResumedSequence(list(ids), detokenizer, shown)
 
     def _transfer_params(self, raw: Any, prompt_ids: list[int],
                          params: SamplingParams) -> RemoteDecodeParams | RemotePrefillParams | None:
