@@ -8,11 +8,14 @@ streamed and not; completions in place of chat for a model without a chat templa
 are each run alone first (the uninterrupted reference), then all at once; once every
 stream has had `--after` chunks, the decode server with most requests in flight fails
 (`--fault kill`: SIGKILL; `engine`: its engine process is killed, and the server says
-so). What is checked, per request: it completed (200, no error event), its text, token
+so; `drain`: SIGTERM, and the server drains, handing its streams on with their KV, which
+the other decode servers read: their prompt tokens computed for them are counted, and
+should be 0). What is checked, per request: it completed (200, no error event), its text, token
 ids and finish reason equal the reference's, logprobs within 1e-4, `usage` the same
 counts, one chunk id per stream; and after, every server left holds no KV. Prints a
-JSON summary (with each stream's longest pause between chunks, and the proxy's
-migration counters) and exits 1 on any difference.
+JSON summary (with each stream's longest pause between chunks against the median gap
+between two chunks, a decode step, and the proxy's migration counters) and exits 1 on
+any difference.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -106,6 +110,7 @@ class Answer:
         self.chunks = 0
         self.status: int | None = None
         self.longest_pause_s = 0.0
+        self.gaps: list[float] = []  # seconds between two chunks
 
     def add(self, choice: dict) -> None:
         merged = self.choices.setdefault(choice.get("index", 0), {"text": "", "token_ids": [], "logprobs": [],
@@ -142,6 +147,8 @@ def read(url: str, body: dict, answer: Answer | None = None) -> Answer:
             if not line.startswith("data: {"):
                 continue
             now, chunk = time.monotonic(), json.loads(line[6:])
+            if answer.chunks:
+                answer.gaps.append(now - last)
             answer.longest_pause_s, last = max(answer.longest_pause_s, now - last), now
             answer.chunks += 1
             if "error" in chunk:
@@ -221,12 +228,18 @@ def run(model: Path, workdir: Path, decode: int = 2, requests: int = 24, max_tok
             while not all(a.chunks >= after or f.done() for a, f in streams) and time.monotonic() < deadline:
                 time.sleep(0.02)
             victim = ds[busiest_decode(proxy.url)]
+            in_flight = _outstanding(proxy.url, victim.url)
+            others = [d for d in ds.values() if d is not victim]
+            computed = sum(_computed_prompt_tokens(d.url) for d in others)
             failed_at = time.monotonic()
             if fault == "kill":
                 victim.process.send_signal(signal.SIGKILL)  # a server this run started
+            elif fault == "drain":
+                victim.process.send_signal(signal.SIGTERM)
             else:
                 os.kill(victim.health().json()["engine_pid"], signal.SIGKILL)  # its child
-            victim.process.wait(60)
+            victim.process.wait(TIMEOUT_S)
+            exited_s = time.monotonic() - failed_at
             for future in futures:
                 future.result()
         ended_s = time.monotonic() - failed_at
@@ -236,11 +249,28 @@ def run(model: Path, workdir: Path, decode: int = 2, requests: int = 24, max_tok
                     if (diff := differences(got, want))}
         streamed = [a for (_, body), a in zip(work, answers) if body.get("stream")]
         return {"model": str(model), "fault": fault, "requests": len(work), "failed_server": victim.url,
+                "requests_on_it_at_the_fault": in_flight,
                 "completed": sum(a.status == 200 and not a.errors for a in answers),
                 "equal": len(work) - len(problems), "problems": problems,
                 "seconds_to_the_last_answer_after_the_fault": round(ended_s, 2),
+                "seconds_until_the_failed_server_exited": round(exited_s, 2),
+                "prompt_tokens_computed_by_the_others_after_the_fault":
+                    sum(_computed_prompt_tokens(d.url) for d in others) - computed,
                 "longest_pause_s": sorted(round(a.longest_pause_s, 3) for a in streamed),
+                "median_gap_between_chunks_s": round(statistics.median(g for a in streamed for g in a.gaps), 4),
                 "kv_usage_left": kv_left, "proxy": proxy_metrics(proxy.url)}
+
+
+def _outstanding(proxy: str, url: str) -> int:
+    """The requests in flight at a decode server, as the proxy counts them."""
+    decode = http_client().get(f"{proxy}/health", timeout=10).json()["decode"]
+    return next(i["outstanding"] for i in decode if i["url"] == url)
+
+
+def _computed_prompt_tokens(url: str) -> float:
+    """A server's prompt tokens computed so far (not read, nor found in its cache)."""
+    return proxy_metrics(url, "pd_prompt_tokens_by_source_total").get(
+        'pd_prompt_tokens_by_source_total{source="computed"}', 0.0)
 
 
 def _kv_usage(url: str, wait_s: float = 30.0) -> float:
@@ -259,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=24, help="requests in all (default 24)")
     parser.add_argument("--max-tokens", type=int, default=96, help="tokens each request generates (default 96)")
     parser.add_argument("--after", type=int, default=4, help="chunks every stream has had at the fault (default 4)")
-    parser.add_argument("--fault", choices=("kill", "engine"), default="kill",
-                        help="kill: SIGKILL the busiest decode server; engine: kill its engine process (default kill)")
+    parser.add_argument("--fault", choices=("kill", "engine", "drain"), default="kill",
+                        help="kill: SIGKILL the busiest decode server; engine: kill its engine process; drain: "
+                             "SIGTERM it, so that it hands its streams on with their KV (default kill)")
     parser.add_argument("--server-args", default="--num-threads 1", help="more flags for every server")
     parser.add_argument("--workdir", type=Path, default=None, help="logs go here (default: a temporary folder)")
     args = parser.parse_args(argv)

@@ -7,9 +7,10 @@ then it is *starting*: the planner counts it (so that it does not ask for a seco
 never moves it, and stops no server while it starts (`with_launched`).
 
 Stopping one (`stop`): the planner has drained it through the proxy's admin API first, so
-no new request reaches it; the launcher then sends SIGTERM. The server finishes what it
-holds (pd/server/drain.py, bounded by its `--drain-timeout`), tells the proxy it is
-leaving and exits; SIGKILL past `launch.process.STOP_TIMEOUT_S`. Stops run on threads of
+no new request reaches it; the launcher then sends SIGTERM. The server hands the
+proxy's streams on to other decode servers with their KV, finishes what else it holds
+(pd/server/drain.py, bounded by its `--drain-timeout`), tells the proxy it is leaving
+and exits; SIGKILL past `launch.process.STOP_TIMEOUT_S`. Stops run on threads of
 their own: a drain never holds up a tick. `close` stops every server the launcher
 started, all at once, and waits for them.
 

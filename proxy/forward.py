@@ -48,7 +48,7 @@ from proxy.calls import Broke, Call, NoRoom, Opened, Prefilled, Unreached
 from proxy.disagg import DISAGGREGATED, LOCAL, REUSE, choose_path, reuse_tokens
 from proxy.errors import error_response
 from proxy.instances import EmptyPoolError, Instance, NoInstanceError, OverloadedError, Route
-from proxy.migration import Gone, Migration, failure, paused, reopen, resumable, watched
+from proxy.migration import DRAIN, Gone, HandedOn, Migration, failure, paused, reopen, resumable, watched
 from proxy.reuse import prefill_reusing
 from proxy.tap import Tap
 from proxy.upstream import Upstream
@@ -391,6 +391,8 @@ async def _pass_on(upstream: Upstream, opened: Opened, tap: Tap | None, migratio
             if broken.reason is None:  # the request's own: passed on as D said it
                 broken.why = None
                 yield _error_event({"error": error})
+            elif broken.reason == DRAIN:  # handed on with its KV
+                migration.handed = HandedOn.of(opened.instance, error)
         elif tap is not None and (rest := tap.flush()):
             yield rest
     except (httpx.HTTPError, Gone) as exc:  # D failed midway

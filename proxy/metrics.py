@@ -140,18 +140,22 @@ class ProxyMetrics:
     def _migration_metrics(self) -> None:
         """Requests moved to another decode server (proxy/migration.py)."""
         self.migrations = Counter("pd_proxy_migrations", "Requests taken to another decode server after theirs "
-                                  "failed them midway (--migration-limit), by reason (connection: lost or timed "
-                                  "out; engine_died; gone: out of the fleet, its lease ended) and outcome: resumed "
-                                  "(a stream, from the tokens its client had), replayed (sent again whole: nothing "
-                                  "had reached the client), failed (not migrated: the limit, no decode server left, "
-                                  "a stream that cannot be resumed).",
+                                  "failed them midway (--migration-limit) or handed them on, by reason (connection: "
+                                  "lost or timed out; engine_died; gone: out of the fleet, its lease ended; drain: "
+                                  "its server drained and handed the stream on with its KV) and outcome: moved (a "
+                                  "stream, the new server reading its KV), resumed (a stream, from the tokens its "
+                                  "client had, computed again), replayed (sent again whole: nothing had reached the "
+                                  "client), failed (not migrated: the limit, no decode server left, a stream that "
+                                  "cannot be resumed).",
                                   ["reason", "outcome"], registry=self.registry)
         for reason in MIGRATION_REASONS:
             for outcome in MIGRATION_OUTCOMES:
                 self.migrations.labels(reason=reason, outcome=outcome)
-        self.migrated_tokens = self._counter("pd_proxy_migrated_tokens", "Generated tokens of migrated requests, "
-                                             "by how the new decode server got their KV: replayed (computed again "
-                                             "from their ids).", "how", ("replayed",))
+        self.migrated_tokens = self._counter("pd_proxy_migrated_tokens", "Tokens of migrated requests, by how the "
+                                             "new decode server got their KV: replayed (generated tokens computed "
+                                             "again from their ids), moved (prompt and generated tokens whose KV it "
+                                             "read from the server that handed the stream on).", "how",
+                                             ("replayed", "moved"))
         self.migration_pause = Histogram("pd_proxy_migration_pause_seconds", "Seconds a resumed stream stood "
                                          "still: from its decode server's failure to the first bytes from the "
                                          "next.", buckets=PAUSE_BUCKETS, registry=self.registry)

@@ -24,6 +24,14 @@ off or frozen with its connection open; looked at every WATCH_S of silence). The
   (pd/server/resume.py, `Resumed`). Its chunks carry the first server's `id` and
   `created`; nothing is repeated or missing.
 
+A draining decode server hands on the streams the proxy can resume (it sends them
+`X-PD-Migratable`): each ends with a `migrated` error event that names, per choice, the
+`kv_transfer_params` of its KV kept there (the prompt and every token but the last,
+under a lease). The stream is resumed as above, each choice carrying its parameters
+(reason `drain`, outcome `moved`): the new D reads that KV and computes nothing again.
+Where it refuses them (a 400 or 403: expired, say), they are released and the stream is
+resumed from its tokens alone.
+
 A request is migrated at most `--migration-limit` times; one that cannot be (the limit,
 no decode server left, a stream read for tool calls) ends as
 before: an error event in a stream, a 502 otherwise. Each migration is counted
@@ -43,17 +51,18 @@ from typing import Any
 import httpx
 from fastapi.responses import Response
 
-from proxy.calls import Broke, Call, Opened
+from proxy.calls import Broke, Call, Opened, Prefilled
 from proxy.instances import Instance, NoInstanceError, OverloadedError
 from proxy.tap import Tap
 from telemetry import tracing
-from wire.codes import ENGINE_DIED
+from wire.codes import ENGINE_DIED, MIGRATED
 from wire.kv_params import KV_TRANSFER_PARAMS
 
 logger = logging.getLogger(__name__)
 
-REASONS = ("connection", ENGINE_DIED, "gone")
-OUTCOMES = ("resumed", "replayed", "failed")
+DRAIN = "drain"
+REASONS = ("connection", ENGINE_DIED, "gone", DRAIN)
+OUTCOMES = ("moved", "resumed", "replayed", "failed")
 WATCH_S = 1.0  # a stream silent this long is looked at: is its decode server still in the fleet?
 
 
@@ -75,7 +84,28 @@ def failure(exc: BaseException | None = None, error: dict[str, Any] | None = Non
         return "gone"
     if error is not None and error.get("code") == ENGINE_DIED:
         return ENGINE_DIED
+    if error is not None and error.get("code") == MIGRATED:
+        return DRAIN
     return None
+
+
+@dataclass
+class HandedOn:
+    """A draining decode server's hand-over of a stream: per choice, the parameters of the
+    KV it keeps for the next one (None: nothing kept)."""
+
+    holder: Instance
+    params: list[dict[str, Any] | None]
+
+    @classmethod
+    def of(cls, holder: Instance, error: dict[str, Any]) -> HandedOn:
+        params = error.get(KV_TRANSFER_PARAMS)
+        params = params if isinstance(params, list) else []
+        return cls(holder, [p if isinstance(p, dict) and isinstance(p.get("num_prompt_tokens"), int) else None
+                            for p in params])
+
+    def choice(self, index: int) -> dict[str, Any] | None:
+        return self.params[index] if index < len(self.params) else None
 
 
 @dataclass
@@ -86,22 +116,34 @@ class Migration:
     failed: set[str] = field(default_factory=set)
     count: int = 0
     broke_at: float | None = None  # when the stream last broke (monotonic): its pause runs from there
+    handed: HandedOn | None = None  # the KV its last decode server handed it on with, not yet read
 
     def allows(self) -> bool:
         return self.count < self.limit
 
     def body(self, call: Call, tap: Tap | None) -> tuple[dict[str, Any], str]:
-        """The body for the next decode server, and the outcome it makes (resumed or
-        replayed): the client's, less P's parameters, with `resume` once the client has
-        read some of the stream."""
+        """The body for the next decode server, and the outcome it makes (moved, resumed
+        or replayed): the client's, less P's parameters, with `resume` once the client has
+        read some of the stream, each choice with the KV it was handed on with, if any."""
         body = {k: v for k, v in call.body.items() if k != KV_TRANSFER_PARAMS}
         if tap is None or not tap.events:
             return body, "replayed"
         n = body.get("n") if isinstance(body.get("n"), int) else 1
-        choices = [tap.choice(j) for j in range(n)]
-        return body | {"return_token_ids": True, "resume": {"choices": [
-            {"token_ids": list(c.token_ids), "text_chars": c.text_chars, "finish_reason": c.finish_reason}
-            for c in choices]}}, "resumed"
+        choices = []
+        for j in range(n):
+            c = tap.choice(j)
+            choice = {"token_ids": list(c.token_ids), "text_chars": c.text_chars, "finish_reason": c.finish_reason}
+            kv = self.handed.choice(j) if self.handed is not None and c.finish_reason is None else None
+            choices.append(choice | ({KV_TRANSFER_PARAMS: kv} if kv is not None else {}))
+        moved = any(KV_TRANSFER_PARAMS in c for c in choices)
+        return body | {"return_token_ids": True, "resume": {"choices": choices}}, "moved" if moved else "resumed"
+
+    async def release(self, upstream: Any, call: Call) -> None:
+        """Free now the KV a draining server keeps for this stream: no server will read it."""
+        handed, self.handed = self.handed, None
+        if handed is not None:
+            await asyncio.gather(*(upstream.release(Prefilled(handed.holder, params), call.headers)
+                                   for params in handed.params if params is not None))
 
 
 def span(call: Call, instance: Instance, reason: str, tokens: int) -> Any:
@@ -133,29 +175,42 @@ async def reopen(upstream: Any, call: Call, tap: Tap | None, migration: Migratio
             logger.warning("request %s: its decode server %s failed (%s) and it was migrated %d times already",
                            call.request_id, instance.url, reason, migration.count)
             metrics.migrations.labels(reason=reason, outcome="failed").inc()
+            await migration.release(upstream, call)
             return answer
-        migration.count += 1
         try:
             target = upstream.decode.pick(call.route, migration.failed)
         except (NoInstanceError, OverloadedError) as exc:
             logger.warning("request %s: its decode server %s failed (%s) and no other can take it: %s",
                            call.request_id, instance.url, reason, exc)
             metrics.migrations.labels(reason=reason, outcome="failed").inc()
+            await migration.release(upstream, call)
             return answer
-        replayed = sum(len(c["token_ids"]) for c in body.get("resume", {}).get("choices", ()))
-        logger.info("request %s: decode server %s failed (%s); %s on %s (%d tokens replayed)", call.request_id,
-                    instance.url, reason, outcome, target.url, replayed)
+        choices = body.get("resume", {}).get("choices", ())
+        replayed = sum(len(c["token_ids"]) for c in choices if KV_TRANSFER_PARAMS not in c)
+        moved = sum(c[KV_TRANSFER_PARAMS].get("num_prompt_tokens", 0) for c in choices if KV_TRANSFER_PARAMS in c)
+        logger.info("request %s: decode server %s %s (%s); %s on %s (%d tokens replayed, %d moved)",
+                    call.request_id, instance.url, "handed it on" if reason == DRAIN else "failed", reason, outcome,
+                    target.url, replayed, moved)
         trace = span(call, target, reason, replayed)
         opened = await upstream.open_decode(call, target, None, body=body, tried=set(migration.failed))
         if trace is not None:
             trace.set_attribute("pd.migrate.outcome", outcome if isinstance(opened, Opened) else "failed")
             trace.end()
+        if outcome == "moved" and not isinstance(opened, Opened):  # no server read the KV: freed, and
+            await migration.release(upstream, call)  # a refusal (expired, say) resumed from the tokens
+            if not isinstance(opened, Broke) and opened.status_code in (400, 403):
+                logger.warning("request %s: %s refused the KV handed on (HTTP %d); resumed from its tokens",
+                               call.request_id, target.url, opened.status_code)
+                continue
+        migration.count += 1
+        migration.handed = None  # read by the server that took it (or freed above)
         if isinstance(opened, Broke):
             instance, reason, answer = opened.instance, opened.reason, opened.answer
             continue
         metrics.migrations.labels(reason=reason, outcome=outcome if isinstance(opened, Opened) else "failed").inc()
         if isinstance(opened, Opened):
             metrics.migrated_tokens.labels(how="replayed").inc(replayed)
+            metrics.migrated_tokens.labels(how="moved").inc(moved)
             if call.record is not None:
                 call.record.migrated(outcome, opened.instance.url)
         return opened

@@ -65,7 +65,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.proxy_config import ProxyConfig
 from proxy.tap import Tap
 from wire.codes import ENGINE_DEAD, ENGINE_DIED, KV_HELD_LIMIT, NO_INSTANCE
-from wire.headers import REQUEST_ID, retry_after
+from wire.headers import PD_MIGRATABLE, REQUEST_ID, retry_after
 from wire.kv_params import KV_TRANSFER_PARAMS, REMOTE_REQUEST_ID, SIGNATURE
 
 logger = logging.getLogger(__name__)
@@ -308,6 +308,8 @@ class Upstream:
                        stale_retry: bool) -> Opened | Response | TryAnother | Broke:
         trace = ConnectionTrace()  # whether a failure below was the keep-alive race
         span, headers = spans.calling(call, instance)
+        if call.tap is not None and call.tap.hold_errors:  # a draining D hands the stream on (migration.py)
+            headers = headers | {PD_MIGRATABLE: "1"}
         request = self.client.build_request("POST", instance.url + call.endpoint, json=body, headers=headers,
                                             timeout=self.decode_timeout, extensions={"trace": trace})
         work = call.work_tokens(instance)

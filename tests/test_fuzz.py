@@ -148,6 +148,12 @@ SPECIAL = st.sampled_from([
                     {"prompt_sources": {"elsewhere": 1}}, {"prompt_sources": [1]})),
     {"token_ids": [1, 2]}, {"token_ids": [1, 2], "text_chars": -1}, {"token_ids": [2**40], "text_chars": 2**63},
     {"token_ids": [5] * 64, "text_chars": 3}, {"token_ids": []}, {"text_chars": 1},  # resume
+    {"choices": [{"token_ids": [1, 2], "kv_transfer_params": {"do_remote_prefill": True}}]},  # resume, handed on
+    {"choices": [{"token_ids": [1], "kv_transfer_params": [1]}]}, {"choices": [{"kv_transfer_params": {}}]},
+    {"choices": [{"token_ids": [3, 4], "finish_reason": "stop", "kv_transfer_params": {
+        "do_remote_prefill": True, "remote_engine_id": "e", "remote_host": "127.0.0.1", "remote_port": 1,
+        "remote_request_id": "r", "remote_block_ids": [[1]], "num_prompt_tokens": 1, "first_token_ids": [4],
+        "block_size": 16}}]},
     "\udcff", "\x00" * 10, 2**63, -1, float("nan"), float("inf"), [[]], {"type": "json_schema"},
     {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/x"}}}, {"grammar": "start: start"},
 ])

@@ -13,6 +13,7 @@ INTERNAL_ERROR = "internal_error"  # refused or failed: a fault in the engine wh
 ENGINE_DEAD = "engine_dead"  # 503: the engine was dead before the request reached the server
 ENGINE_DIED = "engine_died"  # 500: it died while serving the request
 SERVER_DRAINING = "server_draining"  # 503: the server is draining (stopping): nothing of the request was done
+MIGRATED = "migrated"  # a stream's error event: the server is draining; it goes on elsewhere from its KV
 
 # Either side.
 REQUEST_TOO_LARGE = "request_too_large"  # 413: the body is past the receiver's limit

@@ -11,6 +11,7 @@ RETRY_AFTER = "Retry-After"  # seconds to wait before trying again (429, 503)
 PD_PATH = "X-PD-Path"  # the proxy's answer: the path a request took (pd, colocated, ...)
 PD_PREFILL = "X-PD-Prefill"  # the proxy's answer: the prefill server it used
 PD_DECODE = "X-PD-Decode"  # the proxy's answer: the decode server it used
+PD_MIGRATABLE = "X-PD-Migratable"  # "1", proxy -> D: the proxy takes this stream elsewhere if D drains
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, passed from the proxy to the servers
 
 

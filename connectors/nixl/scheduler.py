@@ -56,6 +56,7 @@ from pd.kv_cache.kv_cache_manager import KVCacheBlocks
 from pd.kv_cache.spec import cdiv
 from pd.kv_transfer.params import PromptSources, RemotePrefillParams
 from pd.kv_transfer.signing import prompt_digest, sign
+from pd.logprobs import Logprobs, PromptLogprobs
 
 KEEP_ALIVE_MARGIN = 0.1  # of a lease: how much earlier than P's lease D counts its own view to end
 
@@ -177,28 +178,40 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         if request.kv_source is not None and aborted and never_loaded:
             self._meta.reqs_to_reject.append((request.kv_source, "aborted before its KV was read"))
             return False, None
+        if request.status is RequestStatus.FINISHED_MIGRATED:  # every token but its last, for the next server
+            covered = request.num_computed_tokens
+            kept = [ids[:cdiv(covered, self.block_sizes[0])] for ids in block_ids]
+            return True, self._hold(request, kept, request.all_token_ids[:covered], request.output_token_ids[-1:],
+                                    sources=request.client_sources)
         finished_well = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
         if not request.do_remote_decode or not finished_well or not request.output_token_ids:
             return False, None
+        return True, self._hold(request, block_ids, request.prompt_token_ids, request.first_token_ids,
+                                request.first_logprobs, request.prompt_logprobs, request.prompt_sources, digests)
+
+    def _hold(self, request: Request, block_ids: list[list[int]], token_ids: list[int], first_token_ids: list[int],
+              first_logprobs: Logprobs | None = None, prompt_logprobs: PromptLogprobs | None = None,
+              sources: dict[str, int] | None = None, digests: list[bytes] | None = None) -> RemotePrefillParams:
+        """Keep the request's blocks for a reader under a lease: the parameters that name
+        them, holding the KV of `token_ids` (signed when this deployment signs)."""
         slot, token = self.leases.hold(request.request_id) if self.leases is not None else (None, None)
         try:
             params = RemotePrefillParams(
                 do_remote_prefill=True, remote_engine_id=self.engine_id, remote_host=self.host,
                 remote_port=self.side_channel_port, remote_request_id=request.request_id,
-                remote_block_ids=block_ids, num_prompt_tokens=request.num_prompt_tokens,
-                first_token_ids=request.first_token_ids, block_size=self.block_sizes[0], tp_size=self.tp_size,
+                remote_block_ids=block_ids, num_prompt_tokens=len(token_ids),
+                first_token_ids=first_token_ids, block_size=self.block_sizes[0], tp_size=self.tp_size,
                 lease_expires_at=self.wall_clock() + self.lease_seconds, lease_seconds=self.lease_seconds,
-                prompt_digest=prompt_digest(request.prompt_token_ids), lease_slot=slot, lease_token=token,
-                first_logprobs=request.first_logprobs, prompt_logprobs=request.prompt_logprobs,
-                prompt_sources=PromptSources.of(request.prompt_sources) if request.prompt_sources else None,
-                kv_digests=digests)
+                prompt_digest=prompt_digest(token_ids), lease_slot=slot, lease_token=token,
+                first_logprobs=first_logprobs, prompt_logprobs=prompt_logprobs,
+                prompt_sources=PromptSources.of(sources) if sources else None, kv_digests=digests)
             params = sign(params, self.secret) if self.secret else params
         except BaseException:  # the blocks are freed now: their slot must read 0 first
             if self.leases is not None:
                 self.leases.release(request.request_id)
             raise
         self._meta.reqs_to_send.append(ReqToSend(request.request_id, self.clock() + self.lease_seconds))
-        return True, params
+        return params
 
     def release(self, request_id: str) -> None:
         self._meta.reqs_to_release.append(request_id)
@@ -217,9 +230,13 @@ def check_fits(params: RemotePrefillParams, request: Request, num_groups: int, b
     loads from (P's for its prompt, or a decode server's for a prefix) does not fit this
     request or this server."""
     covered = params.num_prompt_tokens
-    if request.reads_prefix and covered >= request.num_prompt_tokens:
+    if request.output_token_ids:  # a stream migrated with its KV: every token but the last
+        if covered != request.num_tokens - 1:
+            raise KVTransferParamsError(f"the migrated KV covers {covered} tokens, this request has "
+                                        f"{request.num_tokens - 1} before its last")
+    elif request.reads_prefix and covered >= request.num_prompt_tokens:
         raise KVTransferParamsError(f"the prefix covers {covered} tokens of a prompt of {request.num_prompt_tokens}")
-    if not request.reads_prefix and covered != request.num_prompt_tokens:
+    elif not request.reads_prefix and covered != request.num_prompt_tokens:
         raise KVTransferParamsError(f"the prefill covered {covered} prompt tokens, "
                                     f"this request has {request.num_prompt_tokens}")
     if params.block_size != block_size:

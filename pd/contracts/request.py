@@ -12,6 +12,7 @@ from kv_events.hashing import BlockHash, extend_block_hashes
 from pd.contracts.sampling_params import SamplingParams
 from pd.kv_transfer.params import RemoteDecodeParams, RemotePrefillParams, TransferParams
 from pd.logprobs import Logprobs, PromptLogprobs
+from wire.codes import MIGRATED
 
 
 class RequestStatus(enum.Enum):
@@ -24,6 +25,7 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_ERROR = enum.auto()  # failed in the engine (its remote KV could not be loaded)
+    FINISHED_MIGRATED = enum.auto()  # paused here and handed on with its KV (a draining server's streams)
 
 
 class RequestTimes(msgspec.Struct):
@@ -233,6 +235,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_MIGRATED: MIGRATED,
 }
 
 
@@ -241,7 +244,8 @@ class RequestOutput(msgspec.Struct):
     if it did; the engine process sends it to the server as it is (pd/engine/ipc_messages.py).
     `request_id` is the client's request and `index` the sequence (0 unless it asked for
     n > 1). `finish_reason` is "stop", "length", "abort" or "error" (then `error` says
-    why); `error` alone (no `finish_reason`): the engine refused the request, which never
+    why), or "migrated" (paused and handed on: `kv_transfer_params` name its KV, if the
+    connector keeps it for a reader); `error` alone (no `finish_reason`): the engine refused the request, which never
     ran and is already forgotten. `kv_transfer_params` are the connector's parameters for
     the response (a prefill server's handle to its blocks); `error_code` is one of
     `pd.errors`' codes; `logprobs` score the new tokens, when asked for."""

@@ -44,6 +44,7 @@ from pd.engine.ipc_messages import (
     EngineInfo,
     EngineRequest,
     EngineStats,
+    MigrateRequests,
     Ready,
     ReleaseKV,
     RequestOutput,
@@ -279,6 +280,15 @@ class EngineClient:
         if self._dead_error is None and not self._closed:
             with contextlib.suppress(EngineDeadError, zmq.ZMQError):
                 self._send(ReleaseKV(list(request_ids)))
+
+    async def migrate(self, request_ids: list[str]) -> None:
+        """Have the engine hand these requests on with their KV (MigrateRequests): each
+        one's generator ends with a "migrated" output per sequence. Ignored once the
+        engine is dead."""
+        self._attach()
+        if self._dead_error is None and not self._closed:
+            with contextlib.suppress(EngineDeadError, zmq.ZMQError):
+                self._send(MigrateRequests(list(request_ids)))
 
     # ---- internals ----------------------------------------------------------------
 

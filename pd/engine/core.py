@@ -152,6 +152,11 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         return self.scheduler.abort_requests(request_ids)
 
+    def migrate_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Hand these requests on at step boundaries (Scheduler.migrate); the outputs of
+        those handed on now."""
+        return self.scheduler.migrate(request_ids)
+
     def step(self) -> list[RequestOutput]:
         """One schedule -> execute -> update; the outputs of this step. The wall time of
         each part is added to `step_seconds` (execute: inputs, the model, sampling)."""

@@ -16,7 +16,7 @@ import msgspec
 
 from pd.contracts.request import RequestOutput
 from pd.contracts.sampling_params import SamplingParams
-from pd.kv_transfer.params import TransferParams
+from pd.kv_transfer.params import RemotePrefillParams, TransferParams
 
 if TYPE_CHECKING:
     from pd.contracts.request import Request
@@ -34,7 +34,9 @@ class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
     generated there (None: it had ended there, and is not run). Each sequence left to run
     is a request of its own from the start (sequence j as an n > 1 request forks it: its
     own seed), its tokens computed with the prompt and counted as its output (max_tokens,
-    penalties, its grammar, a seed's draws)."""
+    penalties, its grammar, a seed's draws). `resumed_kv`: per sequence, where the KV of
+    its prompt and its tokens but the last is kept for it to read (a draining server
+    handed it on), or None: it is computed here."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -42,13 +44,16 @@ class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
     kv_transfer_params: TransferParams | None = None
     cache_salt: str | None = None
     resumed: list[list[int] | None] = []
+    resumed_kv: list[TransferParams | None] = []
 
     @classmethod
     def create(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                kv_transfer_params: TransferParams | None = None, cache_salt: str | None = None,
-               resumed: list[list[int] | None] | None = None) -> EngineRequest:
+               resumed: list[list[int] | None] | None = None,
+               resumed_kv: list[TransferParams | None] | None = None) -> EngineRequest:
         return cls(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
-                   kv_transfer_params=kv_transfer_params, cache_salt=cache_salt, resumed=list(resumed or []))
+                   kv_transfer_params=kv_transfer_params, cache_salt=cache_salt, resumed=list(resumed or []),
+                   resumed_kv=list(resumed_kv or []))
 
     @property
     def sequences(self) -> list[int]:
@@ -66,11 +71,15 @@ class EngineRequest(msgspec.Struct, tag=True, kw_only=True):
             return [Request(self.request_id, list(self.prompt_token_ids), self.sampling_params,
                             kv_transfer_params=self.kv_transfer_params, cache_salt=self.cache_salt)]
         params = self.sampling_params
-        if len(self.resumed) != params.n or self.kv_transfer_params is not None:
+        kv = self.resumed_kv or [None] * len(self.resumed)
+        if len(self.resumed) != params.n or len(kv) != params.n or self.kv_transfer_params is not None:
             raise ValueError(f"a resumed request has one entry per sequence ({params.n}) and no kv_transfer_params")
+        if any(k is not None and (t is None or not t or not isinstance(k, RemotePrefillParams))
+               for t, k in zip(self.resumed, kv)):
+            raise ValueError("resumed KV is read only by a sequence that goes on with tokens")
         return [Request(sequence_id(self.request_id, j), list(self.prompt_token_ids), params.for_sequence(j),
-                        cache_salt=self.cache_salt, output_token_ids=list(tokens), index=j,
-                        parent_id=self.request_id if j else None)
+                        kv_transfer_params=kv[j], cache_salt=self.cache_salt, output_token_ids=list(tokens),
+                        index=j, parent_id=self.request_id if j else None)
                 for j, tokens in enumerate(self.resumed) if tokens is not None]
 
 
@@ -101,11 +110,19 @@ class AbortRequests(msgspec.Struct, tag=True):
     request_ids: list[str]
 
 
+class MigrateRequests(msgspec.Struct, tag=True):
+    """Hand these requests on to another server with their KV (a draining server's
+    streams): each sequence finishes as migrated at a step boundary, its blocks kept for
+    the reader its output's kv_transfer_params name. Unknown ids are ignored."""
+
+    request_ids: list[str]
+
+
 class Shutdown(msgspec.Struct, tag=True):
     """Stop the loop, shut the core down and exit 0."""
 
 
-EngineInput = EngineRequest | AbortRequests | ReleaseKV | Shutdown
+EngineInput = EngineRequest | AbortRequests | ReleaseKV | MigrateRequests | Shutdown
 
 
 # ---- core -> server ---------------------------------------------------------------

@@ -34,6 +34,7 @@ from pd.engine.ipc_messages import (
     EngineInput,
     EngineRequest,
     EngineStats,
+    MigrateRequests,
     Ready,
     ReleaseKV,
     RequestOutput,
@@ -189,6 +190,8 @@ class EngineLoop:
                 outputs += aborted
             elif isinstance(message, ReleaseKV):
                 self.core.release_held(message.request_ids)
+            elif isinstance(message, MigrateRequests):
+                outputs += self.core.migrate_requests(message.request_ids)
             elif isinstance(message, Shutdown):
                 self.stop.set()
         return outputs

@@ -69,6 +69,7 @@ class Scheduler:
         self._failed_outputs: list[RequestOutput] = []  # failed between updates; sent with the next one
         self.prompt_sources = PromptSources()
         self.block_copies: list[tuple[int, int]] = []  # of forked sequences, for the next step
+        self.to_migrate: set[str] = set()  # client request ids whose sequences are handed on (`migrate`)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests or request.request_id in self.remote_kv.delayed_free:
@@ -249,7 +250,7 @@ class Scheduler:
 
     def update_from_output(self, so: SchedulerOutput, output: ModelRunnerOutput) -> list[RequestOutput]:
         """Advance the scheduled requests; one RequestOutput per request that got a token
-        or finished this step."""
+        or finished this step (those marked to be handed on, once ready: `migrate`)."""
         outputs = []
         for req_id, why in output.failed.items():
             if (request := self.requests.get(req_id)) is not None:
@@ -270,7 +271,7 @@ class Scheduler:
         outputs += self._update_connector(output)
         outputs += self._failed_outputs
         self._failed_outputs = []
-        return outputs
+        return outputs + self.migrated()
 
     def _update_connector(self, output: ModelRunnerOutput) -> list[RequestOutput]:
         """Requests whose remote KV landed rejoin the queue's front and continue from the
@@ -374,6 +375,30 @@ class Scheduler:
                 continue
             params = self._finish(request, RequestStatus.FINISHED_ABORTED)
             outputs.append(RequestOutput.of(request, [], RequestStatus.FINISHED_ABORTED, params))
+        return outputs
+
+    def migrate(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Hand these client requests on (a draining server): each of their sequences is
+        paused at a step boundary once its KV holds every token but its last (it has
+        sampled a token and computed the others) and finishes as migrated, its blocks kept
+        for the server that goes on with it where the connector keeps them (its output's
+        kv_transfer_params). Those ready now are migrated now; the others after the step
+        that makes them so (`migrated`). The outputs of those migrated now."""
+        self.to_migrate.update(r for r in request_ids if any(q.output_id == r for q in self.requests.values()))
+        return self.migrated()
+
+    def migrated(self) -> list[RequestOutput]:
+        """Migrate the sequences marked (`migrate`) that are ready; their outputs."""
+        if not self.to_migrate:
+            return []
+        outputs = []
+        for request in list(self.requests.values()):
+            ready = request.status in (RequestStatus.RUNNING, RequestStatus.WAITING) and request.output_token_ids \
+                and request.num_computed_tokens == request.num_tokens - 1
+            if request.output_id in self.to_migrate and ready:
+                params = self._finish(request, RequestStatus.FINISHED_MIGRATED)
+                outputs.append(RequestOutput.of(request, [], RequestStatus.FINISHED_MIGRATED, params))
+        self.to_migrate &= {request.output_id for request in self.requests.values()}
         return outputs
 
     def _finish(self, request: Request, status: RequestStatus) -> RemotePrefillParams | None:

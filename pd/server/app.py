@@ -43,10 +43,11 @@ from wire.codes import (
     INVALID_REQUEST,
     KV_HELD_LIMIT,
     KV_LOAD_FAILED,
+    MIGRATED,
     SERVER_DRAINING,
 )
 from wire.errors import ApiError
-from wire.headers import REQUEST_ID, retry_after
+from wire.headers import PD_MIGRATABLE, REQUEST_ID, retry_after
 from wire.kv_params import KV_TRANSFER_PARAMS, REMOTE_REQUEST_ID
 
 logger = logging.getLogger(__name__)
@@ -209,8 +210,12 @@ async def _serve(server: Server, metrics: ServerMetrics, request: Request, prepa
     answer = Answer(shape, generation, server.tokenizer.token_strings)
     headers = {REQUEST_ID: prepared.request_id}
     if prepared.stream:
+        if request.headers.get(PD_MIGRATABLE) == "1":  # the proxy takes it elsewhere when this server drains
+            server.migratable[prepared.request_id] = prepared.engine_request.request_id
+
         def closed() -> None:
             server.in_flight.discard(prepared.request_id)
+            server.migratable.pop(prepared.request_id, None)
             generation.end_span()  # a stream closed before it started
 
         return _ClosingStreamingResponse(_sse(server, answer), closed,
@@ -309,12 +314,28 @@ async def _sse(server: Server, answer: Answer) -> AsyncIterator[str]:
                 choice = answer.chunk_choice(delta)
                 if choice is not None:
                     yield _chunk(server, answer, delta, choice)
-        if generation.prepared.include_usage:
+        if generation.migrated:
+            yield _event(_handed_on(server, generation))
+        elif generation.prepared.include_usage:
             yield _event(_envelope(server, generation, shape.chunk_object_name)
                          | {"choices": [], "usage": generation.usage()})
     except ENGINE_ERRORS as e:
         yield _event(engine_error(e).body())  # as an unstreamed answer's error: the code says what failed
     yield "data: [DONE]\n\n"
+
+
+def _handed_on(server: Server, generation: Generation) -> dict[str, Any]:
+    """The error event that ends a stream this draining server handed on: for each choice,
+    the kv_transfer_params of its KV kept here for the server that goes on with it (null:
+    none kept, or the choice had ended)."""
+    exports = [generation.exports.get(i) for i in range(len(generation.sequences))]
+    for params in exports:
+        if params is not None:
+            server.note_held(params)  # its holder (the proxy) may release it
+    error = RequestError("the server is draining: this stream goes on at another server from its KV",
+                         type="service_unavailable", code=MIGRATED, status=503).body()
+    error["error"][KV_TRANSFER_PARAMS] = [None if p is None else p.to_json() for p in exports]
+    return error
 
 
 def _chunk(server: Server, answer: Answer, delta: Delta, choice: dict[str, Any]) -> str:

@@ -1,10 +1,15 @@
-"""`pd serve`'s drain on SIGTERM: the server stops taking requests, lets those it has
-finish and the blocks it keeps for a decode server be read, then exits.
+"""`pd serve`'s drain on SIGTERM: the server stops taking requests, hands its streams on
+to other servers with their KV, lets the rest finish and the blocks it keeps be read,
+then exits.
 
 The first SIGTERM (once the server has started, with `--drain-timeout` > 0) sets the app's
 server draining: a new request is answered 503 `server_draining` before anything of it is
 done (the proxy sends it to another server), and a registered server tells its proxy at
-once (`registration.py`: it stays in the fleet, draining, while it renews). The server
+once (`registration.py`: it stays in the fleet, draining, while it renews). Each stream
+the proxy can take elsewhere (`X-PD-Migratable`) is paused at a step boundary and ends
+with a `migrated` error event naming its KV, which the server keeps under a lease for the
+decode server the proxy resumes it on (pd/server/resume.py, proxy/migration.py); an
+unstreamed answer, or a client's own stream, finishes here. The server
 exits when nothing is in flight and its connector keeps no blocks for a reader (D read
 them, the proxy released them, or their lease ended), or when the drain's time is over.
 """
@@ -51,12 +56,13 @@ class DrainingServer(uvicorn.Server):
         self.drain = asyncio.create_task(self._drain())
 
     async def _drain(self) -> None:
-        logger.info("SIGTERM: draining for at most %.0f s (no new request; those in flight finish, kept blocks "
-                    "wait for their reader)", self.drain_timeout_s)
+        logger.info("SIGTERM: draining for at most %.0f s (no new request; the proxy's streams are handed on "
+                    "with their KV, the rest finish, kept blocks wait for their reader)", self.drain_timeout_s)
         if self.registrar is not None:
             await self.registrar.send_now("draining")
         deadline = time.monotonic() + self.drain_timeout_s
         while not self.app_server.drained and time.monotonic() < deadline:
+            await self.app_server.hand_on()
             await asyncio.sleep(DRAIN_POLL_S)
         if self.app_server.drained:
             logger.info("drained: exiting")

@@ -19,6 +19,7 @@ from pd.server.detokenize import IncrementalDetokenizer
 from pd.server.metrics import ServerMetrics
 from pd.server.serving import Prepared
 from pd.server.spans import RequestSpan
+from wire.codes import MIGRATED
 
 
 def prompt_tokens_details(sources: dict[str, int]) -> dict[str, Any]:
@@ -96,6 +97,7 @@ class Generation:
     num_output_tokens: int = 0
     prompt_sources: dict[str, int] = field(default_factory=dict)  # where the prompt's KV came from
     kv_transfer_params: RemotePrefillParams | None = None
+    exports: dict[int, RemotePrefillParams | None] = field(default_factory=dict)  # sequences handed on: their KV
     prompt_logprobs: PromptLogprobs | None = None
     sequences: list[Sequence] = field(init=False)
     span: RequestSpan | None = None  # with tracing on
@@ -131,6 +133,11 @@ class Generation:
                     self.times = out.times
                 if out.prompt_logprobs is not None:
                     self.prompt_logprobs = out.prompt_logprobs
+                if out.finish_reason == MIGRATED:  # paused here, to go on elsewhere from its KV
+                    self.exports[out.index] = out.kv_transfer_params
+                    if self.finished:
+                        return
+                    continue
                 if out.finish_reason is not None and out.kv_transfer_params is not None:
                     self.kv_transfer_params = out.kv_transfer_params
                 delta = sequence.add(out, self.prepared.return_token_ids)
@@ -151,11 +158,17 @@ class Generation:
         """End the request's span, if traced (idempotent)."""
         if self.span is not None:
             self.span.finish(self.times, self.num_output_tokens, self.prompt_sources,
-                             self.sequences[0].finish_reason)
+                             self.sequences[0].finish_reason or (MIGRATED if self.migrated else None))
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.sequences)
+        """Every sequence ended, or was handed on (`migrated`)."""
+        return all(s.finish_reason is not None or s.index in self.exports for s in self.sequences)
+
+    @property
+    def migrated(self) -> bool:
+        """Some of its sequences were handed on: the answer goes on at another server."""
+        return bool(self.exports)
 
     def _observe(self, out: Any) -> None:
         if out.prompt_sources:

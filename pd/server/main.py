@@ -85,7 +85,8 @@ def _add_register_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S, metavar="S",
                        help="on SIGTERM the server drains before it exits: it takes no new request (503 "
                             "server_draining, which the proxy sends elsewhere; a registered server tells its proxy "
-                            "at once), finishes those it has and keeps the blocks a decode server has yet to read, "
+                            "at once), hands the proxy's streams on to another decode server with their KV, finishes "
+                            "the rest and keeps the blocks a server has yet to read, "
                             "for at most S seconds; a second SIGTERM or SIGINT exits at once; 0: exit at once "
                             "(default %(default)s)")
     group.add_argument("--advertise-url", default=None, metavar="URL",

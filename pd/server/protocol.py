@@ -37,11 +37,14 @@ class ResumedChoice(_Strict):
     """One choice of a resumed stream: the tokens it generated on the other server, the
     characters of its text the client has been sent (a server holds back text that may
     begin a stop string or end inside a character), and its finish reason if it had
-    ended there (nothing more is generated for it)."""
+    ended there (nothing more is generated for it). `kv_transfer_params`: where the KV
+    of its prompt and every token but its last is kept for this server to read (a
+    draining server handed it on, pd/server/resume.py); absent, it is computed here."""
 
     token_ids: list[int]
     text_chars: int = 0
     finish_reason: Literal["stop", "length"] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class Resume(_Strict):

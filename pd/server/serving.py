@@ -31,10 +31,11 @@ from pd.server.protocol import (
     ChatMessage,
     CompletionRequest,
     RequestError,
+    ResumedChoice,
     SamplingFields,
     refuse_unsupported,
 )
-from pd.server.resume import Resumed, resume_stream
+from pd.server.resume import Resumed, migrated_kv, resume_stream
 from pd.server.sampling import SamplingChecker, check_vocab
 from pd.server.structured import one_grammar, request_grammar
 from pd.server.tools import CLOSE, OPEN, ToolUse, request_tools
@@ -105,6 +106,7 @@ class Server:
         self.served_model_name = served_model_name
         self.chat_template = chat_template
         self.in_flight: set[str] = set()
+        self.migratable: dict[str, str] = {}  # streams the proxy may take elsewhere: request id -> engine's id
         self.draining = False  # takes no new request (pd serve on SIGTERM, main.py)
         self.held = UntilExpiry()  # engine request ids of params answered, until their lease ends
         self.grammars = GrammarChecker()  # llguidance runs in a process of its own: a grammar may crash it
@@ -126,6 +128,13 @@ class Server:
             raise RequestError(f"{GRAMMAR_WAITERS} requests wait for the grammar checker already; try again",
                                code="grammar_checker_busy", status=503, type="server_error",
                                headers=retry_after(1)) from None
+
+    async def hand_on(self) -> None:
+        """Have the engine hand on every stream the proxy may take elsewhere (a draining
+        server): each ends with a `migrated` error event naming its KV. Sent again while
+        draining (a stream not yet in the engine is not known to it); idempotent."""
+        if self.migratable:
+            await self.client.migrate(list(self.migratable.values()))
 
     @property
     def drained(self) -> bool:
@@ -320,12 +329,13 @@ class Server:
         resumed = None
         if body.resume is not None:
             resumed = resume_stream(body.resume, params, transfer, stream, stop, echo, self.tokenizer,
-                                    self.vocab_size)
+                                    self.vocab_size, lambda j, c: self._migrated_kv(j, c, prompt_ids))
             params = msgspec.structs.replace(params, prompt_logprobs=None)  # the client has them, if it asked
         engine_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
         engine_request = EngineRequest.create(engine_id, prompt_ids, params, transfer, body.cache_salt, None if
                                               resumed is None else [None if c.finish_reason else c.token_ids
-                                                                    for c in resumed.choices])
+                                                                    for c in resumed.choices],
+                                              None if resumed is None else resumed.kv)
         return Prepared(request_id, engine_request, stop, stream, body.include_usage, body.return_token_ids,
                         release_first, n=body.n or 1, logprobs=body.logprobs_shown,
                         drop_output=body.output_limit == 0, continuous_usage=body.continuous_usage,
@@ -355,6 +365,12 @@ class Server:
             self._guard(transfer.prefix, prompt_ids[:transfer.prefix.num_prompt_tokens],
                         f"{KV_TRANSFER_PARAMS}.{PREFIX}")
         return transfer
+
+    def _migrated_kv(self, index: int, choice: ResumedChoice, prompt_ids: list[int]) -> RemotePrefillParams | None:
+        if choice.kv_transfer_params is not None and self.client.info.kv_connector == NULL_CONNECTOR:
+            raise RequestError("this server has no KV connector, so it reads no KV handed on by another server",
+                               param=f"resume.choices.{index}.kv_transfer_params", code="unsupported")
+        return migrated_kv(index, choice, prompt_ids, self.client.info.engine_id, self._guard)
 
     def _guard(self, params: RemotePrefillParams, prompt_ids: list[int], field: str) -> None:
         """RequestError (403) unless this server may read the KV these parameters name for `prompt_ids`."""
