@@ -170,6 +170,17 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         if self.digests is not None and request.do_remote_decode:  # its ranks digest them after the step
             self._meta.reqs_to_digest.append((request.request_id, block_ids))
 
+    @property
+    def hands_on_after_a_step(self) -> bool:
+        return self.digests is not None  # its ranks digest the KV handed on, as they do a prefill's
+
+    def handing_on(self, request: Request, block_ids: list[list[int]], num_tokens: int) -> None:
+        self._meta.reqs_to_digest.append((request.request_id, self._covering(block_ids, num_tokens)))
+
+    def _covering(self, block_ids: list[list[int]], num_tokens: int) -> list[list[int]]:
+        """Each group's blocks of the first `num_tokens` tokens."""
+        return [ids[:cdiv(num_tokens, self.block_sizes[0])] for ids in block_ids]
+
     def request_finished(self, request: Request, block_ids: list[list[int]]) -> tuple[bool, RemotePrefillParams | None]:
         digests = self.digests.take(request.request_id) if self.digests is not None else None
         never_loaded = request.num_computed_tokens == 0
@@ -180,9 +191,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             return False, None
         if request.status is RequestStatus.FINISHED_MIGRATED:  # every token but its last, for the next server
             covered = request.num_computed_tokens
-            kept = [ids[:cdiv(covered, self.block_sizes[0])] for ids in block_ids]
-            return True, self._hold(request, kept, request.all_token_ids[:covered], request.output_token_ids[-1:],
-                                    sources=request.client_sources)
+            return True, self._hold(request, self._covering(block_ids, covered), request.all_token_ids[:covered],
+                                    request.output_token_ids[-1:], sources=request.client_sources, digests=digests)
         finished_well = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
         if not request.do_remote_decode or not finished_well or not request.output_token_ids:
             return False, None

@@ -145,6 +145,18 @@ class KVConnectorScheduler(ABC):
         """Called at schedule time for a request whose prompt's last tokens the step
         computes (its prompt's KV is complete once the step ran), with its blocks."""
 
+    @property
+    def hands_on_after_a_step(self) -> bool:
+        """Whether a request to be handed on (`Scheduler.migrate`) is handed on only after
+        a step computed it since it was marked (`handing_on`: the connector acts on its
+        KV as it stands then, digesting what a reader will read)."""
+        return False
+
+    def handing_on(self, request: Request, block_ids: list[list[int]], num_tokens: int) -> None:
+        """Called at schedule time, when `hands_on_after_a_step`, for a request to be handed
+        on that the step computes: its blocks, which hold the KV of `num_tokens` tokens once
+        the step ran."""
+
     def requests_waiting(self, requests: Iterable[Request]) -> None:
         """Called once per step with the requests waiting for admission (in order); a
         connector may act for those whose KV it is to load (keep a remote copy alive)."""

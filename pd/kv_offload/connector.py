@@ -197,6 +197,16 @@ class TieredScheduler(KVConnectorScheduler):
     def requests_waiting(self, requests: Iterable[Request]) -> None:
         self.inner.requests_waiting(requests)
 
+    def prompt_computed(self, request: Request, block_ids: list[list[int]]) -> None:
+        self.inner.prompt_computed(request, block_ids)
+
+    @property
+    def hands_on_after_a_step(self) -> bool:
+        return self.inner.hands_on_after_a_step
+
+    def handing_on(self, request: Request, block_ids: list[list[int]], num_tokens: int) -> None:
+        self.inner.handing_on(request, block_ids, num_tokens)
+
     def release(self, request_id: str) -> None:
         self.inner.release(request_id)
 

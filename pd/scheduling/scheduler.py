@@ -70,6 +70,7 @@ class Scheduler:
         self.prompt_sources = PromptSources()
         self.block_copies: list[tuple[int, int]] = []  # of forked sequences, for the next step
         self.to_migrate: set[str] = set()  # client request ids whose sequences are handed on (`migrate`)
+        self._handing_on: set[str] = set()  # sequences of those the last step computed for the connector
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests or request.request_id in self.remote_kv.delayed_free:
@@ -125,10 +126,14 @@ class Scheduler:
             budget -= num_new
         if not preempted:
             self._admit_waiting(out, budget)
+        self._handing_on = set()
         for req_id, num_new in out.num_scheduled_tokens.items():
             request = self.requests[req_id]
             if request.num_computed_tokens < request.num_prompt_tokens <= request.num_computed_tokens + num_new:
                 self.connector.prompt_computed(request, self.kv.get_block_ids(req_id))
+            if request.output_id in self.to_migrate and self.connector.hands_on_after_a_step:
+                self.connector.handing_on(request, self.kv.get_block_ids(req_id), request.num_computed_tokens + num_new)
+                self._handing_on.add(req_id)
         self.connector.requests_waiting(self.waiting)
         out.kv_connector_metadata = self.connector.build_connector_meta()
         out.grammar_masks = self.grammars.masks([r for r, n in out.num_scheduled_tokens.items() if r in self.grammars
@@ -388,13 +393,16 @@ class Scheduler:
         return self.migrated()
 
     def migrated(self) -> list[RequestOutput]:
-        """Migrate the sequences marked (`migrate`) that are ready; their outputs."""
+        """Migrate the sequences marked (`migrate`) that are ready; their outputs. Where
+        the connector acts on their KV after a step (`handing_on`: it digests it), only
+        once a step has run since they were marked."""
         if not self.to_migrate:
             return []
         outputs = []
         for request in list(self.requests.values()):
             ready = request.status in (RequestStatus.RUNNING, RequestStatus.WAITING) and request.output_token_ids \
-                and request.num_computed_tokens == request.num_tokens - 1
+                and request.num_computed_tokens == request.num_tokens - 1 \
+                and (request.request_id in self._handing_on or not self.connector.hands_on_after_a_step)
             if request.output_id in self.to_migrate and ready:
                 params = self._finish(request, RequestStatus.FINISHED_MIGRATED)
                 outputs.append(RequestOutput.of(request, [], RequestStatus.FINISHED_MIGRATED, params))

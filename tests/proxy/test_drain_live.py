@@ -5,7 +5,8 @@ its drain's time is over). A decode server stopped mid-stream hands the stream o
 its KV (the other decode server reads it and computes nothing again), and requests
 through the proxy meanwhile go to the other decode server; nothing fails. KV handed on
 is read once, by a server that holds the signed parameters for exactly those tokens:
-forged or replayed parameters are refused (403)."""
+forged or replayed parameters are refused (403); with `--kv-digest` it is digested at
+the pause and checked by its reader."""
 
 from __future__ import annotations
 
@@ -150,13 +151,14 @@ def handed_on(d, body: dict) -> tuple[list[int], dict]:
 
 def test_kv_handed_on_is_read_once_and_only_with_its_own_signed_parameters(model, tmp_path) -> None:
     with contextlib.ExitStack() as stack:
-        d1 = stack.enter_context(running_server(model, tmp_path / "d1.log", "--role", "decode",
+        d1 = stack.enter_context(running_server(model, tmp_path / "d1.log", "--role", "decode", "--kv-digest",
                                                 "--drain-timeout", "60", "--kv-lease-seconds", "60"))
         d2 = stack.enter_context(running_server(model, tmp_path / "d2.log", "--role", "decode"))
         whole = complete(d2, LONG).token_ids
         tokens, error = handed_on(d1, LONG)
         (params,) = error[KV_TRANSFER_PARAMS]
         assert params["num_prompt_tokens"] > len(tokens) and params["first_token_ids"] == tokens[-1:]
+        assert len(params["kv_digests"]) == 1  # --kv-digest: its KV as it stood at the pause, digested
         assert tokens == whole[:len(tokens)]
 
         def resume(kv: dict, token_ids: list[int] = tokens) -> httpx.Response:
@@ -178,6 +180,7 @@ def test_kv_handed_on_is_read_once_and_only_with_its_own_signed_parameters(model
         assert tokens + rest == whole
         assert computed(d2) == before  # nothing of the prompt computed: it was read
         assert d2.metrics()["pd_kv_transfer_failures_total"] == 0
+        assert d2.metrics()["pd_kv_transfer_digests_checked_total"] == 1  # every byte read as it was digested
         replayed = resume(params)
         assert replayed.status_code == 403 and "used already" in replayed.json()["error"]["message"]
         assert d1.process.wait(30) == 0  # read: its drain is over

@@ -4,12 +4,14 @@ on finishes it as migrated and keeps exactly the blocks of every token but the l
 (per KV cache group: full attention, sliding window, Mamba), under parameters that name
 them; the server taking it over reads them and computes nothing again but that last
 token, and the request goes on as if it had never moved. The bytes themselves move in
-the live tests (tests/proxy/test_drain_live.py)."""
+the live tests (tests/proxy/test_drain_live.py). With `--kv-digest` the KV is digested as
+it stands after the last step, and the parameters carry the digests."""
 
 from __future__ import annotations
 
 import pytest
 
+from connectors.nixl.digest_book import DigestBook
 from connectors.nixl.scheduler import NixlConnectorScheduler
 from pd.config import SchedulerConfig, SchedulerSettings
 from pd.contracts.connector_api import KVConnectorOutput
@@ -108,3 +110,22 @@ def test_parameters_for_other_tokens_are_refused_and_the_holder_told() -> None:
     assert new.connector.build_connector_meta().reqs_to_recv == []
     assert new.connector.num_rejected == 1  # its holder is told to free it
     assert outputs and all(o.error is None for o in outputs)  # computed here instead (the policy's default)
+
+
+def test_with_kv_digests_a_request_is_handed_on_after_a_step_that_digested_its_kv() -> None:
+    old, _, runner = server("gemma3")
+    old.connector.digests = DigestBook(1)  # --kv-digest: its ranks digest what a reader will read
+    request = Request("r", list(PROMPT), SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    old.add_request(request)
+    for _ in range(4):
+        step(old, runner)
+    assert old.migrate(["r"]) == []  # ready, but its KV is digested in a step first
+    so = old.schedule()
+    covered = request.num_tokens  # once this step computed its last token
+    assert so.kv_connector_metadata.reqs_to_digest == [
+        ("r", [ids[:cdiv(covered, BLOCK)] for ids in old.kv.get_block_ids("r")])]
+    old.connector.digests.put("r", 0, b"the rank's digests")  # the worker half, after the step
+    outputs = old.update_from_output(so, runner.execute(so))
+    assert [o.finish_reason for o in outputs] == [None, "migrated"]
+    params = outputs[1].kv_transfer_params
+    assert params.num_prompt_tokens == covered and params.kv_digests == [b"the rank's digests"]
