@@ -1,0 +1,201 @@
+"""Separate network hosts on this machine, for tests of what crosses a network (issue 58):
+Linux network namespaces joined by a bridge, each with its own stack, address, routes and
+ports, and links a test can cut, cut one way, or cap.
+
+`Network(n)` makes n hosts, `pdh<pid>n<k>x<i>`, addressed 198.18.0.<i + 1>/24 (198.18.0.0/15
+is reserved for network benchmarks). The bridge lives in a namespace of its own (`…sw`),
+each host joined to it by a veth pair; nothing is made or changed in the machine's own
+namespace, and no host can reach any network but the bridge. `close` (or leaving the
+`with`) stops the processes started in the hosts and deletes every namespace, which
+takes their links with them; namespaces left by a run that died are deleted by the next
+(`sweep`: their names carry the PID of a process that no longer exists).
+
+- `popen(host, argv)`: a process inside a host (`ip netns exec`).
+- `cut(a, b=None, one_way=False)`: a partition. Between two hosts, by a neighbour entry
+  that sends a's frames for b to an address no port has (the bridge floods them, nobody
+  takes them: dropped silently, as on a wire), and b's for a likewise unless `one_way`.
+  With no `b`, a's link to the bridge drops every frame both ways (`one_way`: only what a
+  sends), by a queue that holds none (`pfifo limit 0`). `restore` undoes it.
+- `cap(host, mbit)`: a's link shaped to `mbit` Mbit/s each way (`tbf`); `uncap`.
+
+`unavailable()` says why hosts cannot be made here (not root, no `ip`, namespaces not
+permitted), or None; tests skip saying so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass, field
+
+PREFIX = "pdh"
+SUBNET = ipaddress.ip_network("198.18.0.0/24")  # within 198.18.0.0/15
+NOWHERE_MAC = "02:00:00:00:00:01"  # locally administered; no port of the bridge has it
+STOP_S = 10.0
+_networks = itertools.count()  # of this process: each network's namespaces have names of their own
+
+
+def _ip(*args: str, namespace: str | None = None) -> str:
+    command = ["ip", *(("-n", namespace) if namespace else ()), *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise HostError(f"{' '.join(command)}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def _tc(namespace: str, *args: str) -> None:
+    command = ["tc", "-n", namespace, *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise HostError(f"{' '.join(command)}: {done.stderr.strip()}")
+
+
+class HostError(RuntimeError):
+    """A namespace, link or queue could not be made or changed."""
+
+
+def unavailable() -> str | None:
+    """Why hosts cannot be made on this machine; None when they can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not installed"
+    probe = f"{PREFIX}{os.getpid()}probe"
+    try:
+        _ip("netns", "add", probe)
+    except HostError as e:
+        return f"network namespaces are not permitted here: {e}"
+    _ip("netns", "del", probe)
+    return None
+
+
+def sweep() -> list[str]:
+    """Delete the namespaces of runs whose process is gone; their names."""
+    swept = []
+    for line in _ip("netns", "list").splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if not name.startswith(PREFIX):
+            continue
+        pid = re.match(r"\d*", name[len(PREFIX):]).group()
+        if pid and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(HostError):
+                _ip("netns", "del", name)
+                swept.append(name)
+    return swept
+
+
+@dataclass
+class Host:
+    """One host: its namespace, its address, its end of the link and the bridge's."""
+
+    name: str
+    address: str
+    device: str  # in the host's namespace
+    port: str  # the bridge's end, in the switch's namespace
+
+
+@dataclass
+class Network:
+    size: int
+    hosts: list[Host] = field(default_factory=list)
+    switch: str = ""
+    processes: list[subprocess.Popen] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        sweep()
+        tag = f"{PREFIX}{os.getpid()}n{next(_networks)}"
+        self.switch = f"{tag}sw"
+        try:
+            self._build(tag)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, tag: str) -> None:
+        _ip("netns", "add", self.switch)
+        _ip("link", "add", "br0", "type", "bridge", namespace=self.switch)
+        _ip("link", "set", "br0", "up", namespace=self.switch)
+        addresses = list(SUBNET.hosts())
+        for i in range(self.size):
+            host = Host(f"{tag}x{i}", str(addresses[i]), f"eth{i}", f"p{i}")
+            _ip("netns", "add", host.name)
+            self.hosts.append(host)
+            _ip("link", "add", host.device, "netns", host.name, "type", "veth", "peer", "name", host.port,
+                "netns", self.switch, namespace=self.switch)
+            _ip("link", "set", host.port, "master", "br0", "up", namespace=self.switch)
+            _ip("addr", "add", f"{host.address}/{SUBNET.prefixlen}", "dev", host.device, namespace=host.name)
+            _ip("link", "set", host.device, "up", namespace=host.name)
+            _ip("link", "set", "lo", "up", namespace=host.name)
+
+    def __enter__(self) -> Network:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getitem__(self, index: int) -> Host:
+        return self.hosts[index]
+
+    def popen(self, host: Host, argv: list[str], **kwargs) -> subprocess.Popen:
+        """`argv` run inside `host`; stopped (by PID) when the network closes."""
+        process = subprocess.Popen(["ip", "netns", "exec", host.name, *argv], **kwargs)
+        self.processes.append(process)
+        return process
+
+    def cut(self, a: Host, b: Host | None = None, one_way: bool = False) -> None:
+        """Drop what `a` sends to `b` (and `b` to `a` unless `one_way`); with no `b`, what
+        crosses `a`'s link (what it sends, with `one_way`)."""
+        if b is not None:
+            for src, dst in ((a, b),) if one_way else ((a, b), (b, a)):
+                _ip("neigh", "replace", dst.address, "lladdr", NOWHERE_MAC, "nud", "permanent", "dev", src.device,
+                    namespace=src.name)
+            return
+        _tc(a.name, "qdisc", "replace", "dev", a.device, "root", "pfifo", "limit", "0")
+        if not one_way:
+            _tc(self.switch, "qdisc", "replace", "dev", a.port, "root", "pfifo", "limit", "0")
+
+    def restore(self, a: Host, b: Host | None = None) -> None:
+        """Undo `cut(a, b)` (either way) and `cap(a)` alike: `a`'s link as it was made."""
+        if b is not None:
+            for src, dst in ((a, b), (b, a)):
+                with contextlib.suppress(HostError):  # not cut that way: nothing to undo
+                    _ip("neigh", "del", dst.address, "dev", src.device, namespace=src.name)
+            return
+        for namespace, device in ((a.name, a.device), (self.switch, a.port)):
+            with contextlib.suppress(HostError):  # none there: nothing to undo
+                _tc(namespace, "qdisc", "del", "dev", device, "root")
+
+    def cap(self, host: Host, mbit: float) -> None:
+        """Shape `host`'s link to `mbit` Mbit/s each way (a token bucket: bursts of 64 KiB)."""
+        rate = f"{mbit}mbit"
+        for namespace, device in ((host.name, host.device), (self.switch, host.port)):
+            _tc(namespace, "qdisc", "replace", "dev", device, "root", "tbf", "rate", rate, "burst", "64kb",
+                "latency", "200ms")
+
+    def uncap(self, host: Host) -> None:
+        self.restore(host)
+
+    def close(self) -> None:
+        """Stop what was started in the hosts (SIGTERM, SIGKILL after STOP_S), then delete
+        every namespace; idempotent, and never raises for what is already gone."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(STOP_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes.clear()
+        for name in [h.name for h in self.hosts] + ([self.switch] if self.switch else []):
+            with contextlib.suppress(HostError):
+                _ip("netns", "del", name)
+        self.hosts.clear()
