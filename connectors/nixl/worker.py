@@ -142,10 +142,13 @@ class NixlConnectorWorker(KVConnectorWorker):
     def register_kv_caches(self, kv_caches: CanonicalKVCaches) -> None:
         from connectors.nixl.transport import NixlTransport  # imports nixl: only when used
         from connectors.nixl.ucx import configure_ucx
+        from connectors.nixl.ucx import describe as describe_ucx
 
         configure_ucx(self.config.transfer.host, self.config.transfer.ucx_transports, cuda=torch.cuda.is_available(),
                       kv_on_gpu=kv_caches.tensors[0].device.type == "cuda")
         self.integrity = Integrity(kv_caches, self.digest_book)
+        if self.config.rank == 0:
+            logger.info("KV transfers on %s: %s", self.config.transfer.host, describe_ucx())
         if self.config.rank > 0:  # its reads only: leases and the side channel are rank 0's
             self.transport = self.peers.transport = NixlTransport(self.agent_name, kv_caches)
             return

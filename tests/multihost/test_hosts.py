@@ -1,4 +1,4 @@
-"""The test hosts themselves (tests/support/hosts.py): hosts reach each other on the
+"""The test hosts themselves (launch/hosts.py): hosts reach each other on the
 bridge's addresses alone; a cut drops traffic silently between two hosts (both ways, or
 one) or on a host's whole link while the others still talk, and is undone; a cap shapes
 a link; closing leaves no namespace, and the machine's own network is never touched.
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from tests.support import hosts
-from tests.support.hosts import Network
+from launch import hosts
+from launch.hosts import Network
 
 pytestmark = pytest.mark.skipif((why := hosts.unavailable()) is not None, reason=f"no test hosts: {why}")
 PORT = 9000

@@ -359,15 +359,19 @@ def test_device_kind_follows_the_tensors() -> None:
         t.close()  # idempotent
 
 
-UCX_NAMES = ("UCX_TLS", "UCX_NET_DEVICES", "UCX_MEM_EVENTS", "UCX_RCACHE_ENABLE", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY")
+UCX_NAMES = ("UCX_TLS", "UCX_NET_DEVICES", "UCX_MEM_EVENTS", "UCX_RCACHE_ENABLE", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY",
+             "UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE")
 
 
 @pytest.mark.parametrize("host, transports, env, expected", [
     ("127.0.0.1", "auto", {}, {"UCX_TLS": "sm,self,tcp", "UCX_NET_DEVICES": "lo"}),
     ("127.0.0.1", ("auto", True), {}, {"UCX_TLS": "sm,self,tcp,cuda_copy,cuda_ipc"}),  # a host with GPUs
-    ("10.1.2.3", ("auto", True), {}, {"UCX_TLS": None}),
+    ("10.1.2.3", ("auto", True), {}, {"UCX_TLS": "^sm"}),  # between hosts: all but shared memory (CUDA IPC too)
     ("localhost", "auto", {"UCX_TLS": "tcp"}, {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}),  # the operator's wins
-    ("10.1.2.3", "auto", {}, {"UCX_TLS": None, "UCX_NET_DEVICES": None}),  # UCX's own choice (rc, ud, ...)
+    ("10.1.2.3", "auto", {}, {"UCX_TLS": "^sm", "UCX_NET_DEVICES": None}),  # UCX's choice (rc, ud, tcp) less sm
+    ("10.1.2.3", "auto", {}, {"UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}),  # GETs at TCP's speed
+    ("10.1.2.3", "auto", {"UCX_TCP_TX_SEG_SIZE": "64k"}, {"UCX_TCP_TX_SEG_SIZE": "64k"}),
+    ("127.0.0.1", "auto", {}, {"UCX_TCP_TX_SEG_SIZE": None}),  # TCP only wires one host's agents up
     ("10.1.2.3", "rc,ud,sm,self", {"UCX_TLS": "tcp"}, {"UCX_TLS": "rc,ud,sm,self", "UCX_NET_DEVICES": None}),
     ("127.0.0.1", "auto", {"UCX_NET_DEVICES": "eth1"}, {"UCX_TLS": "sm,self,tcp", "UCX_NET_DEVICES": "eth1"}),
     ("10.1.2.3", "auto", {}, {"UCX_MEM_EVENTS": "no", "UCX_RCACHE_ENABLE": "n"}),  # NIXL passes memory handles

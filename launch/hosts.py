@@ -1,6 +1,7 @@
-"""Separate network hosts on this machine, for tests of what crosses a network (issue 58):
-Linux network namespaces joined by a bridge, each with its own stack, address, routes and
-ports, and links a test can cut, cut one way, or cap.
+"""Separate network hosts on this machine, for the tests and benchmarks of what crosses a
+network (tests/multihost/, benchmarks/transfer_hosts.py): Linux network namespaces joined
+by a bridge, each with its own stack, address, routes and ports, and links that can be
+cut, cut one way, or capped. Needs root (`unavailable` says why not).
 
 `Network(n)` makes n hosts, `pdh<pid>n<k>x<i>`, addressed 198.18.0.<i + 1>/24 (198.18.0.0/15
 is reserved for network benchmarks). The bridge lives in a namespace of its own (`…sw`),
@@ -10,7 +11,16 @@ namespace, and no host can reach any network but the bridge. `close` (or leaving
 takes their links with them; namespaces left by a run that died are deleted by the next
 (`sweep`: their names carry the PID of a process that no longer exists).
 
-- `popen(host, argv)`: a process inside a host (`ip netns exec`).
+- `popen(host, argv)`: a process inside a host (`ip netns exec`), with this process's
+  environment less this machine's UCX choices (MACHINE_ENV).
+- `start(host, name, *args)`: `pd NAME` inside a host, listening on its address (port
+  8000: every host has ports of its own), once ready; stopped when the network closes.
+- `call(host, fn, ...)`: `fn` run by a thread of this process that has entered the host's
+  network namespace (`setns`, per thread): what it connects to, it connects to from that
+  host. Every connection to a host's address must be made that way: the test's own
+  threads stay in the machine's namespace, where such an address is routed out to the
+  machine's network (never send anything there). A pooled connection made in a host may
+  be reused from any thread, so requests to hosts go through `call` alone.
 - `cut(a, b=None, one_way=False)`: a partition. Between two hosts, by a neighbour entry
   that sends a's frames for b to an address no port has (the bridge floods them, nobody
   takes them: dropped silently, as on a wire), and b's for a likewise unless `one_way`.
@@ -25,20 +35,32 @@ permitted), or None; tests skip saying so.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import ipaddress
 import itertools
 import os
 import re
 import shutil
-import signal
 import subprocess
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from launch.process import Launched, pd_command, start, stop_process, terminate_all, wait_started
 
 PREFIX = "pdh"
 SUBNET = ipaddress.ip_network("198.18.0.0/24")  # within 198.18.0.0/15
 NOWHERE_MAC = "02:00:00:00:00:01"  # locally administered; no port of the bridge has it
 STOP_S = 10.0
+# This machine's own UCX choices (a process that made NIXL agents for loopback peers set
+# them: shared memory, `lo`): a host is another machine, whose servers choose their own.
+MACHINE_ENV = ("UCX_TLS", "UCX_NET_DEVICES")
+PORT = 8000  # what servers listen on in a host
 _networks = itertools.count()  # of this process: each network's namespaces have names of their own
+CLONE_NEWNET = 0x40000000
+T = TypeVar("T")
 
 
 def _ip(*args: str, namespace: str | None = None) -> str:
@@ -107,6 +129,7 @@ class Network:
     hosts: list[Host] = field(default_factory=list)
     switch: str = ""
     processes: list[subprocess.Popen] = field(default_factory=list)
+    threads: dict[str, ThreadPoolExecutor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         sweep()
@@ -145,9 +168,33 @@ class Network:
 
     def popen(self, host: Host, argv: list[str], **kwargs) -> subprocess.Popen:
         """`argv` run inside `host`; stopped (by PID) when the network closes."""
+        kwargs.setdefault("env", host_env())
         process = subprocess.Popen(["ip", "netns", "exec", host.name, *argv], **kwargs)
         self.processes.append(process)
         return process
+
+    def start(self, host: Host, name: str, *args: str, log: Path, wait: bool = True) -> Launched:
+        """`pd NAME *args` inside `host` on its address and PORT, logged to `log`; once it
+        answers /health (200; a proxy's 503 with no healthy server too) unless not `wait`
+        (then `ready`). Stopped, by PID, when the network closes."""
+        argv = ["ip", "netns", "exec", host.name, *pd_command(name, "--host", host.address, "--port",
+                                                                     str(PORT), *args)]
+        ready = (lambda status: status == 200) if name == "serve" else (lambda status: status in (200, 503))
+        launched = start(argv, f"http://{host.address}:{PORT}", log, ready=ready, wait=False, env=host_env())
+        self.processes.append(launched.process)
+        if wait:
+            self.ready(host, launched)
+        return launched
+
+    def ready(self, host: Host, *launched: Launched) -> None:
+        """Wait, from inside `host`, until servers `start`ed with wait=False are ready."""
+        self.call(host, wait_started, *launched)
+
+    def call(self, host: Host, fn: Callable[..., T], *args, **kwargs) -> T:
+        """`fn(*args, **kwargs)` from inside `host`: on a thread that entered its namespace."""
+        if host.name not in self.threads:
+            self.threads[host.name] = ThreadPoolExecutor(1, f"in-{host.name}", _enter, (host.name,))
+        return self.threads[host.name].submit(fn, *args, **kwargs).result()
 
     def cut(self, a: Host, b: Host | None = None, one_way: bool = False) -> None:
         """Drop what `a` sends to `b` (and `b` to `a` unless `one_way`); with no `b`, what
@@ -183,19 +230,34 @@ class Network:
         self.restore(host)
 
     def close(self) -> None:
-        """Stop what was started in the hosts (SIGTERM, SIGKILL after STOP_S), then delete
+        """Stop what was started in the hosts (SIGTERM to all, SIGKILL after STOP_S, their
+        process groups ended), then delete
         every namespace; idempotent, and never raises for what is already gone."""
+        terminate_all(self.processes)  # side by side
         for process in self.processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes:
-            try:
-                process.wait(STOP_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_process(process, STOP_S)
         self.processes.clear()
+        for threads in self.threads.values():
+            threads.shutdown()
+        self.threads.clear()
         for name in [h.name for h in self.hosts] + ([self.switch] if self.switch else []):
             with contextlib.suppress(HostError):
                 _ip("netns", "del", name)
         self.hosts.clear()
+
+
+def host_env() -> dict[str, str]:
+    """The environment of a process started in a host: this process's, less MACHINE_ENV."""
+    return {name: value for name, value in os.environ.items() if name not in MACHINE_ENV}
+
+
+def _enter(name: str) -> None:
+    """Move the calling thread into network namespace `name` (its sockets are made there)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"setns into {name}: {os.strerror(error)}")
+    finally:
+        os.close(fd)
