@@ -42,6 +42,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -180,7 +181,8 @@ class Network:
         argv = ["ip", "netns", "exec", host.name, *pd_command(name, "--host", host.address, "--port",
                                                                      str(PORT), *args)]
         ready = (lambda status: status == 200) if name == "serve" else (lambda status: status in (200, 503))
-        launched = start(argv, f"http://{host.address}:{PORT}", log, ready=ready, wait=False, env=host_env())
+        launched = start(argv, f"http://{host.address}:{PORT}", log, ready=ready, wait=False, env=host_env(),
+                         die_with_parent=True)  # not left serving in a deleted host if this process is killed
         self.processes.append(launched.process)
         if wait:
             self.ready(host, launched)
@@ -191,7 +193,10 @@ class Network:
         self.call(host, wait_started, *launched)
 
     def call(self, host: Host, fn: Callable[..., T], *args, **kwargs) -> T:
-        """`fn(*args, **kwargs)` from inside `host`: on a thread that entered its namespace."""
+        """`fn(*args, **kwargs)` from inside `host`: on a thread that entered its namespace
+        (at once, when called from that thread: `fn` may call again)."""
+        if threading.current_thread().name.startswith(f"in-{host.name}_"):
+            return fn(*args, **kwargs)
         if host.name not in self.threads:
             self.threads[host.name] = ThreadPoolExecutor(1, f"in-{host.name}", _enter, (host.name,))
         return self.threads[host.name].submit(fn, *args, **kwargs).result()

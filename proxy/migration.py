@@ -5,8 +5,9 @@ goes on as if nothing had happened.
 D has failed when its connection breaks or times out (`httpx.TransportError`: a killed
 server, a reset, a peer silent past `--decode-timeout`), it says its engine died
 (`engine_died`: a 500, or an error event in its stream), or it left the fleet while its
-stream was silent (`gone`: a registered server whose lease ended without a renewal, cut
-off or frozen with its connection open; looked at every WATCH_S of silence). Then:
+stream was silent (`gone`: a registered server whose lease ended without a renewal, or
+any server whose breaker opened, its /health probes failing: cut off or frozen with its
+connection open; looked at every WATCH_S of silence). Then:
 
 - nothing of the answer reached the client yet (an unstreamed request, or a stream
   before its first event): the request is **replayed**, its body sent whole to another D
@@ -217,9 +218,10 @@ async def reopen(upstream: Any, call: Call, tap: Tap | None, migration: Migratio
 
 
 async def watched(chunks: AsyncIterator[bytes], instance: Instance) -> AsyncIterator[bytes]:
-    """`chunks` as they come; Gone once `instance` is out of the fleet while no chunk came
-    for WATCH_S (a server killed closes its connections; one cut off or frozen does not,
-    and only its lease ending says so)."""
+    """`chunks` as they come; Gone once `instance` is out of the fleet, or its breaker is
+    open, while no chunk came for WATCH_S (a server killed closes its connections; one cut
+    off or frozen does not: only its lease ending says so, or, for a server the proxy was
+    given, its /health probes failing)."""
     iterator = chunks.__aiter__()
     while True:
         step = asyncio.ensure_future(iterator.__anext__())
@@ -230,6 +232,9 @@ async def watched(chunks: AsyncIterator[bytes], instance: Instance) -> AsyncIter
                     break
                 if instance.gone:
                     raise Gone(f"{instance.url} left the fleet (no renewal within its lease) while the stream waited")
+                if instance.breaker.state == "open":
+                    raise Gone(f"{instance.url} stopped answering (its breaker opened: /health probes or requests "
+                               "failed) while the stream waited")
         finally:
             if not step.done():
                 step.cancel()
