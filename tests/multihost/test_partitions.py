@@ -23,6 +23,7 @@ import pytest
 from launch import hosts, http_client
 from launch.hosts import Network
 from tests.support.pd_client import complete
+from tests.support.server_harness import wait_until
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif((why := hosts.unavailable()) is not None, reason=f"no test hosts: {why}")]
@@ -78,15 +79,6 @@ def metrics(fleet, server) -> dict[str, float]:
 def decode_state(fleet) -> dict[str, dict]:
     health = on_proxy_host(fleet, lambda: http_client().get(f"{fleet['proxy'].url}/health", timeout=10).json())
     return {i["url"]: i for i in health["decode"]}
-
-
-def wait_until(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
 
 
 def kv_back_to_zero(fleet) -> None:
