@@ -11,6 +11,7 @@ it back once the link returns, and KV returns to 0 everywhere.
   the prompt itself (--kv-load-failure-policy recompute); P frees the blocks at its lease.
 - proxy <-> P cut during prefill: the prefill fails at --prefill-timeout and the client
   gets a clear error; P frees what it held at its lease.
+- the decode servers' links capped to 10 Mbit/s: the same tokens, KV read over them.
 """
 
 from __future__ import annotations
@@ -155,4 +156,22 @@ def test_a_prefill_server_cut_from_the_proxy_gives_a_clear_error_in_time(fleet) 
         net.restore(proxy_host, p_host)
     assert wait_until(lambda: ask(fleet, BODY)[0] == 200, 30)  # taken back once the link returns
     assert ask(fleet, BODY)[1]["choices"][0]["token_ids"] == fleet["reference"]["short"]
+    kv_back_to_zero(fleet)
+
+
+def test_a_decode_server_on_a_10_mbit_link_answers_as_colocated(fleet) -> None:
+    """Its KV reads and its streams cross a link shaped to 10 Mbit/s each way: slower, the
+    same tokens."""
+    net, (_, d1_host, d2_host, _) = fleet["net"], fleet["hosts"]
+    read = sum(metrics(fleet, d)["pd_kv_transfer_bytes_total"] for d in fleet["d"])
+    for host in (d1_host, d2_host):
+        net.cap(host, 10)
+    try:
+        for _ in range(2):  # one on each decode server (least loaded, one at a time)
+            status, answer = ask(fleet, BODY)
+            assert status == 200 and answer["choices"][0]["token_ids"] == fleet["reference"]["short"]
+        assert sum(metrics(fleet, d)["pd_kv_transfer_bytes_total"] for d in fleet["d"]) > read
+    finally:
+        for host in (d1_host, d2_host):
+            net.uncap(host)
     kv_back_to_zero(fleet)
