@@ -232,12 +232,7 @@ def run(model: Path, workdir: Path, decode: int = 2, requests: int = 24, max_tok
             others = [d for d in ds.values() if d is not victim]
             computed = sum(_computed_prompt_tokens(d.url) for d in others)
             failed_at = time.monotonic()
-            if fault == "kill":
-                victim.process.send_signal(signal.SIGKILL)  # a server this run started
-            elif fault == "drain":
-                victim.process.send_signal(signal.SIGTERM)
-            else:
-                os.kill(victim.health().json()["engine_pid"], signal.SIGKILL)  # its child
+            _fail(victim, fault)
             victim.process.wait(TIMEOUT_S)
             exited_s = time.monotonic() - failed_at
             for future in futures:
@@ -259,6 +254,16 @@ def run(model: Path, workdir: Path, decode: int = 2, requests: int = 24, max_tok
                 "longest_pause_s": sorted(round(a.longest_pause_s, 3) for a in streamed),
                 "median_gap_between_chunks_s": round(statistics.median(g for a in streamed for g in a.gaps), 4),
                 "kv_usage_left": kv_left, "proxy": proxy_metrics(proxy.url)}
+
+
+def _fail(victim: launch.Launched, fault: str) -> None:
+    """`fault` (`--fault`) done to a decode server this run started."""
+    if fault == "kill":
+        victim.process.send_signal(signal.SIGKILL)
+    elif fault == "drain":
+        victim.process.send_signal(signal.SIGTERM)
+    else:
+        os.kill(victim.health().json()["engine_pid"], signal.SIGKILL)  # its child
 
 
 def _outstanding(proxy: str, url: str) -> int:

@@ -276,21 +276,22 @@ class EngineClient:
     async def release_held(self, request_ids: list[str]) -> None:
         """Have a prefill engine free now the blocks it keeps for these finished requests
         (ids it does not hold are ignored, and so is everything once it is dead)."""
-        self._attach()
-        if self._dead_error is None and not self._closed:
-            with contextlib.suppress(EngineDeadError, zmq.ZMQError):
-                self._send(ReleaseKV(list(request_ids)))
+        self._send_quietly(ReleaseKV(list(request_ids)))
 
     async def migrate(self, request_ids: list[str]) -> None:
         """Have the engine hand these requests on with their KV (MigrateRequests): each
         one's generator ends with a "migrated" output per sequence. Ignored once the
         engine is dead."""
+        self._send_quietly(MigrateRequests(list(request_ids)))
+
+    # ---- internals ----------------------------------------------------------------
+
+    def _send_quietly(self, message: Any) -> None:
+        """Send `message` unless the engine is dead or the client closed (nothing then)."""
         self._attach()
         if self._dead_error is None and not self._closed:
             with contextlib.suppress(EngineDeadError, zmq.ZMQError):
-                self._send(MigrateRequests(list(request_ids)))
-
-    # ---- internals ----------------------------------------------------------------
+                self._send(message)
 
     def _attach(self) -> None:
         loop = asyncio.get_running_loop()
