@@ -348,10 +348,11 @@ def test_the_kv_events_replay_socket(deployment) -> None:
 
 
 def test_the_kv_side_channel(deployment) -> None:
-    from connectors.nixl.peer_messages import HandshakeRequest
+    from connectors.nixl.handshake import handshake_request
     from connectors.nixl.peer_messages import encode as encode_handshake
+    from pd.kv_transfer.signing import handshake_key, secret_from_env
 
-    valid = encode_handshake(HandshakeRequest("pd-fuzzer", "0" * 64))
+    valid = encode_handshake(handshake_request("pd-fuzzer", "0" * 64, handshake_key(secret_from_env())))
     fuzz_socket(deployment["ports"]["side"], valid, BUDGET["side_channel"], envelope=True)
     assert wait_until(lambda: deployment["p"].metrics()['pd_malformed_messages_total{listener="side_channel"}'] > 0)
     assert_unharmed(deployment)
@@ -437,16 +438,17 @@ def answer_once(listener: socket.socket, replies: list[bytes]) -> None:
 
 NOTIFIER = r"""
 import struct, sys, time
-from connectors.nixl.handshake import fetch_remote_layout
-from connectors.nixl.peer_messages import HandshakeRequest
+from connectors.nixl.handshake import fetch_remote_layout, handshake_request
 from pd.kv_transfer.nixl_api import load_nixl
+from pd.kv_transfer.signing import handshake_key, secret_from_env
 from connectors.nixl.ucx import configure_ucx
 
 configure_ucx("127.0.0.1")
 port, compat = int(sys.argv[1]), sys.argv[2]
 api, _ = load_nixl()
 agent = api.nixl_agent("pd-fuzzer", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-response = fetch_remote_layout("127.0.0.1", port, HandshakeRequest("pd-fuzzer", compat), 10.0)
+request = handshake_request("pd-fuzzer", compat, handshake_key(secret_from_env()))
+response = fetch_remote_layout("127.0.0.1", port, request, 10.0)
 peer = agent.add_remote_agent(response.agent_metadata)
 print("ready", flush=True)
 stdin = sys.stdin.buffer

@@ -9,15 +9,28 @@ next ones are dropped, never waited for. Peers call
 `fetch_remote_layout`, which raises `HandshakeFailed` on an error reply, a timeout, or an
 undecodable reply.
 
+Who is answered: a server given its peers' networks (`peers`: `--kv-allowed-peers`, or
+loopback without a secret) refuses a request from any other address (the TCP peer's,
+not anything the request says), and one given the deployment's handshake key (`key`,
+derived from its secret) refuses a request without a proof that its sender holds it
+(`handshake_request` makes one; pd/kv_transfer/signing.py `handshake_proof`), or whose
+proof was made more than
+PROOF_WINDOW_S from now. A refused peer gets a `HandshakeError` saying why, and nothing
+of this engine's agent: the NIXL metadata (and with it the keys to read the registered
+KV memory) goes only to peers. Refusals are logged and counted (`refused`).
+
 Wire format: both REQ and DEALER clients are served; a reply carries the request's
 envelope back (identity, empty delimiter, payload).
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 
 import zmq
 
@@ -31,6 +44,7 @@ from connectors.nixl.peer_messages import (
     decode_request,
     encode,
 )
+from pd.kv_transfer.signing import handshake_proof
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +52,7 @@ MAX_REQUEST_BYTES = 1 << 20  # larger requests get a HandshakeError reply
 MAX_WIRE_BYTES = 16 << 20  # ZMQ drops the connection of a peer sending more than this
 POLL_INTERVAL_MS = 100  # how long the server thread blocks before checking for close()
 REPLY_HWM = 4  # replies queued for one client before its next ones are dropped
+PROOF_WINDOW_S = 300.0  # a proof is taken this long either side of its time: the deployment's clocks agree within it
 
 Responder = Callable[[HandshakeRequest], HandshakeReply]
 
@@ -54,15 +69,29 @@ def _endpoint(host: str, port: int | str) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
+def handshake_request(engine_id: str, compat_hash: str, key: str | None,
+                      wall_clock: Callable[[], float] = time.time) -> HandshakeRequest:
+    """A request for a peer's layout, proving the deployment's secret by its handshake
+    `key` (pd/kv_transfer/signing.py `handshake_key`), if there is one."""
+    sent_at = wall_clock()
+    proof = handshake_proof(key, engine_id, compat_hash, sent_at) if key else ""
+    return HandshakeRequest(engine_id, compat_hash, sent_at, proof)
+
+
 class SideChannelServer:
-    """Serves `respond(request)` on tcp://host:port until `close()`.
+    """Serves `respond(request)` on tcp://host:port until `close()`, to `peers` (networks;
+    None: any address) that prove the secret by its handshake `key` (None: no proof asked).
 
     `port=0` binds a free port; `self.port` is the port bound. `respond` runs on the
     server thread; an exception it raises becomes a HandshakeError reply.
     """
 
-    def __init__(self, host: str, port: int, respond: Responder) -> None:
+    def __init__(self, host: str, port: int, respond: Responder, peers: Sequence[str] | None = None,
+                 key: str | None = None, wall_clock: Callable[[], float] = time.time) -> None:
         self._respond = respond
+        self._peers = None if peers is None else [ipaddress.ip_network(p, strict=False) for p in peers]
+        self._key = key
+        self._wall_clock = wall_clock
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -81,6 +110,7 @@ class SideChannelServer:
         self.host = host
         self.port = int(endpoint.rsplit(":", 1)[1])
         self.malformed = 0  # requests refused as malformed or oversized
+        self.refused = 0  # requests refused as not from a peer (its address, or no proof of the secret)
         self._stop = threading.Event()
         # The socket is used only by the thread from here on (ZMQ sockets are not thread-safe;
         # starting the thread is the memory barrier that hands it over).
@@ -113,15 +143,16 @@ class SideChannelServer:
             self._socket.close()
 
     def _serve_one(self) -> None:
-        frames = self._socket.recv_multipart()
-        reply = self._reply_to(frames[1:])
+        frames = self._socket.recv_multipart(copy=False)
+        reply = self._reply_to([frame.bytes for frame in frames[1:]], frames[-1].get("Peer-Address"))
         try:
-            self._socket.send_multipart([frames[0], b"", encode(reply)], zmq.NOBLOCK)
+            self._socket.send_multipart([frames[0].bytes, b"", encode(reply)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the client left before its reply, or does not read them
             logger.info("side channel: could not reply to a client: %s", exc)
 
-    def _reply_to(self, body: list[bytes]) -> HandshakeReply:
-        """The reply to one request; `body` is the message after the ROUTER identity."""
+    def _reply_to(self, body: list[bytes], sender: str) -> HandshakeReply:
+        """The reply to one request; `body` is the message after the ROUTER identity,
+        `sender` the address it came from."""
         if body and body[0] == b"":  # REQ / DEALER-with-delimiter envelope
             body = body[1:]
         size = sum(len(frame) for frame in body)
@@ -133,6 +164,11 @@ class SideChannelServer:
             request = decode_request(body[0])
         except MessageDecodeError as exc:
             return self._refuse(f"malformed handshake request: {exc}")
+        stranger = self._stranger(request, sender)
+        if stranger is not None:
+            self.refused += 1
+            logger.warning("side channel: refused %r from %s: %s", request.engine_id, sender, stranger)
+            return HandshakeError(stranger)
         try:
             reply = self._respond(request)
         except Exception as exc:  # a bug in respond must not stop the side channel
@@ -142,6 +178,23 @@ class SideChannelServer:
             logger.error("side channel: respond returned %s", type(reply).__name__)
             return HandshakeError("internal error answering the handshake")
         return reply
+
+    def _stranger(self, request: HandshakeRequest, sender: str) -> str | None:
+        """Why `request`, from `sender`, is not a peer's; None if it is."""
+        if self._peers is not None:
+            try:
+                address = ipaddress.ip_address(sender.split("%")[0])  # an IPv6 zone, if any, aside
+            except ValueError:
+                return f"the side channel cannot tell where the request came from ({sender!r})"
+            if not any(address in network for network in self._peers):
+                return f"{address} is not an allowed peer of this server (--kv-allowed-peers)"
+        if self._key is not None:
+            expected = handshake_proof(self._key, request.engine_id, request.compat_hash, request.sent_at)
+            if not hmac.compare_digest(request.proof.encode(), expected.encode()):
+                return "the handshake does not prove the deployment's transfer secret"
+            if not abs(self._wall_clock() - request.sent_at) <= PROOF_WINDOW_S:  # NaN too
+                return f"the handshake's proof was made more than {PROOF_WINDOW_S:g} s from this server's clock"
+        return None
 
     def _refuse(self, reason: str) -> HandshakeError:
         self.malformed += 1

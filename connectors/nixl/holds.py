@@ -7,12 +7,17 @@ its lease expires; each of these ends it once, and from then on its lease word r
 blocks may no longer be the request's. A KeepAlive from D (the request waits in D's
 queue) extends the lease to its full length from the KeepAlive's arrival. A request
 ended is reported in `finished_sending` (the scheduler frees its blocks).
+
+Notifications are taken only from the agents of peers this server's side channel
+answered (`peers`, which the worker fills): one from any other agent (a host that is not
+a peer and yet reached this agent) ends or extends nothing, and is counted
+(`stranger_notifications`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 from connectors.nixl.leases import LeaseTable
 from connectors.nixl.peer_messages import KeepAlive, NotifDecodeError, Reject, decode_notif
@@ -26,7 +31,7 @@ LATE_READ_GRACE_S = 10.0  # P polls this long after a lease expired, so a read a
 
 class Holds:
     def __init__(self, lease_seconds: float, clock: Callable[[], float], stats: TransferStats,
-                 poll_for: Callable[[float], None]) -> None:
+                 poll_for: Callable[[float], None], peers: Container[str] | None = None) -> None:
         self.lease_seconds = lease_seconds
         self.clock = clock
         self.stats = stats
@@ -34,6 +39,7 @@ class Holds:
         self.deadlines: dict[str, float] = {}  # request id -> monotonic end of its lease
         self.leases: LeaseTable | None = None  # the lease words, once the transport registered them
         self.released: set[str] = set()  # ended by a release, reported next poll
+        self.peers = peers  # the agents notifications are taken from; None: any
 
     def __len__(self) -> int:
         return len(self.deadlines)
@@ -65,6 +71,10 @@ class Holds:
                 self.stats.leases_expired += 1
 
     def _notified(self, peer: str, payload: bytes, output: KVConnectorOutput) -> None:
+        if self.peers is not None and peer not in self.peers:
+            logger.warning("ignoring a notification from %r, an agent this server's side channel never answered", peer)
+            self.stats.stranger_notifications += 1
+            return
         try:
             notif = decode_notif(payload)
         except NotifDecodeError as exc:

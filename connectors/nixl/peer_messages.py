@@ -115,6 +115,8 @@ class KVLayoutInfo(msgspec.Struct, frozen=True):
 class HandshakeRequest(msgspec.Struct, frozen=True, tag="handshake_request"):
     engine_id: str
     compat_hash: str
+    sent_at: float = 0.0  # the sender's wall clock (seconds since the epoch), under the proof
+    proof: str = ""  # with a deployment's secret: pd/kv_transfer/signing.py `handshake_proof`
 
 
 MAX_RANKS = 256  # tensor-parallel ranks a handshake may describe

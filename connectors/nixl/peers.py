@@ -28,10 +28,10 @@ MAX_PENDING_PER_ADDRESS = 2  # of them with one host and port
 
 
 class PeerHandshakes:
-    def __init__(self, request: HandshakeRequest, timeout_s: float, backoff_s: float,
+    def __init__(self, request: Callable[[], HandshakeRequest], timeout_s: float, backoff_s: float,
                  clock: Callable[[], float] = time.monotonic,
                  fetch: Callable[..., HandshakeResponse] = fetch_remote_layout) -> None:
-        self.request = request
+        self.request = request  # made anew for each handshake (its proof holds for a while)
         self.timeout_s = timeout_s
         self.backoff_s = backoff_s
         self.clock = clock
@@ -56,7 +56,7 @@ class PeerHandshakes:
 
     def _timed_fetch(self, host: str, port: int) -> tuple[HandshakeResponse, float]:
         started = time.monotonic()
-        response = self.fetch(host, port, self.request, self.timeout_s)
+        response = self.fetch(host, port, self.request(), self.timeout_s)
         return response, time.monotonic() - started
 
     def failed_recently(self, engine_id: str) -> str | None:

@@ -14,6 +14,7 @@ class TransferStats:
     post to completion, the time posting it took, its bytes and descriptors: with tensor
     parallelism each decode rank's share of a request) and per handshake."""
 
+    path: str = ""  # what the bytes read cross, as UCX is configured (connectors/nixl/ucx.py `path`)
     reads: int = 0
     read_bytes: int = 0
     read_seconds: float = 0.0
@@ -27,6 +28,8 @@ class TransferStats:
     handshakes: int = 0
     handshake_failures: int = 0
     malformed_notifications: int = 0  # NIXL notifications that were not ReadDone, Reject or KeepAlive
+    stranger_notifications: int = 0  # NIXL notifications from agents the side channel never answered
+    handshakes_refused: int = 0  # side-channel handshakes refused: not from a peer (SideChannelServer.refused)
     digests_checked: int = 0  # requests received whose bytes matched the holder's digests
     digest_mismatches: int = 0  # requests received whose bytes did not: a load failure
     xfer_time: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS))

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import os
+import socket
+import struct
+from pathlib import Path
 
 ONE_HOST_UCX_TLS = "sm,self,tcp"  # shared memory (cma: one process_vm_readv per run); tcp for wire-up
 # On a host with CUDA devices: NIXL's UCX backend refuses to start without a CUDA
@@ -37,6 +41,7 @@ NO_MEMORY_HOOKS = {"UCX_MEM_EVENTS": "no", "UCX_RCACHE_ENABLE": "n"}
 # went through host memory and TCP (~260 MB/s on the H200 above; vllm#52607 saw the
 # same; ai-dynamo/nixl#2208 turns it on in later NIXL). Not yet measured here.
 CUDA_IPC_GET = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 
 
 def configure_ucx(host: str, transports: str = "auto", cuda: bool = False, kv_on_gpu: bool = False) -> None:
@@ -50,10 +55,12 @@ def configure_ucx(host: str, transports: str = "auto", cuda: bool = False, kv_on
       CUDA IPC where they exist). An operator's own UCX_TLS wins over auto, not over an
       explicit list.
     - Listening: UCX's TCP transport listens on every network interface unless told
-      otherwise; for a loopback `host` it stays on loopback (`UCX_NET_DEVICES=lo`, unless
-      the operator set it). Other hosts keep UCX's choice: narrowing it there could
-      exclude the RDMA devices. They get TCP segments of 1 MiB (BETWEEN_HOSTS_TCP),
-      unless the operator set them.
+      otherwise (loopback included); for a loopback `host` it stays on loopback
+      (`UCX_NET_DEVICES=lo`, unless the operator set it), for any other on the
+      interface that holds `host` and the machine's RDMA ports (`network_devices`: no
+      TCP listener on another address, no RDMA device left out); where no interface
+      holds `host`, UCX's choice. Other hosts get TCP segments of 1 MiB
+      (BETWEEN_HOSTS_TCP), unless the operator set them.
     - No memory hooks nor registration cache (NO_MEMORY_HOOKS) for KV in host memory;
       for KV on a GPU (`kv_on_gpu`) UCX's defaults, and CUDA IPC reads on with or
       without NVLink (CUDA_IPC_GET). An operator's own values of these win."""
@@ -66,6 +73,9 @@ def configure_ucx(host: str, transports: str = "auto", cuda: bool = False, kv_on
     if loopback:
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
     else:
+        devices = network_devices(host)
+        if devices is not None:
+            os.environ.setdefault("UCX_NET_DEVICES", devices)
         for name, value in BETWEEN_HOSTS_TCP.items():
             os.environ.setdefault(name, value)
     if transports != "auto":
@@ -74,6 +84,54 @@ def configure_ucx(host: str, transports: str = "auto", cuda: bool = False, kv_on
         os.environ.setdefault("UCX_TLS", ONE_HOST_CUDA_UCX_TLS if cuda else ONE_HOST_UCX_TLS)
     else:
         os.environ.setdefault("UCX_TLS", BETWEEN_HOSTS_UCX_TLS)
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds `address` on this host (the calling thread's
+    network namespace), or None."""
+    try:
+        wanted = ipaddress.ip_address(address)
+    except ValueError:
+        return None
+    if wanted.version == 6:
+        with open("/proc/net/if_inet6") as table:  # address (32 hex digits), index, prefix, scope, flags, name
+            return next((fields[5] for fields in map(str.split, table)
+                         if ipaddress.IPv6Address(int(fields[0], 16)) == wanted), None)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                ifreq = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address
+                continue
+            if ipaddress.ip_address(ifreq[20:24]) == wanted:
+                return name
+    return None
+
+
+def rdma_ports(root: Path = Path("/sys/class/infiniband")) -> list[str]:
+    """This host's RDMA ports as UCX names them (`mlx5_0:1`)."""
+    return sorted(f"{device.name}:{port.name}" for device in root.glob("*") for port in (device / "ports").glob("*"))
+
+
+def network_devices(host: str) -> str | None:
+    """UCX_NET_DEVICES for KV on `host`: the interface that holds it, and every RDMA port
+    (UCX's rc, ud and dc run over those; they listen on no TCP port); None where no
+    interface holds `host` (a wildcard, a name)."""
+    interface = interface_of(host)
+    return None if interface is None else ",".join([interface, *rdma_ports()])
+
+
+def path() -> str:
+    """What KV crosses between this server and its peers, as UCX is configured: "cma"
+    (one host: shared memory, one process_vm_readv copy per run), "rdma" (between hosts,
+    where this host has RDMA ports: UCX prefers them), "tcp" (between hosts, none), or
+    "ucx" (an operator's own transports: UCX's choice)."""
+    tls = os.environ.get("UCX_TLS")
+    if tls in (ONE_HOST_UCX_TLS, ONE_HOST_CUDA_UCX_TLS):
+        return "cma"
+    if tls == BETWEEN_HOSTS_UCX_TLS:
+        return "rdma" if rdma_ports() else "tcp"
+    return "ucx"
 
 
 def describe() -> str:

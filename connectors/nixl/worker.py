@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from connectors.nixl.digest_book import DigestBook
-from connectors.nixl.handshake import SideChannelServer
+from connectors.nixl.handshake import SideChannelServer, handshake_request
 from connectors.nixl.holds import Holds
 from connectors.nixl.integrity import Integrity
 from connectors.nixl.leases import LeaseTable
@@ -82,6 +82,7 @@ DIGEST_MISMATCH = "brought bytes that are not what the holder digested"  # a loa
 # The sender polls this long after a notification: without a progress thread UCX sends it
 # (and wires up a new peer's endpoint) only while the sender's agent is polled.
 NOTIF_FLUSH_S = 5.0
+MAX_ANSWERED = 4096  # peer agents remembered as answered (a fleet's decode ranks, restarts included)
 
 
 @dataclass
@@ -122,7 +123,8 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.side_channel = None
         self.agent_name = rank_agent_name(config.engine_id, config.rank)
         self.stats = TransferStats()
-        self.peers = PeerAgents(PeerHandshakes(HandshakeRequest(self.agent_name, config.compat_hash),
+        key = config.transfer.handshake_key
+        self.peers = PeerAgents(PeerHandshakes(lambda: handshake_request(self.agent_name, config.compat_hash, key),
                                                config.handshake_timeout_s, config.handshake_backoff_s, config.clock),
                                 config.rank, self.stats)
         self.rank_agents: list[RankAgent] = []  # rank 0: ranks 1..N-1's agents and layouts
@@ -131,7 +133,8 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.loading: dict[str, _Loading] = {}
         self.failed: dict[str, str] = {}  # failed before a read could be posted -> why
         self.leases: LeaseTable | None = None  # lease words (P's slots, D's landing words), made with the transport
-        self.holds = Holds(config.transfer.lease_seconds, config.clock, self.stats, self._poll_for)  # P
+        self.answered: dict[str, None] = {}  # the agents this side channel answered, oldest first
+        self.holds = Holds(config.transfer.lease_seconds, config.clock, self.stats, self._poll_for, self.answered)  # P
         self.digest_book = DigestBook(config.tp_size) if config.transfer.digest and config.rank == 0 else None  # P
         self.integrity: Integrity | None = None  # --kv-digest's part, once the KV caches are registered
         self.rank_mismatches: dict[str, str] = {}  # rank 0: request -> a rank > 0's digest mismatch
@@ -143,10 +146,12 @@ class NixlConnectorWorker(KVConnectorWorker):
         from connectors.nixl.transport import NixlTransport  # imports nixl: only when used
         from connectors.nixl.ucx import configure_ucx
         from connectors.nixl.ucx import describe as describe_ucx
+        from connectors.nixl.ucx import path as ucx_path
 
         configure_ucx(self.config.transfer.host, self.config.transfer.ucx_transports, cuda=torch.cuda.is_available(),
                       kv_on_gpu=kv_caches.tensors[0].device.type == "cuda")
         self.integrity = Integrity(kv_caches, self.digest_book)
+        self.stats.path = ucx_path()
         if self.config.rank == 0:
             logger.info("KV transfers on %s: %s", self.config.transfer.host, describe_ucx())
         if self.config.rank > 0:  # its reads only: leases and the side channel are rank 0's
@@ -157,7 +162,8 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.transport = self.peers.transport = NixlTransport(self.agent_name, kv_caches,
                                                               lease_words=self.leases.words)
         transfer = self.config.transfer
-        self.side_channel = SideChannelServer(transfer.host, transfer.side_channel_port, self._respond)
+        self.side_channel = SideChannelServer(transfer.host, transfer.side_channel_port, self._respond,
+                                              transfer.peers, transfer.handshake_key)
 
     def rank_info(self) -> RankAgent:
         return RankAgent(self.transport.agent_metadata(), self.transport.local_layout(self.config.compat_hash))
@@ -191,6 +197,10 @@ class NixlConnectorWorker(KVConnectorWorker):
             return HandshakeError(f"incompatible KV layout: peer {request.engine_id!r} has "
                                   f"{request.compat_hash[:12]}, this engine {self.config.compat_hash[:12]} "
                                   f"({COMPAT_DIFFERS})")
+        self.answered.pop(request.engine_id, None)
+        self.answered[request.engine_id] = None  # its notifications count (holds.py)
+        if len(self.answered) > MAX_ANSWERED:  # engines long gone: their reads are long over
+            del self.answered[next(iter(self.answered))]
         return HandshakeResponse(self.transport.agent_metadata(), self.transport.local_layout(self.config.compat_hash),
                                  self.rank_agents)
 
@@ -305,6 +315,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         notifs = self.transport.get_notifs()  # progresses this agent: P's ranks are read, D's ranks read
         if self.config.rank == 0:
             self.holds.update(notifs, output)
+            self.stats.handshakes_refused = self.side_channel.refused
         return output
 
     def _digest_mismatch(self, loading: _Loading) -> str | None:

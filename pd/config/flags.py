@@ -175,10 +175,13 @@ def _transfer_flags(group: argparse._ArgumentGroup) -> None:
                             " of its prefix cache (any client that reaches D can make it read any blocks of an "
                             "allowed P); without this flag such a server refuses to start")
     group.add_argument("--kv-allowed-peers", nargs="+", action="extend", default=None, metavar="NETWORK",
-                       help="without a secret, the prefill servers (IP addresses or networks) a decode server reads "
-                            "KV from; parameters naming another host get 403 and no connection; the flag may be "
-                            "repeated, each adding its networks (default: loopback, "
-                            + " ".join(DEFAULT_ALLOWED_PEERS) + ")")
+                       help="the peers (IP addresses or networks) this server moves KV with, both ways: the servers "
+                            "a decode server reads KV from (parameters naming another host get 403 and no connection)"
+                            ", and the readers whose side-channel handshakes a server answers (a handshake from "
+                            "another address is refused, and with it the NIXL metadata needed to read this server's "
+                            "KV); the flag may be repeated, each adding its networks (default: without a secret, "
+                            "loopback, " + " ".join(DEFAULT_ALLOWED_PEERS) + "; with one, any host whose handshake "
+                            "proves the secret)")
 
 
 def _parallel_flags(group: argparse._ArgumentGroup) -> None:

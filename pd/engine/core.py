@@ -205,7 +205,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         prefix = self.kv_cache_manager.stats
-        counters, histograms, by_rank = self._transfer_figures()
+        counters, histograms, by_rank, path = self._transfer_figures()
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,
             kv_usage=self.kv_cache_manager.usage, num_preemptions=self.scheduler.num_preemptions,
@@ -213,6 +213,7 @@ class EngineCore:
             group_names=group_names(self.kv_cache_config),
             group_queries=list(prefix.group_queries), group_hits=list(prefix.group_hits),
             kv_transfer=counters, kv_transfer_histograms=histograms, kv_transfer_by_rank=by_rank,
+            kv_transfer_path=path,
             kv_load_failures=dict(self.scheduler.remote_kv.load_failures),
             kv_prefix_reads_skipped=self.scheduler.remote_kv.reads_skipped,
             kv_cache_bytes=[self.runner.kv_allocation.nbytes, *(self.tp_ranks.kv_bytes if self.tp_ranks else [])],
@@ -228,16 +229,17 @@ class EngineCore:
         loop adds its input's)."""
         return {"kv_events_replay": self.kv_events.malformed_requests} | self.runner.connector.malformed_messages()
 
-    def _transfer_figures(self) -> tuple[dict[str, float], dict[str, HistogramSnapshot], dict[str, dict[int, int]]]:
-        """The connector's transfer counters, histograms and per-rank figures (empty
-        without a connector that counts)."""
+    def _transfer_figures(self) -> tuple[dict[str, float], dict[str, HistogramSnapshot], dict[str, dict[int, int]],
+                                         str]:
+        """The connector's transfer counters, histograms, per-rank figures and path
+        (empty without a connector that counts)."""
         connector = self.runner.connector
         stats = getattr(connector, "stats", None)
         if stats is None:
-            return {}, {}, {}
+            return {}, {}, {}, ""
         histograms = {name: _snapshot(h) for name, h in stats.histograms().items()}
         counters = stats.counters() | {"requests_held": float(connector.num_requests_held)}
-        return counters, histograms, stats.by_rank()
+        return counters, histograms, stats.by_rank(), getattr(stats, "path", "")
 
     def _keep_logits(self, logits: dict[str, torch.Tensor] | None) -> None:
         for req_id, row in (logits or {}).items():

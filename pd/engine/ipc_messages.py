@@ -174,6 +174,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_transfer: dict[str, float] = {}  # the connector's counters, if any
     kv_transfer_histograms: dict[str, HistogramSnapshot] = {}  # the connector's histograms
     kv_transfer_by_rank: dict[str, dict[int, int]] = {}  # figure -> tensor-parallel rank -> value
+    kv_transfer_path: str = ""  # what KV read crosses (connectors/nixl/ucx.py `path`)
     kv_cache_bytes: list[int] = []  # KV cache memory of each tensor-parallel rank
     kv_load_failures: dict[str, int] = {}  # by policy action: recompute / fail
     kv_prefix_reads_skipped: int = 0  # P: exported prefixes it held already (nothing read)

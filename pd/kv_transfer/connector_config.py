@@ -13,7 +13,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from pd.kv_transfer.connectors import AUTO_CONNECTOR, KV_CONNECTORS
-from pd.kv_transfer.signing import DEFAULT_ALLOWED_PEERS
+from pd.kv_transfer.signing import DEFAULT_ALLOWED_PEERS, handshake_key
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,12 @@ class ConnectorConfig:
     ucx_transports: str  # UCX_TLS for the NIXL agent; auto: shared memory + tcp on loopback
     secret: str | None = field(repr=False)  # signs kv_transfer_params; None: unsigned
     digest: bool  # digest the KV held for readers (pd/kv_transfer/digests.py); readers check what they get
+    # the networks whose handshakes the side channel answers (TransferSettings.peer_networks);
+    # None: any peer, which must prove it holds the secret
+    peers: tuple[str, ...] | None
+    # proves the secret in side-channel handshakes (signing.py `handshake_key`); None: no secret.
+    # A tensor-parallel rank keeps it when the secret is taken from its copy.
+    handshake_key: str | None = field(repr=False)
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,8 @@ class TransferSettings:
     # None: $PD_KV_TRANSFER_SECRET (read by EngineConfig.resolve); "": none, whatever it says
     secret: str | None = field(default=None, repr=False, metadata={"flat": "kv_transfer_secret"})
     allow_unsigned: bool = field(default=False, metadata={"flat": "allow_unsigned_kv_params"})
-    allowed_peers: tuple[str, ...] = field(default=DEFAULT_ALLOWED_PEERS, metadata={"flat": "kv_allowed_peers"})
+    # None: not given (peer_networks says what that means)
+    allowed_peers: tuple[str, ...] | None = field(default=None, metadata={"flat": "kv_allowed_peers"})
 
     def __post_init__(self) -> None:
         if self.connector != AUTO_CONNECTOR and self.connector not in KV_CONNECTORS:
@@ -58,15 +65,26 @@ class TransferSettings:
                              f"got {self.ucx_transports!r}")
         if not 0 <= self.side_channel_port < 65536:
             raise ValueError(f"kv_side_channel_port must be a TCP port (0: any free one), got {self.side_channel_port}")
-        if not isinstance(self.allowed_peers, tuple):
+        if self.allowed_peers is not None and not isinstance(self.allowed_peers, tuple):
             raise TypeError(f"kv_allowed_peers must be a tuple, got {type(self.allowed_peers).__name__}")
-        for peer in self.allowed_peers:
+        for peer in self.allowed_peers or ():
             try:
                 ipaddress.ip_network(peer, strict=False)
             except ValueError:
                 raise ValueError(f"kv_allowed_peers: {peer!r} is not an IP address or network") from None
 
+    def peer_networks(self) -> tuple[str, ...] | None:
+        """The networks this server moves KV with, both ways: the prefill servers it reads
+        from and the readers whose handshakes its side channel answers. Those given, with
+        or without a secret; none given: loopback (DEFAULT_ALLOWED_PEERS) without a secret,
+        None with one (any peer: the parameters are signed, and a handshake must prove the
+        secret)."""
+        if self.allowed_peers is not None:
+            return self.allowed_peers
+        return None if self.secret else DEFAULT_ALLOWED_PEERS
+
     def connector_config(self) -> ConnectorConfig:
         """What the KV connector is configured with (it sees nothing else of the engine's)."""
         return ConnectorConfig(self.host, self.side_channel_port, self.lease_seconds, self.read_timeout_s,
-                               self.ucx_transports, self.secret, self.digest)
+                               self.ucx_transports, self.secret, self.digest, self.peer_networks(),
+                               handshake_key(self.secret) if self.secret else None)

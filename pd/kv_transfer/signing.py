@@ -14,8 +14,12 @@ prompt's token ids and the lease's end. D refuses, before it connects anywhere:
 
 Without a secret (`--allow-unsigned-kv-params`), D trusts parameters only when they name a
 peer in its allowed networks (`--kv-allowed-peers`, default loopback): it never connects
-elsewhere; and it keeps what it reads under them out of its prefix cache. In every mode D
-refuses parameters whose prompt digest is not its request's prompt's.
+elsewhere; and it keeps what it reads under them out of its prefix cache. With a secret
+and `--kv-allowed-peers` given, the parameters must be signed and name such a peer. In
+every mode D refuses parameters whose prompt digest is not its request's prompt's.
+
+The side channel's handshake (connectors/nixl/handshake.py) is held to the same peers
+from the other end, and with a secret carries a proof of it (`handshake_proof`).
 """
 
 from __future__ import annotations
@@ -89,6 +93,20 @@ def _mac(params: RemotePrefillParams, secret: str) -> str:
     return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
 
 
+def handshake_key(secret: str) -> str:
+    """The key of side-channel handshakes, derived from the deployment's secret: what a
+    tensor-parallel rank is given (it never holds the secret, which signs parameters)."""
+    return hmac.new(secret.encode(), b"pd-kv-handshake", hashlib.sha256).hexdigest()
+
+
+def handshake_proof(key: str, engine_id: str, compat_hash: str, sent_at: float) -> str:
+    """What a side-channel handshake carries to show that its sender holds the
+    deployment's secret: an HMAC-SHA256, under `handshake_key`, of who asks, for which
+    layout, and when."""
+    message = _encoder.encode(["handshake", engine_id, compat_hash, sent_at])
+    return hmac.new(key.encode(), message, hashlib.sha256).hexdigest()
+
+
 def sign(params: RemotePrefillParams, secret: str) -> RemotePrefillParams:
     return msgspec.structs.replace(params, signature=_mac(params, secret))
 
@@ -98,10 +116,15 @@ class TransferParamsGuard:
     them is used: signed by the deployment's secret (and not expired, replayed or moved
     to another prompt), or, without a secret, naming an allowed peer."""
 
-    def __init__(self, secret: str | None, allowed_peers: Sequence[str],
+    def __init__(self, secret: str | None, allowed_peers: Sequence[str] | None,
                  wall_clock: Callable[[], float] = time.time) -> None:
+        """`allowed_peers`: the networks D reads from (TransferSettings.peer_networks);
+        None (only with a secret): any host the signed parameters name."""
+        if secret is None and allowed_peers is None:
+            raise ValueError("without a secret, the peers trusted must be given")
         self.secret = secret
-        self.allowed = [ipaddress.ip_network(p, strict=False) for p in allowed_peers]
+        self.allowed = None if allowed_peers is None else [ipaddress.ip_network(p, strict=False)
+                                                           for p in allowed_peers]
         self.wall_clock = wall_clock
         self._seen = UntilExpiry()  # signatures used, until their lease ends
         self._lock = threading.Lock()  # servers check requests in worker threads: one check at a time
@@ -114,8 +137,9 @@ class TransferParamsGuard:
     def _check(self, params: RemotePrefillParams, prompt_token_ids: Sequence[int]) -> None:
         if params.prompt_digest != prompt_digest(prompt_token_ids):  # in every mode: never another prompt's KV
             raise TransferParamsRefused("kv_transfer_params were issued for another prompt")
-        if self.secret is None:
+        if self.allowed is not None:
             self._check_peer(params.remote_host)
+        if self.secret is None:
             return
         if params.signature is None:
             raise TransferParamsRefused("kv_transfer_params are not signed (this server requires signed parameters)")
@@ -134,5 +158,6 @@ class TransferParamsGuard:
         except ValueError:
             raise TransferParamsRefused(f"remote_host {host!r} is not an IP address of an allowed peer") from None
         if not any(address in network for network in self.allowed):
-            raise TransferParamsRefused(f"remote_host {host} is not an allowed peer of this server "
-                                        "(see --kv-allowed-peers, or sign parameters with --kv-transfer-secret)")
+            signing = "" if self.secret else ", or sign parameters with --kv-transfer-secret"
+            raise TransferParamsRefused(f"remote_host {host} is not an allowed peer of this server (see "
+                                        f"--kv-allowed-peers{signing})")

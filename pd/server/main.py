@@ -200,7 +200,7 @@ async def _serve(client: Any, tokenizer: Any, name: str, config: EngineConfig, a
     template = ChatTemplate.from_model_dir(config.model.path, tokenizer.config)
     app = build_app(client, tokenizer, name, api_key=args.api_key, chat_template=template,
                     role=config.role,
-                    transfer_guard=TransferParamsGuard(config.transfer.secret, config.transfer.allowed_peers),
+                    transfer_guard=TransferParamsGuard(config.transfer.secret, config.transfer.peer_networks()),
                     limits=limits)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                             log_config=logs.uvicorn_log_config(args.log_format),

@@ -77,7 +77,7 @@ class EngineStatsCollector(Collector):
         yield from listener_metrics(stats)
         yield from step_metrics(stats)
         if stats is not None and stats.kv_transfer:  # a connector is configured
-            yield from kv_transfer_metrics(stats.kv_transfer)
+            yield from kv_transfer_metrics(stats.kv_transfer, stats.kv_transfer_path)
             yield from kv_transfer_histograms(stats.kv_transfer_histograms)
             yield from kv_transfer_rank_metrics(stats.kv_transfer_by_rank)
         if stats is not None and (stats.kv_transfer or stats.kv_offload):  # KV may be loaded from elsewhere
@@ -111,15 +111,26 @@ KV_TRANSFER_COUNTERS = {
     "digest_mismatches": ("digest_mismatches", "KV reads whose bytes differed from the holder's digests: load "
                                                "failures (recomputed or failed by --kv-load-failure-policy)."),
     "handshake_failures": ("handshake_failures", "Side-channel handshakes with prefill servers that failed."),
+    "handshakes_refused": ("handshakes_refused", "Side-channel handshakes this server refused: not from an allowed "
+                                                 "peer (--kv-allowed-peers), or no proof of the transfer secret."),
+    "stranger_notifications": ("stranger_notifications", "NIXL notifications ignored: from an agent this server's "
+                                                         "side channel never answered."),
 }
 
 
-def kv_transfer_metrics(values: dict[str, float]) -> Iterator[Metric]:
-    """pd_kv_transfer_*_total counters and pd_kv_requests_held."""
+def kv_transfer_metrics(values: dict[str, float], path: str = "") -> Iterator[Metric]:
+    """pd_kv_transfer_*_total counters, pd_kv_transfer_bytes_by_path_total{path} (the
+    bytes read, labelled with what they crossed) and pd_kv_requests_held."""
     for name, (field, help_text) in KV_TRANSFER_COUNTERS.items():
         family = CounterMetricFamily(f"pd_kv_transfer_{name}", help_text)
         family.add_metric([], values.get(field, 0.0))
         yield family
+    by_path = CounterMetricFamily("pd_kv_transfer_bytes_by_path", "Bytes of KV read, by what they crossed as UCX is "
+                                  "configured: cma (one host, shared memory), tcp or rdma (between hosts), ucx (an "
+                                  "operator's own transports).", labels=["path"])
+    if path:
+        by_path.add_metric([path], values.get("read_bytes", 0.0))
+    yield by_path
     held = GaugeMetricFamily("pd_kv_requests_held", "Requests whose KV blocks a prefill server keeps for a reader.")
     held.add_metric([], values.get("requests_held", 0.0))
     yield held

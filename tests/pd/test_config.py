@@ -78,14 +78,19 @@ def test_num_threads_sets_the_engines_torch_threads(tmp_path) -> None:
         torch.set_num_threads(before)
 
 
-def test_repeated_allowed_peers_flags_add_and_none_keeps_loopback(tiny_models) -> None:
+def test_repeated_allowed_peers_flags_add_and_none_means_loopback_without_a_secret(tiny_models) -> None:
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
     model = str(tiny_models["qwen3"])
     given = parser.parse_args(["--model", model, "--kv-allowed-peers", "10.0.0.0/8", "--kv-allowed-peers",
                                "192.168.1.2", "172.16.0.0/12"])
     assert config_from_args(given).transfer.allowed_peers == ("10.0.0.0/8", "192.168.1.2", "172.16.0.0/12")
-    assert config_from_args(parser.parse_args(["--model", model])).transfer.allowed_peers == DEFAULT_ALLOWED_PEERS
+    for secret in (None, "s"):  # given: with a secret or without one
+        transfer = dataclasses.replace(config_from_args(given).transfer, secret=secret)
+        assert transfer.peer_networks() == ("10.0.0.0/8", "192.168.1.2", "172.16.0.0/12")
+    none_given = config_from_args(parser.parse_args(["--model", model])).transfer
+    assert none_given.allowed_peers is None and none_given.peer_networks() == DEFAULT_ALLOWED_PEERS
+    assert dataclasses.replace(none_given, secret="s").peer_networks() is None  # any peer that proves the secret
 
 
 def test_resolve_decides_what_was_left_to_the_machine_and_changes_nothing_asked(tiny_models, monkeypatch) -> None:

@@ -17,9 +17,11 @@ import zmq
 
 from connectors.nixl.handshake import (
     MAX_REQUEST_BYTES,
+    PROOF_WINDOW_S,
     HandshakeFailed,
     SideChannelServer,
     fetch_remote_layout,
+    handshake_request,
 )
 from connectors.nixl.peer_messages import (
     DataRefInfo,
@@ -178,3 +180,44 @@ def test_idle_server_does_not_spin_and_close_frees_the_port() -> None:
     srv.close()  # idempotent
     again = SideChannelServer("127.0.0.1", srv.port, respond)  # the port is free again
     again.close()
+
+
+@pytest.mark.parametrize("peers, answered", [
+    (["127.0.0.0/8"], True),
+    (["127.0.0.1"], True),
+    (["10.0.0.0/8", "::1/128"], False),  # the request comes from 127.0.0.1: not a peer
+    (None, True),
+])
+def test_only_peers_addresses_are_answered(peers, answered) -> None:
+    with SideChannelServer("127.0.0.1", 0, respond, peers=peers) as server:
+        if answered:
+            assert good_handshake(server.port) == RESPONSE
+        else:
+            with pytest.raises(HandshakeFailed, match="127.0.0.1 is not an allowed peer of this server"):
+                good_handshake(server.port)
+        assert server.refused == (0 if answered else 1) and server.malformed == 0
+        assert good_handshake(server.port) == RESPONSE if answered else server.refused == 1
+
+
+def test_with_a_secret_only_a_fresh_proof_of_it_is_answered() -> None:
+    now = [1_000_000.0]
+    with SideChannelServer("127.0.0.1", 0, respond, key="s3cret", wall_clock=lambda: now[0]) as server:
+        def ask(request: HandshakeRequest) -> HandshakeResponse:
+            return fetch_remote_layout("127.0.0.1", server.port, request, 5.0)
+
+        assert ask(handshake_request("D", OUR_HASH, "s3cret", lambda: now[0] - 10)) == RESPONSE
+        refused = {
+            "no proof": HandshakeRequest("D", OUR_HASH, now[0]),
+            "another key": handshake_request("D", OUR_HASH, "other", lambda: now[0]),
+            "stale": handshake_request("D", OUR_HASH, "s3cret", lambda: now[0] - PROOF_WINDOW_S - 1),
+            "from the future": handshake_request("D", OUR_HASH, "s3cret", lambda: now[0] + PROOF_WINDOW_S + 1),
+            "not a number": handshake_request("D", OUR_HASH, "s3cret", lambda: float("nan")),
+            "proof moved to another engine": msgspec.structs.replace(
+                handshake_request("D", OUR_HASH, "s3cret", lambda: now[0]), engine_id="D2"),
+            "not ascii": HandshakeRequest("D", OUR_HASH, now[0], "\u00e9" * 64),
+        }
+        for name, request in refused.items():
+            with pytest.raises(HandshakeFailed, match="prove the deployment's transfer secret|proof was made"):
+                ask(request)
+            assert server.refused == list(refused).index(name) + 1, name
+        assert ask(handshake_request("D", OUR_HASH, "s3cret", lambda: now[0])) == RESPONSE  # still serving

@@ -69,3 +69,15 @@ def test_malformed_notifications_are_counted_and_ignored(held) -> None:
     holds, *_ = held
     assert step(holds, b"\x00garbage", b"", ReadDone("a")) == {"a"}
     assert holds.stats.malformed_notifications == 2 and len(holds) == 1
+
+
+def test_notifications_from_an_agent_never_answered_end_and_extend_nothing(held) -> None:
+    """A host that reached this agent without a handshake (not a peer) cannot free or keep
+    another reader's blocks."""
+    holds, clock, _, _ = held
+    holds.peers = {"D"}
+    output = KVConnectorOutput()
+    holds.update({"stranger": [encode_notif(ReadDone("a")), encode_notif(KeepAlive("b"))]}, output)
+    assert output.finished_sending == set() and len(holds) == 2
+    assert holds.stats.stranger_notifications == 2 and holds.deadlines["b"] == clock.now + 10
+    assert step(holds, ReadDone("a")) == {"a"}  # from the peer answered

@@ -42,7 +42,7 @@ def wait_completed(handshakes: PeerHandshakes, n: int) -> list:
 
 def test_handshakes_run_in_parallel_once_per_peer_and_failures_back_off() -> None:
     gate, clock = Gate(), Clock()
-    handshakes = PeerHandshakes(HandshakeRequest("D", "h"), 5.0, backoff_s=10.0, clock=clock, fetch=gate)
+    handshakes = PeerHandshakes(lambda: HandshakeRequest("D", "h"), 5.0, backoff_s=10.0, clock=clock, fetch=gate)
     try:
         handshakes.start("P1", "127.0.0.1", 1)
         handshakes.start("P1", "127.0.0.1", 1)  # one at a time per peer
@@ -69,7 +69,7 @@ def test_handshakes_never_queue_past_their_bounds_they_are_refused_at_once(monke
 
     monkeypatch.setattr(peers, "MAX_PENDING", 6)
     gate = Gate()
-    handshakes = PeerHandshakes(HandshakeRequest("D", "h"), 5.0, backoff_s=10.0, fetch=gate)
+    handshakes = PeerHandshakes(lambda: HandshakeRequest("D", "h"), 5.0, backoff_s=10.0, fetch=gate)
     try:
         assert handshakes.start("F1", "127.0.0.1", 7) is None and handshakes.start("F2", "127.0.0.1", 7) is None
         assert "127.0.0.1:7 are under way" in handshakes.start("F3", "127.0.0.1", 7)  # per address

@@ -391,3 +391,20 @@ def test_configure_ucx_picks_transports_per_deployment(monkeypatch, host, transp
         monkeypatch.setenv(name, value)
     configure_ucx(host, *(transports if isinstance(transports, tuple) else (transports,)))
     assert {name: os.environ.get(name) for name in expected} == expected
+
+
+def test_kv_on_a_network_address_listens_on_its_interface_alone(monkeypatch) -> None:
+    """UCX's TCP transport would listen on every interface, loopback included: narrowed
+    to the one holding --kv-host (and the RDMA ports, none here)."""
+    from connectors.nixl.ucx import interface_of, network_devices, rdma_ports
+
+    assert interface_of("127.0.0.1") == "lo" and interface_of("::1") == "lo"
+    assert interface_of("10.1.2.3") is None and interface_of("a-name") is None
+    assert rdma_ports() == [] and network_devices("10.1.2.3") is None
+    monkeypatch.setattr("connectors.nixl.ucx.interface_of", lambda host: "eth7")
+    monkeypatch.setattr("connectors.nixl.ucx.rdma_ports", lambda: ["mlx5_0:1"])
+    for name in UCX_NAMES:
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    configure_ucx("10.1.2.3")
+    assert os.environ["UCX_NET_DEVICES"] == "eth7,mlx5_0:1"

@@ -16,9 +16,9 @@ import random
 
 import pytest
 
-from connectors.nixl.handshake import fetch_remote_layout
-from connectors.nixl.peer_messages import HandshakeRequest
+from connectors.nixl.handshake import fetch_remote_layout, handshake_request
 from launch import http_client
+from pd.kv_transfer.signing import handshake_key, secret_from_env
 from tests.support.otlp import otlp_receiver
 from tests.support.pd_client import complete, prefill
 from tests.support.server_harness import running_server, started_together, wait_until
@@ -53,7 +53,8 @@ def servers(tiny_models, colocated, tmp_path_factory, request):
 def flip_a_bit(holder, params: dict) -> None:
     """Flip one bit of the first block `params` name, in the holder's engine memory."""
     compat = http_client().get(f"{holder.url}/v1/kv_config", timeout=10).json()["compat_hash"]
-    layout = fetch_remote_layout("127.0.0.1", params["remote_port"], HandshakeRequest("test", compat), 5).layout
+    request = handshake_request("test", compat, handshake_key(secret_from_env()))
+    layout = fetch_remote_layout("127.0.0.1", params["remote_port"], request, 5).layout
     block = next(b for b in params["remote_block_ids"][0] if b)
     ref = layout.group_data_refs[0][0]
     tensor = layout.tensors[ref.tensor_idx]

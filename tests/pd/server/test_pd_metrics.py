@@ -34,6 +34,8 @@ def test_transfer_metrics_move_by_the_right_amounts(tiny_models, tmp_path) -> No
         m = d.metrics()
         assert m["pd_kv_transfer_xfer_time_seconds_count"] == 1 and m["pd_kv_transfer_post_time_seconds_count"] == 1
         assert m["pd_kv_transfer_bytes_per_read_sum"] == m["pd_kv_transfer_bytes_total"] > 0
+        assert m['pd_kv_transfer_bytes_by_path_total{path="cma"}'] == m["pd_kv_transfer_bytes_total"]  # one host
+        assert p.metrics()["pd_kv_transfer_handshakes_refused_total"] == 0
         assert m["pd_kv_transfer_descriptors_per_read_sum"] == m["pd_kv_transfer_descriptors_total"] > 0
         assert m["pd_kv_transfer_handshakes_total"] == 1 and m["pd_kv_transfer_handshake_time_seconds_count"] == 1
         assert m['pd_kv_transfer_xfer_time_seconds_bucket{le="+Inf"}'] == 1

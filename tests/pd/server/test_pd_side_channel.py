@@ -11,13 +11,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 
 import msgspec
 import pytest
 import zmq
 
-from connectors.nixl.handshake import HandshakeFailed, fetch_remote_layout
+from connectors.nixl.handshake import HandshakeFailed, fetch_remote_layout, handshake_request
 from connectors.nixl.peer_messages import HandshakeRequest, HandshakeResponse, decode_reply
+from launch import http_client
+from pd.kv_transfer.signing import handshake_key, secret_from_env
 from tests.support.pd_client import complete, p_then_d, prefill
 from tests.support.server_harness import running_server, started_together
 
@@ -77,8 +80,15 @@ def test_malformed_and_incompatible_handshakes_are_refused_and_p_keeps_serving(s
     for name, frames in abuse.items():
         reply = decode_reply(ask(port, frames))
         assert not isinstance(reply, HandshakeResponse) and reply.reason, name
+    key = handshake_key(secret_from_env())
     with pytest.raises(HandshakeFailed, match="incompatible KV layout"):
-        fetch_remote_layout("127.0.0.1", port, HandshakeRequest("intruder", "0" * 64), timeout_s=5)
+        fetch_remote_layout("127.0.0.1", port, handshake_request("intruder", "0" * 64, key), 5)
+    compat = http_client().get(f"{p.url}/v1/kv_config", timeout=10).json()["compat_hash"]
+    for unproved in (HandshakeRequest("intruder", compat),  # no proof of the deployment's secret
+                     handshake_request("intruder", compat, secret_from_env()),  # the secret is not the key
+                     handshake_request("intruder", compat, key, lambda: time.time() - 3600)):
+        with pytest.raises(HandshakeFailed, match="prove the deployment's transfer secret|proof was made more"):
+            fetch_remote_layout("127.0.0.1", port, unproved, timeout_s=5)
     assert p.health().status_code == 200 and p.metrics()["pd_kv_requests_held"] == 1
     got = complete(d, BODY | {"kv_transfer_params": params})  # a real handshake and read still work
     assert got.token_ids == complete(c, BODY).token_ids

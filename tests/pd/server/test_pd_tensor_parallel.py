@@ -16,12 +16,12 @@ import random
 import msgspec
 import pytest
 
-from connectors.nixl.handshake import SideChannelServer, fetch_remote_layout
-from connectors.nixl.peer_messages import HandshakeRequest, HandshakeResponse
+from connectors.nixl.handshake import SideChannelServer, fetch_remote_layout, handshake_request
+from connectors.nixl.peer_messages import HandshakeResponse, rank_agent_name
 from launch import http_client
 from pd.config import EngineConfig
 from pd.kv_transfer.params import RemotePrefillParams
-from pd.kv_transfer.signing import secret_from_env, sign
+from pd.kv_transfer.signing import handshake_key, secret_from_env, sign
 from pd.worker.rank_setup import whole_kv_cache_config
 from proxy.body import export_body, prefill_body
 from tests.support.pd_client import complete, p_then_d, prefill
@@ -167,7 +167,10 @@ def test_a_side_channel_missing_a_rank_fails_the_read_and_d_recomputes(servers, 
                         "--tensor-parallel-size", "2", "--kv-cache-memory", str(KV_MEMORY)) as p:
         params = prefill(p, body).body["kv_transfer_params"]
         compat = http_client().get(f"{p.url}/v1/kv_config", timeout=10).json()["compat_hash"]
-        real = fetch_remote_layout("127.0.0.1", params["remote_port"], HandshakeRequest("test", compat), 5.0)
+        d_agent = rank_agent_name(http_client().get(f"{d.url}/v1/kv_config", timeout=10).json()["engine_id"], 0)
+        # in D's name: P takes notifications only from agents its side channel answered
+        request = handshake_request(d_agent, compat, handshake_key(secret_from_env()))
+        real = fetch_remote_layout("127.0.0.1", params["remote_port"], request, 5.0)
         assert len(real.ranks) == 1  # P's rank 1
         forged = SideChannelServer("127.0.0.1", 0, lambda _: HandshakeResponse(real.agent_metadata, real.layout))
         failures = counter(d, "pd_kv_transfer_failures_total")
