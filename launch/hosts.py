@@ -16,11 +16,12 @@ takes their links with them; namespaces left by a run that died are deleted by t
 - `start(host, name, *args)`: `pd NAME` inside a host, listening on its address (port
   8000: every host has ports of its own), once ready; stopped when the network closes.
 - `call(host, fn, ...)`: `fn` run by a thread of this process that has entered the host's
-  network namespace (`setns`, per thread): what it connects to, it connects to from that
-  host. Every connection to a host's address must be made that way: the test's own
-  threads stay in the machine's namespace, where such an address is routed out to the
-  machine's network (never send anything there). A pooled connection made in a host may
-  be reused from any thread, so requests to hosts go through `call` alone.
+  network namespace (`setns`, per thread; calls from different threads run side by side,
+  CALLS_AT_ONCE per host): what it connects to, it connects to from that host. Every
+  connection to a host's address must be made that way: the test's own threads stay in
+  the machine's namespace, where such an address is routed out to the machine's network
+  (never send anything there). A pooled connection made in a host may be reused from any
+  thread, so requests to hosts go through `call` alone.
 - `cut(a, b=None, one_way=False)`: a partition. Between two hosts, by a neighbour entry
   that sends a's frames for b to an address no port has (the bridge floods them, nobody
   takes them: dropped silently, as on a wire), and b's for a likewise unless `one_way`.
@@ -59,6 +60,7 @@ STOP_S = 10.0
 # them: shared memory, `lo`): a host is another machine, whose servers choose their own.
 MACHINE_ENV = ("UCX_TLS", "UCX_NET_DEVICES")
 PORT = 8000  # what servers listen on in a host
+CALLS_AT_ONCE = 4  # `call`s from different threads into one host run side by side (a stream and a probe)
 _networks = itertools.count()  # of this process: each network's namespaces have names of their own
 CLONE_NEWNET = 0x40000000
 T = TypeVar("T")
@@ -198,7 +200,7 @@ class Network:
         if threading.current_thread().name.startswith(f"in-{host.name}_"):
             return fn(*args, **kwargs)
         if host.name not in self.threads:
-            self.threads[host.name] = ThreadPoolExecutor(1, f"in-{host.name}", _enter, (host.name,))
+            self.threads[host.name] = ThreadPoolExecutor(CALLS_AT_ONCE, f"in-{host.name}", _enter, (host.name,))
         return self.threads[host.name].submit(fn, *args, **kwargs).result()
 
     def cut(self, a: Host, b: Host | None = None, one_way: bool = False) -> None:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import fcntl
 import ipaddress
 import os
-import socket
-import struct
-from pathlib import Path
+
+from launch.interfaces import interface_of, rdma_ports
 
 ONE_HOST_UCX_TLS = "sm,self,tcp"  # shared memory (cma: one process_vm_readv per run); tcp for wire-up
 # On a host with CUDA devices: NIXL's UCX backend refuses to start without a CUDA
@@ -41,7 +39,6 @@ NO_MEMORY_HOOKS = {"UCX_MEM_EVENTS": "no", "UCX_RCACHE_ENABLE": "n"}
 # went through host memory and TCP (~260 MB/s on the H200 above; vllm#52607 saw the
 # same; ai-dynamo/nixl#2208 turns it on in later NIXL). Not yet measured here.
 CUDA_IPC_GET = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
-SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 
 
 def configure_ucx(host: str, transports: str = "auto", cuda: bool = False, kv_on_gpu: bool = False) -> None:
@@ -84,33 +81,6 @@ def configure_ucx(host: str, transports: str = "auto", cuda: bool = False, kv_on
         os.environ.setdefault("UCX_TLS", ONE_HOST_CUDA_UCX_TLS if cuda else ONE_HOST_UCX_TLS)
     else:
         os.environ.setdefault("UCX_TLS", BETWEEN_HOSTS_UCX_TLS)
-
-
-def interface_of(address: str) -> str | None:
-    """The network interface that holds `address` on this host (the calling thread's
-    network namespace), or None."""
-    try:
-        wanted = ipaddress.ip_address(address)
-    except ValueError:
-        return None
-    if wanted.version == 6:
-        with open("/proc/net/if_inet6") as table:  # address (32 hex digits), index, prefix, scope, flags, name
-            return next((fields[5] for fields in map(str.split, table)
-                         if ipaddress.IPv6Address(int(fields[0], 16)) == wanted), None)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        for _, name in socket.if_nameindex():
-            try:
-                ifreq = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-            except OSError:  # no IPv4 address
-                continue
-            if ipaddress.ip_address(ifreq[20:24]) == wanted:
-                return name
-    return None
-
-
-def rdma_ports(root: Path = Path("/sys/class/infiniband")) -> list[str]:
-    """This host's RDMA ports as UCX names them (`mlx5_0:1`)."""
-    return sorted(f"{device.name}:{port.name}" for device in root.glob("*") for port in (device / "ports").glob("*"))
 
 
 def network_devices(host: str) -> str | None:

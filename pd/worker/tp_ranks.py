@@ -37,6 +37,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from launch.interfaces import interface_of, source_address
 from pd.config import EngineConfig
 from pd.contracts.connector_api import ConnectorContext, KVConnectorOutput
 from pd.contracts.outputs import SchedulerOutput
@@ -109,6 +110,8 @@ class TensorParallelRanks:
         if local < self.size and not config.transfer.secret:
             raise ValueError("tensor-parallel ranks on other nodes prove the deployment's secret when they join: "
                              "give this server one (PD_KV_TRANSFER_SECRET or --kv-transfer-secret)")
+        if local < self.size:
+            gloo_on_interface_of(config.parallel.host)  # before the local ranks start: they inherit it
         self.store, address = self._store(config, startup)
         for rank in range(1, local):
             self.channels[rank] = self._spawn(rank)
@@ -332,6 +335,17 @@ def _build(setup: Setup, device: str) -> ModelRunner:
     return runner
 
 
+def gloo_on_interface_of(address: str) -> None:
+    """Gloo's connections between ranks on other nodes go over the interface holding
+    `address`, this node's address on the ranks' network. Without it gloo takes the
+    address the host name resolves to, which may be loopback or another network: ranks
+    on two hosts timed out connecting to 127.0.0.1 (tests/multihost/test_ray_across_hosts.py).
+    An operator's GLOO_SOCKET_IFNAME wins."""
+    interface = interface_of(address)
+    if interface is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+
+
 def run_remote_rank(address: str, rank: int, device: str | None, timeout: float) -> int:
     """`pd tp-rank`: join the server at `address` as `rank` and serve its steps; the
     exit code (1 with the reason when it cannot join)."""
@@ -343,6 +357,7 @@ def run_remote_rank(address: str, rank: int, device: str | None, timeout: float)
         channel = join(host.strip("[]"), int(port), rank, secret, timeout)
     except (ChannelError, ValueError) as exc:
         raise SystemExit(f"pd tp-rank: {exc}") from None
+    gloo_on_interface_of(source_address(host.strip("[]")))  # this node's side of the way to the server
     rank_main(channel, lambda config, _: device or config.model.torch_device)
     return 0
 

@@ -14,6 +14,7 @@ import pytest
 from launch import hosts, http_client
 from launch.hosts import Network
 from tests.support.pd_client import complete
+from tests.support.server_harness import running_server
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif((why := hosts.unavailable()) is not None, reason=f"no test hosts: {why}")]
@@ -59,3 +60,31 @@ def test_pd_across_three_hosts_answers_as_colocated(arch, tiny_models, colocated
         peers = [line for line in log.splitlines() if "UCX  INFO" in line and "-node cfg#" in line]  # not `self`
         assert peers and all("inter-node" in line and "tcp/eth" in line and "cma" not in line
                              and "posix" not in line for line in peers), peers
+
+
+def test_the_real_gemma_across_hosts_answers_as_colocated(gemma_gguf, tmp_path) -> None:
+    """The real Gemma 3 270M (Q4_K_M GGUF, served from its own blocks: pd serve's
+    defaults), P and D on two hosts, the proxy on a third: as a colocated server on this
+    machine's loopback, and D's KV read over TCP (`pd_kv_transfer_bytes_by_path_total`)."""
+    flags = ("--num-threads", "1", "--max-model-len", "1024")
+    prompts = ["The capital of France is", "Once upon a time, in a small village by the sea,"]
+    with running_server(gemma_gguf, tmp_path / "colocated.log", *flags) as colocated:
+        expected = [complete(colocated, body(p)).token_ids for p in prompts]
+    with Network(3) as net:
+        p_host, d_host, proxy_host = net.hosts
+        p, d = (net.start(host, "serve", "--model", str(gemma_gguf), "--role", role, "--kv-host", host.address, *flags,
+                          log=tmp_path / f"{role}.log", wait=False)
+                for host, role in ((p_host, "prefill"), (d_host, "decode")))
+        net.ready(proxy_host, p, d)
+        proxy = net.start(proxy_host, "proxy", "--prefill", p.url, "--decode", d.url, log=tmp_path / "proxy.log")
+
+        def ask(prompt: str) -> list[int]:
+            response = http_client().post(f"{proxy.url}/v1/completions", json=body(prompt), timeout=120)
+            assert response.status_code == 200 and response.headers.get("x-pd-path") == "disaggregated", response.text
+            return response.json()["choices"][0]["token_ids"]
+
+        assert [net.call(proxy_host, ask, prompt) for prompt in prompts] == expected
+        read = net.call(proxy_host, lambda: http_client().get(f"{d.url}/metrics", timeout=10).text)
+        tcp = next(line for line in read.splitlines()
+                   if line.startswith('pd_kv_transfer_bytes_by_path_total{path="tcp"}'))
+        assert float(tcp.split()[-1]) > 0
