@@ -9,15 +9,16 @@ queue) extends the lease to its full length from the KeepAlive's arrival. A requ
 ended is reported in `finished_sending` (the scheduler frees its blocks).
 
 Notifications are taken only from the agents of peers this server's side channel
-answered (`peers`, which the worker fills): one from any other agent (a host that is not
-a peer and yet reached this agent) ends or extends nothing, and is counted
+answered (`peers`, an `Answered` the worker fills): one from any other agent (a host that
+is not a peer and yet reached this agent) ends or extends nothing, and is counted
 (`stranger_notifications`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Container
+import threading
+from collections.abc import Callable
 
 from connectors.nixl.leases import LeaseTable
 from connectors.nixl.peer_messages import KeepAlive, NotifDecodeError, Reject, decode_notif
@@ -27,11 +28,34 @@ from pd.contracts.connector_api import KVConnectorOutput
 logger = logging.getLogger(__name__)
 
 LATE_READ_GRACE_S = 10.0  # P polls this long after a lease expired, so a read already posted ends
+MAX_ANSWERED = 4096  # peer agents remembered as answered (a fleet's decode ranks, restarts included)
+
+
+class Answered:
+    """The agents a side channel answered, at most `limit`: past it, the one heard from
+    least recently is forgotten (an engine long gone). Noted by the side channel's thread
+    and the engine's, under a lock."""
+
+    def __init__(self, limit: int = MAX_ANSWERED) -> None:
+        self.limit = limit
+        self._agents: dict[str, None] = {}  # least recently heard from first
+        self._lock = threading.Lock()
+
+    def __contains__(self, agent: object) -> bool:
+        return agent in self._agents
+
+    def note(self, agent: str) -> None:
+        """`agent` was answered, or heard from: remembered longest."""
+        with self._lock:
+            self._agents.pop(agent, None)
+            self._agents[agent] = None
+            if len(self._agents) > self.limit:
+                del self._agents[next(iter(self._agents))]
 
 
 class Holds:
     def __init__(self, lease_seconds: float, clock: Callable[[], float], stats: TransferStats,
-                 poll_for: Callable[[float], None], peers: Container[str] | None = None) -> None:
+                 poll_for: Callable[[float], None], peers: Answered | None = None) -> None:
         self.lease_seconds = lease_seconds
         self.clock = clock
         self.stats = stats
@@ -71,10 +95,13 @@ class Holds:
                 self.stats.leases_expired += 1
 
     def _notified(self, peer: str, payload: bytes, output: KVConnectorOutput) -> None:
-        if self.peers is not None and peer not in self.peers:
-            logger.warning("ignoring a notification from %r, an agent this server's side channel never answered", peer)
-            self.stats.stranger_notifications += 1
-            return
+        if self.peers is not None:
+            if peer not in self.peers:
+                logger.warning("ignoring a notification from %r, an agent this server's side channel never answered",
+                               peer)
+                self.stats.stranger_notifications += 1
+                return
+            self.peers.note(peer)
         try:
             notif = decode_notif(payload)
         except NotifDecodeError as exc:

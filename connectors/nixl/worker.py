@@ -48,7 +48,7 @@ import torch
 
 from connectors.nixl.digest_book import DigestBook
 from connectors.nixl.handshake import SideChannelServer, handshake_request
-from connectors.nixl.holds import Holds
+from connectors.nixl.holds import Answered, Holds
 from connectors.nixl.integrity import Integrity
 from connectors.nixl.leases import LeaseTable
 from connectors.nixl.peer_agents import PeerAgents
@@ -82,7 +82,6 @@ DIGEST_MISMATCH = "brought bytes that are not what the holder digested"  # a loa
 # The sender polls this long after a notification: without a progress thread UCX sends it
 # (and wires up a new peer's endpoint) only while the sender's agent is polled.
 NOTIF_FLUSH_S = 5.0
-MAX_ANSWERED = 4096  # peer agents remembered as answered (a fleet's decode ranks, restarts included)
 
 
 @dataclass
@@ -133,7 +132,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.loading: dict[str, _Loading] = {}
         self.failed: dict[str, str] = {}  # failed before a read could be posted -> why
         self.leases: LeaseTable | None = None  # lease words (P's slots, D's landing words), made with the transport
-        self.answered: dict[str, None] = {}  # the agents this side channel answered, oldest first
+        self.answered = Answered()  # the agents this side channel answered: their notifications count
         self.holds = Holds(config.transfer.lease_seconds, config.clock, self.stats, self._poll_for, self.answered)  # P
         self.digest_book = DigestBook(config.tp_size) if config.transfer.digest and config.rank == 0 else None  # P
         self.integrity: Integrity | None = None  # --kv-digest's part, once the KV caches are registered
@@ -197,10 +196,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             return HandshakeError(f"incompatible KV layout: peer {request.engine_id!r} has "
                                   f"{request.compat_hash[:12]}, this engine {self.config.compat_hash[:12]} "
                                   f"({COMPAT_DIFFERS})")
-        self.answered.pop(request.engine_id, None)
-        self.answered[request.engine_id] = None  # its notifications count (holds.py)
-        if len(self.answered) > MAX_ANSWERED:  # engines long gone: their reads are long over
-            del self.answered[next(iter(self.answered))]
+        self.answered.note(request.engine_id)
         return HandshakeResponse(self.transport.agent_metadata(), self.transport.local_layout(self.config.compat_hash),
                                  self.rank_agents)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.nixl.holds import LATE_READ_GRACE_S, Holds
+from connectors.nixl.holds import LATE_READ_GRACE_S, Answered, Holds
 from connectors.nixl.leases import LeaseTable
 from connectors.nixl.peer_messages import KeepAlive, ReadDone, Reject, encode_notif
 from connectors.nixl.stats import TransferStats
@@ -75,9 +75,29 @@ def test_notifications_from_an_agent_never_answered_end_and_extend_nothing(held)
     """A host that reached this agent without a handshake (not a peer) cannot free or keep
     another reader's blocks."""
     holds, clock, _, _ = held
-    holds.peers = {"D"}
+    holds.peers = Answered()
+    holds.peers.note("D")
     output = KVConnectorOutput()
     holds.update({"stranger": [encode_notif(ReadDone("a")), encode_notif(KeepAlive("b"))]}, output)
     assert output.finished_sending == set() and len(holds) == 2
     assert holds.stats.stranger_notifications == 2 and holds.deadlines["b"] == clock.now + 10
     assert step(holds, ReadDone("a")) == {"a"}  # from the peer answered
+
+
+def test_the_agents_answered_forget_the_one_heard_from_least_recently() -> None:
+    answered = Answered(limit=2)
+    for agent in ("old", "busy", "new"):
+        answered.note(agent)
+        if agent == "busy":
+            answered.note("old")  # heard from again: "busy" is now the least recent
+    assert "old" in answered and "new" in answered and "busy" not in answered
+
+
+def test_a_notification_keeps_its_agent_answered(held) -> None:
+    holds, *_ = held
+    holds.peers = Answered(limit=2)
+    for agent in ("D", "E"):
+        holds.peers.note(agent)
+    step(holds, ReadDone("a"))  # from D: now heard from more recently than E
+    holds.peers.note("F")
+    assert "D" in holds.peers and "E" not in holds.peers
