@@ -9,6 +9,14 @@ CPU every op is synchronous; hooks fire only on modules) and the rest (scheduler
 preparation, norms, embeddings); plus minor page faults per step, the sign of an
 allocator that hands memory back to the OS and faults it in again.
 
+Each is read against the machine's bound (`step_work`, `bound`): the bytes a step must read
+(every linear's weights as they are kept: GGUF blocks by type, int8, bfloat16 or float32;
+the KV its requests attend to; Mamba states) over the memory's read bandwidth, and its
+multiply-adds over the peak of the instruction that makes them, the larger of the two
+(`python -m benchmarks.peaks` measures both; here they are measured before the model
+loads, on the engine's threads, unless given). The fraction of the bound a part reaches
+is its bound over its time: 1 is the machine's limit.
+
     pd bench step --model MODEL.gguf --batch 8 --context 640 --dtype bfloat16
     python -m benchmarks.step --model DIR --output results/step.json
 """
@@ -27,11 +35,17 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from benchmarks import peaks
 from pd.config import EngineConfig
 from pd.config.settings import KV_CACHE_DTYPES, QUANTIZATIONS
 from pd.contracts.request import Request
 from pd.contracts.sampling_params import SamplingParams
 from pd.engine.core import EngineCore
+from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+# how a linear's weight is kept -> the instruction its multiply-adds are bound by (benchmarks.peaks)
+PEAK_OF = {"gguf": "int8 dot (vpdpbusd)", "int8": "int8 dot (vpdpbusd)", "bfloat16": "bfloat16 dot (vdpbf16ps)",
+           "float32": "float32 FMA (vfmadd)"}
 
 
 class PartTimer:
@@ -79,6 +93,9 @@ def instrument(engine: EngineCore) -> PartTimer:
             timer.watch(module, "mlp")
     timer.wrap(engine.model, "compute_logits", "lm_head")
     timer.wrap(engine.runner, "_sample", "sampling")
+    for module in engine.model.modules():  # inside the parts above: reported, not added
+        if isinstance(module, nn.Linear):
+            timer.watch(module, "linears")
     timer.wrap(engine.scheduler, "schedule", "scheduler")
     timer.wrap(engine.scheduler, "update_from_output", "scheduler")
     if engine.config.parallel.size > 1:  # inside the parts above: reported, not added
@@ -87,11 +104,77 @@ def instrument(engine: EngineCore) -> PartTimer:
     return timer
 
 
+def linear_kind(linear: nn.Linear) -> tuple[str, int]:
+    """How a linear's weight is kept for the step (a GGUF block type, int8, or its float
+    dtype) and the bytes the step reads of it."""
+    segments = getattr(linear, "gguf_segments", None)
+    if segments:
+        kinds = sorted({s.kind for s in segments})
+        return "+".join(kinds), sum(t.numel() * t.element_size() for s in segments
+                                    for t in (s.packed if s.packed is not None else s.weight,))
+    for name in ("weight_packed", "weight_q"):  # --quantization int8
+        held = getattr(linear, name, None)
+        if held is not None:
+            return "int8", held.numel() * held.element_size() + linear.weight_scale.numel() * 4
+    held = getattr(linear, "packed_weight", None)
+    held = held if held is not None else linear.weight
+    return str(held.dtype).removeprefix("torch."), held.numel() * held.element_size()
+
+
+def step_work(engine: EngineCore, batch: int, context: int) -> dict:
+    """What one decode step of `batch` requests at `context` tokens must read and
+    compute: weight bytes by kind (linears, the lm_head included; the embedding's `batch`
+    rows and the norms are left out: a few KB), the KV bytes its requests attend to
+    (per layer: the tokens in view, the window's for a sliding layer, the state for
+    Mamba), and multiply-adds by the instruction that makes them."""
+    weights: dict[str, int] = defaultdict(int)
+    macs: dict[str, int] = defaultdict(int)
+    lm_head = {"bytes": 0, "macs": 0, "peak": ""}
+    for name, module in engine.model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        kind, nbytes = linear_kind(module)
+        peak = PEAK_OF["gguf" if kind not in PEAK_OF else kind]
+        weights[kind] += nbytes
+        macs[peak] += batch * module.in_features * module.out_features
+        if name.endswith("lm_head"):
+            lm_head = {"bytes": nbytes, "macs": batch * module.in_features * module.out_features, "peak": peak}
+    kv = 0
+    for group in engine.kv_cache_config.groups:
+        spec, layers = group.spec, len(group.layer_names)
+        per_token = spec.real_page_size_bytes / spec.block_size
+        if isinstance(spec, MambaSpec):
+            kv += batch * layers * spec.real_page_size_bytes
+        elif isinstance(spec, SlidingWindowSpec):
+            kv += int(batch * layers * per_token * min(context, spec.sliding_window))
+        elif isinstance(spec, FullAttentionSpec):
+            kv += int(batch * layers * per_token * context)
+    return {"weights": dict(weights), "kv": kv, "macs": dict(macs), "lm_head": lm_head}
+
+
+def bound(nbytes: int, macs: dict[str, int], machine: dict) -> float:
+    """Seconds the machine needs at least: the larger of the bytes over the read
+    bandwidth and the multiply-adds over their instructions' peaks (all threads)."""
+    memory = nbytes / (machine["memory"]["read"]["all_threads"] * 1e9)
+    arithmetic = sum(count / (machine[peak]["all_threads"] * 1e9) for peak, count in macs.items())
+    return max(memory, arithmetic)
+
+
+def measure_machine(threads: int, seconds: float = 0.3) -> dict:
+    """benchmarks.peaks' figures on `threads` threads (the read bandwidth and the three
+    multiply-add peaks), measured now: a step is read against this machine as it is."""
+    machine = peaks.run(threads, seconds)
+    machine["memory"] = peaks.run_memory(threads, seconds)
+    return machine
+
+
 def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def run(args: argparse.Namespace) -> dict:
+    threads = args.num_threads or torch.get_num_threads()
+    machine = json.loads(args.peaks.read_text()) if args.peaks else measure_machine(threads)
     config = EngineConfig.from_flat(model=args.model, dtype=args.dtype, quantization=args.quantization,
                                     kv_cache_dtype=args.kv_cache_dtype,
                                     max_num_seqs=max(args.batch, 1),
@@ -100,9 +183,26 @@ def run(args: argparse.Namespace) -> dict:
                                     tensor_parallel_size=args.tensor_parallel_size).resolve()
     engine = EngineCore(config)
     try:
-        return _time_steps(args, engine)
+        result = _time_steps(args, engine)
     finally:
         engine.shutdown()
+    result["machine"] = machine
+    result["bounds"] = bounds(result, machine)
+    return result
+
+
+def bounds(result: dict, machine: dict) -> dict:
+    """The step's, the linears' and the lm_head's bound (seconds) and the fraction of it
+    their median time reaches."""
+    work, m = result["work"], result["medians"]
+    step_bound = bound(sum(work["weights"].values()) + work["kv"], work["macs"], machine)
+    linears_bound = bound(sum(work["weights"].values()), work["macs"], machine)
+    head = work["lm_head"]
+    head_bound = bound(head["bytes"], {head["peak"]: head["macs"]} if head["peak"] else {}, machine)
+    return {"step": {"bound": step_bound, "fraction": step_bound / m["step"]},
+            "linears": {"bound": linears_bound, "fraction": linears_bound / m["linears"] if m["linears"] else 0.0},
+            "lm_head": {"bound": head_bound, "fraction": head_bound / m["lm_head"] if m["lm_head"] else 0.0},
+            "read_gbps": machine["memory"]["read"]["all_threads"]}
 
 
 def _time_steps(args: argparse.Namespace, engine: EngineCore) -> dict:
@@ -135,9 +235,9 @@ def _time_steps(args: argparse.Namespace, engine: EngineCore) -> dict:
         engine.step()
         elapsed = time.perf_counter() - start
         parts = timer.take()
-        parts["other"] = elapsed - sum(v for k, v in parts.items() if k != "collectives")
+        parts["other"] = elapsed - sum(v for k, v in parts.items() if k not in ("collectives", "linears"))
         steps.append({"step": elapsed, "faults": minor_faults() - faults, **parts})
-    keys = ["step", "attention", "mlp", "lm_head", "sampling", "scheduler", "other", "collectives"]
+    keys = ["step", "attention", "mlp", "lm_head", "sampling", "scheduler", "other", "collectives", "linears"]
     medians = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in keys}
     medians["faults"] = statistics.median(s["faults"] for s in steps)
     medians["step_modules"], medians["step"] = medians["step"], statistics.median(served)
@@ -145,7 +245,7 @@ def _time_steps(args: argparse.Namespace, engine: EngineCore) -> dict:
             "kv_cache_dtype": args.kv_cache_dtype, "batch": args.batch,
             "context": args.context,
             "steps": args.steps, "threads": torch.get_num_threads(), "tensor_parallel_size": args.tensor_parallel_size,
-            "medians": medians, "per_step": steps}
+            "medians": medians, "per_step": steps, "work": step_work(engine, args.batch, args.context)}
 
 
 def print_table(result: dict) -> None:
@@ -165,6 +265,15 @@ def print_table(result: dict) -> None:
         print(f"rank 0 in collectives (all-reduce, all-gather; inside the parts above): "
               f"{m['collectives'] * 1e3:.2f} ms")
     print(f"minor page faults per step: {m['faults']:.0f}")
+    work, b = result["work"], result["bounds"]
+    weights = ", ".join(f"{kind} {nbytes / 1e6:.1f} MB" for kind, nbytes in sorted(work["weights"].items()))
+    print(f"a step reads: weights {sum(work['weights'].values()) / 1e6:.1f} MB ({weights}), KV {work['kv'] / 1e6:.1f}"
+          f" MB; {sum(work['macs'].values()) / 1e9:.2f} G multiply-adds in linears; memory reads "
+          f"{b['read_gbps']:.1f} GB/s here")
+    print("| against the machine's bound | ms | bound, ms | fraction of the bound |\n|---|---:|---:|---:|")
+    for key, time_key in (("lm_head", "lm_head"), ("linears", "linears"), ("step", "step")):
+        name = {"lm_head": "lm_head", "linears": "every linear (module path)", "step": "step as served"}[key]
+        print(f"| {name} | {m[time_key] * 1e3:.2f} | {b[key]['bound'] * 1e3:.2f} | {b[key]['fraction']:.2f} |")
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -183,6 +292,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="shard the model over this many ranks (as pd serve --tensor-parallel-size); the parts "
                              "are rank 0's (default %(default)s)")
+    parser.add_argument("--peaks", type=Path, default=None, metavar="JSON",
+                        help="the machine's peaks as `python -m benchmarks.peaks --output` wrote them, with its "
+                             "--threads the engine's (default: measured now, before the model loads, ~5 s)")
     parser.add_argument("--output", type=Path, default=None, help="write the result as JSON here")
     return parser
 

@@ -8,6 +8,55 @@
  * results so that nothing is optimized away. */
 #include <omp.h>
 #include <stdint.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+/* Memory bandwidth: `rounds` passes over `bytes` bytes at `source` (a multiple of 256 *
+ * `threads`), each of `threads` threads taking its own contiguous share of them (as a
+ * linear layer's rows are shared):
+ *   kind 0 read: every 8-byte word folded into 32 accumulators (the compiler makes them
+ *          four 512-bit loads a round; nothing is written back);
+ *   kind 1 copy: memcpy of the share to `target` (bytes read + bytes written is the figure).
+ * Returns 1 for an unknown kind. `sink` takes what was read, so no load is optimized away. */
+int bandwidth(int64_t kind, const void *source, void *target, int64_t bytes, int64_t rounds, int64_t threads,
+              double *sink) {
+    if (kind < 0 || kind > 1) return 1;
+    uint64_t folded = 0;
+#pragma omp parallel num_threads(threads) reduction(^ : folded)
+    {
+        int64_t share = bytes / threads, start = share * omp_get_thread_num();
+        const uint64_t *words = (const uint64_t *)((const char *)source + start);
+        int64_t count = share / 8;
+        for (int64_t r = 0; r < rounds; r++) {
+            if (kind == 1) {
+                memcpy((char *)target + start, (const char *)source + start, (size_t)share);
+                folded ^= ((const uint64_t *)((char *)target + start))[r % count];
+                continue;
+            }
+#ifdef __AVX512F__
+            __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;  /* four loads a round */
+            for (int64_t i = 0; i < count; i += 32) {
+                a0 = _mm512_xor_si512(a0, _mm512_loadu_si512(words + i));
+                a1 = _mm512_xor_si512(a1, _mm512_loadu_si512(words + i + 8));
+                a2 = _mm512_xor_si512(a2, _mm512_loadu_si512(words + i + 16));
+                a3 = _mm512_xor_si512(a3, _mm512_loadu_si512(words + i + 24));
+            }
+            uint64_t lanes[8];
+            _mm512_storeu_si512(lanes, _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3)));
+            for (int c = 0; c < 8; c++) folded ^= lanes[c];
+#else
+            uint64_t acc[32] = {0};
+            for (int64_t i = 0; i < count; i += 32)
+                for (int c = 0; c < 32; c++) acc[c] ^= words[i + c];
+            for (int c = 0; c < 32; c++) folded ^= acc[c];
+#endif
+        }
+    }
+    *sink = (double)folded;
+    return 0;
+}
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 #include <immintrin.h>

@@ -14,10 +14,10 @@ loopback without a secret) refuses a request from any other address (the TCP pee
 not anything the request says), and one given the deployment's handshake key (`key`,
 derived from its secret) refuses a request without a proof that its sender holds it
 (`handshake_request` makes one; pd/kv_transfer/signing.py `handshake_proof`), or whose
-proof was made more than
-PROOF_WINDOW_S from now. A refused peer gets a `HandshakeError` saying why, and nothing
-of this engine's agent: the NIXL metadata (and with it the keys to read the registered
-KV memory) goes only to peers. Refusals are logged and counted (`refused`).
+proof was made more than PROOF_WINDOW_S from now. A refused peer gets a `HandshakeError`
+saying why, and nothing of this engine's agent: the NIXL metadata (and with it the keys
+to read the registered KV memory) goes only to peers. Refusals are logged and counted
+(`refused`).
 
 Wire format: both REQ and DEALER clients are served; a reply carries the request's
 envelope back (identity, empty delimiter, payload).

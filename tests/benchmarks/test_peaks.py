@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
+import operator
 
 import pytest
+import torch
 
 from benchmarks import peaks
 from pd import native
@@ -15,11 +19,29 @@ pytestmark = pytest.mark.skipif(not (native.can_build() and native.cpu_has("avx5
 
 def test_peaks_are_measured_per_instruction_and_thread_count(tmp_path, capsys) -> None:
     out = tmp_path / "peaks.json"
-    result = peaks.main(["--threads", "2", "--seconds", "0.05", "--output", str(out)])
-    assert json.loads(out.read_text()) == result and list(result) == list(peaks.KINDS)
-    for figures in result.values():
+    result = peaks.main(["--threads", "2", "--seconds", "0.05", "--memory-mib", "64", "--output", str(out)])
+    assert json.loads(out.read_text()) == result and list(result) == [*peaks.KINDS, "memory"]
+    assert list(result["memory"]) == ["read", "copy"]
+    for figures in [*(result[kind] for kind in peaks.KINDS), *result["memory"].values()]:
         assert figures["threads"] == 2 and figures["one_thread"] > 0 and figures["all_threads"] > 0
-    assert "| int8 dot (vpdpbusd) |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| int8 dot (vpdpbusd) |" in printed and "| streaming read |" in printed
+
+
+def test_a_read_and_a_copy_cover_every_byte_given() -> None:
+    """What the rates count (rounds x bytes) is what the kernels touch: the read folds
+    every word of every thread's share (their XOR, which `sink` returns), the copy lands
+    every byte; an unknown kind is refused."""
+    library = peaks._library()
+    words = torch.randint(0, 1 << 52, (1 << 17,), dtype=torch.int64, generator=torch.Generator().manual_seed(0))
+    source = words.view(torch.uint8)
+    target = torch.zeros_like(source)
+    sink = ctypes.c_double()
+    assert library.bandwidth(0, source.data_ptr(), source.data_ptr(), source.numel(), 1, 2, ctypes.byref(sink)) == 0
+    assert int(sink.value) == functools.reduce(operator.xor, words.tolist())
+    assert library.bandwidth(1, source.data_ptr(), target.data_ptr(), source.numel(), 1, 2, ctypes.byref(sink)) == 0
+    assert torch.equal(source, target)
+    assert library.bandwidth(2, source.data_ptr(), target.data_ptr(), source.numel(), 1, 2, ctypes.byref(sink)) == 1
 
 
 def test_each_kind_counts_its_multiply_adds_per_instruction(monkeypatch) -> None:

@@ -11,14 +11,33 @@ from benchmarks import step
 from cli.main import main
 from pd.models.make_model import make_model
 
+# the machine's figures as `python -m benchmarks.peaks --output` writes them: made up, so that
+# the bounds below are exact arithmetic (GMAC/s and GB/s, all threads)
+MACHINE = {"int8 dot (vpdpbusd)": {"all_threads": 400.0}, "bfloat16 dot (vdpbf16ps)": {"all_threads": 200.0},
+           "float32 FMA (vfmadd)": {"all_threads": 100.0},
+           "memory": {"read": {"all_threads": 20.0}, "copy": {"all_threads": 15.0}}}
 
-def test_bench_step_breaks_a_decode_step_down(tmp_path, capsys) -> None:
+
+def test_bench_step_breaks_a_decode_step_down_and_reads_it_against_the_machine(tmp_path, capsys) -> None:
     model = make_model("gemma3", tmp_path / "gemma3", seed=0)
-    out = tmp_path / "step.json"
-    assert main(["bench", "step", "--model", str(model), "--batch", "3", "--context", "40", "--steps", "4",
-                 "--warmup", "1", "--output", str(out)]) == 0
+    out, machine = tmp_path / "step.json", tmp_path / "peaks.json"
+    machine.write_text(json.dumps(MACHINE))
+    assert main(["bench", "step", "--model", str(model), "--batch", "3", "--context", "200", "--steps", "4",
+                 "--warmup", "1", "--peaks", str(machine), "--output", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert (result["batch"], result["context"], len(result["per_step"])) == (3, 40, 4)
+    assert (result["batch"], result["context"], len(result["per_step"])) == (3, 200, 4)
+    # tiny gemma3, float32: 6 layers of q, k, v, o (256 -> 256, 128, 128; 256 -> 256), gate and up
+    # (256 -> 512) and down (512 -> 256), and the lm_head (256 -> 4096, tied to the embedding)
+    linear_weights = 6 * (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 512) + 256 * 4096
+    work = result["work"]
+    assert work["weights"] == {"float32": 4 * linear_weights}
+    assert work["macs"] == {"float32 FMA (vfmadd)": 3 * linear_weights}
+    # K and V of 2 heads of 64 float32 a token: 2 full layers see all 200 tokens, 4 sliding ones their 128
+    assert work["kv"] == 3 * (2 * 2 * 64 * 4) * (2 * 200 + 4 * 128)
+    step_bound = max((4 * linear_weights + work["kv"]) / 20e9, 3 * linear_weights / 100e9)
+    assert result["bounds"]["step"]["bound"] == pytest.approx(step_bound)
+    assert result["bounds"]["step"]["fraction"] == pytest.approx(step_bound / result["medians"]["step"])
+    assert result["bounds"]["lm_head"]["bound"] == pytest.approx(max(4 * 256 * 4096 / 20e9, 3 * 256 * 4096 / 100e9))
     for record in result["per_step"]:
         parts = [record[k] for k in ("attention", "mlp", "lm_head", "sampling", "scheduler")]
         assert all(p > 0 for p in parts) and sum(parts) <= record["step"]  # measured inside the step
@@ -26,6 +45,7 @@ def test_bench_step_breaks_a_decode_step_down(tmp_path, capsys) -> None:
     assert result["medians"]["step"] > 0 and result["medians"]["step_modules"] > 0  # native plans, then modules
     table = capsys.readouterr().out
     assert "| attention |" in table and "step as served" in table and "minor page faults per step" in table
+    assert "| every linear (module path) |" in table and "memory reads 20.0 GB/s here" in table
 
 
 def test_bench_step_help_names_its_flags(capsys) -> None:

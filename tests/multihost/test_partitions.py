@@ -34,11 +34,12 @@ import pytest
 from launch import hosts, http_client
 from launch.hosts import Network
 from tests.support.pd_client import complete
-from tests.support.server_harness import wait_until
+from tests.support.server_harness import metrics_of, wait_until
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif((why := hosts.unavailable()) is not None, reason=f"no test hosts: {why}")]
 READ_TIMEOUT_S, LEASE_S, PREFILL_TIMEOUT_S = 3, 6, 4
+FLAPPING_S = 10  # streams come while the link flaps: two and a half of its cycles
 BODY = {"prompt": "The keeper of the lighthouse wrote down every ship that passed. ", "max_tokens": 8,
         "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 LONG = BODY | {"max_tokens": 160}
@@ -82,11 +83,7 @@ def ask(fleet, body: dict) -> tuple[int, dict]:
 
 
 def metrics(fleet, server) -> dict[str, float]:
-    def get():
-        text = http_client().get(f"{server.url}/metrics", timeout=10).text
-        return {line.rpartition(" ")[0]: float(line.rpartition(" ")[2]) for line in text.splitlines()
-                if line and not line.startswith("#")}
-    return on_proxy_host(fleet, get)
+    return fleet["net"].call(fleet["hosts"][3], metrics_of, server.url)
 
 
 def decode_state(fleet) -> dict[str, dict]:
@@ -289,7 +286,7 @@ def test_a_decode_server_on_a_flapping_link_loses_no_stream(fleet) -> None:
     longest, shortest = 0.0, float("inf")
     try:
         started = time.monotonic()
-        while time.monotonic() < started + 16:
+        while time.monotonic() < started + FLAPPING_S:
             began = time.monotonic()
             tokens, errors, _ = stream(fleet, LONG)
             assert errors == [] and tokens == fleet["reference"]["long"]

@@ -24,7 +24,7 @@ from launch import hosts, http_client
 from launch.hosts import Network
 from pd.kv_transfer.signing import handshake_key, secret_from_env
 from tests.support.pd_client import complete, p_then_d, prefill
-from tests.support.server_harness import wait_until
+from tests.support.server_harness import metrics_of, wait_until
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif((why := hosts.unavailable()) is not None, reason=f"no test hosts: {why}")]
@@ -59,11 +59,7 @@ def from_stranger(fleet, fn, *args):
 
 
 def metrics(fleet, server) -> dict[str, float]:
-    def get():
-        text = http_client().get(f"{server.url}/metrics", timeout=10).text
-        return {line.rpartition(" ")[0]: float(line.rpartition(" ")[2]) for line in text.splitlines()
-                if line and not line.startswith("#")}
-    return from_stranger(fleet, get)
+    return fleet["net"].call(fleet["hosts"][2], metrics_of, server.url)
 
 
 def test_a_host_that_is_not_a_peer_cannot_handshake_nor_read_and_its_client_loses_nothing(fleet) -> None:

@@ -83,6 +83,24 @@ def cluster(tmp_path_factory):
         yield {"net": net, "env": env, "logs": logs}
 
 
+def wait_for_urls(script: subprocess.Popen, urls_file: Path, log_path: Path) -> dict:
+    """The URLs file a deploy script writes once its servers are up."""
+    deadline = time.monotonic() + READY_S + 60
+    while not urls_file.exists():
+        assert script.poll() is None, f"it exited with {script.returncode}:\n{log_path.read_text()[-6000:]}"
+        assert time.monotonic() < deadline, log_path.read_text()[-6000:]
+        time.sleep(0.5)
+    return json.loads(urls_file.read_text())
+
+
+def assert_nothing_of_ours_left(net: Network) -> None:
+    """What runs in the hosts is Ray's nodes alone: no server or rank, on any host."""
+    for host in net.hosts:
+        left = subprocess.run(["ip", "netns", "pids", host.name], capture_output=True, text=True, check=True).stdout
+        ours = [argv(int(pid)) for pid in left.split() if alive(int(pid)) and "cli.main" in argv(int(pid))]
+        assert not ours, (host.name, ours)
+
+
 def test_1p1d_with_a_decode_server_over_two_nodes_serves_as_colocated(cluster, tiny_models, colocated,
                                                                       tmp_path) -> None:
     net, head = cluster["net"], cluster["net"].hosts[0]
@@ -96,12 +114,7 @@ def test_1p1d_with_a_decode_server_over_two_nodes_serves_as_colocated(cluster, t
                                   "--log-dir", str(tmp_path / "logs"), "--ready-timeout", str(READY_S)],
                            env=cluster["env"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                            start_new_session=True, cwd=ROOT)
-    deadline = time.monotonic() + READY_S + 60
-    while not urls_file.exists():
-        assert script.poll() is None, f"ray_pd.py exited with {script.returncode}:\n{log_path.read_text()[-6000:]}"
-        assert time.monotonic() < deadline, log_path.read_text()[-6000:]
-        time.sleep(0.5)
-    urls = json.loads(urls_file.read_text())
+    urls = wait_for_urls(script, urls_file, log_path)
     placed = {entry.get("role", f"rank {entry.get('rank')}"): entry["node_ip"]
               for entry in urls["servers"] + urls["ranks"]}
     assert sorted(placed.values()) == sorted(h.address for h in net.hosts), placed  # a host each
@@ -121,10 +134,7 @@ def test_1p1d_with_a_decode_server_over_two_nodes_serves_as_colocated(cluster, t
     os.kill(script.pid, signal.SIGTERM)
     assert script.wait(120) == 0, log_path.read_text()[-6000:]
     assert not [pid for pid in pids if alive(pid)]  # every server and rank, on every host
-    for host in net.hosts:  # what runs in the hosts now is Ray's nodes alone: nothing of ours, nor under it
-        left = subprocess.run(["ip", "netns", "pids", host.name], capture_output=True, text=True, check=True).stdout
-        ours = [argv(int(pid)) for pid in left.split() if alive(int(pid)) and "cli.main" in argv(int(pid))]
-        assert not ours, (host.name, ours)
+    assert_nothing_of_ours_left(net)
 
 
 def test_the_fleet_launcher_puts_prefill_and_decode_on_nodes_of_their_own(cluster, tiny_models, colocated,
@@ -144,12 +154,7 @@ def test_the_fleet_launcher_puts_prefill_and_decode_on_nodes_of_their_own(cluste
                                   "--log-dir", str(tmp_path / "logs"), "--", "--num-threads", "1"],
                            env=cluster["env"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                            start_new_session=True, cwd=ROOT)
-    deadline = time.monotonic() + READY_S + 60
-    while not urls_file.exists():
-        assert script.poll() is None, f"fleet.py exited with {script.returncode}:\n{log_path.read_text()[-6000:]}"
-        assert time.monotonic() < deadline, log_path.read_text()[-6000:]
-        time.sleep(0.5)
-    urls = json.loads(urls_file.read_text())
+    urls = wait_for_urls(script, urls_file, log_path)
     nodes = {s["role"]: s["url"].split("//")[1].rpartition(":")[0] for s in urls["servers"]}
     assert set(nodes) == {"prefill", "decode"} and nodes["prefill"] != nodes["decode"], nodes
 
@@ -161,6 +166,4 @@ def test_the_fleet_launcher_puts_prefill_and_decode_on_nodes_of_their_own(cluste
     assert net.call(head, ask) == expected
     os.kill(script.pid, signal.SIGTERM)
     assert script.wait(120) == 0, log_path.read_text()[-6000:]
-    for host in net.hosts:
-        left = subprocess.run(["ip", "netns", "pids", host.name], capture_output=True, text=True, check=True).stdout
-        assert not [pid for pid in left.split() if alive(int(pid)) and "cli.main" in argv(int(pid))], host.name
+    assert_nothing_of_ours_left(net)

@@ -19,18 +19,24 @@ METRIC_WAIT_S = 30.0
 TEST_DRAIN_S = 2.0
 
 
+def metrics_of(url: str) -> dict[str, float]:
+    """Every sample of the /metrics of the server at `url`, keyed by its name and labels
+    as written."""
+    text = http_client().get(f"{url}/metrics", timeout=5).text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            samples[key] = float(value)
+    return samples
+
+
 class ServerProcess(Launched):
     """A running `pd serve` or `pd proxy`: its base URL, process and log file."""
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics, keyed by its name and labels as written."""
-        text = http_client().get(f"{self.url}/metrics", timeout=5).text
-        samples = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                samples[key] = float(value)
-        return samples
+        return metrics_of(self.url)
 
     @property
     def engine_pid(self) -> int:
