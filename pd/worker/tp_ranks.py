@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 
+import msgspec
 import torch
 import torch.distributed as dist
 
@@ -285,13 +286,18 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def rank_main(channel: RankChannel, pick_device: Callable[[EngineConfig, int], str]) -> None:
+def rank_main(channel: RankChannel, pick_device: Callable[[EngineConfig, int], str],
+              node_address: str | None = None) -> None:
     """A rank's process: take its setup, join the group, build the shard, its runner and
     its connector half, then run every step the engine sends (and send back the
-    connector's report) until it sends Stop or goes away."""
+    connector's report) until it sends Stop or goes away. A rank on another node moves
+    its KV on `node_address`, its own node's (the engine's `--kv-host` is not here)."""
     setup = channel.recv(TO_RANK)
     if not isinstance(setup, Setup):
         raise ChannelError(f"the engine sent {type(setup).__name__} before a setup")
+    if node_address is not None:
+        config = replace(setup.context.config, host=node_address)
+        setup = msgspec.structs.replace(setup, context=replace(setup.context, config=config))
     rank = setup.rank
     apply_memory_settings()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s")
@@ -357,8 +363,9 @@ def run_remote_rank(address: str, rank: int, device: str | None, timeout: float)
         channel = join(host.strip("[]"), int(port), rank, secret, timeout)
     except (ChannelError, ValueError) as exc:
         raise SystemExit(f"pd tp-rank: {exc}") from None
-    gloo_on_interface_of(source_address(host.strip("[]")))  # this node's side of the way to the server
-    rank_main(channel, lambda config, _: device or config.model.torch_device)
+    here = source_address(host.strip("[]"))  # this node's side of the way to the server
+    gloo_on_interface_of(here)
+    rank_main(channel, lambda config, _: device or config.model.torch_device, node_address=here)
     return 0
 
 

@@ -93,6 +93,18 @@ def wait_for_urls(script: subprocess.Popen, urls_file: Path, log_path: Path) -> 
     return json.loads(urls_file.read_text())
 
 
+def listening(host: hosts.Host, pid: int) -> set[tuple[str, int]]:
+    """The TCP listeners of process `pid` in `host`: (address, port)."""
+    out = subprocess.run(["ip", "netns", "exec", host.name, "ss", "-Hltnp"], capture_output=True, text=True,
+                         check=True, timeout=30).stdout
+    found = set()
+    for line in out.splitlines():
+        if f"pid={pid}," in line:
+            address, _, port = line.split()[3].rpartition(":")
+            found.add((address.strip("[]"), int(port)))
+    return found
+
+
 def assert_nothing_of_ours_left(net: Network) -> None:
     """What runs in the hosts is Ray's nodes alone: no server or rank, on any host."""
     for host in net.hosts:
@@ -127,6 +139,10 @@ def test_1p1d_with_a_decode_server_over_two_nodes_serves_as_colocated(cluster, t
         return response.json()["choices"][0]["token_ids"]
 
     assert [net.call(head, ask, prompt) for prompt in PROMPTS] == expected
+    (rank,) = urls["ranks"]  # D's rank 1, on a node of its own: its NIXL agent and gloo on that node's address
+    rank_host = next(h for h in net.hosts if h.address == rank["node_ip"])
+    addresses = {address for address, _ in listening(rank_host, rank["pid"])}
+    assert addresses == {rank_host.address}, addresses
     d = next(s for s in urls["servers"] if s["role"] == "decode")
     text = net.call(head, lambda: http_client().get(f"{d['url']}/metrics", timeout=10).text)
     assert 'pd_kv_transfer_bytes_by_path_total{path="tcp"}' in text
