@@ -42,7 +42,7 @@ READ_TIMEOUT_S, LEASE_S, PREFILL_TIMEOUT_S = 3, 6, 4
 FLAPPING_S = 10  # streams come while the link flaps: two and a half of its cycles
 BODY = {"prompt": "The keeper of the lighthouse wrote down every ship that passed. ", "max_tokens": 8,
         "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-LONG = BODY | {"max_tokens": 160}
+LONG = BODY | {"max_tokens": 600}  # ~1 s on one D: a cut after its 4th token lands mid-stream
 LONG_PROMPT = BODY | {"prompt": "The keeper counted the ships again and wrote each name down. " * 70}  # ~1.9k tokens
 
 
@@ -149,7 +149,7 @@ def test_a_decode_server_cut_from_the_proxy_mid_stream_loses_its_client_nothing(
     try:
         assert errors == [] and tokens == fleet["reference"]["long"]  # resumed on the other D
         assert times[-1] - cut["at"] < 60  # detected by the probes (1 s apart, 2 failures), not the decode timeout
-        assert decode_state(fleet)[cut["url"]]["breaker"] in ("open", "half_open")  # routed around (a trial at most)
+        assert wait_until(lambda: decode_state(fleet)[cut["url"]]["breaker"] in ("open", "half_open"), 20)  # around
         assert ask(fleet, BODY)[1]["choices"][0]["token_ids"] == fleet["reference"]["short"]
     finally:
         restored = time.monotonic()
