@@ -15,7 +15,6 @@ the clients call from. The hosts share nothing but the bridge.
 from __future__ import annotations
 
 import socket
-import subprocess
 
 import pytest
 
@@ -23,6 +22,7 @@ from connectors.nixl.handshake import HandshakeFailed, fetch_remote_layout, hand
 from launch import hosts, http_client
 from launch.hosts import Network
 from pd.kv_transfer.signing import handshake_key, secret_from_env
+from tests.support.host_listeners import listening
 from tests.support.pd_client import complete, p_then_d, prefill
 from tests.support.server_harness import metrics_of, wait_until
 
@@ -82,17 +82,6 @@ def test_a_host_that_is_not_a_peer_cannot_handshake_nor_read_and_its_client_lose
     for server in (p, peer, stranger):
         assert wait_until(lambda s=server: metrics(fleet, s)["pd_kv_cache_usage"] == 0, 20), server.url
     assert from_stranger(fleet, p_then_d, p, peer, BODY).token_ids == fleet["reference"]  # still serving its peer
-
-
-def listening(host: hosts.Host) -> set[tuple[str, int]]:
-    """The TCP listeners in `host`: (address, port)."""
-    out = subprocess.run(["ip", "netns", "exec", host.name, "ss", "-Hltn"], capture_output=True, text=True,
-                         check=True, timeout=30).stdout
-    found = set()
-    for line in out.splitlines():
-        address, _, port = line.split()[3].rpartition(":")
-        found.add((address.strip("[]"), int(port)))
-    return found
 
 
 def test_every_listener_binds_the_address_asked_for_and_events_stay_on_loopback(fleet) -> None:

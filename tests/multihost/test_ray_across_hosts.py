@@ -25,6 +25,7 @@ import pytest
 
 from launch import hosts, http_client
 from launch.hosts import Network
+from tests.support.host_listeners import listening
 from tests.support.pd_client import complete
 from tests.support.processes import alive, argv
 
@@ -91,18 +92,6 @@ def wait_for_urls(script: subprocess.Popen, urls_file: Path, log_path: Path) -> 
         assert time.monotonic() < deadline, log_path.read_text()[-6000:]
         time.sleep(0.5)
     return json.loads(urls_file.read_text())
-
-
-def listening(host: hosts.Host, pid: int) -> set[tuple[str, int]]:
-    """The TCP listeners of process `pid` in `host`: (address, port)."""
-    out = subprocess.run(["ip", "netns", "exec", host.name, "ss", "-Hltnp"], capture_output=True, text=True,
-                         check=True, timeout=30).stdout
-    found = set()
-    for line in out.splitlines():
-        if f"pid={pid}," in line:
-            address, _, port = line.split()[3].rpartition(":")
-            found.add((address.strip("[]"), int(port)))
-    return found
 
 
 def assert_nothing_of_ours_left(net: Network) -> None:
