@@ -22,6 +22,10 @@ llama-server, any OpenAI-compatible one serving the same model): it is measured 
 client, its repetitions interleaved with ours, so that the two are compared in one run on
 one machine (only ratios measured so carry over between machines). Its server-side columns
 (hit rates, KV read) stay empty: they are read from our servers' /metrics.
+`--peer-start NAME=COMMAND` has this command start that peer's server (COMMAND, a shell
+command line, must serve NAME's URL) for each of its runs and stop it after; then every
+configuration runs alone (`run_alone`): no idle server's threads compete with the one
+measured.
 """
 
 from __future__ import annotations
@@ -31,15 +35,17 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import statistics
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 
 from benchmarks import serve
 from benchmarks.datasets import add_dataset_args
 from benchmarks.deployments import CONFIGS, Deployment, combined_deltas, deploy, path_share, scrape
+from launch import process
 from launch.signals import install_signal_handlers
 
 WARMUP_SEED_OFFSET = 10_000
@@ -49,6 +55,7 @@ FIGURES = {  # column -> (title, how to read it from one run's result)
     "mean_ttft_later_ms": ("TTFT turns >= 2 (ms)", lambda r: r["metrics"].get("mean_ttft_later_turns_ms")),
     "p99_ttft_ms": ("p99 TTFT (ms)", lambda r: r["metrics"]["p99_ttft_ms"]),
     "mean_tpot_ms": ("mean TPOT (ms)", lambda r: r["metrics"]["mean_tpot_ms"]),
+    "p99_itl_ms": ("p99 ITL (ms)", lambda r: r["metrics"]["p99_itl_ms"]),
     "p_hit_rate": ("P hit rate", lambda r: r["servers"]["prefill"]["hit_rate"]),
     "prefix_hit_rate": ("prefix hit rate", lambda r: r["servers"]["decode"]["hit_rate"]),
     "tier_hit_rate": ("of it from disk", lambda r: r["servers"]["decode"].get("tier_hit_rate")),
@@ -88,6 +95,43 @@ def _dataset_actions() -> list[argparse.Action]:
     parser = argparse.ArgumentParser()
     add_dataset_args(parser)
     return [a for a in parser._actions if a.option_strings and a.dest != "help"]
+
+
+PEER_STARTUP_TIMEOUT_S = 900.0  # a peer's start (vLLM compiles its kernels on CPU for minutes)
+
+
+def run_alone(configs: list[str], args: argparse.Namespace, workdir: Path) -> list[dict]:
+    """One row per configuration, each repetition run with only its own servers up:
+    deployed (a peer with a start command started), warmed up, measured and stopped; the
+    configurations in turn, in reverse order on odd repetitions (ABBA)."""
+    runs: dict[str, list[dict]] = {config: [] for config in configs}
+    for rep in range(args.repetitions):
+        for config in configs if rep % 2 == 0 else configs[::-1]:
+            print(f"== {config}, repetition {rep + 1}", flush=True)
+            with up(config, args, workdir) as deployment:
+                if args.warmup_prompts:
+                    asyncio.run(serve.benchmark(serve_args(args, deployment, args.seed + WARMUP_SEED_OFFSET,
+                                                           args.warmup_prompts, f"{config}-warmup")))
+                runs[config].append(run_once(config, deployment, args, rep))
+    return [{"config": config, "medians": medians(runs[config]), "runs": runs[config]} for config in configs]
+
+
+@contextlib.contextmanager
+def up(config: str, args: argparse.Namespace, workdir: Path) -> Iterator[Deployment]:
+    """The configuration's servers, up for the block: ours deployed, a peer started by its
+    command (`--peer-start`) or, without one, as it runs."""
+    peer = args.peers.get(config)
+    if peer is None:
+        with deploy(config, args, workdir) as deployment:
+            yield deployment
+        return
+    command = args.peer_starts.get(config)
+    if command is None:
+        yield Deployment(peer, f"{peer}/metrics")
+        return
+    log = workdir / f"{config.replace(':', '-')}.log"
+    with process.running(shlex.split(command), peer, log, timeout_s=PEER_STARTUP_TIMEOUT_S):
+        yield Deployment(peer, f"{peer}/metrics")
 
 
 def run_configs(configs: list[str], args: argparse.Namespace, workdir: Path) -> list[dict]:
@@ -212,6 +256,10 @@ def build_parser(prog: str = "pd bench compare") -> argparse.ArgumentParser:
     add("--peer", action="append", default=[], metavar="NAME=URL",
         help="also measure a running OpenAI-compatible server (e.g. vllm=http://127.0.0.1:8000), not started or "
              "stopped here, as a row named peer:NAME, interleaved with the configurations; repeatable")
+    add("--peer-start", action="append", default=[], metavar="NAME=COMMAND",
+        help="start peer NAME's server with this command (one quoted string, serving the --peer URL of NAME; its "
+             "/health is awaited) before each of its runs and stop it after; then every configuration runs alone, "
+             "deployed and stopped per repetition, so that only the server measured is up (repeatable)")
     add("--output-dir", type=Path, default=None,
         help="where compare.md, compare.json and compare.png go (default results/compare-DATE)")
     add_dataset_args(parser)
@@ -233,6 +281,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "pd bench compare") -> l
             parser.error(f"--peer takes NAME=URL with an http(s) URL, got {peer!r}")
         args.peers[f"peer:{name}"] = url.rstrip("/")
     configs += list(args.peers)
+    args.peer_starts = {}
+    for start in args.peer_start:
+        name, sep, command = start.partition("=")
+        if not sep or f"peer:{name}" not in args.peers or not command.strip():
+            parser.error(f"--peer-start takes NAME=COMMAND for a NAME given with --peer, got {start!r}")
+        args.peer_starts[f"peer:{name}"] = command
     if args.repetitions < 1 or args.num_prompts < 1 or args.warmup_prompts < 0:
         parser.error("--repetitions and --num-prompts must be at least 1, --warmup-prompts at least 0")
     if not ((args.model / "config.json").is_file() or args.model.suffix == ".gguf" and args.model.is_file()):
@@ -240,11 +294,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "pd bench compare") -> l
     out = args.output_dir or Path(f"results/compare-{datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        rows = run_configs(configs, args, Path(tmp))
+        rows = (run_alone if args.peer_starts else run_configs)(configs, args, Path(tmp))
     title = (f"{args.model.name} {args.dtype}, {args.dataset}, {args.num_prompts} prompts x {args.repetitions}, "
              f"concurrency {args.max_concurrency}, {os.cpu_count()} CPUs"
              + (f", servers with {args.server_args}" if args.server_args else "")
-             + (f", proxy with {args.proxy_args}" if args.proxy_args else ""))
+             + (f", proxy with {args.proxy_args}" if args.proxy_args else "")
+             + "".join(f", {name} started as `{command}`" for name, command in args.peer_starts.items()))
     table = format_table(rows)
     print(f"\n{title} (medians)\n{table}")
     (out / "compare.md").write_text(f"{title} (medians)\n\n{table}\n")

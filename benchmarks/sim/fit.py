@@ -71,6 +71,7 @@ class Probe:
         longest = max(max(args.contexts) + max(args.prefill_tokens) + args.repeats * 64, CORUN_CONTEXT + 256) + 64
         config = EngineConfig.from_flat(model=str(args.model), max_num_seqs=max(*args.batches, CORUN_BATCH) + 1,
                                         max_model_len=longest + 64, max_num_batched_tokens=args.max_num_batched_tokens,
+                                        max_step_ms="off",  # each step exactly as composed here
                                         num_threads=args.num_threads).resolve()
         self.engine = EngineCore(config)
         self.vocab = self.engine.model_config.vocab_size

@@ -7,7 +7,14 @@ import argparse
 from pathlib import Path
 
 from pd.config.engine import EngineConfig, flat_default, flat_names
-from pd.config.settings import KV_CACHE_DTYPES, KV_LAYOUTS, KV_LOAD_FAILURE_POLICIES, LOGPROBS_MODES, QUANTIZATIONS
+from pd.config.settings import (
+    KV_CACHE_DTYPES,
+    KV_LAYOUTS,
+    KV_LOAD_FAILURE_POLICIES,
+    LOGPROBS_MODES,
+    QUANTIZATIONS,
+    STEP_LIMITS,
+)
 from pd.kv_transfer.connectors import AUTO_CONNECTOR, KV_CONNECTORS
 from pd.kv_transfer.signing import DEFAULT_ALLOWED_PEERS, SECRET_ENV
 from pd.models.model_config import AUTO_DTYPE, SUPPORTED_DTYPES
@@ -26,6 +33,15 @@ def _kv_cache_memory(value: str) -> int | str:
         return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of bytes or auto, got {value!r}") from None
+
+
+def _max_step_ms(value: str) -> float | str:
+    if value in STEP_LIMITS:
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds, auto or off, got {value!r}") from None
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -111,6 +127,12 @@ def _scheduler_flags(group: argparse._ArgumentGroup) -> None:
                        help="most tokens computed in one step; longer prompts are prefilled in chunks. Smaller: "
                             "requests arriving together see their first token sooner and decodes wait less behind "
                             "prefills; larger: fewer steps per prefill (default %(default)s)")
+    group.add_argument("--max-step-ms", type=_max_step_ms, default=flat_default("max_step_ms"), metavar="MS",
+                       help="while streams are decoding, give a step only as many prompt tokens as keep it within "
+                            "MS milliseconds (the cost of a step is learnt from the steps taken), so that a prefill "
+                            "does not stall running streams; auto: twice the time of the decodes alone; off: every "
+                            "step may take --max-num-batched-tokens. A step without decodes, and the first steps, "
+                            "are not limited (default %(default)s)")
     group.add_argument("--reserve-growth-tokens", type=int, default=flat_default("reserve_growth_tokens"), metavar="N",
                        help="admit a request only while the KV cache still holds the next N tokens of every request "
                             "holding blocks and of its own: with a tight cache, a request admitted only to be "

@@ -18,6 +18,7 @@ KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 QUANTIZATIONS = ("auto", "none", "int8", "gguf")  # int8: pd.models.quantized; gguf: pd.models.gguf_linear
 LOGPROBS_MODES = ("processed", "raw")  # pd/logprobs.py
 KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": "float8_e4m3fn", "int8": "int8"}  # --kv-cache-dtype -> KV dtype name
+STEP_LIMITS = ("auto", "off")  # --max-step-ms besides a number (pd/scheduling/step_budget.py)
 AS_ASKED = "as asked"  # how a setting that `resolve` did not have to choose was chosen
 
 
@@ -104,6 +105,7 @@ class SchedulerSettings:
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
+    max_step_ms: float | str = "auto"  # a step's time with a prefill chunk beside decodes: ms, auto or off
     reserve_growth_tokens: int = 128  # admit only while this many more tokens of every request fit
     kv_load_failure_policy: str = "recompute"  # D: a request whose remote KV fails to load
     kv_max_held_fraction: float = 0.5  # P: share of blocks kept for unread requests before refusing more
@@ -112,6 +114,10 @@ class SchedulerSettings:
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_step_ms not in STEP_LIMITS:
+            if not isinstance(self.max_step_ms, int | float) or isinstance(self.max_step_ms, bool):
+                raise ValueError(f"max_step_ms must be a number of milliseconds, auto or off, got {self.max_step_ms!r}")
+            _positive("max_step_ms", self.max_step_ms)
         if self.reserve_growth_tokens < 0:
             raise ValueError(f"reserve_growth_tokens must not be negative, got {self.reserve_growth_tokens}")
         _one_of("kv_load_failure_policy", self.kv_load_failure_policy, KV_LOAD_FAILURE_POLICIES)

@@ -136,6 +136,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens whose KV is not computed yet: 1 for a decoding sequence."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
     def do_remote_prefill(self) -> bool:
         """True on D for a request whose prompt KV comes from a remote prefill and has
         neither landed nor failed to (either makes it an ordinary request computed here)."""

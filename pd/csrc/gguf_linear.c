@@ -244,45 +244,71 @@ static void tile(const Quantized *q, int64_t m0, int rows, const uint8_t *w, int
 }
 #endif
 
-/* xq = round(x / dx) per 32 inputs of each row, dx = max |x| / 127 (1 for zeros); sx the
- * sums over 16. */
+/* The activations quantized as llama.cpp quantizes them for the weight's type, so that a
+ * GGUF computes as llama.cpp computes it (ggml's vec_dot_type):
+ *   legacy weights (Q8_0, Q5_0; scales 2) take Q8_0 rows: per 32 inputs d = max |x| / 127,
+ *     xq = round(x 127 / max |x|), and the products are scaled by d rounded to float16;
+ *   K-quant weights (Q4_K, Q6_K; scales 0 and 1) take Q8_K rows: per 256 inputs, with m the
+ *     input of largest |x| (the first), xq = min(127, round(x (-127 / m))), d = 1 / (-127 / m).
+ * Rounding is to nearest, ties to even, as ggml's. dx holds d per 32 inputs either way (a
+ * Q8_K block's eight times; 0 for zeros), sx the sums of xq over 16. */
+enum { LEGACY_ROWS = 0, K_ROWS = 1 };
+#define KBLOCK 256 /* inputs per Q8_K scale */
+static inline int scheme_of(int64_t scales) { return scales == 2 ? LEGACY_ROWS : K_ROWS; }
+
+static inline void quantized_block(const float *v, int64_t n, float iscale, float d, int8_t *out, float *dx,
+                                   int32_t *sx) {
+    for (int64_t i = 0; i < n; i += 16) sx[i / 16] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float r = nearbyintf(v[i] * iscale);
+        const int32_t c = (int32_t)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
+        out[i] = (int8_t)c;
+        sx[i / 16] += c;
+    }
+    for (int64_t b = 0; b < n / XBLOCK; b++) dx[b] = d;
+}
+
 #define DEFINE_QUANTIZE(NAME, T, LOAD)                                                              \
-    static void quantize_##NAME(const T *x, int64_t x_stride, int64_t rows, Quantized *q, int64_t threads) { \
+    static void quantize_##NAME(const T *x, int64_t x_stride, int64_t rows, Quantized *q, int scheme, \
+                                int64_t threads) {                                                  \
+        const int64_t n = scheme == K_ROWS ? KBLOCK : XBLOCK;                                       \
         _Pragma("omp parallel for num_threads(threads) if (rows >= PARALLEL_MIN_ROWS)")             \
         for (int64_t m = 0; m < rows; m++)                                                          \
-            for (int64_t b = 0; b < q->k / XBLOCK; b++) {                                           \
-                float v[XBLOCK], amax = 0.0f;                                                       \
-                for (int i = 0; i < XBLOCK; i++) {                                                  \
-                    v[i] = LOAD(x + m * x_stride, b * XBLOCK + i);                                  \
-                    amax = fmaxf(amax, fabsf(v[i]));                                                \
+            for (int64_t b = 0; b < q->k / n; b++) {                                                \
+                float v[KBLOCK], amax = 0.0f, signed_max = 0.0f;                                    \
+                for (int64_t i = 0; i < n; i++) {                                                   \
+                    v[i] = LOAD(x + m * x_stride, b * n + i);                                       \
+                    if (fabsf(v[i]) > amax) amax = fabsf(v[i]), signed_max = v[i];                  \
                 }                                                                                   \
-                const float d = amax > 0.0f ? amax / 127.0f : 1.0f, inv = 1.0f / d;                 \
-                int8_t *out = q->xq + m * q->k + b * XBLOCK;                                        \
-                int32_t sums[2] = {0, 0};                                                           \
-                for (int i = 0; i < XBLOCK; i++) {                                                  \
-                    const float r = nearbyintf(v[i] * inv);                                         \
-                    const int32_t c = (int32_t)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r)); \
-                    out[i] = (int8_t)c;                                                             \
-                    sums[i / 16] += c;                                                              \
-                }                                                                                   \
-                q->dx[m * (q->k / XBLOCK) + b] = d;                                                 \
-                q->sx[m * (q->k / 16) + 2 * b] = sums[0];                                           \
-                q->sx[m * (q->k / 16) + 2 * b + 1] = sums[1];                                       \
+                float iscale = 0.0f, d = 0.0f;                                                      \
+                if (amax > 0.0f && scheme == K_ROWS) iscale = -127.0f / signed_max, d = 1.0f / iscale; \
+                if (amax > 0.0f && scheme == LEGACY_ROWS) iscale = 127.0f / amax, d = (float)(_Float16)(amax / 127.0f); \
+                quantized_block(v, n, iscale, d, q->xq + m * q->k + b * n, q->dx + m * (q->k / XBLOCK) + b * n / XBLOCK, \
+                                q->sx + m * (q->k / 16) + b * n / 16);                              \
             }                                                                                       \
     }
 DEFINE_QUANTIZE(bf16, uint16_t, load_bf16)
 DEFINE_QUANTIZE(f32, float, load_f32)
 
-/* The activation quantization alone, for the reference path's tests: xq, dx as above. */
-int gguf_quantize_rows(const float *x, int64_t rows, int64_t k, int8_t *xq, float *dx) {
-    if (rows < 0 || k <= 0 || k % XBLOCK) return 1;
+/* The activation quantization alone, for the reference path's tests: xq, dx as above, for
+ * a weight whose scales are in format `scales`. */
+int gguf_quantize_rows(const float *x, int64_t rows, int64_t k, int64_t scales, int8_t *xq, float *dx) {
+    if (rows < 0 || k <= 0 || k % (scheme_of(scales) == K_ROWS ? KBLOCK : XBLOCK)) return 1;
     int32_t *sx = malloc((size_t)(rows * (k / 16) + 1) * sizeof(int32_t));
     if (!sx) return 2;
     Quantized q = {xq, dx, sx, k};
-    quantize_f32(x, k, rows, &q, 1);
+    quantize_f32(x, k, rows, &q, scheme_of(scales), 1);
     free(sx);
     return 0;
 }
+
+static int alloc_quantized(Quantized *q, int64_t rows) {
+    q->xq = aligned_alloc(64, (size_t)((rows * q->k + 63) / 64 * 64));
+    q->dx = malloc((size_t)(rows * (q->k / XBLOCK)) * sizeof(float));
+    q->sx = malloc((size_t)(rows * (q->k / 16)) * sizeof(int32_t));
+    return !q->xq || !q->dx || !q->sx;
+}
+static void free_quantized(Quantized *q) { free(q->xq), free(q->dx), free(q->sx); }
 
 /* y[0..width) = acc, width <= 32, as float32 or rounded to bfloat16. */
 static inline void store_row_f32(float *y, const float *acc, int64_t width) { memcpy(y, acc, (size_t)width * 4); }
@@ -340,15 +366,19 @@ static inline int64_t tile_bytes(int64_t k, int64_t bs, int64_t bits, int64_t sc
             if ((bits[s] != 8 && !(bits[s] >= 4 && bits[s] <= 6)) || scales[s] < 0 || scales[s] > 2) return 1; \
             tile_start[s + 1] = tile_start[s] + (n_out[s] + TILE - 1) / TILE;                             \
         }                                                                                                \
+        int needed[2] = {0, 0};                                                                          \
+        for (int64_t s = 0; s < n_seg; s++) needed[scheme_of(scales[s])] = 1;                            \
+        if (needed[K_ROWS] && k % KBLOCK) return 1;                                                      \
         if (rows == 0) return 0;                                                                         \
-        Quantized q = {aligned_alloc(64, (size_t)((rows * k + 63) / 64 * 64)),                          \
-                       malloc((size_t)(rows * (k / XBLOCK)) * sizeof(float)),                            \
-                       malloc((size_t)(rows * (k / 16)) * sizeof(int32_t)), k};                         \
-        if (!q.xq || !q.dx || !q.sx) {                                                                   \
-            free(q.xq); free(q.dx); free(q.sx);                                                          \
-            return 2;                                                                                    \
+        Quantized qs[2] = {{NULL, NULL, NULL, k}, {NULL, NULL, NULL, k}};                                \
+        for (int scheme = 0; scheme < 2; scheme++) {                                                     \
+            if (!needed[scheme]) continue;                                                               \
+            if (alloc_quantized(&qs[scheme], rows)) {                                                    \
+                free_quantized(qs), free_quantized(qs + 1);                                              \
+                return 2;                                                                                \
+            }                                                                                            \
+            quantize_##NAME(x, x_stride, rows, &qs[scheme], scheme, threads);                            \
         }                                                                                                \
-        quantize_##NAME(x, x_stride, rows, &q, threads);                                                 \
         const int64_t tiles = tile_start[n_seg], chunks = (rows + ROWS - 1) / ROWS;                      \
         if (chunks > 8) { /* past 32 rows (measured): each thread unpacks a tile's blocks to bytes, once */ \
             int64_t most = 0;                                                                            \
@@ -365,7 +395,8 @@ static inline int64_t tile_bytes(int64_t k, int64_t bs, int64_t bits, int64_t sc
                     const int unpacked = bits[s] != 8 && bytes;                                          \
                     if (unpacked) unpack_tile(src, k / bs[s], bs[s], (int)bits[s], (int)scales[s], bytes); \
                     for (int64_t ch = 0; ch < chunks; ch++)                                              \
-                        chunk_##NAME(&q, ch * ROWS, rows, unpacked ? bytes : src, bs[s], (int)scales[s],  \
+                        chunk_##NAME(&qs[scheme_of(scales[s])], ch * ROWS, rows, unpacked ? bytes : src, bs[s], \
+                                     (int)scales[s],                                                     \
                                      unpacked ? 8 : (int)bits[s], zero_of(bits[s]), out, out_stride,      \
                                      first[s] + local * TILE, width);                                     \
                 }                                                                                        \
@@ -377,12 +408,13 @@ static inline int64_t tile_bytes(int64_t k, int64_t bs, int64_t bits, int64_t sc
                 for (int64_t ch = 0; ch < chunks; ch++) {                                                \
                     const int64_t s = segment_of(t, tile_start), local = t - tile_start[s];              \
                     const int64_t width = n_out[s] - local * TILE < TILE ? n_out[s] - local * TILE : TILE; \
-                    chunk_##NAME(&q, ch * ROWS, rows, w[s] + local * tile_bytes(k, bs[s], bits[s], scales[s]), \
+                    chunk_##NAME(&qs[scheme_of(scales[s])], ch * ROWS, rows,                              \
+                                 w[s] + local * tile_bytes(k, bs[s], bits[s], scales[s]),                 \
                                  bs[s], (int)scales[s], (int)bits[s], zero_of(bits[s]), out, out_stride,  \
                                  first[s] + local * TILE, width);                                         \
                 }                                                                                        \
         }                                                                                                \
-        free(q.xq); free(q.dx); free(q.sx);                                                              \
+        free_quantized(qs), free_quantized(qs + 1);                                                      \
         return 0;                                                                                        \
     }                                                                                                    \
                                                                                                          \

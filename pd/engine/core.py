@@ -172,10 +172,11 @@ class EngineCore:
         executed = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.kv_events.publish(self.kv_cache_manager.pool.take_events() + self.scheduler.connector.take_events())
-        seconds = self.step_seconds
+        seconds, done = self.step_seconds, time.perf_counter()
         seconds["schedule"] += scheduled - start
         seconds["execute"] += executed - scheduled
-        seconds["update"] += time.perf_counter() - executed
+        seconds["update"] += done - executed
+        self.scheduler.step_budget.took(done - start)
         self.num_steps += 1
         return outputs
 

@@ -6,8 +6,10 @@ linear weight whose tensor is Q8_0, Q5_0, Q4_K or Q6_K keeps its quantized value
 once at load into values and their blocks' scales (`Blocks`: w = a u + c per block, bitwise
 gguf's dequantized values) and repacked in the type's own bits (`pack`: bytes, or nibbles
 and bit planes), and `pd/csrc/gguf_linear.c` multiplies from them
-with activations quantized per 32 inputs (llama.cpp's Q8_0): int8 products summed exactly,
-scaled per block. The tied embedding's table serves the lm_head so (Q8_0 on Gemma).
+with the activations quantized as llama.cpp quantizes them for that type (Q8_0 rows, per 32
+inputs, for Q8_0 and Q5_0; Q8_K rows, per 256, for Q4_K and Q6_K): int8 products summed
+exactly, scaled per block, so that the file computes as llama.cpp computes it. The tied
+embedding's table serves the lm_head so (Q8_0 on Gemma).
 
 Which weights: a linear whose every part (a fused q/k/v or gate/up has three or two) came
 whole from one GGUF tensor of those types with no transform (`CausalLM.gguf_sources`);
@@ -38,7 +40,7 @@ from torch import nn
 
 from pd import native
 from pd.models.model_config import GGUF_KERNEL_TYPES
-from pd.models.quantized import check_status, native_rows, quantize_rows
+from pd.models.quantized import check_status, native_rows
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ def _library(plain: bool = False) -> ctypes.CDLL | None:
     """The kernels; `plain` builds the plain C path (no VNNI) for the tests."""
     signatures = {f"gguf_linear_{suffix}": _LINEAR_ARGS for suffix in _SUFFIX.values()}
     signatures |= {f"gguf_segments_{suffix}": _SEGMENTS_ARGS for suffix in _SUFFIX.values()}
-    signatures["gguf_quantize_rows"] = [_PTR, _I64, _I64, _PTR, _PTR]
+    signatures["gguf_quantize_rows"] = [_PTR, _I64, _I64, _I64, _PTR, _PTR]
     return native.load(SOURCE, signatures, defines=("PD_PLAIN",) if plain else ())
 
 
@@ -170,17 +172,36 @@ def pack(blocks: Blocks) -> torch.Tensor:
     return torch.cat(parts, dim=2).reshape(-1)
 
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """x (..., K) as the kernel sees it, in float32: per 32 inputs round(x / d) d with
-    d = max|x| / 127 (1 for zeros), the int8 values clamped to +-127."""
-    q, d = quantize_rows(x.float().reshape(*x.shape[:-1], -1, XBLOCK))
-    return (q.float() * d).reshape(x.shape)
+KBLOCK = 256  # inputs per activation scale of a K-quant weight (llama.cpp's Q8_K)
 
 
-def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The kernel's arithmetic in torch: quantized activations times the dequantized
-    float32 weight (N, K), in x's dtype."""
-    return torch.nn.functional.linear(quantize_activations(x), weight).to(x.dtype)
+def quantize_activations(x: torch.Tensor, scales: int) -> torch.Tensor:
+    """x (..., K) as the kernel sees it for a weight whose scales are in format `scales`
+    (`Blocks.scales`), in float32: ggml's rows for that weight's type.
+    Q8_0 and Q5_0 (scales 2), Q8_0 rows: per 32 inputs round(x 127 / max|x|), times
+    max|x| / 127 rounded to float16. K-quants, Q8_K rows: per 256 inputs, with m the input
+    of largest |x| (the first such), min(127, round(x (-127 / m))) times 1 / (-127 / m).
+    Ties round to even, as ggml's; an all-zero block is zeros. (Divisions are tensor by
+    tensor: torch computes a number over a tensor as a reciprocal times the number, which
+    rounds twice.)"""
+    shape = x.shape
+    if scales == 2:
+        blocks = x.float().reshape(*shape[:-1], -1, XBLOCK)
+        amax = blocks.abs().amax(dim=-1, keepdim=True)
+        inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+        q = torch.round(blocks * inverse).clamp_(-127, 127)
+        return (q * (amax / 127.0).half().float()).reshape(shape)
+    blocks = x.float().reshape(*shape[:-1], -1, KBLOCK)
+    largest = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))
+    inverse = torch.where(largest != 0, torch.full_like(largest, -127.0) / largest, torch.zeros_like(largest))
+    d = torch.where(largest != 0, torch.ones_like(largest) / inverse, torch.zeros_like(largest))
+    return (torch.round(blocks * inverse).clamp_(-127, 127) * d).reshape(shape)
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, scales: int) -> torch.Tensor:
+    """The kernel's arithmetic in torch: activations quantized for the weight's type
+    times the dequantized float32 weight (N, K), in x's dtype."""
+    return torch.nn.functional.linear(quantize_activations(x, scales), weight).to(x.dtype)
 
 
 @dataclass
@@ -260,7 +281,7 @@ class SegmentsCall:
 
 
 def _reference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    out = torch.cat([reference(x, s.weight) for s in self.gguf_segments], dim=-1)
+    out = torch.cat([reference(x, s.weight, s.scales) for s in self.gguf_segments], dim=-1)
     return out if self.bias_f32 is None else (out.float() + self.bias_f32).to(x.dtype)
 
 

@@ -2,7 +2,9 @@
 
 Each step: running requests first (oldest first), each gets the tokens it still needs
 up to the step's token budget (`max_num_batched_tokens`), so a long prompt is prefilled
-in chunks; when the pool is short a running sequence is preempted (its blocks freed,
+in chunks; while sequences are decoding, the step's prompt tokens are bounded further so
+that the step stays within `--max-step-ms` (step_budget.py), every decode still going;
+when the pool is short a running sequence is preempted (its blocks freed,
 recomputed later). Then waiting requests are admitted with their prefix-cache hit plus
 whatever the connector can load, while the budget, `max_num_seqs` and the pool allow;
 none are admitted in a step that preempted for growth. Which request is admitted first
@@ -42,6 +44,7 @@ from pd.scheduling import fair_share
 from pd.scheduling.prompt_sources import PromptSources
 from pd.scheduling.remote_kv import RemoteKV
 from pd.scheduling.runner_view import RunnerView
+from pd.scheduling.step_budget import StepBudget
 from pd.scheduling.tokens import chunk_tokens, off_grammar, samples, stop_status
 from pd.scheduling.waiting import WaitingQueue
 from pd.structured.matchers import GrammarMatchers
@@ -62,6 +65,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # to tell the runner next step
         self.runner_view = RunnerView(kv_cache_manager)
+        self.step_budget = StepBudget(config.settings.max_num_batched_tokens, config.settings.max_step_ms)
         self.remote_kv = RemoteKV(kv_cache_manager, connector, config.settings.kv_load_failure_policy,
                                   config.settings.kv_max_held_fraction)
         self.num_preemptions = 0
@@ -106,13 +110,18 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids, block_copies=self.block_copies)
         self.finished_req_ids, self.block_copies = set(), []
         budget = self.config.settings.max_num_batched_tokens
+        prompt_budget = self.step_budget.prompt_tokens(sum(1 for r in self.running if r.num_tokens_to_compute == 1))
         preempted = False
         self.num_steps += 1
         share = fair_share.step_share(self.running, self.waiting)
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING or budget <= 0 or request.request_id not in share:
                 continue  # preempted earlier in this loop, no budget left, or past its request's share
-            num_new = chunk_tokens(request, request.num_computed_tokens, budget, self.config.mamba_block_size)
+            decoding = request.num_tokens_to_compute == 1
+            if not decoding and prompt_budget <= 0:
+                continue  # the decodes after it still go
+            limit = budget if decoding else min(budget, prompt_budget)
+            num_new = chunk_tokens(request, request.num_computed_tokens, limit, self.config.mamba_block_size)
             while (blocks := self.kv.allocate_slots(request, num_new)) is None:
                 victim = fair_share.growth_victim(self.running, fair_share.running_counts(self.running))
                 self._preempt(victim, out)
@@ -124,8 +133,10 @@ class Scheduler:
             self.runner_view.schedule(request, num_new, out)  # a sequence forked since the last step: whole
             request.last_step = self.num_steps
             budget -= num_new
+            prompt_budget -= 0 if decoding else num_new
         if not preempted:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, min(budget, prompt_budget))
+        self.step_budget.planned(out.num_scheduled_tokens)
         self._handing_on = set()
         for req_id, num_new in out.num_scheduled_tokens.items():
             request = self.requests[req_id]

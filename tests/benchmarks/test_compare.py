@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import time
@@ -16,7 +17,7 @@ import pytest
 
 from benchmarks import compare, deployments, serve, serve_metrics
 from launch import free_port, pd_command, running
-from launch.process import exited
+from launch.process import exited, health_status
 from pd.models.make_model import make_model
 
 SMALL = ["--dataset", "prefix-repetition", "--prefix-repetition-prefix-len", "160",
@@ -42,17 +43,18 @@ def test_serve_args_carry_the_dataset_flags_and_the_repetitions_seed() -> None:
 
 def test_the_table_shows_medians_and_dashes_for_missing_figures() -> None:
     rows = [{"config": "colocated", "medians": {"output_throughput": 100.0, "mean_ttft_ms": 50.0,
-                                                "p99_ttft_ms": 80.0, "mean_tpot_ms": 9.5, "p_hit_rate": 0.5,
+                                                "p99_ttft_ms": 80.0, "mean_tpot_ms": 9.5, "p99_itl_ms": 30.0,
+                                                "p_hit_rate": 0.5,
                                                 "prefix_hit_rate": 0.25, "kv_mib": None, "on_d": None,
                                                 "failed": 0}}]
     table = compare.format_table(rows)
-    assert table.splitlines()[2] == "| colocated | 100.0 | 50.0 | 80.0 | 9.5 | 50.0% | 25.0% | - | - | 0 |"
+    assert table.splitlines()[2] == "| colocated | 100.0 | 50.0 | 80.0 | 9.5 | 30.0 | 50.0% | 25.0% | - | - | 0 |"
     assert "turns >= 2" not in table  # not a multi-turn run: no such column
     rows.append({"config": "pd", "medians": {**rows[0]["medians"], "mean_ttft_later_ms": 20.0}})
     lines = compare.format_table(rows).splitlines()
     assert "| TTFT turns >= 2 (ms) |" in lines[0]
-    assert lines[2:] == ["| colocated | 100.0 | 50.0 | - | 80.0 | 9.5 | 50.0% | 25.0% | - | - | 0 |",
-                         "| pd | 100.0 | 50.0 | 20.0 | 80.0 | 9.5 | 50.0% | 25.0% | - | - | 0 |"]
+    assert lines[2:] == ["| colocated | 100.0 | 50.0 | - | 80.0 | 9.5 | 30.0 | 50.0% | 25.0% | - | - | 0 |",
+                         "| pd | 100.0 | 50.0 | 20.0 | 80.0 | 9.5 | 30.0 | 50.0% | 25.0% | - | - | 0 |"]
     rows[1]["medians"]["reuse"] = 0.5  # a proxy's row: the share P read from D
     assert compare.format_table(rows).splitlines()[3].endswith("| - | 50.0% | 0 |")
 
@@ -197,6 +199,47 @@ def test_a_peer_is_measured_by_the_same_client_interleaved(bamba, tmp_path, caps
             check_metrics(run["metrics"], 3)
     assert rows[0]["medians"]["prefix_hit_rate"] is not None and rows[1]["medians"]["prefix_hit_rate"] is None
     assert "| peer:mine |" in (tmp_path / "out" / "compare.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_peer_started_by_compare_is_up_only_while_it_is_measured(bamba, tmp_path, capsys, monkeypatch) -> None:
+    """`--peer-start NAME=COMMAND`: compare starts the peer (here one of ours, standing in
+    for vLLM or llama.cpp) for each of its runs and stops it after, and deploys ours per
+    run too: while one is measured the other does not answer; ABBA order is kept."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = shlex.join(pd_command("serve", "--model", str(bamba), "--port", str(port), "--num-threads", "1"))
+    measured, others_up = [], []
+    run_once = compare.run_once
+
+    def watched(config, deployment, args, rep):
+        others = [u for u in measured if u != deployment.base_url] + ([url] if deployment.base_url != url else [])
+        others_up.append([u for u in others if health_status(u) is not None])
+        measured.append(deployment.base_url)
+        return run_once(config, deployment, args, rep)
+
+    monkeypatch.setattr(compare, "run_once", watched)
+    rows = compare.main(["--model", str(bamba), "--configs", "colocated", "--peer", f"mine={url}",
+                         "--peer-start", f"mine={command}", "--num-prompts", "3", "--warmup-prompts", "1",
+                         "--repetitions", "2", *SMALL, "--output-dir", str(tmp_path / "out")])
+    ran = [line.split()[0] for line in capsys.readouterr().out.splitlines() if " repetition " in line
+           and not line.startswith("==")]
+    assert ran == ["colocated", "peer:mine", "peer:mine", "colocated"]
+    assert others_up == [[], [], [], []]
+    assert measured.count(url) == 2 and len(measured) == 4
+    assert health_status(url) is None  # the peer is stopped
+    for row in rows:
+        for run in row["runs"]:
+            check_metrics(run["metrics"], 3)
+    assert "mine started as" in (tmp_path / "out" / "compare.md").read_text()
+
+
+def test_a_peer_start_names_a_peer(tmp_path, capsys) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        compare.main(["--model", str(tmp_path), "--configs", "colocated", "--peer", "a=http://127.0.0.1:1",
+                      "--peer-start", "b=true"])
+    assert "--peer-start takes NAME=COMMAND" in capsys.readouterr().err
 
 
 def test_a_peer_must_be_named_with_an_http_url(tmp_path, capsys) -> None:

@@ -72,23 +72,52 @@ def test_kernel_equals_a_float32_matmul_of_the_dequantized_weight(kind, dtype, p
     packed tile (32) that are not a multiple of it."""
     raw = random_blocks(kind, n, 512, seed=rows * 100 + n)
     x = (torch.randn(rows, 512, generator=torch.Generator().manual_seed(n)) * 3).to(dtype)
-    expected = torch.nn.functional.linear(quantize_activations(x), dequantized(kind, raw))
-    got = run_kernel(unpack(kind, raw), x, plain)
+    blocks = unpack(kind, raw)
+    expected = torch.nn.functional.linear(quantize_activations(x, blocks.scales), dequantized(kind, raw))
+    got = run_kernel(blocks, x, plain)
     scale = expected.abs().max()
     ulp = 2 ** -8 if dtype == torch.bfloat16 else 1e-5  # the output's rounding; float32 summation order
     torch.testing.assert_close(got.float(), expected, rtol=ulp, atol=ulp * scale)
 
 
-def test_the_activations_are_quantized_as_the_kernel_quantizes_them() -> None:
+@pytest.mark.parametrize("kind", TYPES)
+def test_the_activations_are_quantized_as_llama_cpp_quantizes_them_for_the_type(kind) -> None:
+    """The kernel's rows equal the torch reference's bitwise: Q8_0 rows (per 32, the scale
+    rounded to float16) for Q8_0 and Q5_0, Q8_K rows (per 256, scaled by the signed
+    largest input) for Q4_K and Q6_K; and both equal ggml's own Q8_0 / Q8_K rows, as
+    gguf-py's reference quantizer and dequantizer compute them."""
     library = gguf_linear._library()
     if library is None:
         pytest.skip("no native kernels here")
-    x = torch.randn(5, 96) * torch.logspace(-3, 3, 96)
-    x[2] = 0  # an all-zero block: scale 1, values 0
-    xq, dx = torch.empty(5, 96, dtype=torch.int8), torch.empty(5, 3)
-    assert library.gguf_quantize_rows(x.data_ptr(), 5, 96, xq.data_ptr(), dx.data_ptr()) == 0
-    got = (xq.float().view(5, 3, 32) * dx[..., None]).view(5, 96)
-    assert torch.equal(got, quantize_activations(x))
+    scales = unpack(kind, random_blocks(kind, 1, 512, seed=0)).scales
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 3, 512)
+    x[2] = 0  # all-zero blocks: zeros
+    x[3, :256] = -x[3, :256].abs()  # a block whose largest input is negative
+    xq, dx = torch.empty(5, 512, dtype=torch.int8), torch.empty(5, 16)
+    assert library.gguf_quantize_rows(x.data_ptr(), 5, 512, scales, xq.data_ptr(), dx.data_ptr()) == 0
+    got = (xq.float().view(5, 16, 32) * dx[..., None]).view(5, 512)
+    assert torch.equal(got, quantize_activations(x, scales))
+    assert torch.equal(got[2], torch.zeros(512))
+    if scales == 2:
+        ggml = gguf.dequantize(gguf.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)
+    else:  # gguf-py has no Q8_K quantizer
+        ggml = np.concatenate([ggml_q8_k(block) for block in x.numpy().reshape(-1, 256)]).reshape(5, 512)
+    assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(ggml, dtype=np.float32)))
+
+
+def ggml_q8_k(x: np.ndarray) -> np.ndarray:
+    """ggml's quantize_row_q8_K_ref for one block of 256, then its dequantized values, in
+    float32 scalars as the C computes them (nearest_int rounds ties to even)."""
+    f32 = np.float32
+    amax, largest = f32(0), f32(0)
+    for v in x:
+        if abs(v) > amax:
+            amax, largest = abs(v), v
+    if not amax:
+        return np.zeros(256, dtype=f32)
+    iscale = f32(-127) / largest
+    q = np.minimum(127, np.rint(iscale * x.astype(f32))).astype(f32)
+    return q * (f32(1) / iscale)
 
 
 def test_rows_with_a_stride_and_the_torch_reference_path() -> None:
@@ -100,7 +129,8 @@ def test_rows_with_a_stride_and_the_torch_reference_path() -> None:
     x = wide[:, 10:266]
     got = run_kernel(blocks, x)
     torch.testing.assert_close(got, run_kernel(blocks, x.contiguous()), rtol=0, atol=0)
-    torch.testing.assert_close(gguf_linear.reference(x, blocks.dequantize()), got, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gguf_linear.reference(x, blocks.dequantize(), blocks.scales), got, rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_the_kernel_refuses_widths_it_cannot_block() -> None:
@@ -142,7 +172,7 @@ def test_a_gguf_model_computes_its_linears_from_the_blocks(q8_gguf, native, monk
         assert linear.weight.numel() == 0  # the bfloat16 copy is dropped
         x = torch.randn(5, linear.in_features, generator=torch.Generator().manual_seed(len(name))).bfloat16()
         weight = reference.get_submodule(name).weight.detach()
-        expected = torch.nn.functional.linear(quantize_activations(x), weight)
+        expected = torch.nn.functional.linear(quantize_activations(x, 2), weight)  # Q8_0 weights: Q8_0 rows
         torch.testing.assert_close(linear(x).float(), expected, rtol=2 ** -8, atol=2 ** -8 * expected.abs().max())
 
 
