@@ -109,9 +109,7 @@ def run_alone(configs: list[str], args: argparse.Namespace, workdir: Path) -> li
         for config in configs if rep % 2 == 0 else configs[::-1]:
             print(f"== {config}, repetition {rep + 1}", flush=True)
             with up(config, args, workdir) as deployment:
-                if args.warmup_prompts:
-                    asyncio.run(serve.benchmark(serve_args(args, deployment, args.seed + WARMUP_SEED_OFFSET,
-                                                           args.warmup_prompts, f"{config}-warmup")))
+                warm_up(config, deployment, args)
                 runs[config].append(run_once(config, deployment, args, rep))
     return [{"config": config, "medians": medians(runs[config]), "runs": runs[config]} for config in configs]
 
@@ -150,13 +148,18 @@ def run_configs(configs: list[str], args: argparse.Namespace, workdir: Path) -> 
                 peer = args.peers.get(config)
                 deployments[config] = Deployment(peer, f"{peer}/metrics") if peer else \
                     stack.enter_context(deploy(config, args, workdir))
-                if args.warmup_prompts:
-                    asyncio.run(serve.benchmark(serve_args(args, deployments[config], args.seed + WARMUP_SEED_OFFSET,
-                                                           args.warmup_prompts, f"{config}-warmup")))
+                warm_up(config, deployments[config], args)
             for rep in range(args.repetitions):
                 for config in group if rep % 2 == 0 else group[::-1]:
                     runs[config].append(run_once(config, deployments[config], args, rep))
     return [{"config": config, "medians": medians(runs[config]), "runs": runs[config]} for config in configs]
+
+
+def warm_up(config: str, deployment: Deployment, args: argparse.Namespace) -> None:
+    """`--warmup-prompts` requests of other prompts than the runs', not counted."""
+    if args.warmup_prompts:
+        asyncio.run(serve.benchmark(serve_args(args, deployment, args.seed + WARMUP_SEED_OFFSET,
+                                               args.warmup_prompts, f"{config}-warmup")))
 
 
 def run_once(config: str, deployment: Deployment, args: argparse.Namespace, rep: int) -> dict:

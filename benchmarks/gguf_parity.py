@@ -64,8 +64,7 @@ class LlamaLogprobs:
         self.tokens = raw[20:end].view(np.int32).reshape(self.n_chunk, self.n_ctx)
         self.first = self.n_ctx // 2
         self.row_width = 2 * ((self.n_vocab + 1) // 2) + 4  # uint16s: scale, min log-prob (2 floats), the vocabulary
-        rows = raw[end:].view(np.uint16).reshape(self.n_chunk, self.n_ctx - 1 - self.first, self.row_width)
-        self.rows = rows
+        self.rows = raw[end:].view(np.uint16).reshape(self.n_chunk, self.n_ctx - 1 - self.first, self.row_width)
 
     def scored(self, chunk: int) -> tuple[np.ndarray, np.ndarray]:
         """(quantized log-probabilities [positions, vocab], their (scale, min) [positions, 2])."""

@@ -60,7 +60,9 @@ class StepBudget:
 
     def planned(self, num_scheduled_tokens: dict[str, int]) -> None:
         """The step about to run: a request with one token is a decode (the last token
-        of a prompt costs as much), more are prompt tokens."""
+        of a prompt costs as much), more are prompt tokens. Nothing is kept unlimited."""
+        if not self.limited:
+            return
         decodes = sum(1 for n in num_scheduled_tokens.values() if n == 1)
         self._planned = (decodes, sum(n for n in num_scheduled_tokens.values() if n > 1))
 
@@ -68,7 +70,7 @@ class StepBudget:
         """The wall time of the step last planned (one with nothing to compute is not kept)."""
         decodes, prompt_tokens = self._planned
         self._planned = (0, 0)
-        if not self.limited or decodes + prompt_tokens == 0:
+        if decodes + prompt_tokens == 0:
             return
         self._steps[self._num_steps % WINDOW] = (decodes, prompt_tokens, seconds)
         self._num_steps += 1
