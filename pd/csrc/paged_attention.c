@@ -124,9 +124,10 @@ static void weigh_four(const float *w, int64_t nk, int64_t V, const float *rows,
 /* Softmax of each query vector's scores over the keys its token sees, [lo, hi] of the
  * tile's nk (token t = v / group, at position pos + t); the rest weigh 0. Weights are
  * rounded by `round` (to the cache dtype, as SDPA's flash kernel does) before they are
- * divided by the unrounded sum. */
+ * divided by the unrounded sum; or, given `totals`, left undivided and the sums put there
+ * (the caller divides the weighted sum). */
 static void softmax_visible(float *scores, int64_t V, int64_t group, int64_t nk, int64_t pos, int64_t first,
-                            int64_t window, float (*round)(float)) {
+                            int64_t window, float (*round)(float), float *totals) {
     for (int64_t v = 0; v < V; v++) {
         const int64_t t = v / group;
         const int64_t lo = first_seen(pos + t, window) - first, hi = pos + t - first;
@@ -137,7 +138,8 @@ static void softmax_visible(float *scores, int64_t V, int64_t group, int64_t nk,
             total += e;
             s[j] = round(e);
         }
-        for (int64_t j = lo; j <= hi; j++) s[j] /= total;
+        if (totals) totals[v] = total;
+        else for (int64_t j = lo; j <= hi; j++) s[j] /= total;
         for (int64_t j = 0; j < lo; j++) s[j] = 0.0f;
         for (int64_t j = hi + 1; j < nk; j++) s[j] = 0.0f;
     }
@@ -171,9 +173,251 @@ static inline float row_scale(const int8_t *row, int64_t D) {
     return s;
 }
 
+/* A bfloat16 cache read by bfloat16 queries, head size a multiple of 32, on a CPU with
+ * AVX512-BF16 (`fast_item`): the same arithmetic without widening a row to float32 first.
+ * vdpbf16ps multiplies bfloat16 pairs exactly and sums in float32, so a score is the
+ * widened path's, float32 summation order apart. The softmax's weights are bfloat16 values
+ * already (rounded as SDPA's flash kernel rounds them), so they too are multiplied in pairs,
+ * two keys' value rows interleaved; each output is divided by its unrounded sum once, at
+ * the end, as the flash kernel does (the widened path divides each weight first: float32
+ * rounding apart). While summed, an output's values d .. d + 31 lie as the interleave leaves
+ * them: value d + 8 L + t (128-bit lane L) at d + 4 L + t for t < 4, at d + 16 + 4 L + t - 4
+ * for t >= 4. */
+#if defined(__AVX512BF16__) && !defined(PD_PLAIN)
+#include <immintrin.h>
+#define FAST_KEYS 32 /* value rows weighed per pass over the outputs: 16 KB at head size 256 */
+
+static inline const uint16_t *fast_row(const uint16_t *base, const int32_t *blocks, int64_t p, int64_t bs,
+                                       int64_t s_block, int64_t s_slot) {
+    return base + blocks[p / bs] * s_block + (p % bs) * s_slot;
+}
+
+static inline void prefetch_row(const uint16_t *row, int64_t D) {
+    for (int64_t b = 0; b < D * 2; b += 64) __builtin_prefetch((const char *)row + b, 0, 1);
+}
+
+/* The sums of a's, b's, c's and d's 16 lanes. */
+static inline __m128 sum_lanes4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+    const __m512 all = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                                     _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+    const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(all), _mm512_extractf32x8_ps(all, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+/* Query vector v of the item (head: its first, stride: a token's). */
+static inline const uint16_t *fast_query(const uint16_t *q, int64_t head, int64_t stride, int64_t group, int64_t D,
+                                         int64_t v) {
+    return q + head + (v / group) * stride + (v % group) * D;
+}
+
+/* scores[v * nk + j] = (query v . key j) scale for keys [j0, j1) (j0 a multiple of 4) and
+ * v < V: four keys against four query vectors at a time. */
+static void fast_scores(const uint16_t *keys, const int32_t *blocks, int64_t first, int64_t j0, int64_t j1,
+                        int64_t nk, int64_t D, int64_t bs, int64_t s_block, int64_t s_slot, const uint16_t *q,
+                        int64_t head, int64_t stride, int64_t group, int64_t V, float scale, float *scores) {
+    for (int64_t j = j0; j < j1; j += 4) {
+        const int64_t count = j1 - j < 4 ? j1 - j : 4;
+        const uint16_t *r[4];
+        for (int64_t k = 0; k < 4; k++)
+            r[k] = fast_row(keys, blocks, first + j + (k < count ? k : count - 1), bs, s_block, s_slot);
+        for (int64_t i = 0; j + PREFETCH_AHEAD + 4 <= nk && i < 4; i++)
+            prefetch_row(fast_row(keys, blocks, first + j + PREFETCH_AHEAD + i, bs, s_block, s_slot), D);
+        for (int64_t v0 = 0; v0 < V; v0 += 4) {
+            const uint16_t *x[4];
+            for (int64_t i = 0; i < 4; i++) x[i] = fast_query(q, head, stride, group, D, v0 + i < V ? v0 + i : V - 1);
+            __m512 acc[4][4];
+            for (int i = 0; i < 4; i++)
+                for (int k = 0; k < 4; k++) acc[i][k] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 32) {
+                __m512bh kk[4];
+                for (int k = 0; k < 4; k++) kk[k] = (__m512bh)_mm512_loadu_si512(r[k] + d);
+                for (int i = 0; i < 4; i++) {
+                    const __m512bh xi = (__m512bh)_mm512_loadu_si512(x[i] + d);
+                    for (int k = 0; k < 4; k++) acc[i][k] = _mm512_dpbf16_ps(acc[i][k], xi, kk[k]);
+                }
+            }
+            for (int64_t i = 0; i < 4 && v0 + i < V; i++) {
+                float s[4];
+                _mm_storeu_ps(s, _mm_mul_ps(sum_lanes4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]),
+                                            _mm_set1_ps(scale)));
+                for (int64_t k = 0; k < count; k++) scores[(v0 + i) * nk + j + k] = s[k];
+            }
+        }
+    }
+}
+
+/* exp_f32's steps on 16 lanes. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.3365447505531f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+/* Lanes j .. j + 15 of [lo, hi]. */
+static inline __mmask16 seen16(int64_t j, int64_t lo, int64_t hi) {
+    const int64_t from = lo > j ? lo - j : 0, to = hi - j + 1 < 16 ? hi - j + 1 : 16;
+    return from >= to ? 0 : (__mmask16)(((1u << to) - 1) & ~((1u << from) - 1));
+}
+
+/* softmax_visible's weights for the fast weigh, 16 keys at a time: exp of each seen score
+ * less the top one, summed unrounded into totals[v], rounded to bfloat16 (0 where unseen)
+ * and left undivided; stored in place as row v's bfloat16 weights, 2 bytes a key, one 0 past
+ * an odd nk, so that uint32 p of the row is the pair of keys 2 p (low half) and 2 p + 1. */
+static void fast_softmax(float *scores, int64_t V, int64_t group, int64_t nk, int64_t pos, int64_t first,
+                         int64_t window, float *totals) {
+    const int64_t padded = nk + (nk & 1);
+    for (int64_t v = 0; v < V; v++) {
+        const int64_t t = v / group;
+        const int64_t lo = first_seen(pos + t, window) - first, hi = pos + t - first;
+        float *s = scores + v * nk;
+        __m512 top = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
+        for (int64_t j = lo / 16 * 16; j <= hi; j += 16)
+            top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, seen16(j, lo, hi), s + j));
+        const __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+        uint16_t *w = (uint16_t *)s; /* 32 bytes written at 2 j after 64 read at 4 j: behind the reads */
+        for (int64_t j = 0; j < padded; j += 16) {
+            const __mmask16 seen = seen16(j, lo, hi);
+            const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(seen, s + j), most)));
+            total = _mm512_add_ps(total, e);
+            const __mmask16 kept = padded - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (padded - j)) - 1);
+            _mm256_mask_storeu_epi16(w + j, kept, (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        totals[v] = _mm512_reduce_add_ps(total);
+    }
+}
+
+/* o (V rows of D, interleaved as above) += the pairs' weights times value rows rows[0 ..
+ * n) (n even), for the `chunks` x 32 values from d0; four query vectors at a time. */
+static inline __attribute__((always_inline)) void fast_weigh_span(const uint16_t *const *rows, int64_t n,
+                                                                  const uint32_t *pairs, int64_t nk, int64_t V,
+                                                                  int64_t D, int64_t d0, int chunks, float *o) {
+    for (int64_t v0 = 0; v0 < V; v0 += 4) {
+        const uint32_t *w[4];
+        __m512 acc[4][4];
+        for (int64_t i = 0; i < 4; i++) {
+            const int64_t v = v0 + i < V ? v0 + i : V - 1;
+            w[i] = pairs + v * nk;
+            for (int c = 0; c < 2 * chunks; c++) acc[i][c] = _mm512_loadu_ps(o + v * D + d0 + 16 * c);
+        }
+        for (int64_t j = 0; j < n; j += 2) {
+            __m512bh lo[2], hi[2];
+            for (int c = 0; c < chunks; c++) {
+                const __m512i a = _mm512_loadu_si512(rows[j] + d0 + 32 * c);
+                const __m512i b = _mm512_loadu_si512(rows[j + 1] + d0 + 32 * c);
+                lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b), hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            }
+            for (int i = 0; i < 4; i++) {
+                const __m512bh wi = (__m512bh)_mm512_set1_epi32((int32_t)w[i][j / 2]);
+                for (int c = 0; c < chunks; c++) {
+                    acc[i][2 * c] = _mm512_dpbf16_ps(acc[i][2 * c], lo[c], wi);
+                    acc[i][2 * c + 1] = _mm512_dpbf16_ps(acc[i][2 * c + 1], hi[c], wi);
+                }
+            }
+        }
+        for (int64_t i = 0; i < 4 && v0 + i < V; i++)
+            for (int c = 0; c < 2 * chunks; c++) _mm512_storeu_ps(o + (v0 + i) * D + d0 + 16 * c, acc[i][c]);
+    }
+}
+
+/* o (V x D, interleaved) = the weighted sum of value rows [j0, j1) (j0 even): FAST_KEYS rows
+ * at a time, read while in L1 for every 64 of an output's values; the next rows asked for. */
+static void fast_weigh(const uint16_t *values, const int32_t *blocks, int64_t first, int64_t j0, int64_t j1,
+                       int64_t D, int64_t bs, int64_t s_block, int64_t s_slot, const uint32_t *pairs, int64_t nk,
+                       int64_t V, float *o) {
+    memset(o, 0, (size_t)(V * D) * sizeof(float));
+    for (int64_t kb = j0; kb < j1; kb += FAST_KEYS) {
+        const int64_t n = j1 - kb < FAST_KEYS ? j1 - kb : FAST_KEYS;
+        const uint16_t *rows[FAST_KEYS + 1];
+        for (int64_t j = 0; j < n; j++) rows[j] = fast_row(values, blocks, first + kb + j, bs, s_block, s_slot);
+        rows[n] = rows[n - 1]; /* an odd count's partner: weight 0 */
+        for (int64_t j = kb + n; j < kb + n + FAST_KEYS && j < j1; j++)
+            prefetch_row(fast_row(values, blocks, first + j, bs, s_block, s_slot), D);
+        const int64_t even = n + (n & 1);
+        int64_t d0 = 0;
+        for (; d0 + 64 <= D; d0 += 64) fast_weigh_span(rows, even, pairs + kb / 2, nk, V, D, d0, 2, o);
+        if (d0 < D) fast_weigh_span(rows, even, pairs + kb / 2, nk, V, D, d0, 1, o);
+    }
+}
+
+/* An item (tile, KV head h) as paged_attention_bf16's, on the fast path: the same scratch
+ * shares (the scores; the sums where the queries' floats were, the outputs after them) and
+ * the same split among threads. 0 (nothing done) where the head size does not fit. */
+static int fast_item(const uint16_t *q, uint16_t *out, const uint16_t *cache, int64_t s_block, int64_t s_kv,
+                     int64_t s_slot, int64_t s_head, const int32_t *table, int64_t s_row, const int64_t *tile,
+                     int64_t h, int64_t num_heads, int64_t group, int64_t D, int64_t P, int64_t bs, int64_t window,
+                     float scale, float *share, int64_t per_thread, int64_t max_span, int64_t split) {
+    if (D % 32) return 0;
+    const int64_t m = tile[1], pos = tile[3], V = m * group;
+    const int64_t first = first_seen(pos, window), nk = pos + m - first;
+    const int32_t *blocks = table + tile[2] * s_row;
+    const int64_t head = (tile[0] * num_heads + h * group) * D, stride = num_heads * D;
+    const uint16_t *keys = cache + h * s_head, *values = cache + s_kv + h * s_head;
+    const int64_t outputs = V * max_span + 4 * P + V * P; /* a share's outputs, as the widened path's */
+    float *scores = share, *totals = share + V * max_span + 4 * P, *o = share + outputs;
+    const uint32_t *pairs = (const uint32_t *)scores;
+    const int64_t quads = (nk + 3) / 4;
+    int64_t used = 1;
+    if (split == 1 || quads < 2) {
+        fast_scores(keys, blocks, first, 0, nk, nk, D, bs, s_block, s_slot, q, head, stride, group, V, scale, scores);
+        fast_softmax(scores, V, group, nk, pos, first, window, totals);
+        fast_weigh(values, blocks, first, 0, nk, D, bs, s_block, s_slot, pairs, nk, V, o);
+    } else {
+        _Pragma("omp parallel num_threads(split)")
+        {
+            const int64_t t = omp_get_thread_num(), n_t = omp_get_num_threads();
+            const int64_t j0 = quads * t / n_t * 4, j1 = quads * (t + 1) / n_t * 4;
+            const int64_t end = j1 < nk ? j1 : nk;
+            fast_scores(keys, blocks, first, j0, end, nk, D, bs, s_block, s_slot, q, head, stride, group, V, scale,
+                        scores);
+            _Pragma("omp barrier")
+            _Pragma("omp single")
+            {
+                fast_softmax(scores, V, group, nk, pos, first, window, totals);
+                used = n_t;
+            }
+            if (j0 < end)
+                fast_weigh(values, blocks, first, j0, end, D, bs, s_block, s_slot, pairs, nk, V,
+                           share + t * per_thread + outputs);
+            else
+                memset(share + t * per_thread + outputs, 0, (size_t)(V * D) * sizeof(float));
+        }
+        for (int64_t t = 1; t < used; t++) {
+            const float *part = share + t * per_thread + outputs;
+            for (int64_t e = 0; e < V * D; e++) o[e] += part[e];
+        }
+    }
+    for (int64_t v = 0; v < V; v++) {
+        uint16_t *dst = out + head + (v / group) * stride + (v % group) * D;
+        const float *src = o + v * D;
+        for (int64_t d0 = 0; d0 < D; d0 += 32)
+            for (int64_t lane = 0; lane < 4; lane++)
+                for (int64_t t = 0; t < 8; t++)
+                    store_bf16(dst, d0 + 8 * lane + t, src[d0 + (t < 4 ? 0 : 16) + 4 * lane + t % 4] / totals[v]);
+    }
+    return 1;
+}
+#else
+#define fast_item(...) 0
+#endif
+#define no_fast_item(...) 0
+
 /* T: the queries' and outputs' type (the model's), C: the cache's; WIDEN and CWIDEN read
  * them as float32, CSCALE a cache row's scale. */
-#define DEFINE_PAGED_ATTENTION(NAME, T, WIDEN, STORE, ROUND, C, CWIDEN, CSCALE)                  \
+#define DEFINE_PAGED_ATTENTION(NAME, T, WIDEN, STORE, ROUND, C, CWIDEN, CSCALE, FAST)                  \
     static inline const C *NAME##_row(const C *cache, const int32_t *blocks, int64_t p,           \
                                       int64_t bs, int64_t s_block, int64_t s_slot) {              \
         return cache + blocks[p / bs] * s_block + (p % bs) * s_slot;                              \
@@ -245,6 +489,9 @@ static inline float row_scale(const int8_t *row, int64_t D) {
                             const int64_t *tile, int64_t h, int64_t num_heads, int64_t group,     \
                             int64_t D, int64_t P, int64_t block_size, int64_t window, float scale, \
                             float *share, int64_t per_thread, int64_t max_span, int64_t split) {  \
+        if (FAST(q, out, cache, s_block, s_kv, s_slot, s_head, table, s_row, tile, h, num_heads, group, D, \
+                 P, block_size, window, scale, share, per_thread, max_span, split))              \
+            return;                                                                               \
         const int64_t m = tile[1], pos = tile[3], V = m * group;                                  \
         const int64_t first = first_seen(pos, window), nk = pos + m - first;                      \
         const int32_t *blocks = table + tile[2] * s_row;                                          \
@@ -256,7 +503,7 @@ static inline float row_scale(const int8_t *row, int64_t D) {
         if (split == 1 || quads < 2) {                                                            \
             NAME##_scores(keys, blocks, first, 0, nk, nk, D, P, block_size, s_block, s_slot, q32, V, \
                           scale, rows, scores);                                                   \
-            softmax_visible(scores, V, group, nk, pos, first, window, ROUND);                     \
+            softmax_visible(scores, V, group, nk, pos, first, window, ROUND, NULL);                     \
             NAME##_weigh(values, blocks, first, 0, nk, nk, D, P, block_size, s_block, s_slot, scores, \
                          V, rows, o32);                                                           \
         } else {                                                                                  \
@@ -272,7 +519,7 @@ static inline float row_scale(const int8_t *row, int64_t D) {
                 _Pragma("omp barrier")                                                            \
                 _Pragma("omp single")                                                             \
                 {                                                                                 \
-                    softmax_visible(scores, V, group, nk, pos, first, window, ROUND);             \
+                    softmax_visible(scores, V, group, nk, pos, first, window, ROUND, NULL);             \
                     used = n_t;                                                                   \
                 }                                                                                 \
                 NAME##_weigh(values, blocks, first, j0, end, nk, D, P, block_size, s_block, s_slot, \
@@ -324,13 +571,14 @@ static inline float row_scale(const int8_t *row, int64_t D) {
 
 #define BF16 uint16_t, load_bf16, store_bf16, round_bf16
 #define F32 float, load_f32, store_f32, round_f32
-#define PAGED_ATTENTION(NAME, MODEL, C, CWIDEN, CSCALE) DEFINE_PAGED_ATTENTION(NAME, MODEL, C, CWIDEN, CSCALE)
-PAGED_ATTENTION(paged_attention_bf16, BF16, uint16_t, load_bf16, unscaled)
-PAGED_ATTENTION(paged_attention_f32, F32, float, load_f32, unscaled)
-PAGED_ATTENTION(paged_attention_bf16_fp8, BF16, uint8_t, load_fp8, unscaled)
-PAGED_ATTENTION(paged_attention_f32_fp8, F32, uint8_t, load_fp8, unscaled)
-PAGED_ATTENTION(paged_attention_bf16_i8, BF16, int8_t, load_i8, row_scale)
-PAGED_ATTENTION(paged_attention_f32_i8, F32, int8_t, load_i8, row_scale)
+#define PAGED_ATTENTION(NAME, MODEL, C, CWIDEN, CSCALE, FAST) \
+    DEFINE_PAGED_ATTENTION(NAME, MODEL, C, CWIDEN, CSCALE, FAST)
+PAGED_ATTENTION(paged_attention_bf16, BF16, uint16_t, load_bf16, unscaled, fast_item)
+PAGED_ATTENTION(paged_attention_f32, F32, float, load_f32, unscaled, no_fast_item)
+PAGED_ATTENTION(paged_attention_bf16_fp8, BF16, uint8_t, load_fp8, unscaled, no_fast_item)
+PAGED_ATTENTION(paged_attention_f32_fp8, F32, uint8_t, load_fp8, unscaled, no_fast_item)
+PAGED_ATTENTION(paged_attention_bf16_i8, BF16, int8_t, load_i8, row_scale, no_fast_item)
+PAGED_ATTENTION(paged_attention_f32_i8, F32, int8_t, load_i8, row_scale, no_fast_item)
 
 /* --kv-cache-dtype int8: write `tokens` new tokens' K and V rows into the cache, each row
  * (token, KV head) as round(x / s) in int8 and then s = max |x| / 127 (1 for a zero row) as
