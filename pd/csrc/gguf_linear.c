@@ -268,27 +268,88 @@ static inline void quantized_block(const float *v, int64_t n, float iscale, floa
     for (int64_t b = 0; b < n / XBLOCK; b++) dx[b] = d;
 }
 
-#define DEFINE_QUANTIZE(NAME, T, LOAD)                                                              \
+/* One block of n inputs (32 or 256) from src: the scalar steps above. */
+#define DEFINE_QUANTIZE_BLOCK(NAME, T, LOAD)                                                        \
+    static inline void quantize_block_##NAME(const T *src, int64_t n, int scheme, int8_t *xq, float *dx, \
+                                             int32_t *sx) {                                         \
+        float v[KBLOCK], amax = 0.0f, signed_max = 0.0f;                                            \
+        for (int64_t i = 0; i < n; i++) {                                                           \
+            v[i] = LOAD(src, i);                                                                    \
+            if (fabsf(v[i]) > amax) amax = fabsf(v[i]), signed_max = v[i];                          \
+        }                                                                                           \
+        float iscale = 0.0f, d = 0.0f;                                                              \
+        if (amax > 0.0f && scheme == K_ROWS) iscale = -127.0f / signed_max, d = 1.0f / iscale;      \
+        if (amax > 0.0f && scheme == LEGACY_ROWS) iscale = 127.0f / amax, d = (float)(_Float16)(amax / 127.0f); \
+        quantized_block(v, n, iscale, d, xq, dx, sx);                                               \
+    }
+
+#ifdef VNNI
+/* The same steps on 16 lanes at a time (bitwise the scalar ones: a maximum, products and
+ * rounding to nearest even are exact per lane; the first input of largest |x| is found by
+ * its lane). */
+static inline __m512 load16_bf16(const uint16_t *x, int64_t i) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i))), 16));
+}
+static inline __m512 load16_f32(const float *x, int64_t i) { return _mm512_loadu_ps(x + i); }
+
+/* round(v iscale) clamped to +-127 into out (16 bytes); their sum. */
+static inline int32_t quantize16(__m512 v, float iscale, int8_t *out) {
+    __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(iscale)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+    const __m512i c = _mm512_cvtps_epi32(r);
+    _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(c));
+    return _mm512_reduce_add_epi32(c);
+}
+
+#define DEFINE_QUANTIZE_BLOCK16(NAME, T)                                                            \
+    static inline void quantize_block16_##NAME(const T *src, int64_t n, int scheme, int8_t *xq, float *dx, \
+                                               int32_t *sx) {                                       \
+        __m512 v[KBLOCK / 16], top = _mm512_setzero_ps();                                           \
+        const int64_t lanes = n / 16;                                                               \
+        for (int64_t i = 0; i < lanes; i++) {                                                       \
+            v[i] = load16_##NAME(src, 16 * i);                                                      \
+            top = _mm512_max_ps(top, _mm512_abs_ps(v[i]));                                          \
+        }                                                                                           \
+        const float amax = _mm512_reduce_max_ps(top);                                               \
+        float iscale = 0.0f, d = 0.0f;                                                              \
+        if (amax > 0.0f && scheme == K_ROWS) {                                                      \
+            float signed_max = 0.0f;                                                                \
+            for (int64_t i = 0; i < lanes; i++) {                                                   \
+                const __mmask16 at = _mm512_cmpeq_ps_mask(_mm512_abs_ps(v[i]), _mm512_set1_ps(amax)); \
+                if (at) {                                                                           \
+                    float lane[16];                                                                 \
+                    _mm512_storeu_ps(lane, v[i]);                                                   \
+                    signed_max = lane[__builtin_ctz(at)];                                           \
+                    break;                                                                          \
+                }                                                                                   \
+            }                                                                                       \
+            iscale = -127.0f / signed_max, d = 1.0f / iscale;                                       \
+        }                                                                                           \
+        if (amax > 0.0f && scheme == LEGACY_ROWS) iscale = 127.0f / amax, d = (float)(_Float16)(amax / 127.0f); \
+        for (int64_t i = 0; i < lanes; i++) sx[i] = quantize16(v[i], iscale, xq + 16 * i);         \
+        for (int64_t b = 0; b < n / XBLOCK; b++) dx[b] = d;                                         \
+    }
+DEFINE_QUANTIZE_BLOCK16(bf16, uint16_t)
+DEFINE_QUANTIZE_BLOCK16(f32, float)
+#define QUANTIZE_BLOCK(NAME) quantize_block16_##NAME
+#else
+#define QUANTIZE_BLOCK(NAME) quantize_block_##NAME
+#endif
+DEFINE_QUANTIZE_BLOCK(bf16, uint16_t, load_bf16)
+DEFINE_QUANTIZE_BLOCK(f32, float, load_f32)
+
+#define DEFINE_QUANTIZE(NAME, T)                                                                    \
     static void quantize_##NAME(const T *x, int64_t x_stride, int64_t rows, Quantized *q, int scheme, \
                                 int64_t threads) {                                                  \
         const int64_t n = scheme == K_ROWS ? KBLOCK : XBLOCK;                                       \
         _Pragma("omp parallel for num_threads(threads) if (rows >= PARALLEL_MIN_ROWS)")             \
         for (int64_t m = 0; m < rows; m++)                                                          \
-            for (int64_t b = 0; b < q->k / n; b++) {                                                \
-                float v[KBLOCK], amax = 0.0f, signed_max = 0.0f;                                    \
-                for (int64_t i = 0; i < n; i++) {                                                   \
-                    v[i] = LOAD(x + m * x_stride, b * n + i);                                       \
-                    if (fabsf(v[i]) > amax) amax = fabsf(v[i]), signed_max = v[i];                  \
-                }                                                                                   \
-                float iscale = 0.0f, d = 0.0f;                                                      \
-                if (amax > 0.0f && scheme == K_ROWS) iscale = -127.0f / signed_max, d = 1.0f / iscale; \
-                if (amax > 0.0f && scheme == LEGACY_ROWS) iscale = 127.0f / amax, d = (float)(_Float16)(amax / 127.0f); \
-                quantized_block(v, n, iscale, d, q->xq + m * q->k + b * n, q->dx + m * (q->k / XBLOCK) + b * n / XBLOCK, \
-                                q->sx + m * (q->k / 16) + b * n / 16);                              \
-            }                                                                                       \
+            for (int64_t b = 0; b < q->k / n; b++)                                                  \
+                QUANTIZE_BLOCK(NAME)(x + m * x_stride + b * n, n, scheme, q->xq + m * q->k + b * n, \
+                                     q->dx + m * (q->k / XBLOCK) + b * n / XBLOCK, q->sx + m * (q->k / 16) + b * n / 16); \
     }
-DEFINE_QUANTIZE(bf16, uint16_t, load_bf16)
-DEFINE_QUANTIZE(f32, float, load_f32)
+DEFINE_QUANTIZE(bf16, uint16_t)
+DEFINE_QUANTIZE(f32, float)
 
 /* The activation quantization alone, for the reference path's tests: xq, dx as above, for
  * a weight whose scales are in format `scales`. */

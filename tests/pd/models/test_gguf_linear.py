@@ -93,6 +93,7 @@ def test_the_activations_are_quantized_as_llama_cpp_quantizes_them_for_the_type(
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 3, 512)
     x[2] = 0  # all-zero blocks: zeros
     x[3, :256] = -x[3, :256].abs()  # a block whose largest input is negative
+    x[4, 10], x[4, 20], x[4, 300], x[4, 400] = 5e3, -5e3, -5e3, 5e3  # |largest| twice, of both signs
     xq, dx = torch.empty(5, 512, dtype=torch.int8), torch.empty(5, 16)
     assert library.gguf_quantize_rows(x.data_ptr(), 5, 512, scales, xq.data_ptr(), dx.data_ptr()) == 0
     got = (xq.float().view(5, 16, 32) * dx[..., None]).view(5, 512)
