@@ -46,6 +46,7 @@
 
 #define TILE 32     /* output channels per packed tile */
 #define XBLOCK 32   /* inputs per activation scale */
+#define PREFETCH_BYTES 16384 /* how far ahead of its reads a tile's stream asks for weights (measured) */
 #define ROWS 4      /* rows of one register tile */
 #define PARALLEL_MIN_ROWS 16  /* rows below which one thread quantizes them */
 
@@ -108,6 +109,8 @@ static inline __attribute__((always_inline)) void tile_rows(const Quantized *q, 
     const int64_t groups = bs / 4, values = value_bytes(bs, bits), block_bytes = values + scale_bytes(scales);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = w + b * block_bytes;
+        if (m0 == 0) /* the first rows' pass asks for the bytes PREFETCH_BYTES on, into L2 */
+            for (int64_t l = 0; l < block_bytes; l += 64) __builtin_prefetch(wb + PREFETCH_BYTES + l, 0, 1);
         __m512i s0[ROWS], s1[ROWS];
         const int32_t *x4[ROWS];
         for (int r = 0; r < rows; r++) { /* symmetric: the sums start at -z sx, so they end at sum (v - z) xq */
