@@ -126,3 +126,64 @@ static inline float gelu_tanh(float x) {
 
 DEFINE_FUSED(bf16, uint16_t, load_bf16, store_bf16, round_bf16)
 DEFINE_FUSED(f32, float, load_f32, store_f32, round_f32)
+
+/* The sampler's greedy choice: each row's index of its first largest value, as torch's
+ * max(dim=-1).indices gives it (a NaN counts as the largest: the first NaN's index). One
+ * pass for the maximum, 16 lanes at a time, then one for its first position. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline __m512 first_max_load16_bf16(const uint16_t *x, int64_t i) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i))), 16));
+}
+static inline __m512 first_max_load16_f32(const float *x, int64_t i) { return _mm512_loadu_ps(x + i); }
+#define DEFINE_FIRST_MAX(NAME, T, LOAD)                                                           \
+    static int64_t first_max_row_##NAME(const T *x, int64_t n) {                                  \
+        const int64_t whole = n / 16 * 16;                                                        \
+        __m512 top = _mm512_set1_ps(-INFINITY);                                                   \
+        __mmask16 nan = 0;                                                                        \
+        for (int64_t i = 0; i < whole; i += 16) {                                                 \
+            const __m512 v = first_max_load16_##NAME(x, i);                                       \
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);                                        \
+            top = _mm512_max_ps(top, v);                                                          \
+        }                                                                                         \
+        float best = _mm512_reduce_max_ps(top);                                                   \
+        for (int64_t i = whole; i < n; i++) {                                                     \
+            const float v = LOAD(x, i);                                                           \
+            if (v != v) nan = 1;                                                                  \
+            best = v > best ? v : best;                                                           \
+        }                                                                                         \
+        if (nan) {                                                                                \
+            for (int64_t i = 0; i < n; i++)                                                       \
+                if (LOAD(x, i) != LOAD(x, i)) return i;                                           \
+        }                                                                                         \
+        const __m512 b = _mm512_set1_ps(best);                                                    \
+        for (int64_t i = 0; i < whole; i += 16) {                                                 \
+            const __mmask16 at = _mm512_cmp_ps_mask(first_max_load16_##NAME(x, i), b, _CMP_EQ_OQ); \
+            if (at) return i + __builtin_ctz(at);                                                 \
+        }                                                                                         \
+        for (int64_t i = whole; i < n; i++)                                                       \
+            if (LOAD(x, i) == best) return i;                                                     \
+        return 0; /* n == 0 only */                                                               \
+    }
+#else
+#define DEFINE_FIRST_MAX(NAME, T, LOAD)                                                           \
+    static int64_t first_max_row_##NAME(const T *x, int64_t n) {                                  \
+        int64_t at = 0;                                                                           \
+        float best = n ? LOAD(x, 0) : 0.0f;                                                       \
+        for (int64_t i = 1; i < n && best == best; i++) {                                         \
+            const float v = LOAD(x, i);                                                           \
+            if (v > best || v != v) best = v, at = i;                                             \
+        }                                                                                         \
+        return at;                                                                                \
+    }
+#endif
+#define DEFINE_FIRST_MAX_ROWS(NAME, T, LOAD)                                                      \
+    DEFINE_FIRST_MAX(NAME, T, LOAD)                                                               \
+    int first_max_##NAME(const T *x, int64_t stride, int64_t rows, int64_t n, int64_t *out, int64_t threads) { \
+        if (rows < 0 || n <= 0) return 1;                                                         \
+        _Pragma("omp parallel for num_threads(threads) if (rows > 1 && rows * n >= PARALLEL_MIN_ELEMENTS)") \
+        for (int64_t r = 0; r < rows; r++) out[r] = first_max_row_##NAME(x + r * stride, n);     \
+        return 0;                                                                                 \
+    }
+DEFINE_FIRST_MAX_ROWS(bf16, uint16_t, load_bf16)
+DEFINE_FIRST_MAX_ROWS(f32, float, load_f32)

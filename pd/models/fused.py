@@ -25,6 +25,7 @@ _SIGNATURES = {
     "qk_norm_rope": [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _F32, _PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR,
                      _I64],
     "act_mul": [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64],
+    "first_max": [_PTR, _I64, _I64, _I64, _PTR, _I64],
 }
 MAX_HEAD_SIZE = 1024
 
@@ -123,4 +124,13 @@ def act_mul(x: torch.Tensor, act: str) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype)
     _call("act_mul", x.dtype, rows.data_ptr(), rows.stride(0), out.data_ptr(), inter, rows.shape[0], inter,
           ACTIVATIONS[act])
+    return out
+
+
+def first_max(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its first largest value (int64), as `logits.max(dim=-1).indices`
+    (a NaN counts as the largest) for logits (rows, vocab) that `supports` takes."""
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    _call("first_max", logits.dtype, logits.data_ptr(), logits.stride(0), rows, vocab, out.data_ptr())
     return out

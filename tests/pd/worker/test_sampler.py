@@ -257,3 +257,18 @@ def test_grammar_masks_leave_only_the_allowed_tokens() -> None:
     assert mask_tokens(x, [None] * 3) is x
     nothing = np.zeros(2, dtype=np.int32)
     assert torch.equal(mask_tokens(x, [nothing, allow, None])[0], x[0])  # left to fail at the grammar, alone
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_first_max_takes_the_first_nan_as_torch_does(dtype: torch.dtype) -> None:
+    """A NaN counts as the largest value (its first one wins), an all -inf row gives 0, and a
+    row whose maximum sits in the tail past the last 16 lanes is found there."""
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(1)).to(dtype)
+    logits[0, [700, 30, 999]] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, 995] = 1e4
+    logits[3, [0, 500]] = torch.tensor([-0.0, 1e4]).to(dtype)
+    expected = logits.max(dim=-1).indices
+    assert expected.tolist() == [30, 0, 995, 500]
+    assert torch.equal(first_max(logits), expected)
+    assert torch.equal(first_max(logits[:, 1:]), logits[:, 1:].max(dim=-1).indices)  # rows not 64-byte aligned
