@@ -9,6 +9,10 @@ CPU every op is synchronous; hooks fire only on modules) and the rest (scheduler
 preparation, norms, embeddings); plus minor page faults per step, the sign of an
 allocator that hands memory back to the OS and faults it in again.
 
+The linears (the lm_head's included) and the lm_head are read against their bound as
+served: over as many served steps again, each linear's own `forward` (and the model's
+`compute_logits`) timed by a wrapper, so no module-call or hook overhead is counted in them.
+
 Each is read against the machine's bound (`step_work`, `bound`): the bytes a step must read
 (every linear's weights as they are kept: GGUF blocks by type, int8, bfloat16 or float32;
 the KV its requests attend to; Mamba states) over the memory's read bandwidth, and its
@@ -54,6 +58,7 @@ class PartTimer:
     def __init__(self) -> None:
         self.totals: dict[str, float] = defaultdict(float)
         self._started: dict[int, float] = {}
+        self._wrapped: list[tuple[object, str, object]] = []
 
     def watch(self, module: nn.Module, part: str) -> None:
         module.register_forward_pre_hook(lambda m, args: self._start(m))
@@ -70,6 +75,13 @@ class PartTimer:
                 self.totals[part] += time.perf_counter() - start
 
         setattr(owner, name, timed)
+        self._wrapped.append((owner, name, inner))
+
+    def restore(self) -> None:
+        """Put back what `wrap` replaced."""
+        for owner, name, inner in reversed(self._wrapped):
+            setattr(owner, name, inner)
+        self._wrapped.clear()
 
     def _start(self, module: nn.Module) -> None:
         self._started[id(module)] = time.perf_counter()
@@ -178,7 +190,7 @@ def run(args: argparse.Namespace) -> dict:
     config = EngineConfig.from_flat(model=args.model, dtype=args.dtype, quantization=args.quantization,
                                     kv_cache_dtype=args.kv_cache_dtype,
                                     max_num_seqs=max(args.batch, 1),
-                                    max_model_len=args.context + 2 * (args.steps + args.warmup) + 8,
+                                    max_model_len=args.context + 3 * (args.steps + args.warmup) + 8,
                                     max_num_batched_tokens=max(2048, args.context), num_threads=args.num_threads,
                                     tensor_parallel_size=args.tensor_parallel_size).resolve()
     engine = EngineCore(config)
@@ -208,7 +220,8 @@ def bounds(result: dict, machine: dict) -> dict:
 def _time_steps(args: argparse.Namespace, engine: EngineCore) -> dict:
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=2 * (args.steps + args.warmup) + 2, temperature=0, ignore_eos=True)
+    # three passes of warm-up and timed steps: as served, its linears as served, the module path
+    params = SamplingParams(max_tokens=3 * (args.steps + args.warmup) + 2, temperature=0, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(Request(f"step-{i}", torch.randint(10, vocab - 10, (args.context,), generator=gen).tolist(),
                                    params))
@@ -222,6 +235,7 @@ def _time_steps(args: argparse.Namespace, engine: EngineCore) -> dict:
         start = time.perf_counter()
         engine.step()
         served.append(time.perf_counter() - start)
+    as_served = _time_served_linears(args, engine)
     for module in engine.model.modules():
         if hasattr(module, "use_native_layers"):
             module.use_native_layers(False)
@@ -241,11 +255,35 @@ def _time_steps(args: argparse.Namespace, engine: EngineCore) -> dict:
     medians = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in keys}
     medians["faults"] = statistics.median(s["faults"] for s in steps)
     medians["step_modules"], medians["step"] = medians["step"], statistics.median(served)
+    medians["linears_modules"], medians["lm_head_modules"] = medians["linears"], medians["lm_head"]
+    for key in ("linears", "lm_head"):
+        medians[key] = statistics.median(s[key] for s in as_served)
     return {"model": args.model, "dtype": engine.config.model.dtype, "quantization": engine.config.model.quantization,
             "kv_cache_dtype": args.kv_cache_dtype, "batch": args.batch,
             "context": args.context,
             "steps": args.steps, "threads": torch.get_num_threads(), "tensor_parallel_size": args.tensor_parallel_size,
             "medians": medians, "per_step": steps, "work": step_work(engine, args.batch, args.context)}
+
+
+def _time_served_linears(args: argparse.Namespace, engine: EngineCore) -> list[dict[str, float]]:
+    """Per served step, the time in every linear's `forward` (the lm_head's included) and in
+    `compute_logits`: wrappers on the instances, which the native layer plans call too."""
+    timer = PartTimer()
+    for module in engine.model.modules():
+        if isinstance(module, nn.Linear):
+            timer.wrap(module, "forward", "linears")
+    timer.wrap(engine.model, "compute_logits", "lm_head")
+    try:
+        for _ in range(args.warmup):
+            engine.step()
+        timer.take()
+        steps = []
+        for _ in range(args.steps):
+            engine.step()
+            steps.append(timer.take())
+        return steps
+    finally:
+        timer.restore()
 
 
 def print_table(result: dict) -> None:
@@ -258,7 +296,8 @@ def print_table(result: dict) -> None:
     print("|---|---:|---:|")
     whole = m.get("step_modules", m["step"])
     for key in ("attention", "mlp", "lm_head", "sampling", "scheduler", "other"):
-        print(f"| {key} | {m[key] * 1e3:.2f} | {m[key] / whole:.0%} |")
+        value = m.get(f"{key}_modules", m[key])
+        print(f"| {key} | {value * 1e3:.2f} | {value / whole:.0%} |")
     print(f"| step, module path | {whole * 1e3:.2f} | 100% |")
     print(f"| **step as served** | **{m['step'] * 1e3:.2f}** | {m['step'] / whole:.0%} |")
     if m.get("collectives"):
@@ -272,7 +311,7 @@ def print_table(result: dict) -> None:
           f"{b['read_gbps']:.1f} GB/s here")
     print("| against the machine's bound | ms | bound, ms | fraction of the bound |\n|---|---:|---:|---:|")
     for key, time_key in (("lm_head", "lm_head"), ("linears", "linears"), ("step", "step")):
-        name = {"lm_head": "lm_head", "linears": "every linear (module path)", "step": "step as served"}[key]
+        name = {"lm_head": "lm_head, as served", "linears": "every linear, as served", "step": "step as served"}[key]
         print(f"| {name} | {m[time_key] * 1e3:.2f} | {b[key]['bound'] * 1e3:.2f} | {b[key]['fraction']:.2f} |")
 
 

@@ -43,9 +43,14 @@ def test_bench_step_breaks_a_decode_step_down_and_reads_it_against_the_machine(t
         assert all(p > 0 for p in parts) and sum(parts) <= record["step"]  # measured inside the step
         assert record["faults"] >= 0
     assert result["medians"]["step"] > 0 and result["medians"]["step_modules"] > 0  # native plans, then modules
+    # the linears and the lm_head read against their bound as served (their forward timed, no hooks): inside the
+    # served step, the lm_head's linear among the linears
+    m = result["medians"]
+    assert 0 < m["lm_head"] < m["step"] and 0 < m["linears"] < m["step"] and m["linears_modules"] > 0
+    assert result["bounds"]["linears"]["fraction"] == pytest.approx(result["bounds"]["linears"]["bound"] / m["linears"])
     table = capsys.readouterr().out
     assert "| attention |" in table and "step as served" in table and "minor page faults per step" in table
-    assert "| every linear (module path) |" in table and "memory reads 20.0 GB/s here" in table
+    assert "| every linear, as served |" in table and "memory reads 20.0 GB/s here" in table
 
 
 def test_bench_step_help_names_its_flags(capsys) -> None:
