@@ -1,7 +1,8 @@
 /* Paged attention on CPU, read straight from the paged KV cache: a whole step's queries
  * (prefill chunks and decodes alike) in one call, no gather, no copy, no mask. Each
  * visible key and value row is widened to float32 as it is used; scores, softmax and the
- * weighted sum are float32. Only positions a query sees are weighed, and only positions
+ * weighted sum are float32 (a bfloat16 cache and model on a CPU with AVX512-BF16 multiply
+ * bfloat16 pairs instead, summing in float32: `fast_item`). Only positions a query sees are weighed, and only positions
  * some query of its tile sees are read, so unwritten or stale slots are never touched.
  *
  * The work comes as tiles: `m` consecutive query tokens of one request (a decode is a
@@ -124,10 +125,9 @@ static void weigh_four(const float *w, int64_t nk, int64_t V, const float *rows,
 /* Softmax of each query vector's scores over the keys its token sees, [lo, hi] of the
  * tile's nk (token t = v / group, at position pos + t); the rest weigh 0. Weights are
  * rounded by `round` (to the cache dtype, as SDPA's flash kernel does) before they are
- * divided by the unrounded sum; or, given `totals`, left undivided and the sums put there
- * (the caller divides the weighted sum). */
+ * divided by the unrounded sum. */
 static void softmax_visible(float *scores, int64_t V, int64_t group, int64_t nk, int64_t pos, int64_t first,
-                            int64_t window, float (*round)(float), float *totals) {
+                            int64_t window, float (*round)(float)) {
     for (int64_t v = 0; v < V; v++) {
         const int64_t t = v / group;
         const int64_t lo = first_seen(pos + t, window) - first, hi = pos + t - first;
@@ -138,8 +138,7 @@ static void softmax_visible(float *scores, int64_t V, int64_t group, int64_t nk,
             total += e;
             s[j] = round(e);
         }
-        if (totals) totals[v] = total;
-        else for (int64_t j = lo; j <= hi; j++) s[j] /= total;
+        for (int64_t j = lo; j <= hi; j++) s[j] /= total;
         for (int64_t j = 0; j < lo; j++) s[j] = 0.0f;
         for (int64_t j = hi + 1; j < nk; j++) s[j] = 0.0f;
     }
@@ -503,7 +502,7 @@ static int fast_item(const uint16_t *q, uint16_t *out, const uint16_t *cache, in
         if (split == 1 || quads < 2) {                                                            \
             NAME##_scores(keys, blocks, first, 0, nk, nk, D, P, block_size, s_block, s_slot, q32, V, \
                           scale, rows, scores);                                                   \
-            softmax_visible(scores, V, group, nk, pos, first, window, ROUND, NULL);                     \
+            softmax_visible(scores, V, group, nk, pos, first, window, ROUND);                     \
             NAME##_weigh(values, blocks, first, 0, nk, nk, D, P, block_size, s_block, s_slot, scores, \
                          V, rows, o32);                                                           \
         } else {                                                                                  \
@@ -519,7 +518,7 @@ static int fast_item(const uint16_t *q, uint16_t *out, const uint16_t *cache, in
                 _Pragma("omp barrier")                                                            \
                 _Pragma("omp single")                                                             \
                 {                                                                                 \
-                    softmax_visible(scores, V, group, nk, pos, first, window, ROUND, NULL);             \
+                    softmax_visible(scores, V, group, nk, pos, first, window, ROUND);             \
                     used = n_t;                                                                   \
                 }                                                                                 \
                 NAME##_weigh(values, blocks, first, j0, end, nk, D, P, block_size, s_block, s_slot, \
