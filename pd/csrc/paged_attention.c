@@ -144,6 +144,81 @@ static void softmax_visible(float *scores, int64_t V, int64_t group, int64_t nk,
     }
 }
 
+/* One item (tile, KV head) as both paths see it. keys, values and q are in the cache's and
+ * the model's dtypes (q the model's queries on the fast path, their float32 copy, P apart, on
+ * the widened one); scores is V x nk floats, in share 0; each share's outputs are V x P
+ * floats. */
+typedef struct {
+    const void *keys, *values, *q;
+    const int32_t *blocks;
+    int64_t first, nk, pos, window, V, group, D, P, bs, s_block, s_slot, head, stride;
+    int64_t rows, outputs; /* where a share's 4 widened rows and its outputs start, in floats */
+    float scale;
+    float *scores, *totals;
+} item_view;
+
+/* A part of an item's work over its keys [j0, j1): its scores, or its weighted values into
+ * `own` (a thread's share: the scratch its rows are widened in, and its outputs). */
+typedef void (*item_part)(const item_view *it, int64_t j0, int64_t j1, float *own);
+
+/* An item's scores, softmax and weighted values, with the keys split among `split` threads
+ * (split 1, or fewer than 8 keys: all in share 0): each thread scores its quad-aligned range
+ * of keys into the shared scores; after a barrier one thread takes the softmax; each thread
+ * weighs its range's values into its own share's outputs, added into share 0's in thread
+ * order (so the weights are the unsplit ones).
+ * Never called inside a parallel region with split > 1: a nested region would start threads
+ * of its own. */
+static inline __attribute__((always_inline)) void split_keys(const item_view *it, int64_t split, float *share,
+                                                             int64_t per_thread, item_part scores,
+                                                             void (*softmax)(const item_view *), item_part weigh) {
+    const int64_t nk = it->nk, quads = (nk + 3) / 4;
+    if (split == 1 || quads < 2) {
+        scores(it, 0, nk, share);
+        softmax(it);
+        weigh(it, 0, nk, share);
+        return;
+    }
+    int64_t used = 1;
+    _Pragma("omp parallel num_threads(split)")
+    {
+        const int64_t t = omp_get_thread_num(), n_t = omp_get_num_threads();
+        const int64_t j0 = quads * t / n_t * 4, j1 = quads * (t + 1) / n_t * 4;
+        const int64_t end = j1 < nk ? j1 : nk;
+        scores(it, j0, end, share + t * per_thread);
+        _Pragma("omp barrier")
+        _Pragma("omp single")
+        {
+            softmax(it);
+            used = n_t;
+        }
+        weigh(it, j0, end, share + t * per_thread);
+    }
+    float *o = share + it->outputs;
+    for (int64_t t = 1; t < used; t++) {
+        const float *part = share + t * per_thread + it->outputs;
+        for (int64_t e = 0; e < it->V * it->P; e++) o[e] += part[e];
+    }
+}
+
+/* Item (tile, KV head h)'s view over a cache of `elem`-byte elements (strides in elements),
+ * in a share laid out as the scratch says: the scores (V x max_span), 4 rows of P, the queries'
+ * floats (or the sums), the outputs. */
+static inline item_view view_item(const void *q, const void *cache, int64_t elem, int64_t s_block, int64_t s_kv,
+                                  int64_t s_slot, int64_t s_head, const int32_t *table, int64_t s_row,
+                                  const int64_t *tile, int64_t h, int64_t num_heads, int64_t group, int64_t D,
+                                  int64_t P, int64_t bs, int64_t window, float scale, float *share,
+                                  int64_t max_span) {
+    const int64_t m = tile[1], pos = tile[3], V = m * group, first = first_seen(pos, window);
+    const char *layer = (const char *)cache + h * s_head * elem;
+    return (item_view){
+        .keys = layer, .values = layer + s_kv * elem, .q = q, .blocks = table + tile[2] * s_row,
+        .first = first, .nk = pos + m - first, .pos = pos, .window = window, .V = V, .group = group, .D = D, .P = P,
+        .bs = bs, .s_block = s_block, .s_slot = s_slot, .head = (tile[0] * num_heads + h * group) * D,
+        .stride = num_heads * D, .rows = V * max_span, .outputs = V * max_span + 4 * P + V * P, .scale = scale,
+        .scores = share, .totals = share + V * max_span + 4 * P,
+    };
+}
+
 /* An 8-bit float (e4m3fn: 4 exponent bits biased by 7, 3 mantissa bits, no infinities) as
  * float32: its 7 magnitude bits under float32's exponent field, the exponent rebiased by
  * adding 120 to it, are a normal's value. A subnormal (exponent 0: m / 8 * 2^-6) comes out
@@ -352,63 +427,37 @@ static void fast_weigh(const uint16_t *values, const int32_t *blocks, int64_t fi
     }
 }
 
-/* An item (tile, KV head h) as paged_attention_bf16's, on the fast path: the same scratch
- * shares (the scores; the sums where the queries' floats were, the outputs after them) and
- * the same split among threads. 0 (nothing done) where the head size does not fit. */
-static int fast_item(const uint16_t *q, uint16_t *out, const uint16_t *cache, int64_t s_block, int64_t s_kv,
-                     int64_t s_slot, int64_t s_head, const int32_t *table, int64_t s_row, const int64_t *tile,
-                     int64_t h, int64_t num_heads, int64_t group, int64_t D, int64_t P, int64_t bs, int64_t window,
-                     float scale, float *share, int64_t per_thread, int64_t max_span, int64_t split) {
-    if (D % 32) return 0;
-    const int64_t m = tile[1], pos = tile[3], V = m * group;
-    const int64_t first = first_seen(pos, window), nk = pos + m - first;
-    const int32_t *blocks = table + tile[2] * s_row;
-    const int64_t head = (tile[0] * num_heads + h * group) * D, stride = num_heads * D;
-    const uint16_t *keys = cache + h * s_head, *values = cache + s_kv + h * s_head;
-    const int64_t outputs = V * max_span + 4 * P + V * P; /* a share's outputs, as the widened path's */
-    float *scores = share, *totals = share + V * max_span + 4 * P, *o = share + outputs;
-    const uint32_t *pairs = (const uint32_t *)scores;
-    const int64_t quads = (nk + 3) / 4;
-    int64_t used = 1;
-    if (split == 1 || quads < 2) {
-        fast_scores(keys, blocks, first, 0, nk, nk, D, bs, s_block, s_slot, q, head, stride, group, V, scale, scores);
-        fast_softmax(scores, V, group, nk, pos, first, window, totals);
-        fast_weigh(values, blocks, first, 0, nk, D, bs, s_block, s_slot, pairs, nk, V, o);
-    } else {
-        _Pragma("omp parallel num_threads(split)")
-        {
-            const int64_t t = omp_get_thread_num(), n_t = omp_get_num_threads();
-            const int64_t j0 = quads * t / n_t * 4, j1 = quads * (t + 1) / n_t * 4;
-            const int64_t end = j1 < nk ? j1 : nk;
-            fast_scores(keys, blocks, first, j0, end, nk, D, bs, s_block, s_slot, q, head, stride, group, V, scale,
-                        scores);
-            _Pragma("omp barrier")
-            _Pragma("omp single")
-            {
-                fast_softmax(scores, V, group, nk, pos, first, window, totals);
-                used = n_t;
-            }
-            if (j0 < end)
-                fast_weigh(values, blocks, first, j0, end, D, bs, s_block, s_slot, pairs, nk, V,
-                           share + t * per_thread + outputs);
-            else
-                memset(share + t * per_thread + outputs, 0, (size_t)(V * D) * sizeof(float));
-        }
-        for (int64_t t = 1; t < used; t++) {
-            const float *part = share + t * per_thread + outputs;
-            for (int64_t e = 0; e < V * D; e++) o[e] += part[e];
-        }
-    }
-    for (int64_t v = 0; v < V; v++) {
-        uint16_t *dst = out + head + (v / group) * stride + (v % group) * D;
-        const float *src = o + v * D;
+/* fast_scores, fast_softmax and fast_weigh as an item's parts (split_keys'). */
+static void fast_scores_part(const item_view *it, int64_t j0, int64_t j1, float *own) {
+    (void)own;
+    fast_scores(it->keys, it->blocks, it->first, j0, j1, it->nk, it->D, it->bs, it->s_block, it->s_slot, it->q,
+                it->head, it->stride, it->group, it->V, it->scale, it->scores);
+}
+static void fast_softmax_part(const item_view *it) {
+    fast_softmax(it->scores, it->V, it->group, it->nk, it->pos, it->first, it->window, it->totals);
+}
+static void fast_weigh_part(const item_view *it, int64_t j0, int64_t j1, float *own) {
+    fast_weigh(it->values, it->blocks, it->first, j0, j1, it->D, it->bs, it->s_block, it->s_slot,
+               (const uint32_t *)it->scores, it->nk, it->V, own + it->outputs);
+}
+
+/* An item on the fast path (paged_attention_bf16's, in the same scratch: the sums where the
+ * queries' floats would be); 0 (nothing done) where the head size does not fit. */
+static int fast_item(const item_view *it, uint16_t *out, float *share, int64_t per_thread, int64_t split) {
+    if (it->D % 32) return 0;
+    split_keys(it, split, share, per_thread, fast_scores_part, fast_softmax_part, fast_weigh_part);
+    const int64_t D = it->D;
+    for (int64_t v = 0; v < it->V; v++) {
+        uint16_t *dst = out + it->head + (v / it->group) * it->stride + (v % it->group) * D;
+        const float *src = share + it->outputs + v * D;
         for (int64_t d0 = 0; d0 < D; d0 += 32)
             for (int64_t lane = 0; lane < 4; lane++)
                 for (int64_t t = 0; t < 8; t++)
-                    store_bf16(dst, d0 + 8 * lane + t, src[d0 + (t < 4 ? 0 : 16) + 4 * lane + t % 4] / totals[v]);
+                    store_bf16(dst, d0 + 8 * lane + t, src[d0 + (t < 4 ? 0 : 16) + 4 * lane + t % 4] / it->totals[v]);
     }
     return 1;
 }
+
 #else
 #define fast_item(...) 0
 #endif
@@ -452,85 +501,48 @@ static int fast_item(const uint16_t *q, uint16_t *out, const uint16_t *cache, in
         }                                                                                         \
     }                                                                                             \
                                                                                                   \
-    /* Scores of keys [j0, j1) of the tile (j0 a multiple of 4) into scores; after the softmax \
-     * the weighted sum of their values into o32 (NAME##_weigh): a thread's part of an item. */\
-    static inline void NAME##_scores(const C *keys, const int32_t *blocks, int64_t first, int64_t j0, \
-                                     int64_t j1, int64_t nk, int64_t D, int64_t P, int64_t bs,     \
-                                     int64_t s_block, int64_t s_slot, const float *q32, int64_t V, \
-                                     float scale, float *rows, float *scores) {                   \
+    /* Scores of keys [j0, j1) of the item (j0 a multiple of 4) into its scores, its rows     \
+     * widened in own's; after the softmax, the weighted sum of their values into own's        \
+     * outputs: split_keys' parts. */                                                         \
+    static void NAME##_scores(const item_view *it, int64_t j0, int64_t j1, float *own) {         \
+        float *rows = own + it->rows;                                                             \
         for (int64_t j = j0; j < j1; j += 4) {                                                    \
             const int64_t count = j1 - j < 4 ? j1 - j : 4;                                        \
-            NAME##_widen(keys, blocks, first, j, count, nk, D, P, bs, s_block, s_slot, rows);     \
-            score_four(q32, V, rows, P, count, scale, scores + j, nk);                            \
+            NAME##_widen(it->keys, it->blocks, it->first, j, count, it->nk, it->D, it->P, it->bs,     \
+                         it->s_block, it->s_slot, rows);                                          \
+            score_four(it->q, it->V, rows, it->P, count, it->scale, it->scores + j, it->nk);          \
         }                                                                                         \
     }                                                                                             \
-    static inline void NAME##_weigh(const C *values, const int32_t *blocks, int64_t first, int64_t j0, \
-                                    int64_t j1, int64_t nk, int64_t D, int64_t P, int64_t bs,      \
-                                    int64_t s_block, int64_t s_slot, const float *scores, int64_t V, \
-                                    float *rows, float *o32) {                                    \
-        memset(o32, 0, V * P * sizeof(float));                                                    \
+    static void NAME##_softmax(const item_view *it) {                                             \
+        softmax_visible(it->scores, it->V, it->group, it->nk, it->pos, it->first, it->window, ROUND); \
+    }                                                                                             \
+    static void NAME##_weigh(const item_view *it, int64_t j0, int64_t j1, float *own) {          \
+        float *rows = own + it->rows, *o32 = own + it->outputs;                                   \
+        memset(o32, 0, it->V * it->P * sizeof(float));                                            \
         for (int64_t j = j0; j < j1; j += 4) {                                                    \
             const int64_t count = j1 - j < 4 ? j1 - j : 4;                                        \
-            NAME##_widen(values, blocks, first, j, count, nk, D, P, bs, s_block, s_slot, rows);   \
-            weigh_four(scores + j, nk, V, rows, P, count, o32);                                   \
+            NAME##_widen(it->values, it->blocks, it->first, j, count, it->nk, it->D, it->P, it->bs,   \
+                         it->s_block, it->s_slot, rows);                                          \
+            weigh_four(it->scores + j, it->nk, it->V, rows, it->P, count, o32);                   \
         }                                                                                         \
     }                                                                                             \
                                                                                                   \
-    /* Item (tile i, KV head h). Scratch shares (per_thread floats each): scores (V x nk), 4    \
-     * widened rows, the query and the output vectors. split 1: one thread, in `share`;        \
-     * split > 1 (fewer items than threads: a lone decode): the keys are divided among `split` \
-     * threads, share 0's scores and queries shared, each thread summing its values into its  \
-     * own share's outputs, added in thread order after one softmax (so the weights are the    \
-     * unsplit ones). Never called inside a parallel region with split > 1 (a nested region    \
-     * would start threads of its own). */                                                   \
+    /* Item (tile i, KV head h) in `share` (and split > 1: the shares after it; split_keys). */ \
     static void NAME##_item(const T *q, T *out, const C *cache, int64_t s_block, int64_t s_kv,    \
                             int64_t s_slot, int64_t s_head, const int32_t *table, int64_t s_row,  \
                             const int64_t *tile, int64_t h, int64_t num_heads, int64_t group,     \
                             int64_t D, int64_t P, int64_t block_size, int64_t window, float scale, \
                             float *share, int64_t per_thread, int64_t max_span, int64_t split) {  \
-        if (FAST(q, out, cache, s_block, s_kv, s_slot, s_head, table, s_row, tile, h, num_heads, group, D, \
-                 P, block_size, window, scale, share, per_thread, max_span, split))              \
-            return;                                                                               \
-        const int64_t m = tile[1], pos = tile[3], V = m * group;                                  \
-        const int64_t first = first_seen(pos, window), nk = pos + m - first;                      \
-        const int32_t *blocks = table + tile[2] * s_row;                                          \
-        const int64_t head = (tile[0] * num_heads + h * group) * D, stride = num_heads * D;       \
-        const C *keys = cache + h * s_head, *values = cache + s_kv + h * s_head;                  \
-        float *scores = share, *rows = share + V * max_span, *q32 = rows + 4 * P, *o32 = q32 + V * P; \
-        NAME##_queries(q, head, stride, V, group, D, P, q32);                                     \
-        const int64_t quads = (nk + 3) / 4;                                                       \
-        if (split == 1 || quads < 2) {                                                            \
-            NAME##_scores(keys, blocks, first, 0, nk, nk, D, P, block_size, s_block, s_slot, q32, V, \
-                          scale, rows, scores);                                                   \
-            softmax_visible(scores, V, group, nk, pos, first, window, ROUND);                     \
-            NAME##_weigh(values, blocks, first, 0, nk, nk, D, P, block_size, s_block, s_slot, scores, \
-                         V, rows, o32);                                                           \
-        } else {                                                                                  \
-            int64_t used = 1;                                                                     \
-            _Pragma("omp parallel num_threads(split)")                                            \
-            {                                                                                     \
-                const int64_t t = omp_get_thread_num(), n_t = omp_get_num_threads();             \
-                float *own = share + t * per_thread, *own_rows = own + V * max_span;               \
-                const int64_t j0 = quads * t / n_t * 4, j1 = quads * (t + 1) / n_t * 4;            \
-                const int64_t end = j1 < nk ? j1 : nk;                                            \
-                NAME##_scores(keys, blocks, first, j0, end, nk, D, P, block_size, s_block, s_slot, q32, \
-                              V, scale, own_rows, scores);                                        \
-                _Pragma("omp barrier")                                                            \
-                _Pragma("omp single")                                                             \
-                {                                                                                 \
-                    softmax_visible(scores, V, group, nk, pos, first, window, ROUND);             \
-                    used = n_t;                                                                   \
-                }                                                                                 \
-                NAME##_weigh(values, blocks, first, j0, end, nk, D, P, block_size, s_block, s_slot, \
-                             scores, V, own_rows, own_rows + 4 * P + V * P);                      \
-            }                                                                                     \
-            for (int64_t t = 1; t < used; t++) {                                                  \
-                const float *part = share + t * per_thread + V * max_span + 4 * P + V * P;         \
-                for (int64_t e = 0; e < V * P; e++) o32[e] += part[e];                            \
-            }                                                                                     \
-        }                                                                                         \
-        for (int64_t v = 0; v < V; v++) {                                                         \
-            T *o = out + head + (v / group) * stride + (v % group) * D;                           \
+        item_view it = view_item(q, cache, sizeof(C), s_block, s_kv, s_slot, s_head, table, s_row, tile, h, \
+                                 num_heads, group, D, P, block_size, window, scale, share, max_span); \
+        if (FAST(&it, out, share, per_thread, split)) return;                                     \
+        float *q32 = it.totals; /* where the fast path keeps its sums */                          \
+        NAME##_queries(q, it.head, it.stride, it.V, group, D, P, q32);                            \
+        it.q = q32;                                                                               \
+        split_keys(&it, split, share, per_thread, NAME##_scores, NAME##_softmax, NAME##_weigh);    \
+        const float *o32 = share + it.outputs;                                                    \
+        for (int64_t v = 0; v < it.V; v++) {                                                      \
+            T *o = out + it.head + (v / group) * it.stride + (v % group) * D;                     \
             for (int64_t d = 0; d < D; d++) STORE(o, d, o32[v * P + d]);                          \
         }                                                                                         \
     }                                                                                             \
