@@ -104,7 +104,7 @@ class SchedulerSettings:
     """The batch's bounds, admission, and what the scheduler does with remote KV."""
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
+    max_num_batched_tokens: int = 2048
     max_step_ms: float | str = "auto"  # a step's time with a prefill chunk beside decodes: ms, auto or off
     reserve_growth_tokens: int = 128  # admit only while this many more tokens of every request fit
     kv_load_failure_policy: str = "recompute"  # D: a request whose remote KV fails to load

@@ -110,7 +110,10 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids, block_copies=self.block_copies)
         self.finished_req_ids, self.block_copies = set(), []
         budget = self.config.settings.max_num_batched_tokens
-        prompt_budget = self.step_budget.prompt_tokens(sum(1 for r in self.running if r.num_tokens_to_compute == 1))
+        decodes = sum(1 for r in self.running if r.num_tokens_to_compute == 1)
+        room = max(self.config.settings.max_num_seqs - len(self.running), 0)  # waiting ones that may start
+        prompts = sum(1 for r in self.running if r.num_tokens_to_compute > 1) + min(len(self.waiting), room)
+        prompt_budget = self.step_budget.prompt_tokens(decodes, prompts)
         preempted = False
         self.num_steps += 1
         share = fair_share.step_share(self.running, self.waiting)

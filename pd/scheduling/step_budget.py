@@ -14,8 +14,12 @@ the decodes alone would take: a prefill at most doubles a stream's inter-token g
 still goes at half the machine while streams run.
 
 A step with no decode has no stream to delay and takes the whole
-`--max-num-batched-tokens`; so does every step until the cost of a prompt token is known
-(two different prompt-token counts seen). At least `MIN_CHUNK` prompt tokens go in every
+`--max-num-batched-tokens`; so does a step in which at least as many requests wait to
+compute their prompts as are decoding: the streams it delays are then the fewer, and the
+prompts it starts together decode together after, in a full batch (let in a few tokens at
+a time beside the streams, they would keep the batch short and staggered, every later
+arrival again stalling the many); and so does every step until the cost of a prompt token
+is known (two different prompt-token counts seen). At least `MIN_CHUNK` prompt tokens go in every
 step, so that prefills go on even when the decodes alone reach the limit.
 """
 
@@ -45,10 +49,11 @@ class StepBudget:
     def limited(self) -> bool:
         return self.auto or self.max_step_seconds is not None
 
-    def prompt_tokens(self, num_decodes: int) -> int:
-        """The most prompt tokens a step may compute beside `num_decodes` decodes."""
+    def prompt_tokens(self, num_decodes: int, num_prompts: int = 0) -> int:
+        """The most prompt tokens a step may compute beside `num_decodes` decodes while
+        `num_prompts` requests that could go in it have prompt tokens to compute."""
         room = max(self.max_tokens - num_decodes, 0)
-        if not self.limited or num_decodes == 0 or self.cost is None:
+        if not self.limited or num_decodes == 0 or num_prompts >= num_decodes or self.cost is None:
             return room
         base, per_decode, per_token = self.cost
         decodes_alone = base + per_decode * num_decodes

@@ -112,3 +112,42 @@ def test_prefills_arriving_among_streams_keep_each_step_within_the_limit(max_ste
         assert longest > 0.3, "1024-token chunks beside the streams"
     else:
         assert longest <= 0.040 + PER_TOKEN
+
+
+def test_prompts_as_many_as_the_decodes_take_the_whole_budget() -> None:
+    budget = learnt(StepBudget(1024, 40.0))
+    limited = int((0.040 - step_seconds(4, 0)) / PER_TOKEN)
+    assert budget.prompt_tokens(4, 3) == limited, "fewer prompts than streams: bounded"
+    assert budget.prompt_tokens(4, 4) == 1020, "as many: the streams delayed are not the more"
+    assert budget.prompt_tokens(4, 9) == 1020
+
+
+def test_prompts_arriving_beside_fewer_streams_start_together() -> None:
+    """One stream decodes when seven prompts arrive: the next step computes all seven (the
+    one stream waits once) and all eight decode together after, rather than the prompts
+    trickling in at the limit's ~58 tokens a step while the batch stays short."""
+    scheduler, kv = make_scheduler(40.0)
+    learnt(scheduler.step_budget)
+    stream = Request("s", [10] * 8, SamplingParams(max_tokens=60, temperature=0))
+    rng = np.random.default_rng(2)
+    prompts = [Request(f"p{i}", rng.integers(10, 500, 140).tolist(), SamplingParams(max_tokens=20, temperature=0))
+               for i in range(7)]
+    steps = run(scheduler, kv, [stream], {5: prompts})
+    assert steps[5] == (1, 7 * 140)
+    assert all(d == 8 for d, _ in steps[6:25])
+    for r in [stream, *prompts]:
+        assert r.output_token_ids == reference_outputs(r.prompt_token_ids, r.sampling_params.max_tokens)
+
+
+def test_only_waiting_prompts_the_batch_has_room_for_count_against_the_streams() -> None:
+    """Fourteen streams of at most sixteen decode when twenty prompts arrive: only two can
+    start, so the prompts are fewer than the streams and the step stays within the limit."""
+    scheduler, kv = make_scheduler(40.0)
+    learnt(scheduler.step_budget)
+    streams = [Request(f"s{i}", [10 + i] * 8, SamplingParams(max_tokens=40, temperature=0)) for i in range(14)]
+    rng = np.random.default_rng(3)
+    prompts = [Request(f"p{i}", rng.integers(10, 500, 300).tolist(), SamplingParams(max_tokens=4, temperature=0))
+               for i in range(20)]
+    steps = run(scheduler, kv, streams, {5: prompts})
+    decodes, prompt_tokens = steps[5]
+    assert decodes == 14 and 0 < prompt_tokens <= max(MIN_CHUNK, (0.040 - step_seconds(14, 0)) / PER_TOKEN)
