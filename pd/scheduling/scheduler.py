@@ -6,7 +6,9 @@ in chunks; while sequences are decoding, the step's prompt tokens are bounded fu
 that the step stays within `--max-step-ms` (step_budget.py), every decode still going;
 when the pool is short a running sequence is preempted (its blocks freed,
 recomputed later). Then waiting requests are admitted with their prefix-cache hit plus
-whatever the connector can load, while the budget, `max_num_seqs` and the pool allow;
+whatever the connector can load, while the budget, `max_num_seqs` and the pool allow (one
+whose prompt shares blocks with a running request's that are still to be computed waits
+until they are cached);
 none are admitted in a step that preempted for growth. Which request is admitted first
 and which sequence is preempted follow `fair_share.py`: the batch is shared max-min
 fairly between requests, so that one request's n sequences cannot starve the others. A
@@ -33,6 +35,7 @@ from __future__ import annotations
 import logging
 import time
 
+from kv_events.hashing import BlockHash
 from pd.config import SchedulerConfig
 from pd.contracts.connector_api import KVConnectorScheduler, KVHeldAlready, KVLoadRefused
 from pd.contracts.outputs import ModelRunnerOutput, SchedulerOutput
@@ -51,6 +54,8 @@ from pd.structured.matchers import GrammarMatchers
 from wire.codes import INTERNAL_ERROR, INVALID_REQUEST, KV_LOAD_FAILED
 
 logger = logging.getLogger(__name__)
+
+SHARED_BLOCKS_TO_WAIT = 2  # prompt blocks another request is computing that make a new one wait a step
 
 
 class Scheduler:
@@ -157,9 +162,22 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests, fairest first, while the budget lasts and the batch and
         the pool have room, or can be made room in by preempting a request past its
-        fair share (fair_share.py)."""
-        while self.waiting and budget > 0:
-            request = fair_share.next_waiting(self.waiting, fair_share.running_counts(self.running))
+        fair share (fair_share.py). A request whose prompt shares at least
+        `SHARED_BLOCKS_TO_WAIT` blocks with prompt blocks a running request computes in
+        this step or later waits (keeping its turn) until they are cached, rather than
+        computing them a second time: a burst of requests with one new system prompt
+        computes it once."""
+        block_size = min(self.kv.config.block_sizes)
+        computing = self._prompt_blocks_computing(block_size)
+        waits: set[str] = set()
+        while budget > 0:
+            candidates = [r for r in self.waiting if r.request_id not in waits] if waits else self.waiting
+            if not candidates:
+                return
+            request = fair_share.next_waiting(candidates, fair_share.running_counts(self.running))
+            if self._shares_blocks_computing(request, block_size, computing):
+                waits.add(request.request_id)
+                continue
             if len(self.running) >= self.config.settings.max_num_seqs and not self._displace_for(request, out):
                 return
             try:
@@ -175,6 +193,29 @@ class Scheduler:
                     continue  # its blocks may be enough now
                 return
             budget -= scheduled
+            if request.status is RequestStatus.RUNNING:
+                computing.update(self._blocks_to_compute(request, block_size))
+
+    def _blocks_to_compute(self, request: Request, block_size: int) -> list[BlockHash]:
+        """Hashes of the full prompt blocks a running request has yet to compute (this
+        step's among them: its computed tokens advance after the step)."""
+        if not request.reads_prefix_cache or request.num_computed_tokens >= request.num_prompt_tokens:
+            return []
+        hashes = request.block_hashes(block_size)
+        return hashes[request.num_computed_tokens // block_size:request.num_prompt_tokens // block_size]
+
+    def _prompt_blocks_computing(self, block_size: int) -> set[BlockHash]:
+        return {h for r in self.running for h in self._blocks_to_compute(r, block_size)}
+
+    def _shares_blocks_computing(self, request: Request, block_size: int, computing: set[BlockHash]) -> bool:
+        """A new (or preempted) request that computes its own prompt, at least
+        SHARED_BLOCKS_TO_WAIT of whose blocks are being computed by another. A block's
+        hash covers every token before it, so these are a prefix the two share."""
+        if not computing or not self.kv.enable_caching or request.num_computed_tokens \
+                or request.kv_source is not None or not request.reads_prefix_cache:
+            return False
+        hashes = request.block_hashes(block_size)[:request.num_prompt_tokens // block_size]
+        return sum(1 for h in hashes if h in computing) >= SHARED_BLOCKS_TO_WAIT
 
     def _displace_for(self, request: Request, out: SchedulerOutput) -> bool:
         """Preempt a sequence of a request past its fair share so that `request` can run;
