@@ -124,15 +124,16 @@ def _scheduler_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--max-num-seqs", type=int, default=flat_default("max_num_seqs"),
                        help="most requests in one batch (default %(default)s)")
     group.add_argument("--max-num-batched-tokens", type=int, default=flat_default("max_num_batched_tokens"),
-                       help="most tokens computed in one step; longer prompts are prefilled in chunks. Smaller: "
-                            "requests arriving together see their first token sooner and decodes wait less behind "
-                            "prefills; larger: fewer steps per prefill (default %(default)s)")
+                       help="most tokens computed in one step; longer prompts are prefilled in chunks. Larger: "
+                            "prompts arriving together start together, in fewer steps; beside decoding streams "
+                            "--max-step-ms bounds a step anyway (default %(default)s)")
     group.add_argument("--max-step-ms", type=_max_step_ms, default=flat_default("max_step_ms"), metavar="MS",
                        help="while streams are decoding, give a step only as many prompt tokens as keep it within "
                             "MS milliseconds (the cost of a step is learnt from the steps taken), so that a prefill "
                             "does not stall running streams; auto: twice the time of the decodes alone; off: every "
-                            "step may take --max-num-batched-tokens. A step without decodes, and the first steps, "
-                            "are not limited (default %(default)s)")
+                            "step may take --max-num-batched-tokens. A step without decodes, one in which at least as "
+                            "many requests wait to compute their prompts as are decoding, and the first steps are "
+                            "not limited (default %(default)s)")
     group.add_argument("--reserve-growth-tokens", type=int, default=flat_default("reserve_growth_tokens"), metavar="N",
                        help="admit a request only while the KV cache still holds the next N tokens of every request "
                             "holding blocks and of its own: with a tight cache, a request admitted only to be "
