@@ -49,9 +49,10 @@ def running_counts(running: Iterable[Request]) -> Counter[str]:
     return Counter(group(r) for r in running)
 
 
-def next_waiting(waiting: Iterable[Request], counts: Counter[str]) -> Request:
-    """Rule 1: the first waiting request of the request with the fewest sequences running."""
-    return min(waiting, key=lambda r: counts[group(r)])
+def in_turn(waiting: Iterable[Request], counts: Counter[str]) -> list[Request]:
+    """Rule 1: the waiting requests, those of the request with the fewest sequences running
+    first; in their queue order among equals."""
+    return sorted(waiting, key=lambda r: counts[group(r)])
 
 
 def growth_victim(running: Sequence[Request], counts: Counter[str]) -> Request:

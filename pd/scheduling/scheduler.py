@@ -171,13 +171,9 @@ class Scheduler:
         computing = self._prompt_blocks_computing(block_size)
         waits: set[str] = set()
         while budget > 0:
-            candidates = [r for r in self.waiting if r.request_id not in waits] if waits else self.waiting
-            if not candidates:
+            request = self._next_to_admit(block_size, computing, waits)
+            if request is None:
                 return
-            request = fair_share.next_waiting(candidates, fair_share.running_counts(self.running))
-            if self._shares_blocks_computing(request, block_size, computing):
-                waits.add(request.request_id)
-                continue
             if len(self.running) >= self.config.settings.max_num_seqs and not self._displace_for(request, out):
                 return
             try:
@@ -195,6 +191,18 @@ class Scheduler:
             budget -= scheduled
             if request.status is RequestStatus.RUNNING:
                 computing.update(self._blocks_to_compute(request, block_size))
+
+    def _next_to_admit(self, block_size: int, computing: set[BlockHash], waits: set[str]) -> Request | None:
+        """The first waiting request in fair share's turn that does not wait for blocks in
+        `computing`; those found to wait join `waits` (one pass over the queue, each request
+        checked once a step)."""
+        for request in fair_share.in_turn(self.waiting, fair_share.running_counts(self.running)):
+            if request.request_id in waits:
+                continue
+            if not self._shares_blocks_computing(request, block_size, computing):
+                return request
+            waits.add(request.request_id)
+        return None
 
     def _blocks_to_compute(self, request: Request, block_size: int) -> list[BlockHash]:
         """Hashes of the full prompt blocks a running request has yet to compute (this

@@ -1,5 +1,5 @@
 """The requests waiting to be admitted, in the order the scheduler offers them to fair share
-(fair_share.next_waiting): arrivals at the back; a preempted sequence, a forked one the
+(fair_share.in_turn): arrivals at the back; a preempted sequence, a forked one the
 batch had no room for, a request whose remote KV landed, and one the pool could not take
 this step at the front. A request with a grammar waits apart until the grammar compiles."""
 

@@ -11,6 +11,7 @@ from pd.contracts.request import Request
 from pd.contracts.sampling_params import SamplingParams
 from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_cache.layout import make_kv_cache_config
+from pd.scheduling import fair_share
 from pd.scheduling.scheduler import SHARED_BLOCKS_TO_WAIT, Scheduler
 from tests.support.toy_scheduler import BLOCK, EOS, MODELS, ToyRunner, reference_outputs
 
@@ -97,3 +98,23 @@ def test_hybrid_models_wait_for_a_shared_prefix_too() -> None:
         scheduler, kv = make_scheduler(model)
         steps = run(scheduler, kv, requests)
         assert set(steps[0]) == {"r0"}, model
+
+
+def test_a_queue_waiting_for_one_prefix_is_walked_once_a_step(monkeypatch) -> None:
+    """300 requests arriving together behind one 160-token prefix: the first computes it,
+    the others wait; finding that walks the queue a few times a step, not once per waiting
+    request (fair share's key, a request's group, is looked up a few times per request, not
+    ~150 times on average)."""
+    rng = random.Random(5)
+    prefix = tokens(rng, 10 * BLOCK)
+    requests = [Request(f"r{i}", prefix + tokens(rng, 8), SamplingParams(max_tokens=1, temperature=0))
+                for i in range(300)]
+    scheduler, kv = make_scheduler()
+    for r in requests:
+        scheduler.add_request(r)
+    lookups = []
+    real_group = fair_share.group
+    monkeypatch.setattr(fair_share, "group", lambda r: lookups.append(r) or real_group(r))
+    so = scheduler.schedule()
+    assert so.num_scheduled_tokens == {"r0": 168}
+    assert len(lookups) < 10 * len(requests)
