@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import time
 
-from kv_events.hashing import BlockHash
 from pd.config import SchedulerConfig
 from pd.contracts.connector_api import KVConnectorScheduler, KVHeldAlready, KVLoadRefused
 from pd.contracts.outputs import ModelRunnerOutput, SchedulerOutput
@@ -44,6 +43,7 @@ from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_transfer.params import RemotePrefillParams
 from pd.logprobs import Logprobs
 from pd.scheduling import fair_share
+from pd.scheduling.prefix_wait import PrefixesComputing
 from pd.scheduling.prompt_sources import PromptSources
 from pd.scheduling.remote_kv import RemoteKV
 from pd.scheduling.runner_view import RunnerView
@@ -54,8 +54,6 @@ from pd.structured.matchers import GrammarMatchers
 from wire.codes import INTERNAL_ERROR, INVALID_REQUEST, KV_LOAD_FAILED
 
 logger = logging.getLogger(__name__)
-
-SHARED_BLOCKS_TO_WAIT = 2  # prompt blocks another request is computing that make a new one wait a step
 
 
 class Scheduler:
@@ -71,6 +69,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # to tell the runner next step
         self.runner_view = RunnerView(kv_cache_manager)
         self.step_budget = StepBudget(config.settings.max_num_batched_tokens, config.settings.max_step_ms)
+        self._hash_block_size = min(kv_cache_manager.config.block_sizes)  # prefix_wait's blocks
         self.remote_kv = RemoteKV(kv_cache_manager, connector, config.settings.kv_load_failure_policy,
                                   config.settings.kv_max_held_fraction)
         self.num_preemptions = 0
@@ -162,16 +161,14 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests, fairest first, while the budget lasts and the batch and
         the pool have room, or can be made room in by preempting a request past its
-        fair share (fair_share.py). A request whose prompt shares at least
-        `SHARED_BLOCKS_TO_WAIT` blocks with prompt blocks a running request computes in
-        this step or later waits (keeping its turn) until they are cached, rather than
-        computing them a second time: a burst of requests with one new system prompt
-        computes it once."""
-        block_size = min(self.kv.config.block_sizes)
-        computing = self._prompt_blocks_computing(block_size)
+        fair share (fair_share.py); those that wait for a prefix being computed
+        (prefix_wait.py) keep their turn."""
+        if not self.waiting:
+            return
+        computing = PrefixesComputing(self.running, self._hash_block_size) if self.kv.enable_caching else None
         waits: set[str] = set()
         while budget > 0:
-            request = self._next_to_admit(block_size, computing, waits)
+            request = self._next_to_admit(computing, waits)
             if request is None:
                 return
             if len(self.running) >= self.config.settings.max_num_seqs and not self._displace_for(request, out):
@@ -189,41 +186,20 @@ class Scheduler:
                     continue  # its blocks may be enough now
                 return
             budget -= scheduled
-            if request.status is RequestStatus.RUNNING:
-                computing.update(self._blocks_to_compute(request, block_size))
+            if computing is not None and request.status is RequestStatus.RUNNING:
+                computing.add(request)
 
-    def _next_to_admit(self, block_size: int, computing: set[BlockHash], waits: set[str]) -> Request | None:
-        """The first waiting request in fair share's turn that does not wait for blocks in
-        `computing`; those found to wait join `waits` (one pass over the queue, each request
-        checked once a step)."""
+    def _next_to_admit(self, computing: PrefixesComputing | None, waits: set[str]) -> Request | None:
+        """The first waiting request in fair share's turn that does not wait for a prefix
+        being computed; those found to wait join `waits` (one pass over the queue, each
+        request checked once a step)."""
         for request in fair_share.in_turn(self.waiting, fair_share.running_counts(self.running)):
             if request.request_id in waits:
                 continue
-            if not self._shares_blocks_computing(request, block_size, computing):
+            if computing is None or not computing.waits(request):
                 return request
             waits.add(request.request_id)
         return None
-
-    def _blocks_to_compute(self, request: Request, block_size: int) -> list[BlockHash]:
-        """Hashes of the full prompt blocks a running request has yet to compute (this
-        step's among them: its computed tokens advance after the step)."""
-        if not request.reads_prefix_cache or request.num_computed_tokens >= request.num_prompt_tokens:
-            return []
-        hashes = request.block_hashes(block_size)
-        return hashes[request.num_computed_tokens // block_size:request.num_prompt_tokens // block_size]
-
-    def _prompt_blocks_computing(self, block_size: int) -> set[BlockHash]:
-        return {h for r in self.running for h in self._blocks_to_compute(r, block_size)}
-
-    def _shares_blocks_computing(self, request: Request, block_size: int, computing: set[BlockHash]) -> bool:
-        """A new (or preempted) request that computes its own prompt, at least
-        SHARED_BLOCKS_TO_WAIT of whose blocks are being computed by another. A block's
-        hash covers every token before it, so these are a prefix the two share."""
-        if not computing or not self.kv.enable_caching or request.num_computed_tokens \
-                or request.kv_source is not None or not request.reads_prefix_cache:
-            return False
-        hashes = request.block_hashes(block_size)[:request.num_prompt_tokens // block_size]
-        return sum(1 for h in hashes if h in computing) >= SHARED_BLOCKS_TO_WAIT
 
     def _displace_for(self, request: Request, out: SchedulerOutput) -> bool:
         """Preempt a sequence of a request past its fair share so that `request` can run;

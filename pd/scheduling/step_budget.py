@@ -19,8 +19,8 @@ compute their prompts as are decoding: the streams it delays are then the fewer,
 prompts it starts together decode together after, in a full batch (let in a few tokens at
 a time beside the streams, they would keep the batch short and staggered, every later
 arrival again stalling the many); and so does every step until the cost of a prompt token
-is known (two different prompt-token counts seen). At least `MIN_CHUNK` prompt tokens go in every
-step, so that prefills go on even when the decodes alone reach the limit.
+is known (two different prompt-token counts seen). At least `MIN_CHUNK` prompt tokens go in
+every step, so that prefills go on even when the decodes alone reach the limit.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ from pd.contracts.sampling_params import SamplingParams
 from pd.kv_cache.kv_cache_manager import KVCacheManager
 from pd.kv_cache.layout import make_kv_cache_config
 from pd.scheduling import fair_share
-from pd.scheduling.scheduler import SHARED_BLOCKS_TO_WAIT, Scheduler
+from pd.scheduling.prefix_wait import SHARED_BLOCKS_TO_WAIT
+from pd.scheduling.scheduler import Scheduler
 from tests.support.toy_scheduler import BLOCK, EOS, MODELS, ToyRunner, reference_outputs
 
 
