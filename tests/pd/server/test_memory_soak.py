@@ -5,7 +5,14 @@ prefill chunk's token count is a new input shape for every linear, and oneDNN an
 each cached a compiled kernel per shape (1,024 of each, ~0.4 MB an entry) beside the
 heap. They are capped now (pd/worker/memory.py). A real server, its engine's RSS read
 from /proc: after a warm-up, hundreds more requests of new lengths add almost nothing
-(uncapped, ~0.3 MB a request)."""
+(uncapped, ~1 MB a request with --max-num-batched-tokens 2048).
+
+The engine keeps freed memory mapped (pd/worker/memory.py), so its heap holds a
+high-water mark that can step up, now and then, when a step's transient tensors find no
+free hole their size: a CI run saw 446 -> 463 -> 464 -> 481 -> 481 MB, two steps of
+~17 MB (a 2,048-token step's activations), flat between them. A leak grows in every part
+of the load; a high-water mark in few. So the load is measured in parts: most of them
+must be flat, and the whole growth stays within a bound far under the uncapped one."""
 
 from __future__ import annotations
 
@@ -21,7 +28,9 @@ from tests.support.server_harness import running_server
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 CLIENTS = 4
 WARM_UP, MEASURED = 240, 480  # requests
-GROWTH_MB = 24  # allowed over MEASURED requests (uncapped: ~140)
+PARTS = 8  # MEASURED is sent in PARTS parts, the engine's RSS read after each
+FLAT_MB = 4  # a part that grows no more than this is flat (uncapped: every part grows 15-110)
+GROWTH_MB = 48  # allowed over MEASURED requests (uncapped: ~440)
 BOUND_MB = 600  # the tiny model's engine: weights, a 32 MiB KV cache, the largest step's activations, caches
 
 
@@ -61,8 +70,10 @@ def test_an_engines_memory_plateaus_under_prompts_of_every_length(tiny_models, t
         load(server.url, WARM_UP, seed=1)
         warm = engine_rss_mb(server)
         samples = []
-        for part in range(4):
-            load(server.url, MEASURED // 4, seed=2 + part)
+        for part in range(PARTS):
+            load(server.url, MEASURED // PARTS, seed=2 + part)
             samples.append(engine_rss_mb(server))
+    growths = [after - before for before, after in zip([warm, *samples], samples)]
+    assert sum(growth <= FLAT_MB for growth in growths) >= PARTS // 2, (warm, samples)
     assert samples[-1] - warm <= GROWTH_MB, (warm, samples)
     assert max(samples) <= BOUND_MB, (warm, samples)
