@@ -15,7 +15,8 @@ Its time is linear in those:
 KV, where a chunk's rows share each read; measured 3 us against 0.2 us a pair here),
 
 so a mixed step (decode tokens and a prefill chunk together, as the engine schedules
-them under `max_num_batched_tokens`) costs the sum of its parts, once the fixed part.
+them under `max_num_batched_tokens` and `max_step_ms`) costs the sum of its parts, once
+the fixed part.
 `loop_s` is what a server's engine loop adds to each step beyond `EngineCore.step` (its
 outputs sent out of the engine process), measured on a live server (`probe.py`). A KV
 read of `t` prompt tokens takes `transfer_fixed_s + t x kv_bytes_per_token /
@@ -33,6 +34,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pd.config.settings import STEP_LIMITS, SchedulerSettings
+
 
 @dataclass(frozen=True)
 class StepCosts:
@@ -48,8 +51,9 @@ class StepCosts:
     hop_s: float = 0.0  # one HTTP leg, client or proxy to the next
     loop_s: float = 0.0  # a live server's engine loop, each step, beyond EngineCore.step
     corun_factor: float = 1.0  # a step's time, as a share of its time alone, when another engine of its host steps
-    max_num_batched_tokens: int = 1024  # the engine's token budget per step (pd serve's default)
-    max_num_seqs: int = 64  # sequences running at once at most (pd serve's default)
+    max_num_batched_tokens: int = SchedulerSettings.max_num_batched_tokens  # the engine's token budget per step
+    max_num_seqs: int = SchedulerSettings.max_num_seqs  # sequences running at once at most
+    max_step_ms: float | str = SchedulerSettings.max_step_ms  # a mixed step's limit: ms, auto or off (step_budget.py)
     model: str = ""  # what the figures were measured on
     threads: int = 1
 
@@ -59,9 +63,12 @@ class StepCosts:
         negative = [name for name in rates if getattr(self, name) < 0]
         positive = (self.transfer_bytes_per_s, self.transfer_polls, self.corun_factor, self.max_num_batched_tokens,
                     self.max_num_seqs)
-        if negative or min(positive) <= 0:
+        limit = self.max_step_ms
+        step_limit = limit in STEP_LIMITS or (type(limit) in (int, float) and limit > 0)
+        if negative or min(positive) <= 0 or not step_limit:
             raise ValueError(f"costs must not be negative ({', '.join(negative) or 'ok'}), the transfer rate and "
-                             f"polls, token budget and batch must be positive: {self}")
+                             f"polls, token budget and batch must be positive, the step limit milliseconds, auto or "
+                             f"off: {self}")
 
     @property
     def decode_pair_s(self) -> float:

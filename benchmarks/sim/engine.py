@@ -3,12 +3,16 @@ whose KV is being read, stepped as the real scheduler steps them (pd/scheduling)
 
 Each step the running requests come first, oldest first: one decoding takes one token, one
 still prefilling the next chunk of its prompt, while the step's token budget
-(`max_num_batched_tokens`) lasts; then waiting requests are admitted in order while the
-budget and `max_num_seqs` allow. A request whose prompt's KV comes from a prefill server
-is parked when admitted (no tokens) and its read starts; once read, it rejoins the
-queue's front with P's first token, which goes out at once, and decodes from there. The
-step's time is the costs' (`costs.py`) of what it computes. After the step every
-request that sampled gets its token; one that has all of its tokens finishes.
+(`max_num_batched_tokens`) lasts and, for prompt tokens, the step's prompt budget; then
+waiting requests are admitted in order while both budgets and `max_num_seqs` allow. The
+prompt budget is the real scheduler's `StepBudget` (`max_step_ms`, step_budget.py): it
+learns the step's cost from the simulated steps' times, as the engine from its wall
+times, and keeps a prefill chunk beside decodes within the limit. A request whose
+prompt's KV comes from a prefill server is parked when admitted (no tokens) and its read
+starts; once read, it rejoins the queue's front with P's first token, which goes out at
+once, and decodes from there. The step's time is the costs' (`costs.py`) of what it
+computes. After the step every request that sampled gets its token; one that has all of
+its tokens finishes.
 
 Not modelled: preemption (the KV cache is taken to hold every request), the prefix cache
 (every prompt is computed whole), and the max-min fair share between a request's
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from benchmarks.sim.costs import StepCosts, attention_of
+from pd.scheduling.step_budget import StepBudget
 from planner.observe import Counters
 
 
@@ -50,6 +55,10 @@ class Job:
     def prefilling(self) -> bool:
         return self.computed < self.prompt
 
+    @property
+    def to_compute(self) -> int:
+        return self.num_tokens - self.computed
+
 
 @dataclass
 class Step:
@@ -76,6 +85,10 @@ class SimEngine:
     reading: list[Job] = field(default_factory=list)  # parked for their KV read
     stepping: Step | None = None  # the step under way
     counters: Counters = field(default_factory=lambda: Counters(0.0))  # what its /metrics counts
+    step_budget: StepBudget = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.step_budget = StepBudget(self.costs.max_num_batched_tokens, self.costs.max_step_ms)
 
     @property
     def busy(self) -> bool:
@@ -95,14 +108,23 @@ class SimEngine:
         if not self.has_compute_work:
             return None
         budget = self.costs.max_num_batched_tokens
+        decodes = sum(1 for job in self.running if job.to_compute == 1)
+        room = max(self.costs.max_num_seqs - len(self.running), 0)
+        prompts = len(self.running) - decodes + min(len(self.waiting), room)
+        prompt_budget = self.step_budget.prompt_tokens(decodes, prompts)
         scheduled: list[tuple[Job, int]] = []
         for job in self.running:
             if budget <= 0:
                 break
-            n = min(job.num_tokens - job.computed, budget)
+            decoding = job.to_compute == 1
+            if not decoding and prompt_budget <= 0:
+                continue  # the decodes after it still go
+            n = min(job.to_compute, budget if decoding else min(budget, prompt_budget))
             scheduled.append((job, n))
             budget -= n
-        reads = self._admit(scheduled, budget)
+            prompt_budget -= 0 if decoding else n
+        reads = self._admit(scheduled, min(budget, prompt_budget))
+        self.step_budget.planned({str(k): n for k, (_, n) in enumerate(scheduled)})
         tokens = sum(n for _, n in scheduled)
         attention = sum(attention_of(n, job.computed) for job, n in scheduled if job.prefilling)
         decode_attention = sum(attention_of(n, job.computed) for job, n in scheduled if not job.prefilling)
@@ -124,7 +146,7 @@ class SimEngine:
                 continue
             self.waiting.popleft()
             self.running.append(job)
-            n = min(job.num_tokens - job.computed, budget)
+            n = min(job.to_compute, budget)
             scheduled.append((job, n))
             budget -= n
         return reads
@@ -134,6 +156,7 @@ class SimEngine:
         step, self.stepping = self.stepping, None
         if step is None:
             raise RuntimeError("no step is under way")
+        self.step_budget.took(step.seconds - self.costs.loop_s)  # the engine times its step, not its loop
         c = self.counters
         c.busy_s += step.seconds
         c.steps += 1 if step.scheduled else 0

@@ -32,6 +32,8 @@ import numpy as np
 
 from benchmarks.sim import probe
 from benchmarks.sim.costs import StepCosts, attention_of
+from pd.config.flags import max_step_ms_arg
+from pd.config.settings import SchedulerSettings
 
 FEATURES = ("fixed_s", "per_token_s", "per_attention_s", "per_sample_s", "per_decode_attention_s")
 # the decode steps --corun times, alone and beside another: a light load's, the most bound by memory (measured:
@@ -247,7 +249,7 @@ def fit(args: argparse.Namespace) -> tuple[StepCosts, list[dict]]:
                       transfer_bytes_per_s=args.transfer_gbps * 1e9, transfer_fixed_s=args.transfer_fixed_ms / 1e3,
                       transfer_polls=args.transfer_polls, hop_s=args.hop_ms / 1e3,
                       corun_factor=measured["corun"]["factor"] if measured["corun"] else 1.0,
-                      max_num_batched_tokens=args.max_num_batched_tokens,
+                      max_num_batched_tokens=args.max_num_batched_tokens, max_step_ms=args.max_step_ms,
                       max_num_seqs=args.max_num_seqs, model=str(args.model), threads=args.num_threads)
     for p in points:
         p["predicted"] = costs.step_s(p["tokens"], p["attention"], p["samples"], p.get("decode_attention", 0.0))
@@ -287,8 +289,13 @@ def add_fit_flags(parser: argparse.ArgumentParser) -> None:
         default=[(8, 256, 512), (4, 64, 1000)],
         help="held-out mixed steps BATCHxCONTEXTxNEW, checked against the fit (default 8x256x512 4x64x1000)")
     add("--repeats", type=int, default=5, help="steps per point, median (default 5)")
-    add("--max-num-batched-tokens", type=int, default=1024, help="the servers' token budget per step (default 1024)")
-    add("--max-num-seqs", type=int, default=64, help="the servers' batch bound (default 64)")
+    add("--max-num-batched-tokens", type=int, default=SchedulerSettings.max_num_batched_tokens,
+        help="the servers' token budget per step, as their --max-num-batched-tokens (default %(default)s)")
+    add("--max-step-ms", type=max_step_ms_arg, default=SchedulerSettings.max_step_ms, metavar="MS",
+        help="the servers' --max-step-ms, which the simulated engines' steps keep to as theirs do (the prompt tokens "
+             "a step takes beside decodes; default %(default)s)")
+    add("--max-num-seqs", type=int, default=SchedulerSettings.max_num_seqs,
+        help="the servers' batch bound, as their --max-num-seqs (default %(default)s)")
     add("--transfer-gbps", type=float, default=6.5,
         help="KV read rate, GB/s (default 6.5: NIXL READ on this host, python -m benchmarks.transfer)")
     add("--transfer-fixed-ms", type=float, default=0.0, help="a KV read's fixed time, ms (default 0)")

@@ -35,7 +35,8 @@ def _kv_cache_memory(value: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a number of bytes or auto, got {value!r}") from None
 
 
-def _max_step_ms(value: str) -> float | str:
+def max_step_ms_arg(value: str) -> float | str:
+    """--max-step-ms: milliseconds, auto or off (pd serve, pd bench simulate fit)."""
     if value in STEP_LIMITS:
         return value
     try:
@@ -127,7 +128,7 @@ def _scheduler_flags(group: argparse._ArgumentGroup) -> None:
                        help="most tokens computed in one step; longer prompts are prefilled in chunks. Larger: "
                             "prompts arriving together start together, in fewer steps; beside decoding streams "
                             "--max-step-ms bounds a step anyway (default %(default)s)")
-    group.add_argument("--max-step-ms", type=_max_step_ms, default=flat_default("max_step_ms"), metavar="MS",
+    group.add_argument("--max-step-ms", type=max_step_ms_arg, default=flat_default("max_step_ms"), metavar="MS",
                        help="while streams are decoding, give a step only as many prompt tokens as keep it within "
                             "MS milliseconds (the cost of a step is learnt from the steps taken), so that a prefill "
                             "does not stall running streams; auto: twice the time of the decodes alone; off: every "

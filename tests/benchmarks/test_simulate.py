@@ -117,6 +117,79 @@ def test_a_long_prompt_is_computed_in_budget_sized_chunks_beside_running_decodes
     assert engine.counters.computed == 10 + 2500
 
 
+def real_and_simulated_steps(costs: StepCosts, arrivals: list[tuple[float, int, int]]) -> tuple[list, list]:
+    """The same arrivals (time, prompt tokens, output tokens) stepped by the real Scheduler
+    (its StepBudget included, a toy runner computing) and by SimEngine, each step taking
+    the costs' time of what it computes: per step, the (request, tokens) it scheduled."""
+    from pd.config import SchedulerConfig, SchedulerSettings
+    from pd.contracts.connector_api import NullConnectorScheduler
+    from pd.contracts.request import Request
+    from pd.contracts.sampling_params import SamplingParams
+    from pd.kv_cache.kv_cache_manager import KVCacheManager
+    from pd.kv_cache.layout import make_kv_cache_config
+    from pd.scheduling.scheduler import Scheduler
+    from tests.support.toy_scheduler import EOS, ToyRunner, attn
+
+    rng = np.random.default_rng(0)
+    kv = KVCacheManager(make_kv_cache_config({"l0": attn()}, 10**8, 16384), True, 16384)
+    settings = SchedulerSettings(max_num_seqs=costs.max_num_seqs, max_num_batched_tokens=costs.max_num_batched_tokens,
+                                 max_step_ms=costs.max_step_ms, reserve_growth_tokens=0)
+    scheduler = Scheduler(SchedulerConfig(settings, 16384, frozenset({EOS})), kv, NullConnectorScheduler())
+    runner = ToyRunner(kv, scheduler.config)
+    requests = [(at, Request(f"r{k}", rng.integers(10, 500, prompt).tolist(),
+                             SamplingParams(max_tokens=outputs, temperature=0, ignore_eos=True)))
+                for k, (at, prompt, outputs) in enumerate(arrivals)]
+    real, now, pending = [], 0.0, list(requests)
+    while pending or scheduler.has_unfinished_requests:
+        while pending and pending[0][0] <= now:
+            scheduler.add_request(pending.pop(0)[1])
+        if not scheduler.has_unfinished_requests:
+            now = pending[0][0]
+            continue
+        out = scheduler.schedule()
+        result = runner.execute(out)
+        seconds = costs.step_s(out.total_num_scheduled_tokens, 0.0, len(result.sampled_token_ids))
+        scheduler.update_from_output(out, result)
+        scheduler.step_budget.took(seconds)
+        real.append(sorted(out.num_scheduled_tokens.items()))
+        now += seconds
+    engine, simulated, now = SimEngine(costs), [], 0.0
+    pending = [(at, Job(f"r{k}", Work.LOCAL, prompt, outputs)) for k, (at, prompt, outputs) in enumerate(arrivals)]
+    while pending or engine.has_compute_work:
+        while pending and pending[0][0] <= now:
+            engine.add(pending.pop(0)[1])
+        if not engine.has_compute_work:
+            now = pending[0][0]
+            continue
+        step = engine.schedule()
+        simulated.append(sorted((job.request, n) for job, n in step.scheduled))
+        now += step.seconds
+        engine.finish()
+    return real, simulated
+
+
+@pytest.mark.parametrize("max_step_ms", ["auto", 60.0, "off"])
+def test_the_engine_model_schedules_every_step_as_the_real_scheduler_does(max_step_ms) -> None:
+    """Streams decoding while prompts of every length arrive, alone and in bursts: the
+    step budget (step_budget.py) bounds the chunks beside the decodes, lets a majority of
+    prompts take the whole budget, and learns the step's cost from the steps' times; the
+    model must take the same steps, token for token."""
+    costs = StepCosts(fixed_s=0.0113, per_token_s=4.8e-4, per_attention_s=0.0, per_sample_s=8e-4,
+                      kv_bytes_per_token=0.0, transfer_bytes_per_s=1e9, max_num_seqs=16, max_step_ms=max_step_ms)
+    rng = np.random.default_rng(5)
+    times = np.cumsum(rng.exponential(0.25, 60))
+    times[20:28] = times[20]  # a burst of 8
+    arrivals = [(float(t), int(rng.integers(20, 3000)), int(rng.integers(1, 80))) for t in times]
+    real, simulated = real_and_simulated_steps(costs, arrivals)
+    assert simulated == real
+    largest_beside_decodes = max(sum(n for _, n in step if n > 1) for step in real if any(n == 1 for _, n in step))
+    if max_step_ms == "off":
+        assert largest_beside_decodes == costs.max_num_batched_tokens - 1
+    else:  # bounded once the cost is learnt, and the burst takes the whole budget
+        assert largest_beside_decodes > 1000
+        assert any(0 < sum(n for _, n in step if n > 1) < 100 for step in real)
+
+
 def test_attention_counts_each_new_token_against_what_precedes_it() -> None:
     assert attention_of(1, 99) == 100  # a decode token over its context and itself
     assert attention_of(4, 0) == 1 + 2 + 3 + 4
