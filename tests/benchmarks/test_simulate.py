@@ -139,33 +139,42 @@ def real_and_simulated_steps(costs: StepCosts, arrivals: list[tuple[float, int, 
     requests = [(at, Request(f"r{k}", rng.integers(10, 500, prompt).tolist(),
                              SamplingParams(max_tokens=outputs, temperature=0, ignore_eos=True)))
                 for k, (at, prompt, outputs) in enumerate(arrivals)]
-    real, now, pending = [], 0.0, list(requests)
-    while pending or scheduler.has_unfinished_requests:
-        while pending and pending[0][0] <= now:
-            scheduler.add_request(pending.pop(0)[1])
-        if not scheduler.has_unfinished_requests:
-            now = pending[0][0]
-            continue
+    real, simulated = [], []
+
+    def real_step() -> float:
         out = scheduler.schedule()
         result = runner.execute(out)
         seconds = costs.step_s(out.total_num_scheduled_tokens, 0.0, len(result.sampled_token_ids))
         scheduler.update_from_output(out, result)
         scheduler.step_budget.took(seconds)
         real.append(sorted(out.num_scheduled_tokens.items()))
-        now += seconds
-    engine, simulated, now = SimEngine(costs), [], 0.0
-    pending = [(at, Job(f"r{k}", Work.LOCAL, prompt, outputs)) for k, (at, prompt, outputs) in enumerate(arrivals)]
-    while pending or engine.has_compute_work:
-        while pending and pending[0][0] <= now:
-            engine.add(pending.pop(0)[1])
-        if not engine.has_compute_work:
-            now = pending[0][0]
-            continue
+        return seconds
+
+    replay(requests, scheduler.add_request, lambda: scheduler.has_unfinished_requests, real_step)
+    engine = SimEngine(costs)
+
+    def simulated_step() -> float:
         step = engine.schedule()
         simulated.append(sorted((job.request, n) for job, n in step.scheduled))
-        now += step.seconds
         engine.finish()
+        return step.seconds
+
+    jobs = [(at, Job(f"r{k}", Work.LOCAL, prompt, outputs)) for k, (at, prompt, outputs) in enumerate(arrivals)]
+    replay(jobs, engine.add, lambda: engine.has_compute_work, simulated_step)
     return real, simulated
+
+
+def replay(arrivals: list[tuple[float, object]], add, busy, step) -> None:
+    """Each (time, request) added once the clock reaches it; while `busy()`, `step()`
+    moves the clock on by the seconds it returns, else the clock jumps to the next arrival."""
+    pending, now = list(arrivals), 0.0
+    while pending or busy():
+        while pending and pending[0][0] <= now:
+            add(pending.pop(0)[1])
+        if busy():
+            now += step()
+        else:
+            now = pending[0][0]
 
 
 @pytest.mark.parametrize("max_step_ms", ["auto", 60.0, "off"])
