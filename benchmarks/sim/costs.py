@@ -34,7 +34,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pd.config.settings import STEP_LIMITS, SchedulerSettings
+from pd.config.settings import SchedulerSettings
 
 
 @dataclass(frozen=True)
@@ -61,14 +61,12 @@ class StepCosts:
         rates = ("fixed_s", "per_token_s", "per_attention_s", "per_sample_s", "kv_bytes_per_token",
                  "transfer_fixed_s", "hop_s", "loop_s", "decode_pair_s")
         negative = [name for name in rates if getattr(self, name) < 0]
-        positive = (self.transfer_bytes_per_s, self.transfer_polls, self.corun_factor, self.max_num_batched_tokens,
-                    self.max_num_seqs)
-        limit = self.max_step_ms
-        step_limit = limit in STEP_LIMITS or (type(limit) in (int, float) and limit > 0)
-        if negative or min(positive) <= 0 or not step_limit:
-            raise ValueError(f"costs must not be negative ({', '.join(negative) or 'ok'}), the transfer rate and "
-                             f"polls, token budget and batch must be positive, the step limit milliseconds, auto or "
-                             f"off: {self}")
+        positive = (self.transfer_bytes_per_s, self.transfer_polls, self.corun_factor)
+        if negative or min(positive) <= 0:
+            raise ValueError(f"costs must not be negative ({', '.join(negative) or 'ok'}), the transfer rate, polls "
+                             f"and corun factor must be positive: {self}")
+        SchedulerSettings(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                          max_step_ms=self.max_step_ms)  # the engine's budgets, checked as pd serve checks them
 
     @property
     def decode_pair_s(self) -> float:

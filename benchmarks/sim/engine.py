@@ -108,10 +108,8 @@ class SimEngine:
         if not self.has_compute_work:
             return None
         budget = self.costs.max_num_batched_tokens
-        decodes = sum(1 for job in self.running if job.to_compute == 1)
-        room = max(self.costs.max_num_seqs - len(self.running), 0)
-        prompts = len(self.running) - decodes + min(len(self.waiting), room)
-        prompt_budget = self.step_budget.prompt_tokens(decodes, prompts)
+        prompt_budget = self.step_budget.for_step((job.to_compute for job in self.running), len(self.waiting),
+                                                  self.costs.max_num_seqs)
         scheduled: list[tuple[Job, int]] = []
         for job in self.running:
             if budget <= 0:
@@ -124,7 +122,7 @@ class SimEngine:
             budget -= n
             prompt_budget -= 0 if decoding else n
         reads = self._admit(scheduled, min(budget, prompt_budget))
-        self.step_budget.planned({str(k): n for k, (_, n) in enumerate(scheduled)})
+        self.step_budget.planned(n for _, n in scheduled)
         tokens = sum(n for _, n in scheduled)
         attention = sum(attention_of(n, job.computed) for job, n in scheduled if job.prefilling)
         decode_attention = sum(attention_of(n, job.computed) for job, n in scheduled if not job.prefilling)

@@ -10,6 +10,8 @@ prefill, or for one that scores its prompt (it computes every token)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from kv_events.hashing import BlockHash
 from pd.contracts.request import Request
 
@@ -27,14 +29,27 @@ def blocks_to_compute(request: Request, block_size: int) -> list[BlockHash]:
 
 class PrefixesComputing:
     """One step's prompt blocks being computed: those of the running requests, then of each
-    request the step admits (`add`)."""
+    request the step admits (`add`); none with the prefix cache off (`enabled` False)."""
 
-    def __init__(self, running: list[Request], block_size: int) -> None:
-        self.block_size = block_size
-        self.hashes = {h for r in running for h in blocks_to_compute(r, block_size)}
+    def __init__(self, running: list[Request], block_size: int, enabled: bool) -> None:
+        self.block_size, self.enabled = block_size, enabled
+        self.hashes = {h for r in running for h in blocks_to_compute(r, block_size)} if enabled else set()
+        self.found_waiting: set[str] = set()  # request ids found to wait this step
 
     def add(self, request: Request) -> None:
-        self.hashes.update(blocks_to_compute(request, self.block_size))
+        if self.enabled:
+            self.hashes.update(blocks_to_compute(request, self.block_size))
+
+    def first_free(self, in_turn: Iterable[Request]) -> Request | None:
+        """The first request of `in_turn` that does not wait; those found to wait are
+        remembered and not checked again this step (one pass over the queue)."""
+        for request in in_turn:
+            if request.request_id in self.found_waiting:
+                continue
+            if not self.waits(request):
+                return request
+            self.found_waiting.add(request.request_id)
+        return None
 
     def waits(self, request: Request) -> bool:
         """Whether the waiting request waits for blocks being computed."""

@@ -114,10 +114,8 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids, block_copies=self.block_copies)
         self.finished_req_ids, self.block_copies = set(), []
         budget = self.config.settings.max_num_batched_tokens
-        decodes = sum(1 for r in self.running if r.num_tokens_to_compute == 1)
-        room = max(self.config.settings.max_num_seqs - len(self.running), 0)  # waiting ones that may start
-        prompts = sum(1 for r in self.running if r.num_tokens_to_compute > 1) + min(len(self.waiting), room)
-        prompt_budget = self.step_budget.prompt_tokens(decodes, prompts)
+        prompt_budget = self.step_budget.for_step((r.num_tokens_to_compute for r in self.running), len(self.waiting),
+                                                  self.config.settings.max_num_seqs)
         preempted = False
         self.num_steps += 1
         share = fair_share.step_share(self.running, self.waiting)
@@ -143,7 +141,7 @@ class Scheduler:
             prompt_budget -= 0 if decoding else num_new
         if not preempted:
             self._admit_waiting(out, min(budget, prompt_budget))
-        self.step_budget.planned(out.num_scheduled_tokens)
+        self.step_budget.planned(out.num_scheduled_tokens.values())
         self._handing_on = set()
         for req_id, num_new in out.num_scheduled_tokens.items():
             request = self.requests[req_id]
@@ -165,10 +163,9 @@ class Scheduler:
         (prefix_wait.py) keep their turn."""
         if not self.waiting:
             return
-        computing = PrefixesComputing(self.running, self._hash_block_size) if self.kv.enable_caching else None
-        waits: set[str] = set()
+        computing = PrefixesComputing(self.running, self._hash_block_size, self.kv.enable_caching)
         while budget > 0:
-            request = self._next_to_admit(computing, waits)
+            request = computing.first_free(fair_share.in_turn(self.waiting, fair_share.running_counts(self.running)))
             if request is None:
                 return
             if len(self.running) >= self.config.settings.max_num_seqs and not self._displace_for(request, out):
@@ -186,20 +183,8 @@ class Scheduler:
                     continue  # its blocks may be enough now
                 return
             budget -= scheduled
-            if computing is not None and request.status is RequestStatus.RUNNING:
+            if request.status is RequestStatus.RUNNING:
                 computing.add(request)
-
-    def _next_to_admit(self, computing: PrefixesComputing | None, waits: set[str]) -> Request | None:
-        """The first waiting request in fair share's turn that does not wait for a prefix
-        being computed; those found to wait join `waits` (one pass over the queue, each
-        request checked once a step)."""
-        for request in fair_share.in_turn(self.waiting, fair_share.running_counts(self.running)):
-            if request.request_id in waits:
-                continue
-            if computing is None or not computing.waits(request):
-                return request
-            waits.add(request.request_id)
-        return None
 
     def _displace_for(self, request: Request, out: SchedulerOutput) -> bool:
         """Preempt a sequence of a request past its fair share so that `request` can run;

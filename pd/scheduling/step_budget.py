@@ -25,6 +25,8 @@ every step, so that prefills go on even when the decodes alone reach the limit.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 WINDOW = 256  # steps the cost is fitted over
@@ -49,6 +51,15 @@ class StepBudget:
     def limited(self) -> bool:
         return self.auto or self.max_step_seconds is not None
 
+    def for_step(self, to_compute: Iterable[int], num_waiting: int, max_num_seqs: int) -> int:
+        """`prompt_tokens` for a step whose running requests have `to_compute` tokens each to
+        compute (1: a decode) while `num_waiting` wait to start, as many of them as the
+        batch (`max_num_seqs`) has room for counted among the prompts."""
+        counts = list(to_compute)
+        decodes = counts.count(1)
+        room = max(max_num_seqs - len(counts), 0)
+        return self.prompt_tokens(decodes, sum(1 for n in counts if n > 1) + min(num_waiting, room))
+
     def prompt_tokens(self, num_decodes: int, num_prompts: int = 0) -> int:
         """The most prompt tokens a step may compute beside `num_decodes` decodes while
         `num_prompts` requests that could go in it have prompt tokens to compute."""
@@ -63,13 +74,14 @@ class StepBudget:
         fits = int((limit - decodes_alone) / per_token)
         return min(room, max(fits, MIN_CHUNK))
 
-    def planned(self, num_scheduled_tokens: dict[str, int]) -> None:
-        """The step about to run: a request with one token is a decode (the last token
-        of a prompt costs as much), more are prompt tokens. Nothing is kept unlimited."""
+    def planned(self, num_scheduled_tokens: Iterable[int]) -> None:
+        """The step about to run, its tokens per request: a request with one token is a
+        decode (the last token of a prompt costs as much), more are prompt tokens. Nothing
+        is kept unlimited."""
         if not self.limited:
             return
-        decodes = sum(1 for n in num_scheduled_tokens.values() if n == 1)
-        self._planned = (decodes, sum(n for n in num_scheduled_tokens.values() if n > 1))
+        counts = list(num_scheduled_tokens)
+        self._planned = (counts.count(1), sum(n for n in counts if n > 1))
 
     def took(self, seconds: float) -> None:
         """The wall time of the step last planned (one with nothing to compute is not kept)."""

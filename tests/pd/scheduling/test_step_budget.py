@@ -36,7 +36,7 @@ def test_the_fit_recovers_a_steps_cost_and_waits_until_a_prompt_tokens_cost_is_k
 def learnt(budget: StepBudget) -> StepBudget:
     for i in range(REFIT_EVERY):
         decodes, prompt = 1 + i % 8, 100 * (i % 3)
-        budget.planned({f"d{j}": 1 for j in range(decodes)} | ({"p": prompt} if prompt else {}))
+        budget.planned([1] * decodes + ([prompt] if prompt else []))
         budget.took(step_seconds(decodes, prompt))
     return budget
 
