@@ -228,13 +228,6 @@ def _time_steps(args: argparse.Namespace, engine: EngineCore) -> dict:
     while len(engine.scheduler.running) < args.batch or any(
             r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
         engine.step()
-    for _ in range(args.warmup):
-        engine.step()
-    served = []  # as the engine serves: native layer plans where the model has them (no hooks fire there)
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        engine.step()
-        served.append(time.perf_counter() - start)
     as_served = _time_served_linears(args, engine)
     for module in engine.model.modules():
         if hasattr(module, "use_native_layers"):
@@ -254,9 +247,9 @@ def _time_steps(args: argparse.Namespace, engine: EngineCore) -> dict:
     keys = ["step", "attention", "mlp", "lm_head", "sampling", "scheduler", "other", "collectives", "linears"]
     medians = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in keys}
     medians["faults"] = statistics.median(s["faults"] for s in steps)
-    medians["step_modules"], medians["step"] = medians["step"], statistics.median(served)
+    medians["step_modules"] = medians["step"]
     medians["linears_modules"], medians["lm_head_modules"] = medians["linears"], medians["lm_head"]
-    for key in ("linears", "lm_head"):
+    for key in ("step", "linears", "lm_head"):
         medians[key] = statistics.median(s[key] for s in as_served)
     return {"model": args.model, "dtype": engine.config.model.dtype, "quantization": engine.config.model.quantization,
             "kv_cache_dtype": args.kv_cache_dtype, "batch": args.batch,
@@ -266,8 +259,11 @@ def _time_steps(args: argparse.Namespace, engine: EngineCore) -> dict:
 
 
 def _time_served_linears(args: argparse.Namespace, engine: EngineCore) -> list[dict[str, float]]:
-    """Per served step, the time in every linear's `forward` (the lm_head's included) and in
-    `compute_logits`: wrappers on the instances, which the native layer plans call too."""
+    """Per served step (native layer plans where the model has them: no hooks fire there),
+    its wall time and the time in every linear's `forward` (the lm_head's included) and in
+    `compute_logits`: wrappers on the instances, which the native layer plans call too. The
+    step and its parts come from the same steps, so a part is never read against another
+    step's time (the wrappers add ~1 us a linear to the step)."""
     timer = PartTimer()
     for module in engine.model.modules():
         if isinstance(module, nn.Linear):
@@ -279,8 +275,9 @@ def _time_served_linears(args: argparse.Namespace, engine: EngineCore) -> list[d
         timer.take()
         steps = []
         for _ in range(args.steps):
+            start = time.perf_counter()
             engine.step()
-            steps.append(timer.take())
+            steps.append({"step": time.perf_counter() - start, **timer.take()})
         return steps
     finally:
         timer.restore()
