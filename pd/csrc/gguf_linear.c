@@ -46,11 +46,12 @@
 
 #define TILE 32     /* output channels per packed tile */
 #define XBLOCK 32   /* inputs per activation scale */
-/* How far ahead of its reads a tile's stream asks for weights where the rows are more than
- * one register tile's (compute then hides the memory's latency less: the lm_head at 8 rows
- * 0.87x the time); at 4 rows or fewer the hardware's prefetch alone is faster (1 row: the
- * lm_head 1.07-1.22x the time with it). Measured. */
-#define PREFETCH_BYTES 16384
+/* Where the rows are more than one register tile's, a tile's stream is read once per ROWS
+ * rows: pass p of P asks for the next tile's blocks p, p + P, ... into L2, so that the next
+ * tile's bytes come in evenly while this one is computed (its first pass only, 16 KB ahead:
+ * the lm_head at 8 rows 1.2x the time, at 6-24 rows 1.05-1.13x). At 4 rows or fewer the
+ * hardware's prefetch alone is faster (1 row: the lm_head 1.07-1.22x the time with it).
+ * Measured. */
 #define ROWS 4      /* rows of one register tile */
 #define PARALLEL_MIN_ROWS 16  /* rows below which one thread quantizes them */
 
@@ -61,7 +62,7 @@ typedef struct {
     float *dx;
     int32_t *sx;
     int64_t k;
-    int64_t ahead; /* bytes ahead of its reads the first rows' pass over a tile asks for, 0: none */
+    int64_t passes; /* passes over a tile that ask for the next one's blocks (its rows' chunks), 0: none */
 } Quantized;
 
 static inline int32_t block_sum(const Quantized *q, int64_t row, int64_t first, int64_t bs) {
@@ -114,8 +115,8 @@ static inline __attribute__((always_inline)) void tile_rows(const Quantized *q, 
     const int64_t groups = bs / 4, values = value_bytes(bs, bits), block_bytes = values + scale_bytes(scales);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = w + b * block_bytes;
-        if (q->ahead && m0 == 0) /* the first rows' pass asks for the bytes `ahead` on, into L2 */
-            for (int64_t l = 0; l < block_bytes; l += 64) __builtin_prefetch(wb + q->ahead + l, 0, 1);
+        if (q->passes && b % q->passes == m0 / ROWS) /* this pass's share of the next tile's blocks */
+            for (int64_t l = 0; l < block_bytes; l += 64) __builtin_prefetch(wb + nb * block_bytes + l, 0, 1);
         __m512i s0[ROWS], s1[ROWS];
         const int32_t *x4[ROWS];
         for (int r = 0; r < rows; r++) { /* symmetric: the sums start at -z sx, so they end at sum (v - z) xq */
@@ -439,8 +440,8 @@ static inline int64_t tile_bytes(int64_t k, int64_t bs, int64_t bits, int64_t sc
         for (int64_t s = 0; s < n_seg; s++) needed[scheme_of(scales[s])] = 1;                            \
         if (needed[K_ROWS] && k % KBLOCK) return 1;                                                      \
         if (rows == 0) return 0;                                                                         \
-        const int64_t ahead = rows > ROWS ? PREFETCH_BYTES : 0;                                          \
-        Quantized qs[2] = {{NULL, NULL, NULL, k, ahead}, {NULL, NULL, NULL, k, ahead}};                  \
+        const int64_t passes = rows > ROWS ? (rows + ROWS - 1) / ROWS : 0;                              \
+        Quantized qs[2] = {{NULL, NULL, NULL, k, passes}, {NULL, NULL, NULL, k, passes}};                \
         for (int scheme = 0; scheme < 2; scheme++) {                                                     \
             if (!needed[scheme]) continue;                                                               \
             if (alloc_quantized(&qs[scheme], rows)) {                                                    \
@@ -454,6 +455,8 @@ static inline int64_t tile_bytes(int64_t k, int64_t bs, int64_t bits, int64_t sc
             int64_t most = 0;                                                                            \
             for (int64_t s = 0; s < n_seg; s++)                                                          \
                 most = tile_bytes(k, bs[s], 8, scales[s]) > most ? tile_bytes(k, bs[s], 8, scales[s]) : most; \
+            Quantized from_bytes[2] = {qs[0], qs[1]}; /* an unpacked tile's: no next tile after its copy */  \
+            from_bytes[0].passes = from_bytes[1].passes = 0;                                             \
             _Pragma("omp parallel num_threads(threads)")                                                 \
             {                                                                                            \
                 uint8_t *bytes = UNPACKS ? aligned_alloc(64, (size_t)((most + 63) / 64 * 64)) : NULL;    \
@@ -465,7 +468,8 @@ static inline int64_t tile_bytes(int64_t k, int64_t bs, int64_t bits, int64_t sc
                     const int unpacked = bits[s] != 8 && bytes;                                          \
                     if (unpacked) unpack_tile(src, k / bs[s], bs[s], (int)bits[s], (int)scales[s], bytes); \
                     for (int64_t ch = 0; ch < chunks; ch++)                                              \
-                        chunk_##NAME(&qs[scheme_of(scales[s])], ch * ROWS, rows, unpacked ? bytes : src, bs[s], \
+                        chunk_##NAME((unpacked ? from_bytes : qs) + scheme_of(scales[s]), ch * ROWS, rows,   \
+                                     unpacked ? bytes : src, bs[s],                                      \
                                      (int)scales[s],                                                     \
                                      unpacked ? 8 : (int)bits[s], zero_of(bits[s]), out, out_stride,      \
                                      first[s] + local * TILE, width);                                     \

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from pd import native
+from pd.huge_pages import into_huge_pages
 from pd.models.model_config import GGUF_KERNEL_TYPES
 from pd.models.quantized import check_status, native_rows
 
@@ -225,6 +226,7 @@ def quantize_gguf_linears(model: nn.Module, native_kernels: bool | None = None) 
     sources = getattr(model, "gguf_sources", {})
     by_param = {id(p): sources[name] for name, p in model.named_parameters(remove_duplicate=False) if name in sources}
     used: Counter = Counter()
+    native_linears = []
     for linear in [m for m in model.modules() if isinstance(m, nn.Linear)]:
         parts = by_param.get(id(linear.weight))
         if not parts or not all(kind in TYPES for _, kind, _ in parts):
@@ -246,12 +248,18 @@ def quantize_gguf_linears(model: nn.Module, native_kernels: bool | None = None) 
                 continue
             linear.gguf_segments = sorted(segments, key=lambda s: s.first)
             if native_here:
-                linear.gguf_call = SegmentsCall(linear.gguf_segments, linear.in_features, linear.out_features)
+                native_linears.append(linear)
             linear.bias_f32 = None if linear.bias is None else linear.bias.detach().float()
             linear.forward = types.MethodType(_native_forward if native_here else _reference_forward, linear)
             linear.weight = nn.Parameter(torch.empty(0, dtype=linear.weight.dtype, device=linear.weight.device),
                                          requires_grad=False)
             used.update({s.kind for s in segments})
+    # every step streams through all of them, in this order: one mapping of 2 MiB pages
+    segments = [s for linear in native_linears for s in linear.gguf_segments]
+    for segment, packed in zip(segments, into_huge_pages([s.packed for s in segments])):
+        segment.packed = packed
+    for linear in native_linears:
+        linear.gguf_call = SegmentsCall(linear.gguf_segments, linear.in_features, linear.out_features)
     return used
 
 

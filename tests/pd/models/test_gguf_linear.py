@@ -20,6 +20,7 @@ from pd.models.make_model import make_model
 from pd.models.model_config import ModelConfig
 from pd.worker.rank_setup import build_model
 from tests.support.gguf_files import write_qwen3_gguf
+from tests.support.mappings import vm_flags
 
 # Where each type keeps its float16 scales, per block: (block bytes, offsets of float16 fields).
 _LAYOUT = {"Q8_0": (34, (0,)), "Q5_0": (22, (0,)), "Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}
@@ -169,6 +170,9 @@ def test_a_gguf_model_computes_its_linears_from_the_blocks(q8_gguf, native, monk
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert {len(m.gguf_segments) for m in linears.values()} == {1, 2, 3}  # gate/up and q/k/v: a segment a part
     assert not model.gguf_sources  # the file's blocks are let go
+    if native:  # the packed weights: one mapping advised for 2 MiB pages, in the order a step reads them
+        starts = [s.packed.data_ptr() for m in linears.values() for s in m.gguf_segments]
+        assert starts == sorted(starts) and all("hg" in vm_flags(start) for start in starts)
     for name, linear in linears.items():
         assert linear.weight.numel() == 0  # the bfloat16 copy is dropped
         x = torch.randn(5, linear.in_features, generator=torch.Generator().manual_seed(len(name))).bfloat16()
