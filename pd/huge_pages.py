@@ -12,6 +12,12 @@ bandwidth (`benchmarks.peaks`) was already measured from huge pages.
 
 Where the kernel gives none (THP `never`, or another OS), the mapping is ordinary memory
 and nothing else changes.
+
+Only memory filled at load: the first touch of a huge page may wait while the kernel
+compacts memory to find one (the `madvise` defrag setting), which a serving step must not.
+So the KV cache, whose pages are first touched as requests fill it, keeps 4 KiB pages
+(with it in huge pages the batch-8 step's attention measured 5.98 -> 5.46 ms, but the
+served runs did not gain).
 """
 
 from __future__ import annotations

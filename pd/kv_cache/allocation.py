@@ -12,13 +12,13 @@ keep the block dimension leading, so block b of a layer is always inside row b.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from pd.huge_pages import huge_page_buffer
 from pd.kv_cache import row_order
 from pd.kv_cache.canonical import CanonicalKVCaches, KVCacheBlockDataRef, KVCacheBlockTensor
 from pd.kv_cache.spec import (
@@ -132,11 +132,11 @@ class KVCacheAllocation:
 def _zeros(shape: tuple[int, int], device: torch.device | str) -> torch.Tensor:
     """Zeroed int8 memory. On a CPU, pages of an anonymous map: the kernel hands them out
     zeroed as they are first touched, so a large cache costs neither a fill at start
-    (2 GiB: ~1 s) nor memory it has not used yet. They are 2 MiB pages where the kernel
-    gives them (`pd.huge_pages`): attention reads each layer's slice of many block rows."""
+    (2 GiB: ~1 s) nor memory it has not used yet."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=torch.int8, device=device)
-    return huge_page_buffer(max(shape[0] * shape[1], 1))[:shape[0] * shape[1]].view(torch.int8).view(shape)
+    pages = mmap.mmap(-1, max(shape[0] * shape[1], 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=torch.int8, count=shape[0] * shape[1]).view(shape)  # holds `pages`
 
 
 def allocate_kv_caches(

@@ -1,4 +1,4 @@
-"""pd.huge_pages: the packed weights and the KV cache in memory advised for 2 MiB pages."""
+"""pd.huge_pages: memory advised for 2 MiB pages, for the packed weights a step streams through."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import pytest
 import torch
 
 from pd.huge_pages import ALIGN, HUGE_PAGE, huge_page_buffer, into_huge_pages
-from pd.kv_cache.allocation import allocate_kv_caches
-from pd.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, SlidingWindowSpec
 from tests.support.mappings import vm_flags
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_HUGEPAGE) and /proc are Linux's")
@@ -38,15 +36,3 @@ def test_copies_keep_values_dtype_and_shape_end_to_end_and_aligned() -> None:
     assert all("hg" in vm_flags(start) for start in starts)
     del tensors
     assert torch.equal(copies[4], torch.arange(9).view(3, 3))  # the copies hold their own memory
-
-
-@pytest.mark.parametrize("layout", ["canonical", "per-layer"])
-def test_a_cpu_kv_cache_is_advised_for_huge_pages_and_zero(layout: str) -> None:
-    full = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype="bfloat16")
-    sliding = SlidingWindowSpec(block_size=4, num_kv_heads=2, head_size=8, dtype="bfloat16", sliding_window=8)
-    groups = (KVCacheGroup(full, ("f0", "f1")), KVCacheGroup(sliding, ("s0", "s1")))
-    config = KVCacheConfig(num_blocks=64, groups=groups)
-    allocation = allocate_kv_caches(config, "cpu", layout)
-    for buffer in allocation.buffers:
-        assert "hg" in vm_flags(buffer.data_ptr())
-        assert buffer.dtype == torch.int8 and int(buffer.count_nonzero()) == 0
