@@ -48,10 +48,10 @@
 #define XBLOCK 32   /* inputs per activation scale */
 /* Where the rows are more than one register tile's, a tile's stream is read once per ROWS
  * rows: pass p of P asks for the next tile's blocks p, p + P, ... into L2, so that the next
- * tile's bytes come in evenly while this one is computed (its first pass only, 16 KB ahead:
- * the lm_head at 8 rows 1.2x the time, at 6-24 rows 1.05-1.13x). At 4 rows or fewer the
- * hardware's prefetch alone is faster (1 row: the lm_head 1.07-1.22x the time with it).
- * Measured. */
+ * tile's bytes come in evenly while this one is computed. (Asking 16 KB ahead in the first
+ * pass alone took the lm_head at 8 rows 1.2x the time, at 6-24 rows 1.05-1.13x.) At 4 rows
+ * or fewer the hardware's prefetch alone is faster (1 row: the lm_head 1.07-1.22x the time
+ * with it). Measured. */
 #define ROWS 4      /* rows of one register tile */
 #define PARALLEL_MIN_ROWS 16  /* rows below which one thread quantizes them */
 
