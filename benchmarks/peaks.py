@@ -20,9 +20,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
 from pd import native
+from pd.huge_pages import huge_page_buffer
 
 SOURCE = Path(__file__).parent / "csrc" / "peaks.c"
 KINDS = {  # name -> (kernel kind, multiply-adds an instruction)
@@ -52,11 +51,15 @@ def bandwidth(kind: str, threads: int, seconds: float, nbytes: int = BUFFER_BYTE
     if library is None:
         return None
     nbytes -= nbytes % (256 * threads)
-    # written once, so that every page is there before the clock starts; by numpy, not torch:
-    # torch's own OpenMP threads spin a while after a parallel fill, and took a core from
-    # these (two threads read at 37 GB/s after a torch fill, 60 after numpy's)
-    source = np.ones(nbytes, dtype=np.uint8)
-    target = np.zeros(nbytes, dtype=np.uint8) if kind == "copy" else source
+    # in 2 MiB pages, as the weights a step reads are kept (pd.huge_pages; from 4 KiB pages
+    # this machine read 19-28 GB/s against 34-36), and written once by numpy, one thread,
+    # so that every page is there before the clock starts
+    source = huge_page_buffer(nbytes).numpy()
+    source.fill(1)
+    target = source
+    if kind == "copy":
+        target = huge_page_buffer(nbytes).numpy()
+        target.fill(0)
     sink = ctypes.c_double()
     moved = nbytes * (2 if kind == "copy" else 1)
 
