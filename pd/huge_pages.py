@@ -1,5 +1,5 @@
 """Memory backed by 2 MiB pages, for what every decode step streams through: the packed
-weights of the native linears (`pd.models.gguf_linear`).
+weights of the native linears (`pd.models.gguf_linear`, `pd.models.quantized`).
 
 From 4 KiB pages a streaming read of a step's weights is slower than the machine's memory
 allows: a TLB miss every 64 cache lines, and the hardware prefetchers stop at each page's

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from pd import native
+from pd.huge_pages import into_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,9 @@ def quantize_linears(model: nn.Module) -> int:
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     for linear in linears:
         _quantize(linear)
+    native_linears = [m for m in linears if m.weight_q is None]  # every step streams through them, in this order
+    for linear, packed in zip(native_linears, into_huge_pages([m.weight_packed for m in native_linears])):
+        linear.weight_packed = packed
     if linears and linears[0].weight_q is not None:
         logger.warning("int8 linear layers run on the torch reference path (no native kernel for %s %s): "
                        "slower than unquantized", linears[0].weight.dtype, linears[0].weight.device)

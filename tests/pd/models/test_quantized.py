@@ -18,6 +18,7 @@ from pd.models.loader import load_model
 from pd.models.make_model import make_model
 from pd.models.model_config import ModelConfig
 from pd.models.quantized import HADAMARD_ROWS, hadamard, quantize_linears, quantize_weight, reference, rotation_block
+from tests.support.mappings import vm_flags
 from tests.support.model_runs import run_prompt
 
 
@@ -122,6 +123,9 @@ def test_quantized_tiny_models_stay_close_to_their_logits(arch, dtype, tmp_path,
     plain, native, fallback = load_model(config), load_model(config), load_model(config)
     linears = [m for m in native.modules() if isinstance(m, nn.Linear)]
     assert quantize_linears(native) == len(linears) > 0
+    if quantized._library() is not None:  # the packed weights: one mapping of 2 MiB pages, in a step's order
+        starts = [m.weight_packed.data_ptr() for m in linears]
+        assert starts == sorted(starts) and all("hg" in vm_flags(start) for start in starts)
     tokens = torch.randint(0, config.vocab_size, (200,), generator=torch.Generator().manual_seed(0))
     want, got = run_prompt(plain, tokens), run_prompt(native, tokens)
     monkeypatch.setattr(quantized, "_library", lambda: None)
