@@ -50,6 +50,7 @@ from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 # how a linear's weight is kept -> the instruction its multiply-adds are bound by (benchmarks.peaks)
 PEAK_OF = {"gguf": "int8 dot (vpdpbusd)", "int8": "int8 dot (vpdpbusd)", "bfloat16": "bfloat16 dot (vdpbf16ps)",
            "float32": "float32 FMA (vfmadd)"}
+PASSES = 2  # of warm-up and timed steps, each request decoding through all: as served (its linears timed), module path
 
 
 class PartTimer:
@@ -190,7 +191,7 @@ def run(args: argparse.Namespace) -> dict:
     config = EngineConfig.from_flat(model=args.model, dtype=args.dtype, quantization=args.quantization,
                                     kv_cache_dtype=args.kv_cache_dtype,
                                     max_num_seqs=max(args.batch, 1),
-                                    max_model_len=args.context + 3 * (args.steps + args.warmup) + 8,
+                                    max_model_len=args.context + PASSES * (args.steps + args.warmup) + 8,
                                     max_num_batched_tokens=max(2048, args.context), num_threads=args.num_threads,
                                     tensor_parallel_size=args.tensor_parallel_size).resolve()
     engine = EngineCore(config)
@@ -220,8 +221,7 @@ def bounds(result: dict, machine: dict) -> dict:
 def _time_steps(args: argparse.Namespace, engine: EngineCore) -> dict:
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    # three passes of warm-up and timed steps: as served, its linears as served, the module path
-    params = SamplingParams(max_tokens=3 * (args.steps + args.warmup) + 2, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=PASSES * (args.steps + args.warmup) + 2, temperature=0, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(Request(f"step-{i}", torch.randint(10, vocab - 10, (args.context,), generator=gen).tolist(),
                                    params))

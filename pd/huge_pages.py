@@ -50,7 +50,9 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
 
 def into_huge_pages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of `tensors` (CPU, any dtype and shape), in order, end to end (each start
-    64-byte aligned) in one `huge_page_buffer`."""
+    64-byte aligned) in one `huge_page_buffer`; none for none."""
+    if not tensors:
+        return []
     sizes = [t.numel() * t.element_size() for t in tensors]
     starts, end = [], 0
     for size in sizes:
