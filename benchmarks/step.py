@@ -2,16 +2,19 @@
 
 Loads a model into an in-process EngineCore, admits `--batch` requests whose prompts
 bring each to `--context` tokens, prefills them, then times `--steps` decode steps.
-Per step: the whole step as the engine serves it (its native layer plans, where the
-model has them: `pd.models.native_layers`), then, over as many steps run on the module
+Per step: the whole step as the engine serves it (its layers in one native call, or its
+native layer plans, where the model has them: `pd.models.native_decoder`,
+`pd.models.native_layers`), then, over as many steps run on the module
 path, the model's attention, MLP, lm_head and sampling (forward hooks with wall clocks: on
 CPU every op is synchronous; hooks fire only on modules) and the rest (scheduler, input
 preparation, norms, embeddings); plus minor page faults per step, the sign of an
 allocator that hands memory back to the OS and faults it in again.
 
 The linears (the lm_head's included) and the lm_head are read against their bound as
-served: over as many served steps again, each linear's own `forward` (and the model's
-`compute_logits`) timed by a wrapper, so no module-call or hook overhead is counted in them.
+served: the lm_head in the served steps (the model's `compute_logits` timed by a wrapper),
+the linears over as many steps on the layer plans (one native call for all layers runs
+their kernels from C, where no wrapper sees them), each linear's own `forward` timed by a
+wrapper, so no module-call or hook overhead is counted in them.
 
 Each is read against the machine's bound (`step_work`, `bound`): the bytes a step must read
 (every linear's weights as they are kept: GGUF blocks by type, int8, bfloat16 or float32;
@@ -50,7 +53,7 @@ from pd.kv_cache.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 # how a linear's weight is kept -> the instruction its multiply-adds are bound by (benchmarks.peaks)
 PEAK_OF = {"gguf": "int8 dot (vpdpbusd)", "int8": "int8 dot (vpdpbusd)", "bfloat16": "bfloat16 dot (vdpbf16ps)",
            "float32": "float32 FMA (vfmadd)"}
-PASSES = 2  # of warm-up and timed steps, each request decoding through all: as served (its linears timed), module path
+PASSES = 3  # of warm-up and timed steps, each request decoding through all: as served, its linears timed, module path
 
 
 class PartTimer:
@@ -259,16 +262,32 @@ def _time_steps(args: argparse.Namespace, engine: EngineCore) -> dict:
 
 
 def _time_served_linears(args: argparse.Namespace, engine: EngineCore) -> list[dict[str, float]]:
-    """Per served step (native layer plans where the model has them: no hooks fire there),
-    its wall time and the time in every linear's `forward` (the lm_head's included) and in
-    `compute_logits`: wrappers on the instances, which the native layer plans call too. The
-    step and its parts come from the same steps, so a part is never read against another
-    step's time (the wrappers add ~1 us a linear to the step)."""
+    """Per served step, its wall time and the time in the model's `compute_logits` (a
+    wrapper on the instance); then per step on the layer plans (the native decoder off where
+    the model has one: it calls the linears' kernels from C, past any wrapper), the time in
+    every linear's `forward`, the lm_head's included (wrappers the plans call too: ~1 us a
+    linear). Each part comes from the steps it was timed in."""
+    served = _timed_steps(args, engine, {"lm_head": [(engine.model, "compute_logits")]})
+    decoders = [m for m in engine.model.modules() if hasattr(m, "use_native_decoder")]
+    for module in decoders:
+        module.use_native_decoder(False)
+    try:
+        linears = [(m, "forward") for m in engine.model.modules() if isinstance(m, nn.Linear)]
+        planned = _timed_steps(args, engine, {"linears": linears})
+    finally:
+        for module in decoders:
+            module.use_native_decoder(True)
+    return [{**step, "linears": plan.get("linears", 0.0)} for step, plan in zip(served, planned, strict=True)]
+
+
+def _timed_steps(args: argparse.Namespace, engine: EngineCore, parts: dict[str, list[tuple[object, str]]]
+                 ) -> list[dict[str, float]]:
+    """`args.warmup` steps, then per timed step its wall time and the time in each part's
+    wrapped methods (part -> (owner, method name))."""
     timer = PartTimer()
-    for module in engine.model.modules():
-        if isinstance(module, nn.Linear):
-            timer.wrap(module, "forward", "linears")
-    timer.wrap(engine.model, "compute_logits", "lm_head")
+    for part, methods in parts.items():
+        for owner, name in methods:
+            timer.wrap(owner, name, part)
     try:
         for _ in range(args.warmup):
             engine.step()

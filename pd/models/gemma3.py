@@ -19,6 +19,7 @@ from pd.models import fused
 from pd.models.base import CausalLM
 from pd.models.layers import GatedMLP, RMSNorm, attention_projections, get_rope
 from pd.models.model_config import ModelConfig
+from pd.models.native_decoder import NativeDecoder
 from pd.models.native_layers import LayerPlan
 from pd.models.parallel import ParallelLMHead, VocabParallelEmbedding, tp_reduce
 
@@ -110,7 +111,9 @@ class Gemma3Model(nn.Module):
                                     for i, kind in enumerate(gemma3_layer_types(config)))
         self.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6), offset=1.0)
         self.native_layers = True
+        self.native_decoder = True
         self._plans: dict[torch.dtype, list[LayerPlan] | None] = {}
+        self._decoders: dict[torch.dtype, NativeDecoder | None] = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -122,14 +125,31 @@ class Gemma3Model(nn.Module):
                 x = layer(positions, x)
         else:
             positions = positions.to(torch.int64).contiguous()
-            for plan in plans:
-                x = plan(positions, x)
+            decoder = self._decoder(x.dtype, plans)
+            out = None if decoder is None else decoder(positions, x)
+            if out is None:
+                for plan in plans:
+                    x = plan(positions, x)
+            else:
+                x = out
         return self.norm(x)
 
     def use_native_layers(self, on: bool) -> None:
         """Run the layers as native plans where they can be built (the default), or as
         modules (whose hooks then fire)."""
         self.native_layers = on
+
+    def use_native_decoder(self, on: bool) -> None:
+        """Run the plans' layers all in one native call a step where it can be built (the
+        default), or plan by plan (whose linears' `forward` then runs)."""
+        self.native_decoder = on
+
+    def _decoder(self, dtype: torch.dtype, plans: list[LayerPlan]) -> NativeDecoder | None:
+        if not self.native_decoder:
+            return None
+        if dtype not in self._decoders:
+            self._decoders[dtype] = NativeDecoder.build(plans, dtype)
+        return self._decoders[dtype]
 
     def _layer_plans(self, x: torch.Tensor, positions: torch.Tensor) -> list[LayerPlan] | None:
         """The layers' plans for these hidden states, or None: the module path (also where
