@@ -74,8 +74,8 @@ def _library() -> ctypes.CDLL | None:
     return native.load(SOURCE, {"decoder_layers": [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64]})
 
 
-def _address(library: ctypes.CDLL, symbol: str) -> int:
-    return ctypes.cast(getattr(library, symbol), ctypes.c_void_p).value
+def _address(function: ctypes._CFuncPtr) -> int:
+    return ctypes.cast(function, _PTR).value
 
 
 def _linear(module: torch.nn.Module) -> _Linear | None:
@@ -96,14 +96,14 @@ class NativeDecoder:
         self.plans, self.dtype = plans, dtype
         suffix = _SUFFIX[dtype]
         attention = cpu_kernels._library()
-        self.kernels = _Kernels(*(_address(fused._library(), f"{name}_{suffix}")
+        self.kernels = _Kernels(*(_address(getattr(fused._library(), f"{name}_{suffix}"))
                                   for name in ("rms_norm", "qk_norm_rope", "act_mul")),
-                                ctypes.cast(first.qkv.gguf_call.functions[dtype], _PTR).value,
-                                _address(attention, "write_kv_rows"), _address(attention, f"paged_attention_{suffix}"))
+                                _address(first.qkv.gguf_call.functions[dtype]), _address(attention.write_kv_rows),
+                                _address(getattr(attention, f"paged_attention_{suffix}")))
         self.hidden = first.down.out_features
         self.inter = first.down.in_features
         self.shape = _Shape(self.hidden, first.heads, first.kv_heads, first.head_size, self.inter,
-                            fused.ACTIVATIONS[first.activation], 0, torch.empty(0, dtype=dtype).element_size())
+                            fused.ACTIVATIONS[first.activation], 0, dtype.itemsize)
         self.layers = (_Layer * len(plans))()
         self.linears = linears
         self.bound: list[tuple | None] = [None] * len(plans)  # what layer i's entry points into
@@ -157,11 +157,11 @@ class NativeDecoder:
         steps = (_Group * len(groups))(*(g for g, _ in groups))
         flat = torch.empty(tokens * sum(self.widths.values()), dtype=self.dtype)
         out = torch.empty(tokens, self.hidden, dtype=self.dtype)
-        views, at = {}, 0
-        for name, width in self.widths.items():
-            views[name] = flat[at:at + tokens * width]
-            at += tokens * width
-        buffers = _Buffers(*(views[name].data_ptr() for name in self.widths), out.data_ptr())
+        pointers, at = [], flat.data_ptr()
+        for width in self.widths.values():  # end to end in flat
+            pointers.append(at)
+            at += tokens * width * self.shape.element_size
+        buffers = _Buffers(*pointers, out.data_ptr())
         status = _library().decoder_layers(ctypes.addressof(self.kernels), ctypes.addressof(self.shape),
                                            ctypes.addressof(self.layers), len(self.plans), ctypes.addressof(steps),
                                            x.data_ptr(), positions.data_ptr(), tokens, ctypes.addressof(buffers),
