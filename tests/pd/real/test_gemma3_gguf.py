@@ -236,21 +236,29 @@ def test_int8_teacher_forced_top1_agreement_with_transformers(gemma_gguf, englis
     assert error <= 4 * reference_error
 
 
-def test_gguf_blocks_agree_with_bfloat16_on_the_dequantized_weights(gemma_gguf, bfloat16_llm, english_tokens) -> None:
+def test_gguf_blocks_agree_with_bfloat16_on_the_dequantized_weights(gemma_gguf, english_text) -> None:
     """`--quantization gguf` (the default for this file on a CPU with the kernels) against
     our bfloat16 engine on the same, dequantized, weights: teacher-forced top-1 agreement
-    and perplexity over the text. Activations rounded to 8 bits as llama.cpp rounds them
-    (per 32 inputs for Q8_0 and Q5_0 weights, per 256 for Q4_K and Q6_K): measured 95.3 %
-    agreement and perplexity +1.4 % here (per 32 for every type: 96.3 % and +1.0 %)."""
+    and perplexity over 2,048 tokens of the text. Activations rounded to 8 bits as
+    llama.cpp rounds them (per 32 inputs for Q8_0 and Q5_0 weights, per 256 for Q4_K and
+    Q6_K). Each rounding turns on the bits of the layer before, so float32 summation order
+    alone moves these figures: over 512 tokens the kernel, its plain C path and the torch
+    reference (the same arithmetic) gave perplexity 9.575, 9.589 and 9.617 (a change to the
+    kernel's K-quant sums alone moved the first to 9.71: 512 tokens made this test fail on
+    noise); over 2,048 5.958, 5.938 and 5.968. Measured here: 96.2 % agreement, perplexity
+    +0.3 %."""
+    tokens = Tokenizer(gemma_gguf).encode(english_text)[:2048]
+    assert len(tokens) == 2048
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
     scored = {}
-    for name, llm in (("bfloat16", fresh(bfloat16_llm)),
-                      ("gguf", LLM(str(gemma_gguf), dtype="bfloat16", max_model_len=1024, quantization="gguf"))):
-        logprobs = llm.generate([english_tokens], params)[0].prompt_logprobs
-        scored[name] = torch.tensor(logprobs.token_ids), torch.tensor(logprobs.logprobs)
-    agree = (scored["gguf"][0][:, 1] == scored["bfloat16"][0][:, 1]).float().mean().item()
+    for quantization in ("none", "gguf"):
+        llm = LLM(str(gemma_gguf), dtype="bfloat16", max_model_len=2560, quantization=quantization)
+        logprobs = llm.generate([tokens], params)[0].prompt_logprobs
+        scored[quantization] = torch.tensor(logprobs.token_ids), torch.tensor(logprobs.logprobs)
+        llm.shutdown()
+    agree = (scored["gguf"][0][:, 1] == scored["none"][0][:, 1]).float().mean().item()
     perplexity = {name: (-logprobs[:, 0].mean()).exp().item() for name, (_, logprobs) in scored.items()}
-    print(f"gguf teacher-forced over {len(english_tokens)} tokens: top-1 agreement {agree:.4f} with bfloat16; "
-          f"perplexity {perplexity['gguf']:.4f} against {perplexity['bfloat16']:.4f}")
+    print(f"gguf teacher-forced over {len(tokens)} tokens: top-1 agreement {agree:.4f} with bfloat16; "
+          f"perplexity {perplexity['gguf']:.4f} against {perplexity['none']:.4f}")
     assert agree >= 0.95
-    assert abs(perplexity["gguf"] / perplexity["bfloat16"] - 1) <= 0.02
+    assert abs(perplexity["gguf"] / perplexity["none"] - 1) <= 0.02
