@@ -7,15 +7,19 @@
  *   Q5_0: BS 32, u = q + 112, a = d, c = -128 d (q the 5-bit value 0..31, w = d (q - 16));
  *   Q6_K: BS 16, u = q + 96,  a = d sc, c = -128 a (q 0..63, w = d sc (q - 32));
  *   Q4_K: BS 32, u = q,       a = d sc, c = -dmin m (q 0..15).
- * The first three are "symmetric" (c = -128 a: only a is stored), Q4_K is not (c stored).
+ * The first three are "symmetric" (c = -128 a), Q4_K is not. The K-quants' sc and m are small
+ * integers per block (int8; Q4_K's 0..63), d and dmin float16 per 256 inputs (a super-block).
  *
- * Activations are quantized per row and per 32 inputs, as llama.cpp's Q8_0 does:
- * xq = round(x / dx), dx = max |x| / 127 over the 32. Then per weight block
+ * Activations are quantized per row as llama.cpp quantizes them for the weight's type
+ * (below): xq = round(x / dx), one dx per 32 inputs (Q8_0, Q5_0) or per 256 (Q4_K, Q6_K).
+ * Then per weight block
  *     sum_i w[i] x[i] ~= dx (a S + c sx),  S = sum_i u[i] xq[i],  sx = sum_i xq[i],
  * S summed exactly in int32 (vpdpbusd multiplies unsigned bytes by signed ones: why u is
- * unsigned), and the blocks' terms summed in float32. Against a float32 matmul of the
- * dequantized weight with the dequantized activations the only difference is float32
- * summation order (tests/pd/models/test_gguf_linear.py).
+ * unsigned). Q8_0 and Q5_0 sum the blocks' terms in float32. The K-quants, as llama.cpp
+ * does, sum sc S (and Q4_K's m sx) exactly in int32 over a super-block, whose dx holds for
+ * all of it, and scale those sums once by d dx (and -dmin dx). Against a float32 matmul of
+ * the dequantized weight with the dequantized activations the only difference is float32
+ * rounding and summation order (tests/pd/models/test_gguf_linear.py).
  *
  * Packed layout (`pack` in gguf_linear.py): output channels in tiles of 32; a tile is one
  * stream of its K / BS blocks. A block's values, as BS / 4 groups of 128 bytes (byte
@@ -24,14 +28,17 @@
  * the symmetric ones, z = 2^(bits - 1): 16 for Q5_0, 32 for Q6_K), as nibbles, groups 2p and
  * 2p + 1 sharing the 128 bytes of pair p (low and high nibble), then for each bit above the
  * fourth a plane of 256 bits per pair (bit h * 128 + i of pair p: byte i of group 2p + h).
- * Then the 32 channels' scales, as `scales` says: 0 a as float32, 1 a then c as float32
- * (Q4_K), 2 a as float16 (Q8_0 and Q5_0, whose a is the file's float16 d: exact). So
- * 1.0625 bytes a weight for Q8_0, 0.6875 for Q5_0, 0.75 for Q4_K, 1 for Q6_K.
- * Channels past N are zero (v, a and c), and their outputs are not written.
+ * Then the 32 channels' scales, as `scales` says: 2 a as float16 (Q8_0 and Q5_0, whose a is
+ * the file's float16 d: exact); 0 sc as int8 (Q6_K); 1 sc then m as int8 (Q4_K). A K-quant's
+ * super-block (256 / BS blocks) is followed by its 32 channels' d as float32 (Q4_K: then
+ * -dmin). So 1.0625 bytes a weight for Q8_0, 0.6875 for Q5_0, 0.59 for Q4_K, 0.83 for Q6_K
+ * (the file's: 1.0625, 0.6875, 0.5625, 0.82). Channels past N are zero (values and scales),
+ * and their outputs are not written.
  *
  * With AVX-512 VNNI a register tile of up to ROWS rows x 32 channels keeps, per row, two
- * int32 accumulators for the block and two float32 ones for the whole row; without it a
- * plain C loop computes the same int32 sums (PD_PLAIN forces it, for the tests).
+ * int32 accumulators for the block and two float32 ones for the whole row (K-quants: two
+ * int32 ones for the super-block too); without it a plain C loop computes the same int32
+ * sums (PD_PLAIN forces it, for the tests).
  */
 #include <math.h>
 #include <omp.h>
@@ -53,7 +60,7 @@
  * or fewer the hardware's prefetch alone is faster (1 row: the lm_head 1.07-1.22x the time
  * with it). Measured. */
 #define ROWS 4      /* rows of one register tile */
-#define KBLOCK 256  /* inputs per Q8_K scale (a K-quant weight's activation rows) */
+#define KBLOCK 256  /* inputs per K-quant super-block, and per Q8_K scale (their activation rows) */
 #define PARALLEL_MIN_ROWS 16  /* rows below which one thread quantizes them */
 
 /* Activation rows quantized: xq (rows x k int8), dx (rows x k / 32), sx (rows x k / 16, sums
@@ -72,12 +79,13 @@ static inline int32_t block_sum(const Quantized *q, int64_t row, int64_t first, 
 }
 
 /* Per row and weight block, what the block's activation sum sx contributes, worked out once
- * per call rather than per tile: a symmetric type's int32 sums start from -z sx; Q4_K's float32
- * ones add sx times c (then dx, with a S). (In the tile loop each took two loads, an add, a multiply and a
- * broadcast from a general register per row and block: 8-13 % of a hot 4-row tile.) */
+ * per call rather than per tile: a symmetric type's int32 sums start from -z sx; Q4_K's
+ * minimums take sx itself (times m). (In the tile loop each took two loads, an add, a
+ * multiply and a broadcast from a general register per row and block: 8-13 % of a hot 4-row
+ * tile.) */
 typedef union {
     int32_t start; /* symmetric: -z sx */
-    float sx;      /* Q4_K: sx */
+    int32_t sx;    /* Q4_K: sx */
 } BlockTerm;
 
 static void block_terms(const Quantized *q, int64_t rows, int64_t bs, int asym, int32_t zero, BlockTerm *out) {
@@ -86,19 +94,23 @@ static void block_terms(const Quantized *q, int64_t rows, int64_t bs, int asym, 
         for (int64_t b = 0; b < nb; b++) {
             const int32_t sx = block_sum(q, m, b * bs, bs);
             if (asym)
-                out[m * nb + b].sx = (float)sx;
+                out[m * nb + b].sx = sx;
             else
                 out[m * nb + b].start = -zero * sx;
         }
 }
 
-/* Bytes of one block's values in the packed layout, of its scales, and the symmetric types'
- * zero z. */
+/* Bytes of one block's values in the packed layout, of its scales, of the scales after each
+ * super-block (none for Q8_0 and Q5_0, whose super-block is one block), blocks a super-block,
+ * a tile's bytes over k inputs, and the symmetric types' zero z. */
 static inline int64_t value_bytes(int64_t bs, int64_t bits) {
     return bits == 8 ? bs * TILE : bs * TILE / 2 + (bits - 4) * bs * TILE / 8;
 }
-static inline int64_t scale_bytes(int64_t scales) {
-    return scales == 1 ? 2 * TILE * 4 : scales == 2 ? TILE * 2 : TILE * 4;
+static inline int64_t scale_bytes(int64_t scales) { return scales == 0 ? TILE : TILE * 2; }
+static inline int64_t super_bytes(int64_t scales) { return scales == 2 ? 0 : scales == 1 ? 2 * TILE * 4 : TILE * 4; }
+static inline int64_t blocks_per_super(int64_t bs, int64_t scales) { return scales == 2 ? 1 : KBLOCK / bs; }
+static inline int64_t tile_bytes(int64_t k, int64_t bs, int64_t bits, int64_t scales) {
+    return k / bs * (value_bytes(bs, bits) + scale_bytes(scales)) + k / KBLOCK * super_bytes(scales);
 }
 static inline int32_t zero_of(int64_t bits) { return 1 << (bits - 1); }
 
@@ -132,68 +144,53 @@ static inline __attribute__((always_inline)) void load_pair(const uint8_t *wb, i
  * 4-row Q5_0 tile 0.93x the time. */
 #define DOT_BROADCAST(acc, w, x) __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)(x)))
 
-/* out[r][c] for r < rows, c < 32 (float32): one tile's stream of nb blocks against rows
- * m0.. of q (term: their block terms, row stride nb). A K-quant's activation scale dx holds
- * for 256 inputs (8 or 16 blocks): its blocks' a S + c sx are summed first and multiplied by
- * dx once, where each block took a multiply by dx per row and half (a hot 4-row tile: Q4_K
- * 0.95x the time, Q6_K 0.92x). */
+/* Block b's int32 sums s0, s1 (channels 0-15, 16-31) for rows m0 .. m0 + rows, its values at
+ * wb; reads q, m0, rows, nb, bs, bits, asym and term where it is used. A symmetric type's
+ * start at -z sx, so they end at sum (v - z) xq. (A macro: passed to an inline function, the
+ * register arrays were kept in memory, 1.07x the time of a hot Q6_K tile.) */
+#define BLOCK_SUMS(s0, s1, b, wb)                                                                     \
+    do {                                                                                              \
+        const int32_t *x4[ROWS];                                                                      \
+        for (int r = 0; r < rows; r++) {                                                              \
+            s0[r] = s1[r] = asym ? _mm512_setzero_si512() : _mm512_set1_epi32(term[r * nb + (b)].start); \
+            x4[r] = (const int32_t *)(q->xq + (m0 + r) * q->k + (b) * bs);                            \
+        }                                                                                             \
+        if (bits == 8) { /* bytes: one group at a time */                                             \
+            for (int64_t g = 0; g < bs / 4; g++) {                                                    \
+                const __m512i w0 = _mm512_loadu_si512((wb) + g * 128), w1 = _mm512_loadu_si512((wb) + g * 128 + 64); \
+                for (int r = 0; r < rows; r++) {                                                      \
+                    DOT_BROADCAST(s0[r], w0, x4[r] + g);                                              \
+                    DOT_BROADCAST(s1[r], w1, x4[r] + g);                                              \
+                }                                                                                     \
+            }                                                                                         \
+        } else for (int64_t g = 0; g < bs / 4; g += 2) {                                              \
+            __m512i wv[4];                                                                            \
+            load_pair((wb), g, bs, bits, wv);                                                         \
+            for (int r = 0; r < rows; r++) {                                                          \
+                DOT_BROADCAST(s0[r], wv[0], x4[r] + g);                                               \
+                DOT_BROADCAST(s1[r], wv[1], x4[r] + g);                                               \
+                DOT_BROADCAST(s0[r], wv[2], x4[r] + g + 1);                                           \
+                DOT_BROADCAST(s1[r], wv[3], x4[r] + g + 1);                                           \
+            }                                                                                         \
+        }                                                                                             \
+    } while (0)
+
+/* out[r][c] for r < rows, c < 32 (float32): one tile's stream of nb blocks of Q8_0 or Q5_0
+ * against rows m0.. of q (term: their block terms, row stride nb): per block and row
+ * f += S a dx, in float32. */
 static inline __attribute__((always_inline)) void tile_rows(const Quantized *q, int64_t m0, int rows,
-                                                            const uint8_t *w, int64_t nb, int64_t bs, int scales,
-                                                            int bits, const BlockTerm *term, float *out) {
-    __m512 f0[ROWS], f1[ROWS], g0[ROWS], g1[ROWS];
-    for (int r = 0; r < rows; r++) f0[r] = f1[r] = g0[r] = g1[r] = _mm512_setzero_ps();
-    const int asym = scales == 1, kquant = scales != 2;
-    const int64_t per = kquant ? KBLOCK / bs : 1; /* blocks sharing one dx (a Q8_K row's 256 inputs) */
-    const int64_t groups = bs / 4, values = value_bytes(bs, bits), block_bytes = values + scale_bytes(scales);
+                                                            const uint8_t *w, int64_t nb, int64_t bs, int bits,
+                                                            const BlockTerm *term, float *out) {
+    __m512 f0[ROWS], f1[ROWS];
+    for (int r = 0; r < rows; r++) f0[r] = f1[r] = _mm512_setzero_ps();
+    const int asym = 0;
+    const int64_t values = value_bytes(bs, bits), block_bytes = values + scale_bytes(2);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = w + b * block_bytes;
         if (q->passes && b % q->passes == m0 / ROWS) /* this pass's share of the next tile's blocks */
             for (int64_t l = 0; l < block_bytes; l += 64) __builtin_prefetch(wb + nb * block_bytes + l, 0, 1);
         __m512i s0[ROWS], s1[ROWS];
-        const int32_t *x4[ROWS];
-        for (int r = 0; r < rows; r++) { /* symmetric: the sums start at -z sx, so they end at sum (v - z) xq */
-            s0[r] = s1[r] = asym ? _mm512_setzero_si512() : _mm512_set1_epi32(term[r * nb + b].start);
-            x4[r] = (const int32_t *)(q->xq + (m0 + r) * q->k + b * bs);
-        }
-        if (bits == 8) { /* bytes: one group at a time */
-            for (int64_t g = 0; g < groups; g++) {
-                const __m512i w0 = _mm512_loadu_si512(wb + g * 128), w1 = _mm512_loadu_si512(wb + g * 128 + 64);
-                for (int r = 0; r < rows; r++) {
-                    DOT_BROADCAST(s0[r], w0, x4[r] + g);
-                    DOT_BROADCAST(s1[r], w1, x4[r] + g);
-                }
-            }
-        } else for (int64_t g = 0; g < groups; g += 2) {
-            __m512i wv[4];
-            load_pair(wb, g, bs, bits, wv);
-            for (int r = 0; r < rows; r++) {
-                DOT_BROADCAST(s0[r], wv[0], x4[r] + g);
-                DOT_BROADCAST(s1[r], wv[1], x4[r] + g);
-                DOT_BROADCAST(s0[r], wv[2], x4[r] + g + 1);
-                DOT_BROADCAST(s1[r], wv[3], x4[r] + g + 1);
-            }
-        }
-        const float *scale = (const float *)(wb + values);
-        if (kquant) { /* g += a S (+ c sx), times dx once its 256 inputs are done */
-            const __m512 a0 = _mm512_loadu_ps(scale), a1 = _mm512_loadu_ps(scale + 16);
-            for (int r = 0; r < rows; r++) {
-                if (asym) {
-                    const __m512 sx = _mm512_set1_ps(term[r * nb + b].sx);
-                    g0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(scale + 32), sx, g0[r]);
-                    g1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(scale + 48), sx, g1[r]);
-                }
-                g0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[r]), a0, g0[r]);
-                g1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[r]), a1, g1[r]);
-            }
-            if (b % per == per - 1)
-                for (int r = 0; r < rows; r++) {
-                    const __m512 d = _mm512_set1_ps(q->dx[(m0 + r) * (q->k / XBLOCK) + b * bs / XBLOCK]);
-                    f0[r] = _mm512_fmadd_ps(g0[r], d, f0[r]);
-                    f1[r] = _mm512_fmadd_ps(g1[r], d, f1[r]);
-                    g0[r] = g1[r] = _mm512_setzero_ps();
-                }
-            continue;
-        }
+        BLOCK_SUMS(s0, s1, b, wb);
         const __m512 a0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + values)));
         const __m512 a1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wb + values + 32)));
         for (int r = 0; r < rows; r++) {
@@ -208,17 +205,92 @@ static inline __attribute__((always_inline)) void tile_rows(const Quantized *q, 
     }
 }
 
-#define ROWS_CASE(R, BITS) \
-    case R:                \
-        tile_rows(q, m0, R, w, nb, bs, scales, BITS, term, out); break;
-#define BITS_CASE(BITS)                                                                          \
-    case BITS:                                                                                   \
-        switch (rows) { ROWS_CASE(1, BITS) ROWS_CASE(2, BITS) ROWS_CASE(3, BITS) ROWS_CASE(4, BITS) default: break; } \
-        break;
+/* The same for a K-quant (Q6_K scales 0, Q4_K 1; as stored or unpacked to bytes): each
+ * block adds sc S to int32 sums t, exactly; its super-block's end adds t d dx to f (Q4_K
+ * also u (-dmin) dx, u the super-block's m sx summed, exactly) and starts t again, as
+ * llama.cpp sums them. Against a float32 a per block scaled per block and row (C harness,
+ * one thread, hot): Q6_K 0.93x the time at 4 rows, 0.86x at 512; Q4_K 1.03x and 0.96x. */
+static inline __attribute__((always_inline)) void tile_rows_k(const Quantized *q, int64_t m0, int rows,
+                                                              const uint8_t *w, int64_t nb, int64_t bs, int scales,
+                                                              int bits, const BlockTerm *term, float *out) {
+    __m512 f0[ROWS], f1[ROWS];
+    __m512i t0[ROWS], t1[ROWS];
+    for (int r = 0; r < rows; r++) f0[r] = f1[r] = _mm512_setzero_ps(), t0[r] = t1[r] = _mm512_setzero_si512();
+    const int asym = scales == 1;
+    const int64_t per = KBLOCK / bs, super = super_bytes(scales);
+    const int64_t values = value_bytes(bs, bits), block_bytes = values + scale_bytes(scales);
+    const int64_t stride = tile_bytes(nb * bs, bs, bits, scales); /* to the next tile's same block */
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = w + b * block_bytes + b / per * super;
+        const int last = b % per == per - 1; /* of its super-block: its scales follow */
+        if (q->passes && b % q->passes == m0 / ROWS) /* this pass's share of the next tile's blocks */
+            for (int64_t l = 0; l < block_bytes + (last ? super : 0); l += 64) __builtin_prefetch(wb + stride + l, 0, 1);
+        __m512i s0[ROWS], s1[ROWS];
+        BLOCK_SUMS(s0, s1, b, wb);
+        const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wb + values)));
+        const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wb + values + 16)));
+        for (int r = 0; r < rows; r++) {
+            t0[r] = _mm512_add_epi32(t0[r], _mm512_mullo_epi32(s0[r], sc0));
+            t1[r] = _mm512_add_epi32(t1[r], _mm512_mullo_epi32(s1[r], sc1));
+        }
+        if (!last)
+            continue;
+        const float *d = (const float *)(wb + block_bytes);
+        const __m512 d0 = _mm512_loadu_ps(d), d1 = _mm512_loadu_ps(d + 16);
+        for (int r = 0; r < rows; r++) {
+            const __m512 dx = _mm512_set1_ps(q->dx[(m0 + r) * (q->k / XBLOCK) + b * bs / XBLOCK]);
+            f0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t0[r]), _mm512_mul_ps(d0, dx), f0[r]);
+            f1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t1[r]), _mm512_mul_ps(d1, dx), f1[r]);
+            t0[r] = t1[r] = _mm512_setzero_si512();
+        }
+        if (!asym)
+            continue;
+        for (int r = 0; r < rows; r++) s0[r] = s1[r] = _mm512_setzero_si512(); /* here: u */
+        for (int64_t j = 0; j < per; j++) {
+            const uint8_t *m = wb - (per - 1 - j) * block_bytes + values + TILE;
+            const __m512i m0v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)m));
+            const __m512i m1v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(m + 16)));
+            for (int r = 0; r < rows; r++) {
+                const __m512i sx = _mm512_set1_epi32(term[r * nb + b - (per - 1) + j].sx);
+                s0[r] = _mm512_add_epi32(s0[r], _mm512_mullo_epi32(m0v, sx));
+                s1[r] = _mm512_add_epi32(s1[r], _mm512_mullo_epi32(m1v, sx));
+            }
+        }
+        const __m512 n0 = _mm512_loadu_ps(d + 32), n1 = _mm512_loadu_ps(d + 48);
+        for (int r = 0; r < rows; r++) {
+            const __m512 dx = _mm512_set1_ps(q->dx[(m0 + r) * (q->k / XBLOCK) + b * bs / XBLOCK]);
+            f0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0[r]), _mm512_mul_ps(n0, dx), f0[r]);
+            f1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[r]), _mm512_mul_ps(n1, dx), f1[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        _mm512_storeu_ps(out + r * TILE, f0[r]);
+        _mm512_storeu_ps(out + r * TILE + 16, f1[r]);
+    }
+}
 
+#define ROWS_CASE(R, CALL) \
+    case R:                \
+        CALL; break;
+#define BY_ROWS(CALL_R)                                                                                    \
+    switch (rows) { ROWS_CASE(1, CALL_R(1)) ROWS_CASE(2, CALL_R(2)) ROWS_CASE(3, CALL_R(3)) ROWS_CASE(4, CALL_R(4)) default: break; }
+#define Q8_0_TILE(R) tile_rows(q, m0, R, w, nb, bs, 8, term, out)
+#define Q5_0_TILE(R) tile_rows(q, m0, R, w, nb, bs, 5, term, out)
+#define Q4_K_TILE(R) tile_rows_k(q, m0, R, w, nb, bs, 1, 4, term, out)
+#define Q6_K_TILE(R) tile_rows_k(q, m0, R, w, nb, bs, 0, 6, term, out)
+#define Q4_K_BYTES_TILE(R) tile_rows_k(q, m0, R, w, nb, bs, 1, 8, term, out)
+#define Q6_K_BYTES_TILE(R) tile_rows_k(q, m0, R, w, nb, bs, 0, 8, term, out)
+
+/* The register tile, with its rows, bits and (K-quants) scale format made constants: Q8_0,
+ * Q5_0, Q4_K, Q6_K, and the K-quants unpacked to bytes. */
 static void tile(const Quantized *q, int64_t m0, int rows, const uint8_t *w, int64_t nb, int64_t bs, int scales,
                  int bits, const BlockTerm *term, float *out) {
-    switch (bits) { BITS_CASE(4) BITS_CASE(5) BITS_CASE(6) BITS_CASE(8) default: break; }
+    if (scales == 2 && bits == 8) BY_ROWS(Q8_0_TILE)
+    else if (scales == 2 && bits == 5) BY_ROWS(Q5_0_TILE)
+    else if (scales == 1 && bits == 4) BY_ROWS(Q4_K_TILE)
+    else if (scales == 0 && bits == 6) BY_ROWS(Q6_K_TILE)
+    else if (scales == 1 && bits == 8) BY_ROWS(Q4_K_BYTES_TILE)
+    else if (scales == 0 && bits == 8) BY_ROWS(Q6_K_BYTES_TILE)
 }
 
 /* A tile's nb blocks of `bits` bits rewritten as bytes (the 8-bit layout, scales copied),
@@ -227,15 +299,16 @@ static void tile(const Quantized *q, int64_t m0, int rows, const uint8_t *w, int
 #define UNPACKS 1
 static void unpack_tile(const uint8_t *w, int64_t nb, int64_t bs, int bits, int scales, uint8_t *dst) {
     const int64_t values = value_bytes(bs, bits), sb = scale_bytes(scales);
+    const int64_t per = blocks_per_super(bs, scales), super = super_bytes(scales);
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *wb = w + b * (values + sb);
-        uint8_t *db = dst + b * (bs * TILE + sb);
         for (int64_t g = 0; g < bs / 4; g += 2) {
             __m512i wv[4];
-            load_pair(wb, g, bs, bits, wv);
-            for (int i = 0; i < 4; i++) _mm512_storeu_si512(db + g * 128 + i * 64, wv[i]);
+            load_pair(w, g, bs, bits, wv);
+            for (int i = 0; i < 4; i++) _mm512_storeu_si512(dst + g * 128 + i * 64, wv[i]);
         }
-        memcpy(db + bs * TILE, wb + values, (size_t)sb);
+        const int64_t scale_span = sb + (b % per == per - 1 ? super : 0); /* a super-block's scales follow its last */
+        memcpy(dst + bs * TILE, w + values, (size_t)scale_span);
+        w += values + scale_span, dst += bs * TILE + scale_span;
     }
 }
 #else
@@ -270,23 +343,37 @@ static inline float half_to_float(uint16_t h) {
 
 static void tile(const Quantized *q, int64_t m0, int rows, const uint8_t *w, int64_t nb, int64_t bs, int scales,
                  int bits, const BlockTerm *term, float *out) {
-    const int asym = scales == 1;
+    const int asym = scales == 1, kquant = scales != 2;
     const int64_t values = value_bytes(bs, bits), block_bytes = values + scale_bytes(scales);
+    const int64_t per = blocks_per_super(bs, scales), super = super_bytes(scales);
     for (int r = 0; r < rows; r++) {
         const int64_t m = m0 + r;
         float acc[TILE] = {0};
+        int32_t t[TILE] = {0}, u[TILE] = {0}; /* K-quants: sc S and m sx over the super-block so far */
+        const uint8_t *wb = w;
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *wb = w + b * block_bytes;
-            const int8_t *x = q->xq + m * q->k + b * bs;
-            const float *scale = (const float *)(wb + values);
+            const int8_t *x = q->xq + m * q->k + b * bs, *sc = (const int8_t *)(wb + values);
             const float dx = q->dx[m * (q->k / XBLOCK) + b * bs / XBLOCK];
-            const BlockTerm t = term[r * nb + b];
+            const BlockTerm term_b = term[r * nb + b];
             for (int c = 0; c < TILE; c++) {
-                int32_t s = 0;
+                int32_t s = asym ? 0 : term_b.start;
                 for (int64_t i = 0; i < bs; i++) s += packed_value(wb, bs, bits, c, i) * x[i];
-                const float a = scales == 2 ? half_to_float(((const uint16_t *)(wb + values))[c]) : scale[c];
-                acc[c] += asym ? ((float)s * a + scale[TILE + c] * t.sx) * dx : (float)(s + t.start) * (a * dx);
+                if (!kquant) {
+                    acc[c] += (float)s * (half_to_float(((const uint16_t *)(wb + values))[c]) * dx);
+                    continue;
+                }
+                t[c] += sc[c] * s;
+                if (asym) u[c] += sc[TILE + c] * term_b.sx;
             }
+            const int last = b % per == per - 1;
+            if (kquant && last) {
+                const float *d = (const float *)(wb + block_bytes);
+                for (int c = 0; c < TILE; c++) {
+                    acc[c] += (float)t[c] * (d[c] * dx) + (asym ? (float)u[c] * (d[TILE + c] * dx) : 0.0f);
+                    t[c] = u[c] = 0;
+                }
+            }
+            wb += block_bytes + (last ? super : 0);
         }
         for (int c = 0; c < TILE; c++) out[r * TILE + c] = acc[c];
     }
@@ -443,9 +530,6 @@ static inline int64_t segment_of(int64_t t, const int64_t *tile_start) {
     return s;
 }
 
-static inline int64_t tile_bytes(int64_t k, int64_t bs, int64_t bits, int64_t scales) { /* k inputs' blocks */
-    return k / bs * (value_bytes(bs, bits) + scale_bytes(scales));
-}
 
 /* Several weights against the same rows in one call (a fused q/k/v or gate/up: one segment
  * per GGUF tensor): the rows are quantized once, and every segment's tiles share one

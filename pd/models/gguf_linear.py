@@ -15,8 +15,9 @@ Which weights: a linear whose every part (a fused q/k/v or gate/up has three or 
 whole from one GGUF tensor of those types with no transform (`CausalLM.gguf_sources`);
 the others (float tensors, other block types, a tensor-parallel shard) stay bfloat16,
 packed for oneDNN (`pd.models.packed`). With their scales Q5_0 takes 0.69 bytes a weight,
-Q4_K 0.75, Q6_K 1 and Q8_0 1.06 (its float16 scale kept as the file has it): 253 MB a step
-on Gemma against the file's 247 and bfloat16's 536.
+Q4_K 0.59, Q6_K 0.83 and Q8_0 1.06 (as the file: 0.69, 0.56, 0.82, 1.06; the K-quants'
+integer scales kept as integers): 247.2 MB a step on Gemma against the file's 246.4 and
+bfloat16's 536.
 
 On CPU with the native kernel built the kernel computes it; elsewhere (`PD_NATIVE_KERNELS=0`,
 another device) `reference` does the same arithmetic in torch: the activations quantized
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 SOURCE = native.SOURCES / "gguf_linear.c"
 TILE = 32  # output channels per packed tile (gguf_linear.c)
 XBLOCK = 32  # inputs per activation scale
+KBLOCK = 256  # inputs per K-quant super-block, and per activation scale of its weight (llama.cpp's Q8_K)
 TYPES = GGUF_KERNEL_TYPES  # the block types computed from
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _I64, _PTR = native.I64, native.PTR
@@ -67,18 +69,24 @@ def _library(plain: bool = False) -> ctypes.CDLL | None:
 @dataclass
 class Blocks:
     """One weight's blocks unpacked: w[n][bs b + i] = a[n][b] u[n][bs b + i] + c[n][b], with
-    c = -128 a where `c` is None (symmetric types)."""
+    c = -128 a where `c` is None (symmetric types). A K-quant's a and c come from integers
+    per block and float16 scales per super-block of 256 inputs: a = d sc, c = -dmin m."""
 
     u: torch.Tensor  # (N, K) uint8
     a: torch.Tensor  # (N, K / bs) float32
     c: torch.Tensor | None  # (N, K / bs) float32, Q4_K's minimums
     bs: int  # inputs per block: 32, or 16 for Q6_K
     bits: int  # the type's bits a value: 8 (Q8_0), 5 (Q5_0), 4 (Q4_K), 6 (Q6_K)
+    sc: torch.Tensor | None = None  # K-quants: (N, K / bs) int8
+    d: torch.Tensor | None = None  # K-quants: (N, K / 256) float32
+    m: torch.Tensor | None = None  # Q4_K: (N, K / bs) int8
+    dmin: torch.Tensor | None = None  # Q4_K: (N, K / 256) float32
 
     @property
     def scales(self) -> int:
-        """The kernel's scale format: 1 a and c as float32 (Q4_K), 2 a as float16 (Q8_0 and
-        Q5_0, whose a is the file's float16 d), 0 a as float32 (Q6_K: d times an int8)."""
+        """The kernel's scale format: 2 a as float16 (Q8_0 and Q5_0, whose a is the file's
+        float16 d); 0 sc as int8, d per super-block (Q6_K); 1 sc and m as int8, d and -dmin
+        per super-block (Q4_K)."""
         return 1 if self.c is not None else 0 if self.bits == 6 else 2
 
     @property
@@ -124,15 +132,18 @@ def unpack(kind: str, raw: np.ndarray) -> Blocks:
         nibbles = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         u = (nibbles & np.uint8(0x0F)).reshape(n, -1)
         a, c = d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
-        return Blocks(_tensor(u), _tensor(a.reshape(n, -1)), _tensor(c.reshape(n, -1)), 32, 4)
+        return Blocks(_tensor(u), _tensor(a.reshape(n, -1)), _tensor(c.reshape(n, -1)), 32, 4,
+                      sc=_tensor(sc.astype(np.int8).reshape(n, -1)), d=_tensor(d.reshape(n, -1)),
+                      m=_tensor(m.astype(np.int8).reshape(n, -1)), dmin=_tensor(dmin.reshape(n, -1)))
     if kind == "Q6_K":  # per 256: 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, float16 d
         blocks = raw.reshape(-1, 210)
         low = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         high = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
         q = (low & np.uint8(0x0F)).reshape(-1, 8, 32) | ((high & np.uint8(0x03)).reshape(-1, 8, 32) << np.uint8(4))
         d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
-        a = d * blocks[:, 192:208].view(np.int8).astype(np.float32)
-        return Blocks(_tensor((q + np.uint8(96)).reshape(n, -1)), _tensor(a.reshape(n, -1)), None, 16, 6)
+        sc = blocks[:, 192:208].view(np.int8)
+        return Blocks(_tensor((q + np.uint8(96)).reshape(n, -1)), _tensor((d * sc.astype(np.float32)).reshape(n, -1)),
+                      None, 16, 6, sc=_tensor(sc.reshape(n, -1)), d=_tensor(d.reshape(n, -1)))
     raise ValueError(f"no GGUF kernel for block type {kind}")
 
 
@@ -143,13 +154,17 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
 def pack(blocks: Blocks) -> torch.Tensor:
     """The kernel's layout (gguf_linear.c): per tile of 32 channels, per block, the values
     ([group][channel][4] bytes, or below 8 bits nibbles of group pairs and their high bit
-    planes), then the channels' a (then c) in the format `Blocks.scales` names."""
+    planes), then the channels' scales in the format `Blocks.scales` names: a (Q8_0, Q5_0),
+    or sc (then m) and, after each super-block's last block, d (then -dmin)."""
     n, k = blocks.u.shape
     tiles, nb, bs = -(-n // TILE), k // blocks.bs, blocks.bs
     pad = tiles * TILE - n
 
     def padded(t: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
+
+    def by_tile(t: torch.Tensor) -> torch.Tensor:  # (N, per channel) -> (tiles, each, 32 channels) as bytes
+        return padded(t).view(tiles, TILE, -1).transpose(1, 2).contiguous().view(torch.uint8)
 
     groups = padded(blocks.stored).view(tiles, TILE, nb, bs // 4, 4).permute(0, 2, 3, 1, 4).reshape(
         tiles, nb, bs // 4, 128)
@@ -162,18 +177,16 @@ def pack(blocks: Blocks) -> torch.Tensor:
         for plane in range(blocks.bits - 4):
             bits = (pairs >> (4 + plane)) & 1
             parts.append(_tensor(np.packbits(bits, axis=-1, bitorder="little")).reshape(tiles, nb, bs * TILE // 8))
-    a = padded(blocks.a).view(tiles, TILE, nb).transpose(1, 2).contiguous()
     if blocks.scales == 2:
-        half = a.to(torch.float16)
-        assert torch.equal(half.float(), a), "a float16 scale format for scales float16 cannot hold"
-        a = half
-    parts.append(a.view(torch.uint8))
-    if blocks.c is not None:
-        parts.append(padded(blocks.c).view(tiles, TILE, nb).transpose(1, 2).contiguous().view(torch.uint8))
-    return torch.cat(parts, dim=2).reshape(-1)
+        half = blocks.a.to(torch.float16)
+        assert torch.equal(half.float(), blocks.a), "a float16 scale format for scales float16 cannot hold"
+        parts.append(by_tile(half))
+        return torch.cat(parts, dim=2).reshape(-1)
+    parts += [by_tile(blocks.sc)] + ([by_tile(blocks.m)] if blocks.m is not None else [])
+    per = KBLOCK // bs
+    supers = [by_tile(blocks.d)] + ([by_tile(-blocks.dmin)] if blocks.dmin is not None else [])
+    return torch.cat([torch.cat(parts, dim=2).view(tiles, nb // per, -1), *supers], dim=2).reshape(-1)
 
-
-KBLOCK = 256  # inputs per activation scale of a K-quant weight (llama.cpp's Q8_K)
 
 
 def quantize_activations(x: torch.Tensor, scales: int) -> torch.Tensor:
