@@ -528,7 +528,6 @@ static inline int64_t segment_of(int64_t t, const int64_t *tile_start) {
     return s;
 }
 
-
 /* Several weights against the same rows in one call (a fused q/k/v or gate/up: one segment
  * per GGUF tensor): the rows are quantized once, and every segment's tiles share one
  * OpenMP loop. Segment s writes out[m][first[s] + n] for n < n_out[s] (row stride

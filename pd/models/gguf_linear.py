@@ -131,20 +131,29 @@ def unpack(kind: str, raw: np.ndarray) -> Blocks:
         sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
         nibbles = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         u = (nibbles & np.uint8(0x0F)).reshape(n, -1)
-        a, c = d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
-        return Blocks(_tensor(u), _tensor(a.reshape(n, -1)), _tensor(c.reshape(n, -1)), 32, 4,
-                      sc=_tensor(sc.astype(np.int8).reshape(n, -1)), d=_tensor(d.reshape(n, -1)),
-                      m=_tensor(m.astype(np.int8).reshape(n, -1)), dmin=_tensor(dmin.reshape(n, -1)))
+        return _k_quant(n, u, sc, d, 32, 4, m, dmin)
     if kind == "Q6_K":  # per 256: 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, float16 d
         blocks = raw.reshape(-1, 210)
         low = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         high = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
         q = (low & np.uint8(0x0F)).reshape(-1, 8, 32) | ((high & np.uint8(0x03)).reshape(-1, 8, 32) << np.uint8(4))
         d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
-        sc = blocks[:, 192:208].view(np.int8)
-        return Blocks(_tensor((q + np.uint8(96)).reshape(n, -1)), _tensor((d * sc.astype(np.float32)).reshape(n, -1)),
-                      None, 16, 6, sc=_tensor(sc.reshape(n, -1)), d=_tensor(d.reshape(n, -1)))
+        return _k_quant(n, q + np.uint8(96), blocks[:, 192:208].view(np.int8), d, 16, 6)
     raise ValueError(f"no GGUF kernel for block type {kind}")
+
+
+def _k_quant(n: int, u: np.ndarray, sc: np.ndarray, d: np.ndarray, bs: int, bits: int,
+             m: np.ndarray | None = None, dmin: np.ndarray | None = None) -> Blocks:
+    """A K-quant's `Blocks` from its super-blocks' integer scales (sc, m: one row of blocks
+    per super-block) and float32 d, dmin ((super-blocks, 1)): a = d sc, c = -dmin m."""
+    def rows(x: np.ndarray) -> torch.Tensor:
+        return _tensor(x.reshape(n, -1))
+
+    a = rows(d * sc.astype(np.float32))
+    if m is None:
+        return Blocks(rows(u), a, None, bs, bits, sc=rows(sc.astype(np.int8)), d=rows(d))
+    return Blocks(rows(u), a, rows(-(dmin * m.astype(np.float32))), bs, bits, sc=rows(sc.astype(np.int8)), d=rows(d),
+                  m=rows(m.astype(np.int8)), dmin=rows(dmin))
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
