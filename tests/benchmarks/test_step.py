@@ -59,3 +59,40 @@ def test_bench_step_help_names_its_flags(capsys) -> None:
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: pd bench step") and "--context" in out and "--batch" in out
+
+
+def _machine(read: float, int8: float) -> dict:
+    """MACHINE with its read bandwidth and int8 peak (all threads) replaced."""
+    machine = json.loads(json.dumps(MACHINE))
+    machine["memory"]["read"]["all_threads"], machine["int8 dot (vpdpbusd)"]["all_threads"] = read, int8
+    return machine
+
+
+def test_the_machine_is_the_faster_of_two_measurements_figure_by_figure() -> None:
+    slow_memory, slow_arithmetic = _machine(read=35.0, int8=500.0), _machine(read=62.0, int8=450.0)
+    slow_memory["memory"]["read"]["one_thread"], slow_arithmetic["memory"]["read"]["one_thread"] = 30.0, 20.0
+    best = step.faster(slow_memory, slow_arithmetic)
+    assert best["memory"]["read"] == {"all_threads": 62.0, "one_thread": 30.0}
+    assert best["int8 dot (vpdpbusd)"]["all_threads"] == 500.0
+    assert best["memory"]["copy"] == MACHINE["memory"]["copy"] and best == step.faster(slow_arithmetic, slow_memory)
+
+
+def test_bench_step_measures_the_machine_before_and_after_and_reads_against_the_faster(tmp_path, monkeypatch,
+                                                                                     capsys) -> None:
+    # these machines' memory moves between ~35 and ~62 GB/s within minutes: a bound measured once, in a slow
+    # minute, rated a step run in a fast one past its limit (a fraction of 1.47 on the real Gemma's lm_head)
+    measured = iter([_machine(read=20.0, int8=400.0), _machine(read=50.0, int8=400.0)])
+    monkeypatch.setattr(step, "measure_machine", lambda threads: next(measured))
+    model = make_model("gemma3", tmp_path / "gemma3", seed=0)
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", "--model", str(model), "--batch", "2", "--context", "64", "--steps", "2",
+                 "--warmup", "1", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert next(measured, None) is None  # both taken: before the model loaded and after the steps
+    assert result["read_gbps_measured"] == [20.0, 50.0] and result["bounds"]["read_gbps"] == 50.0
+    work = result["work"]
+    nbytes = sum(work["weights"].values()) + work["kv"]
+    step_bound = max(nbytes / 50e9, sum(work["macs"].values()) / 100e9)  # float32 linears: the FMA peak
+    assert result["bounds"]["step"]["bound"] == pytest.approx(step_bound)
+    assert "memory reads 20.0 GB/s here before the steps and 50.0 after (the bounds take the faster)" in \
+        capsys.readouterr().out
