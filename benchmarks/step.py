@@ -180,14 +180,9 @@ def bound(nbytes: int, macs: dict[str, int], machine: dict) -> float:
 
 def faster(first: dict, second: dict) -> dict:
     """The machine as the faster of two measurements of it: each peak's and each
-    bandwidth's larger figure."""
-    return {name: ({kind: _larger(rates, second[name][kind]) for kind, rates in figures.items()}
-                   if name == "memory" else _larger(figures, second[name]))
-            for name, figures in first.items()}
-
-
-def _larger(first: dict, second: dict) -> dict:
-    return {key: max(value, second[key]) for key, value in first.items()}
+    bandwidth's larger figure, at every level of the nesting."""
+    return {key: faster(value, second[key]) if isinstance(value, dict) else max(value, second[key])
+            for key, value in first.items()}
 
 
 def measure_machine(threads: int, seconds: float = 0.3) -> dict:
@@ -204,8 +199,7 @@ def minor_faults() -> int:
 
 def run(args: argparse.Namespace) -> dict:
     threads = args.num_threads or torch.get_num_threads()
-    before = None if args.peaks else measure_machine(threads)
-    machine = before if before is not None else json.loads(args.peaks.read_text())
+    machine = json.loads(args.peaks.read_text()) if args.peaks else measure_machine(threads)
     config = EngineConfig.from_flat(model=args.model, dtype=args.dtype, quantization=args.quantization,
                                     kv_cache_dtype=args.kv_cache_dtype,
                                     max_num_seqs=max(args.batch, 1),
@@ -217,10 +211,10 @@ def run(args: argparse.Namespace) -> dict:
         result = _time_steps(args, engine)
     finally:
         engine.shutdown()
-    if before is not None:
+    if not args.peaks:  # and again now: the faster of the two bounds the machine
         after = measure_machine(threads)
-        machine = faster(before, after)
-        result["read_gbps_measured"] = [m["memory"]["read"]["all_threads"] for m in (before, after)]
+        result["read_gbps_measured"] = [m["memory"]["read"]["all_threads"] for m in (machine, after)]
+        machine = faster(machine, after)
     result["machine"] = machine
     result["bounds"] = bounds(result, machine)
     return result
